@@ -1,0 +1,45 @@
+# Two commands set up a fresh machine and do the work (README.md):
+#   sudo make run    the main job on the embedded default (namespace testbed, kernel switch)
+#   sudo make test   the test suite (namespace tests need root)
+# Both install what they need and are safe to re-run.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.checkmate-installed
+APT_PKGS := clang llvm libbpf-dev bpftool iproute2 ethtool gcc
+
+.PHONY: setup run test lint bpf clean
+
+setup: $(STAMP) bpf
+
+# System packages (clang/libbpf for the BPF switch). Skipped when already present.
+.apt-stamp:
+	@if ! command -v clang >/dev/null || ! command -v bpftool >/dev/null || \
+	    ! test -e /usr/include/bpf/bpf_helpers.h || ! command -v ethtool >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PKGS); \
+	fi
+	@touch $@
+
+$(STAMP): pyproject.toml .apt-stamp
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	# torch first, pinned: the CPU build on this machine's disk (a range would pull CUDA).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+bpf: $(STAMP)
+	$(PY) -m checkmate.dataplane.build
+
+run: setup
+	$(VENV)/bin/testbed run --scenario kill-restore
+
+test: setup
+	bash scripts/test.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	-$(VENV)/bin/testbed down
+	rm -rf build .apt-stamp

@@ -1,0 +1,3 @@
+"""Checkmate: per-iteration checkpoints from gradients replicated in the network."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Optimizers whose arithmetic the trainer and the shadow share (Numba kernels)."""

@@ -1,0 +1,1 @@
+"""Training side: ckm ring allreduce, DDP comm hook, replication, bootstrap, restore."""

@@ -1,0 +1,1 @@
+"""The controller: cluster config -> deploy plan -> per-target drivers; the shadow handshake."""

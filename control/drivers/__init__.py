@@ -1,0 +1,1 @@
+"""Per-target drivers that apply a deploy plan."""

@@ -1,0 +1,1 @@
+"""Linux kernel dataplane: the tc-eBPF Checkmate switch and the host transports."""

@@ -1,0 +1,1 @@
+"""Network-namespace topologies, scenarios, fault injection and benchmarks."""
