@@ -1,0 +1,315 @@
+"""Client of the shadow TCP service (docs/protocol.md, "Shadow TCP service").
+
+Frames in both directions: a 4-byte big-endian length, that many bytes of JSON header, then
+``nbytes`` raw bytes (from the header). Trainers use this module to send the spec and seed
+their share of the initial state; restore uses it to find the consistent point (the newest
+iteration every partition still retains) and to fetch that iteration from every shadow, so
+a restore never mixes iterations across partitions.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from checkmate.config import RESTORE_PORT
+from checkmate.errors import CheckmateError
+from checkmate.spec import ModelSpec
+
+_LEN = struct.Struct("!I")
+#: Largest JSON header either side accepts (a spec of a very large model fits).
+MAX_HEADER = 64 << 20
+#: Bytes a single ``seed`` request may carry; bigger shares are split.
+SEED_CHUNK = 64 << 20
+
+Addr = tuple[str, int]
+
+
+class ShadowError(CheckmateError):
+    """A shadow refused a request or could not be reached; the message says which and why."""
+
+
+# ----- framing (shared with the server in checkmate.shadow.service) -----------------------
+def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Any = b"") -> None:
+    """One frame; ``payload`` is bytes-like or a list of bytes-like parts (no joining)."""
+    parts = payload if isinstance(payload, (list, tuple)) else [payload]
+    views = [memoryview(p).cast("B") for p in parts]
+    head = dict(header)
+    head["nbytes"] = sum(v.nbytes for v in views)
+    text = json.dumps(head, separators=(",", ":")).encode()
+    sock.sendall(_LEN.pack(len(text)) + text)
+    for v in views:
+        if v.nbytes:
+            sock.sendall(v)
+
+
+def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
+    """Exactly ``n`` bytes (into ``into`` when given); ConnectionError on early EOF."""
+    buf = into if into is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = sock.recv_into(buf[got:n])
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def recv_frame(sock: socket.socket, max_payload: int | None = None) -> tuple[dict, memoryview]:
+    """(header, payload) of one frame; ConnectionError on EOF, ShadowError if malformed."""
+    (n,) = _LEN.unpack(recv_exact(sock, 4))
+    if n > MAX_HEADER:
+        raise ShadowError(f"frame header of {n} bytes exceeds the {MAX_HEADER} byte limit")
+    try:
+        header = json.loads(bytes(recv_exact(sock, n)))
+    except ValueError:
+        raise ShadowError("frame header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ShadowError("frame header is not a JSON object")
+    nbytes = header.get("nbytes", 0)
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ShadowError(f"frame nbytes must be a non-negative integer, got {nbytes!r}")
+    if max_payload is not None and nbytes > max_payload:
+        raise ShadowError(f"frame payload of {nbytes} bytes exceeds the {max_payload} limit")
+    payload = recv_exact(sock, nbytes) if nbytes else memoryview(b"")
+    return header, payload
+
+
+def parse_addr(text: str, default_port: int = RESTORE_PORT) -> Addr:
+    """'host[:port]' -> (host, port), CheckmateError for anything else."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, str(default_port)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CheckmateError(f"bad shadow address {text!r}: expected HOST[:PORT]")
+    return host, int(port)
+
+
+# ----- one shadow -------------------------------------------------------------------------
+@dataclass
+class Fetched:
+    """One partition's slots at one iteration, as the shadow sent them."""
+
+    iteration: int
+    offset: int
+    count: int
+    step: int
+    slots: dict[str, np.ndarray]
+    buffers: dict[str, str]
+    extra: dict[str, Any]
+    lrs: list[float] | None = None
+
+
+class ShadowClient:
+    """A connection to one shadow's TCP service; reconnects lazily, one request at a time."""
+
+    def __init__(self, addr: Addr, timeout: float = 30.0) -> None:
+        self.addr = addr
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> ShadowClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, header: Mapping[str, Any], payload: Any = b"") -> tuple[dict, memoryview]:
+        """Send one request, return the reply; ShadowError for a refusal or a dead shadow."""
+        where = f"shadow {self.addr[0]}:{self.addr[1]}"
+        try:
+            if self._sock is None:
+                self._sock = socket.create_connection(self.addr, timeout=self.timeout)
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send_frame(self._sock, header, payload)
+            reply, data = recv_frame(self._sock)
+        except (OSError, ConnectionError) as e:
+            self.close()
+            raise ShadowError(f"{where}: {getattr(e, 'strerror', None) or e}") from None
+        except ShadowError as e:
+            self.close()
+            raise ShadowError(f"{where}: {e}") from None
+        if not reply.get("ok"):
+            raise ShadowError(f"{where} refused {header.get('op')}: "
+                              f"{reply.get('error', 'no reason given')}")
+        return reply, data
+
+    def send_spec(self, spec: ModelSpec) -> None:
+        self.request({"op": "spec", "spec": spec.to_json()})
+
+    def get_spec(self) -> ModelSpec:
+        """The spec the shadow holds (extension: ``spec`` op without a spec)."""
+        reply, _ = self.request({"op": "spec"})
+        return ModelSpec.from_json(reply["spec"])
+
+    def seed(self, iteration: int, slot: str, offset: int, data: np.ndarray, step: int) -> None:
+        """Seed ``data`` (fp32) at flat ``offset`` of ``slot``; split into bounded requests."""
+        arr = np.ascontiguousarray(data, dtype="<f4").reshape(-1)
+        per = SEED_CHUNK // 4
+        for a in range(0, len(arr), per):
+            part = arr[a:a + per]
+            self.request({"op": "seed", "iteration": iteration, "slot": slot,
+                          "offset": offset + a, "count": len(part), "step": step}, part)
+
+    def status(self) -> dict[str, Any]:
+        reply, _ = self.request({"op": "status"})
+        return reply
+
+    def fetch(self, iteration: int) -> Fetched:
+        reply, data = self.request({"op": "fetch", "iteration": iteration})
+        count, names = int(reply["count"]), list(reply["slots"])
+        if len(data) != 4 * count * len(names):
+            raise ShadowError(f"shadow {self.addr[0]}:{self.addr[1]} sent {len(data)} bytes "
+                              f"for {len(names)} slots of {count} elements")
+        flat = np.frombuffer(data, dtype="<f4")
+        slots = {n: flat[i * count:(i + 1) * count] for i, n in enumerate(names)}
+        return Fetched(int(reply["iteration"]), int(reply["offset"]), count,
+                       int(reply["step"]), slots, dict(reply.get("buffers") or {}),
+                       dict(reply.get("extra") or {}), reply.get("lrs"))
+
+
+# ----- all shadows ------------------------------------------------------------------------
+def addrs_from_config(cfg: Any, port: int = RESTORE_PORT) -> list[Addr]:
+    """Restore addresses of the config's shadows, in partition order."""
+    return [(h.ip, port) for h in cfg.shadows]
+
+
+def _statuses(addrs: Sequence[Addr], timeout: float) -> list[dict[str, Any]]:
+    out = []
+    for a in addrs:
+        with ShadowClient(a, timeout) as c:
+            out.append(c.status())
+    return out
+
+
+def consistent_point(addrs: Sequence[Addr], timeout: float = 10.0) -> int:
+    """The newest iteration every partition retains: the only safe restore point.
+
+    Each shadow retains its last few committed iterations, so the newest common one exists
+    as long as no shadow is more than that many iterations ahead of the slowest.
+    """
+    if not addrs:
+        raise CheckmateError("no shadow addresses given")
+    sts = _statuses(addrs, timeout)
+    parts = [s.get("partition") for s in sts]
+    if sorted(parts) != list(range(len(addrs))):
+        raise ShadowError(f"shadows report partitions {parts}; expected each of "
+                          f"0..{len(addrs) - 1} once")
+    common = set(sts[0].get("retained", []))
+    for s in sts[1:]:
+        common &= set(s.get("retained", []))
+    if not common:
+        have = {s["partition"]: s.get("retained", []) for s in sts}
+        raise ShadowError(f"no iteration is retained by every shadow (retained: {have})")
+    return max(common)
+
+
+@dataclass
+class FullState:
+    """Every partition's slots at one iteration joined into flat arrays of length total."""
+
+    iteration: int
+    step: int
+    slots: dict[str, np.ndarray]
+    buffers: dict[str, str]
+    extra: dict[str, Any]
+    lrs: list[float] | None = None
+    per_partition: list[Fetched] = field(default_factory=list, repr=False)
+
+
+def fetch_all(addrs: Sequence[Addr], iteration: int, timeout: float = 60.0,
+              spec: ModelSpec | None = None) -> FullState:
+    """Fetch ``iteration`` from every shadow and join the partitions.
+
+    Checks that the partitions tile [0, total) exactly and agree on the step, so the
+    result is one consistent state, never a mix.
+    """
+    got: list[Fetched] = []
+    for a in addrs:
+        with ShadowClient(a, timeout) as c:
+            got.append(c.fetch(iteration))
+    got.sort(key=lambda f: f.offset)
+    pos = 0
+    for f in got:
+        if f.offset != pos:
+            raise ShadowError(f"partitions do not tile the flat space: gap or overlap at {pos}")
+        pos += f.count
+    if spec is not None and pos != spec.total:
+        raise ShadowError(f"partitions cover {pos} elements, the spec has {spec.total}")
+    steps = {f.step for f in got}
+    if len(steps) != 1:
+        raise ShadowError(f"shadows disagree on the optimizer step at {iteration}: {steps}")
+    names = list(got[0].slots)
+    if any(list(f.slots) != names for f in got):
+        raise ShadowError("shadows hold different optimizer slots")
+    slots = {n: np.concatenate([f.slots[n] for f in got]) for n in names}
+    # Buffers and extra come from the control message, identical at every shadow.
+    first = got[0]
+    return FullState(iteration, first.step, slots, first.buffers, first.extra, first.lrs, got)
+
+
+def restore_state_dicts(
+    addrs: Sequence[Addr], spec: ModelSpec | None = None, iteration: int | None = None,
+    timeout: float = 60.0,
+) -> tuple[dict[str, Any], dict[str, Any], int, dict[str, Any], dict[str, Any]]:
+    """(model_sd, optim_sd, iteration, buffers, extra) at the consistent point.
+
+    ``model_sd`` holds parameters and buffers (torch tensors), ``optim_sd`` is in
+    torch.optim's format; ``buffers`` are the decoded buffer tensors, ``extra`` the trainer's
+    opaque state from the control message of that iteration.
+    """
+    if spec is None:
+        with ShadowClient(addrs[0], timeout) as c:
+            spec = c.get_spec()
+    if iteration is None:
+        iteration = consistent_point(addrs, timeout)
+    full = fetch_all(addrs, iteration, timeout, spec)
+    buffers = spec.decode_buffers(full.buffers)
+    model_sd, optim_sd = spec.state_dicts(full.slots, full.step, buffers, full.lrs)
+    return model_sd, optim_sd, iteration, buffers, full.extra
+
+
+def seed_share(
+    addrs: Sequence[Addr], spec: ModelSpec, flat: Mapping[str, np.ndarray], rank: int,
+    world: int, iteration: int = 0, step: int = 0, timeout: float = 60.0,
+) -> None:
+    """Send this trainer's share of the initial state to every shadow.
+
+    Each partition's range is cut into ``world`` contiguous pieces; rank r sends piece r of
+    every slot, so the trainers together cover every partition once.
+    """
+    from checkmate.partition import partition_bounds
+
+    for p, (start, end) in enumerate(partition_bounds(spec.total, spec.partitions)):
+        n = end - start
+        a, b = start + n * rank // world, start + n * (rank + 1) // world
+        with ShadowClient(addrs[p], timeout) as c:
+            c.send_spec(spec)  # idempotent: whichever rank arrives first sets it
+            for s in spec.slots:
+                c.seed(iteration, s, a, flat[s][a:b], step)
+
+
+def wait_seeded(addrs: Sequence[Addr], timeout: float = 60.0, poll: float = 0.05) -> None:
+    """Block until every shadow reports seeded; ShadowError after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        sts = _statuses(addrs, timeout)
+        if all(s.get("seeded") for s in sts):
+            return
+        if time.monotonic() > deadline:
+            waiting = [s.get("partition") for s in sts if not s.get("seeded")]
+            raise ShadowError(f"partitions {waiting} not seeded after {timeout:.0f}s")
+        time.sleep(poll)

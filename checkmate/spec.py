@@ -1,0 +1,511 @@
+"""The model spec (docs/protocol.md, "Model spec"): the one description of the flat space.
+
+Trainers send it to every shadow with the ``spec`` op; shadows, the restore client and the
+persisted checkpoints all read it. It fixes three things everyone must agree on:
+
+- the flat parameter space: parameters concatenated in the listed order (the trainer's fixed
+  bucket order), each with its offset and element count;
+- the optimizer: kind and param groups with their hyperparameters;
+- the non-gradient buffers that travel in the control message.
+
+It also converts between the flat per-slot arrays a shadow keeps and the ``state_dict``
+formats of ``torch.nn.Module`` and ``torch.optim`` (state indexed by the parameter's position
+in the concatenated ``param_groups[*]["params"]`` lists), so restore needs nothing else.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from checkmate.errors import CheckmateError
+
+KINDS = ("adamw", "adam", "sgd")
+GRAD_DTYPES = ("float32", "bfloat16", "float16")
+#: Buffer dtypes a control message may carry (name as torch spells it; little-endian bytes).
+BUFFER_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
+_NP_BUFFER = {
+    "float32": "<f4", "float64": "<f8", "float16": "<f2", "int64": "<i8", "int32": "<i4",
+    "uint8": "u1", "bool": "?",
+}
+
+
+class SpecError(CheckmateError, ValueError):
+    """A model spec that cannot be used; the message names the offending field."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One optimizer param group. Fields that do not apply to the kind keep their default."""
+
+    params: tuple[str, ...]
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    maximize: bool = False
+
+    def hyper(self, kind: str) -> dict[str, Any]:
+        """The hyperparameters torch.optim's param_groups carry for this kind."""
+        common = {"lr": self.lr, "weight_decay": self.weight_decay, "maximize": self.maximize}
+        if kind == "sgd":
+            return {**common, "momentum": self.momentum, "dampening": self.dampening,
+                    "nesterov": self.nesterov}
+        return {**common, "betas": tuple(self.betas), "eps": self.eps, "amsgrad": self.amsgrad}
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    job: int
+    params: tuple[ParamSpec, ...]
+    total: int
+    partitions: int
+    kind: str
+    groups: tuple[GroupSpec, ...]
+    buffers: tuple[BufferSpec, ...] = ()
+    grad_dtype: str = "float32"
+    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index.update({p.name: i for i, p in enumerate(self.params)})
+
+    # ----- construction -------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        job: int,
+        named_shapes: Iterable[tuple[str, Sequence[int]]],
+        kind: str,
+        groups: Sequence[Mapping[str, Any]],
+        partitions: int,
+        buffers: Iterable[tuple[str, Sequence[int], str]] = (),
+        grad_dtype: str = "float32",
+    ) -> ModelSpec:
+        """A spec from parameter names and shapes in flat order; offsets are computed here."""
+        params, off = [], 0
+        for name, shape in named_shapes:
+            n = math.prod(shape)
+            params.append({"name": name, "shape": list(shape), "offset": off, "numel": n})
+            off += n
+        return cls.from_json({
+            "job": job, "params": params, "total": off, "partitions": partitions,
+            "optimizer": {"kind": kind, "groups": [dict(g) for g in groups]},
+            "buffers": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in buffers],
+            "grad_dtype": grad_dtype,
+        })
+
+    @classmethod
+    def from_torch(
+        cls,
+        job: int,
+        model: Any,
+        optimizer: Any,
+        partitions: int,
+        kind: str | None = None,
+        grad_dtype: str = "float32",
+        order: Sequence[str] | None = None,
+    ) -> ModelSpec:
+        """A spec for a torch module and its optimizer.
+
+        ``order`` is the flat order (parameter names); by default the module's own order.
+        ``kind`` defaults from the optimizer's class name (AdamW, Adam or SGD).
+        """
+        named = dict(model.named_parameters())
+        names = list(order) if order is not None else list(named)
+        if sorted(names) != sorted(named):
+            raise SpecError("order must list every parameter of the model exactly once")
+        by_id = {id(p): n for n, p in named.items()}
+        if kind is None:
+            kind = type(optimizer).__name__.lower()
+        groups = []
+        for g in optimizer.param_groups:
+            try:
+                pnames = [by_id[id(p)] for p in g["params"]]
+            except KeyError:
+                raise SpecError("the optimizer holds a tensor that is not a model parameter")\
+                    from None
+            hyper = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
+                                       "momentum", "dampening", "nesterov", "maximize")
+                     if k in g}
+            hyper["lr"] = float(hyper["lr"])
+            if "betas" in hyper:
+                hyper["betas"] = [float(b) for b in hyper["betas"]]
+            groups.append({"params": pnames, **hyper})
+        buffers = [(n, tuple(b.shape), str(b.dtype).removeprefix("torch."))
+                   for n, b in model.named_buffers()]
+        return cls.build(job, [(n, tuple(named[n].shape)) for n in names], kind, groups,
+                         partitions, buffers, grad_dtype)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> ModelSpec:
+        """Parse and validate a decoded (or string) spec; SpecError names what is wrong."""
+        if isinstance(obj, (str, bytes)):
+            try:
+                obj = json.loads(obj)
+            except ValueError:
+                raise SpecError("spec is not valid JSON") from None
+        top = _mapping(obj, "spec")
+        job = _int(top, "job", "spec", 0, 2**32 - 1)
+        total = _int(top, "total", "spec", 0, 2**63 - 1)
+        partitions = _int(top, "partitions", "spec", 1, 65535)
+        plist = top.get("params")
+        if not isinstance(plist, list) or not plist:
+            raise SpecError("spec.params must be a non-empty list")
+        params, names, off = [], set(), 0
+        for i, pd in enumerate(plist):
+            where = f"spec.params[{i}]"
+            pd = _mapping(pd, where)
+            name = pd.get("name")
+            if not isinstance(name, str) or not name:
+                raise SpecError(f"{where}.name must be a non-empty string")
+            if name in names:
+                raise SpecError(f"{where}.name {name!r} is listed twice")
+            shape = _shape(pd.get("shape"), f"{where}.shape")
+            numel = _int(pd, "numel", where, 0, 2**63 - 1)
+            if numel != math.prod(shape):
+                raise SpecError(f"{where}.numel is {numel} but shape {list(shape)} has "
+                                f"{math.prod(shape)} elements")
+            if _int(pd, "offset", where, 0, 2**63 - 1) != off:
+                raise SpecError(f"{where}.offset must be {off} (parameters are contiguous in "
+                                f"listed order), got {pd.get('offset')}")
+            params.append(ParamSpec(name, shape, off, numel))
+            names.add(name)
+            off += numel
+        if total != off:
+            raise SpecError(f"spec.total is {total} but the parameters hold {off} elements")
+        if partitions > max(total, 1):
+            raise SpecError(f"spec.partitions ({partitions}) exceeds spec.total ({total})")
+
+        opt = _mapping(top.get("optimizer"), "spec.optimizer")
+        kind = opt.get("kind")
+        if kind not in KINDS:
+            raise SpecError(f"spec.optimizer.kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        glist = opt.get("groups")
+        if not isinstance(glist, list) or not glist:
+            raise SpecError("spec.optimizer.groups must be a non-empty list")
+        groups, grouped = [], set()
+        for i, gd in enumerate(glist):
+            groups.append(_group(gd, f"spec.optimizer.groups[{i}]", names, grouped))
+        if grouped != names:
+            missing = sorted(names - grouped)
+            raise SpecError(f"parameters in no optimizer group: {', '.join(missing[:5])}")
+
+        blist = top.get("buffers", [])
+        if not isinstance(blist, list):
+            raise SpecError("spec.buffers must be a list")
+        buffers, bnames = [], set()
+        for i, bd in enumerate(blist):
+            where = f"spec.buffers[{i}]"
+            bd = _mapping(bd, where)
+            name = bd.get("name")
+            if not isinstance(name, str) or not name or name in bnames or name in names:
+                raise SpecError(f"{where}.name must be a new non-empty string, got {name!r}")
+            dtype = bd.get("dtype")
+            if dtype not in BUFFER_DTYPES:
+                raise SpecError(f"{where}.dtype must be one of {', '.join(BUFFER_DTYPES)}, "
+                                f"got {dtype!r}")
+            buffers.append(BufferSpec(name, _shape(bd.get("shape"), f"{where}.shape"), dtype))
+            bnames.add(name)
+        grad_dtype = top.get("grad_dtype", "float32")
+        if grad_dtype not in GRAD_DTYPES:
+            raise SpecError(f"spec.grad_dtype must be one of {', '.join(GRAD_DTYPES)}, "
+                            f"got {grad_dtype!r}")
+        return cls(job, tuple(params), total, partitions, kind, tuple(groups), tuple(buffers),
+                   grad_dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as the JSON object docs/protocol.md describes."""
+        return {
+            "job": self.job,
+            "params": [{"name": p.name, "shape": list(p.shape), "offset": p.offset,
+                        "numel": p.numel} for p in self.params],
+            "total": self.total,
+            "partitions": self.partitions,
+            "optimizer": {"kind": self.kind, "groups": [
+                {"params": list(g.params), "lr": g.lr, "betas": list(g.betas), "eps": g.eps,
+                 "weight_decay": g.weight_decay, "amsgrad": g.amsgrad, "momentum": g.momentum,
+                 "dampening": g.dampening, "nesterov": g.nesterov, "maximize": g.maximize}
+                for g in self.groups]},
+            "buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype}
+                        for b in self.buffers],
+            "grad_dtype": self.grad_dtype,
+        }
+
+    def dumps(self) -> str:
+        """Canonical JSON text: equal specs give equal strings (used to refuse a change)."""
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    # ----- layout -------------------------------------------------------------------------
+    def param(self, name: str) -> ParamSpec:
+        try:
+            return self.params[self._index[name]]
+        except KeyError:
+            raise SpecError(f"no parameter named {name!r} in the spec") from None
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """Flat state arrays a shadow keeps, ``param`` first (the fetch/seed slot names)."""
+        if self.kind == "sgd":
+            extra = ("momentum_buffer",) if any(g.momentum != 0 for g in self.groups) else ()
+        else:
+            extra = ("exp_avg", "exp_avg_sq")
+            if any(g.amsgrad for g in self.groups):
+                extra += ("max_exp_avg_sq",)
+        return ("param", *extra)
+
+    def group_slots(self, group: GroupSpec) -> tuple[str, ...]:
+        """The optimizer-state slots torch keeps for the params of one group."""
+        if self.kind == "sgd":
+            return ("momentum_buffer",) if group.momentum != 0 else ()
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.amsgrad else ())
+
+    def bounds(self, partition: int) -> tuple[int, int]:
+        """Half-open flat range [start, end) that ``partition`` owns."""
+        from checkmate.partition import partition_bounds
+
+        if not 0 <= partition < self.partitions:
+            raise SpecError(f"partition {partition} is outside 0..{self.partitions - 1}")
+        return partition_bounds(self.total, self.partitions)[partition]
+
+    def state_order(self) -> list[str]:
+        """Parameter names in torch.optim state_dict index order (groups concatenated)."""
+        return [n for g in self.groups for n in g.params]
+
+    def group_of(self) -> dict[str, int]:
+        return {n: gi for gi, g in enumerate(self.groups) for n in g.params}
+
+    def pieces(self, start: int, end: int) -> list[tuple[ParamSpec, int, int]]:
+        """(param, lo, hi): the part [lo, hi) of each flattened param inside [start, end)."""
+        out = []
+        for p in self.params:
+            lo, hi = max(start, p.offset), min(end, p.offset + p.numel)
+            if lo < hi:
+                out.append((p, lo - p.offset, hi - p.offset))
+        return out
+
+    def group_ranges(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """(local_start, local_end, group index) runs covering [start, end), merged when
+        neighbours share a group; local means relative to ``start``."""
+        gof = self.group_of()
+        runs: list[tuple[int, int, int]] = []
+        for p, lo, hi in self.pieces(start, end):
+            a, b, gi = p.offset + lo - start, p.offset + hi - start, gof[p.name]
+            if runs and runs[-1][2] == gi and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b, gi)
+            else:
+                runs.append((a, b, gi))
+        return runs
+
+    # ----- buffers ------------------------------------------------------------------------
+    def encode_buffers(self, tensors: Mapping[str, Any]) -> dict[str, str]:
+        """Control-message ``buffers``: base64 of each buffer's little-endian bytes."""
+        import torch
+
+        out = {}
+        for b in self.buffers:
+            t = tensors[b.name].detach().to("cpu").contiguous()
+            if b.dtype == "bfloat16":
+                raw = t.view(torch.int16).numpy().astype("<i2").tobytes()
+            else:
+                raw = t.numpy().astype(_NP_BUFFER[b.dtype]).tobytes()
+            out[b.name] = base64.b64encode(raw).decode()
+        return out
+
+    def decode_buffers(self, encoded: Mapping[str, str]) -> dict[str, Any]:
+        """Tensors from control-message ``buffers``; SpecError for a wrong name or size."""
+        import torch
+
+        out = {}
+        known = {b.name: b for b in self.buffers}
+        for name, text in encoded.items():
+            b = known.get(name)
+            if b is None:
+                raise SpecError(f"buffer {name!r} is not in the spec")
+            try:
+                raw = base64.b64decode(text, validate=True)
+            except (ValueError, TypeError):
+                raise SpecError(f"buffer {name!r} is not valid base64") from None
+            if b.dtype == "bfloat16":
+                arr = np.frombuffer(raw, "<i2") if len(raw) == 2 * b.numel else None
+                t = None if arr is None else torch.from_numpy(arr.copy()).view(torch.bfloat16)
+            else:
+                dt = np.dtype(_NP_BUFFER[b.dtype])
+                ok = len(raw) == dt.itemsize * b.numel
+                t = torch.from_numpy(np.frombuffer(raw, dt).copy()) if ok else None
+            if t is None:
+                raise SpecError(f"buffer {name!r} has {len(raw)} bytes, expected "
+                                f"{b.numel} x {b.dtype}")
+            out[name] = t.reshape(b.shape)
+        return out
+
+    # ----- state_dict conversion ----------------------------------------------------------
+    def state_dicts(
+        self,
+        flat: Mapping[str, np.ndarray],
+        step: int,
+        buffers: Mapping[str, Any] | None = None,
+        lrs: Sequence[float] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Full (model_sd, optim_sd) from flat slot arrays of length ``total``.
+
+        The optimizer state_dict is torch.optim's: ``state[i]`` for the i-th parameter of the
+        concatenated groups; empty before the first step (as torch has it). ``lrs`` (the last
+        step's per-group rates) replace the spec's initial ``lr`` when given.
+        """
+        import torch
+
+        for s in self.slots:
+            if s not in flat or len(flat[s]) != self.total:
+                raise SpecError(f"slot {s!r} missing or not of length {self.total}")
+        model_sd: dict[str, Any] = {}
+        for p in self.params:
+            model_sd[p.name] = torch.from_numpy(
+                np.array(flat["param"][p.offset:p.offset + p.numel], dtype=np.float32)
+            ).reshape(p.shape)
+        for name, t in (buffers or {}).items():
+            model_sd[name] = t
+        state: dict[int, dict[str, Any]] = {}
+        groups_out = []
+        idx = 0
+        for gi, g in enumerate(self.groups):
+            ids = []
+            for name in g.params:
+                p = self.param(name)
+                entry: dict[str, Any] = {}
+                if step > 0:
+                    if self.kind != "sgd":
+                        entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+                    for s in self.group_slots(g):
+                        entry[s] = torch.from_numpy(np.array(
+                            flat[s][p.offset:p.offset + p.numel], dtype=np.float32
+                        )).reshape(p.shape)
+                if entry:
+                    state[idx] = entry
+                ids.append(idx)
+                idx += 1
+            hyper = g.hyper(self.kind)
+            if lrs is not None:
+                hyper["lr"] = float(lrs[gi])
+            groups_out.append({**hyper, "params": ids})
+        return model_sd, {"state": state, "param_groups": groups_out}
+
+    def flat_from_state_dicts(
+        self, model_sd: Mapping[str, Any], optim_sd: Mapping[str, Any] | None
+    ) -> dict[str, np.ndarray]:
+        """Flat fp32 slot arrays (length ``total``) from torch state_dicts: the seed source.
+
+        Slots without state (before the first step) are zeros.
+        """
+        flat = {s: np.zeros(self.total, dtype=np.float32) for s in self.slots}
+        for p in self.params:
+            t = model_sd[p.name]
+            flat["param"][p.offset:p.offset + p.numel] = _np(t).reshape(-1)
+        state = (optim_sd or {}).get("state", {})
+        for idx, name in enumerate(self.state_order()):
+            p = self.param(name)
+            for s, t in state.get(idx, {}).items():
+                if s in flat and s != "param":
+                    flat[s][p.offset:p.offset + p.numel] = _np(t).reshape(-1)
+        return flat
+
+
+def _np(t: Any) -> np.ndarray:
+    if hasattr(t, "detach"):
+        return t.detach().to("cpu").float().numpy()
+    return np.asarray(t, dtype=np.float32)
+
+
+def _mapping(v: Any, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise SpecError(f"{where} must be an object, got {type(v).__name__}")
+    return v
+
+
+def _int(d: dict, key: str, where: str, lo: int, hi: int) -> int:
+    v = d.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise SpecError(f"{where}.{key} must be an integer in {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _num(d: dict, key: str, where: str, default: float) -> float:
+    v = d.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise SpecError(f"{where}.{key} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _bool(d: dict, key: str, where: str) -> bool:
+    v = d.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise SpecError(f"{where}.{key} must be true or false, got {v!r}")
+    return v
+
+
+def _shape(v: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v
+    ):
+        raise SpecError(f"{where} must be a list of non-negative integers, got {v!r}")
+    return tuple(v)
+
+
+def _group(gd: Any, where: str, names: set[str], grouped: set[str]) -> GroupSpec:
+    gd = _mapping(gd, where)
+    plist = gd.get("params")
+    if not isinstance(plist, list) or not all(isinstance(n, str) for n in plist):
+        raise SpecError(f"{where}.params must be a list of parameter names")
+    for n in plist:
+        if n not in names:
+            raise SpecError(f"{where}.params names unknown parameter {n!r}")
+        if n in grouped:
+            raise SpecError(f"{where}.params: {n!r} is already in another group")
+        grouped.add(n)
+    lr = _num(gd, "lr", where, math.nan) if "lr" in gd else None
+    if lr is None or lr < 0:
+        raise SpecError(f"{where}.lr must be a non-negative number")
+    betas = gd.get("betas", [0.9, 0.999])
+    if (not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+            for b in betas)):
+        raise SpecError(f"{where}.betas must be two numbers in [0, 1), got {betas!r}")
+    return GroupSpec(
+        params=tuple(plist), lr=lr, betas=(float(betas[0]), float(betas[1])),
+        eps=_num(gd, "eps", where, 1e-8), weight_decay=_num(gd, "weight_decay", where, 0.0),
+        amsgrad=_bool(gd, "amsgrad", where), momentum=_num(gd, "momentum", where, 0.0),
+        dampening=_num(gd, "dampening", where, 0.0), nesterov=_bool(gd, "nesterov", where),
+        maximize=_bool(gd, "maximize", where),
+    )
