@@ -1,0 +1,283 @@
+/* The Checkmate switch as tc (clsact, direct-action) eBPF programs.
+ *
+ * A Linux bridge in the switch namespace does plain L2 forwarding between the veth ports.
+ * These programs sit on every port:
+ *
+ *   ckm_ingress (frames entering the switch from a host): counts rx, and for a ckm datagram
+ *     with REPLICATE whose (job, src IP, dst IP, partition) has a replication entry sends
+ *     exactly one copy to the entry's shadow port with the addressing rewritten, then
+ *     restores the original, which the bridge forwards unchanged.
+ *   ckm_egress (frames leaving the switch towards a host): counts tx and applies the port's
+ *     fault knobs (drop / corrupt probability) to ckm-port UDP datagrams, shadow copies
+ *     included.
+ *
+ * Maps are pinned by the loader under /sys/fs/bpf/<prefix>-<switch>/maps/; layouts are
+ * mirrored in dataplane/maps.py.
+ */
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/pkt_cls.h>
+#include <linux/udp.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_helpers.h>
+
+#include "ckm_wire.h"
+
+#define MAX_ENTRIES 4096
+#define MAX_PORTS 256
+
+struct repl_key {
+	__u32 job_id;    /* host order */
+	__be32 src_ip;
+	__be32 dst_ip;
+	__u16 partition; /* host order */
+	__u16 pad;
+};
+
+struct repl_val {
+	__u32 ifindex;   /* switch port leading to the shadow */
+	__u8 mac[6];     /* shadow MAC */
+	__be16 port;     /* shadow UDP port */
+	__be32 ip;       /* shadow IPv4 */
+	__u32 epoch;     /* host order, written big-endian into the copy */
+	__u32 token;
+	__u64 packets;   /* copies sent */
+	__u64 bytes;
+};
+
+struct port_stats {
+	__u64 rx;
+	__u64 tx;
+	__u64 replicated; /* copies made from frames that entered here */
+	__u64 dropped;    /* fault drops on egress, and copies the kernel refused */
+	__u64 corrupted;
+	__u64 malformed;  /* ckm-port UDP whose ckm header is short or has bad magic/version */
+	__u64 no_entry;   /* REPLICATE without a matching replication entry */
+};
+
+struct fault {
+	__u64 drop;       /* probability * 2^32; compared with bpf_get_prandom_u32() */
+	__u64 corrupt;
+};
+
+struct sw_cfg {
+	__u8 mac[6];      /* the switch's MAC: source of every shadow copy */
+	__u16 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_ENTRIES);
+	__type(key, struct repl_key);
+	__type(value, struct repl_val);
+} ckm_repl SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_PORTS);
+	__type(key, __u32);
+	__type(value, struct port_stats);
+} ckm_ports SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_PORTS);
+	__type(key, __u32);
+	__type(value, struct fault);
+} ckm_fault SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct sw_cfg);
+} ckm_cfg SEC(".maps");
+
+/* Offsets of a ckm-port IPv4/UDP datagram; filled by parse_udp(). */
+struct pkt {
+	__u32 ip_off;
+	__u32 udp_off;
+	__u32 ckm_off;
+	__u32 udp_len;    /* UDP header + payload, from the UDP header */
+	struct iphdr ip;
+	struct udphdr udp;
+};
+
+/* 0: an unfragmented IPv4/UDP datagram to a ckm port; -1: anything else. */
+static __always_inline int parse_udp(struct __sk_buff *skb, struct pkt *p)
+{
+	struct ethhdr eth;
+
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0)
+		return -1;
+	if (eth.h_proto != bpf_htons(ETH_P_IP))
+		return -1;
+	p->ip_off = sizeof(eth);
+	if (bpf_skb_load_bytes(skb, p->ip_off, &p->ip, sizeof(p->ip)) < 0)
+		return -1;
+	if (p->ip.ihl < 5 || p->ip.protocol != IPPROTO_UDP)
+		return -1;
+	if (p->ip.frag_off & bpf_htons(0x3fff)) /* MF or a fragment offset */
+		return -1;
+	p->udp_off = p->ip_off + p->ip.ihl * 4;
+	if (bpf_skb_load_bytes(skb, p->udp_off, &p->udp, sizeof(p->udp)) < 0)
+		return -1;
+	__u16 dport = bpf_ntohs(p->udp.dest);
+	if (dport < CKM_PORT_BASE || dport >= CKM_PORT_BASE + CKM_PORT_COUNT)
+		return -1;
+	p->ckm_off = p->udp_off + sizeof(struct udphdr);
+	p->udp_len = bpf_ntohs(p->udp.len);
+	if (p->udp_len < sizeof(struct udphdr) || p->udp_off + p->udp_len > skb->len)
+		p->udp_len = 0; /* inconsistent length: treated as too short below */
+	return 0;
+}
+
+static __always_inline void count(__u64 *field)
+{
+	__sync_fetch_and_add(field, 1);
+}
+
+#define CSUM_UDP(sz) (BPF_F_MARK_MANGLED_0 | (sz))
+#define STORE_F BPF_F_RECOMPUTE_CSUM
+
+/* Rewrite addressing to the shadow's, clone the frame out of the shadow port, then put the
+ * saved original bytes back (checksum fields included, so the original stays bit-exact). */
+static __always_inline int replicate(struct __sk_buff *skb, struct pkt *p, struct ckm_hdr *h,
+				     struct repl_val *v)
+{
+	__u32 zero = 0;
+	struct sw_cfg *cfg = bpf_map_lookup_elem(&ckm_cfg, &zero);
+	__u8 old_eth[12], new_eth[12];
+	__u32 csum_ip = p->ip_off + 10, csum_udp = p->udp_off + 6;
+	__be16 old_ip_csum = p->ip.check, old_udp_csum = p->udp.check;
+	__be32 old_daddr = p->ip.daddr, new_epoch = bpf_htonl(v->epoch), new_token =
+		bpf_htonl(v->token);
+	__be16 old_dport = p->udp.dest;
+	__be32 old_et[2] = {h->epoch, h->token};
+	int ret;
+
+	if (!cfg)
+		return -1;
+	if (bpf_skb_load_bytes(skb, 0, old_eth, sizeof(old_eth)) < 0)
+		return -1;
+	__builtin_memcpy(new_eth, v->mac, 6);
+	__builtin_memcpy(new_eth + 6, cfg->mac, 6);
+
+	if (bpf_skb_store_bytes(skb, 0, new_eth, sizeof(new_eth), STORE_F) < 0)
+		return -1;
+	bpf_l3_csum_replace(skb, csum_ip, old_daddr, v->ip, 4);
+	bpf_l4_csum_replace(skb, csum_udp, old_daddr, v->ip, BPF_F_PSEUDO_HDR | CSUM_UDP(4));
+	bpf_skb_store_bytes(skb, p->ip_off + 16, &v->ip, 4, STORE_F);
+	bpf_l4_csum_replace(skb, csum_udp, old_dport, v->port, CSUM_UDP(2));
+	bpf_skb_store_bytes(skb, p->udp_off + 2, &v->port, 2, STORE_F);
+	bpf_l4_csum_replace(skb, csum_udp, h->epoch, new_epoch, CSUM_UDP(4));
+	bpf_skb_store_bytes(skb, p->ckm_off + 8, &new_epoch, 4, STORE_F);
+	bpf_l4_csum_replace(skb, csum_udp, h->token, new_token, CSUM_UDP(4));
+	bpf_skb_store_bytes(skb, p->ckm_off + 12, &new_token, 4, STORE_F);
+
+	ret = bpf_clone_redirect(skb, v->ifindex, 0);
+
+	bpf_skb_store_bytes(skb, 0, old_eth, sizeof(old_eth), STORE_F);
+	bpf_skb_store_bytes(skb, csum_ip, &old_ip_csum, 2, STORE_F);
+	bpf_skb_store_bytes(skb, p->ip_off + 16, &old_daddr, 4, STORE_F);
+	bpf_skb_store_bytes(skb, p->udp_off + 2, &old_dport, 2, STORE_F);
+	bpf_skb_store_bytes(skb, csum_udp, &old_udp_csum, 2, STORE_F);
+	bpf_skb_store_bytes(skb, p->ckm_off + 8, old_et, sizeof(old_et), STORE_F);
+	return ret;
+}
+
+SEC("tc")
+int ckm_ingress(struct __sk_buff *skb)
+{
+	__u32 ifindex = skb->ifindex;
+	struct port_stats *ps = bpf_map_lookup_elem(&ckm_ports, &ifindex);
+	struct ckm_hdr h;
+	struct pkt p;
+
+	if (!ps)
+		return TC_ACT_OK; /* not one of our ports: stay out of the way */
+	count(&ps->rx);
+	if (parse_udp(skb, &p) < 0)
+		return TC_ACT_OK;
+	if (p.udp_len < sizeof(struct udphdr) + CKM_HEADER_LEN ||
+	    bpf_skb_load_bytes(skb, p.ckm_off, &h, sizeof(h)) < 0 ||
+	    h.magic != bpf_htons(CKM_MAGIC) || h.version != CKM_VERSION) {
+		count(&ps->malformed);
+		return TC_ACT_OK;
+	}
+	if (!(h.flags & CKM_F_REPLICATE))
+		return TC_ACT_OK;
+
+	struct repl_key key = {
+		.job_id = bpf_ntohl(h.job_id),
+		.src_ip = p.ip.saddr,
+		.dst_ip = p.ip.daddr,
+		.partition = bpf_ntohs(h.partition),
+	};
+	struct repl_val *v = bpf_map_lookup_elem(&ckm_repl, &key);
+	if (!v) {
+		count(&ps->no_entry);
+		return TC_ACT_OK;
+	}
+	if (replicate(skb, &p, &h, v) < 0) {
+		count(&ps->dropped);
+		return TC_ACT_OK;
+	}
+	count(&ps->replicated);
+	__sync_fetch_and_add(&v->packets, 1);
+	__sync_fetch_and_add(&v->bytes, skb->len);
+	return TC_ACT_OK;
+}
+
+/* Flip one 16-bit word of the UDP payload (past the ckm header when there is payload, so the
+ * CRC32C fails) and fix the UDP checksum, so the receiver's kernel still delivers it. */
+static __always_inline int corrupt(struct __sk_buff *skb, struct pkt *p)
+{
+	__u32 plen = p->udp_len - sizeof(struct udphdr);
+	__u32 start = p->ckm_off, words;
+	__be16 w, nw;
+
+	if (plen >= CKM_HEADER_LEN + 2) {
+		start += CKM_HEADER_LEN;
+		plen -= CKM_HEADER_LEN;
+	} else if (plen >= CKM_HEADER_LEN) {
+		start += 52; /* no payload: hit the crc32c field instead */
+		plen = 4;
+	}
+	words = plen / 2;
+	if (!words)
+		return -1;
+	start += 2 * (bpf_get_prandom_u32() % words);
+	if (bpf_skb_load_bytes(skb, start, &w, 2) < 0)
+		return -1;
+	nw = w ^ 0xffff;
+	bpf_l4_csum_replace(skb, p->udp_off + 6, w, nw, CSUM_UDP(2));
+	return bpf_skb_store_bytes(skb, start, &nw, 2, STORE_F);
+}
+
+SEC("tc")
+int ckm_egress(struct __sk_buff *skb)
+{
+	__u32 ifindex = skb->ifindex;
+	struct port_stats *ps = bpf_map_lookup_elem(&ckm_ports, &ifindex);
+	struct fault *f;
+	struct pkt p;
+
+	if (!ps)
+		return TC_ACT_OK;
+	f = bpf_map_lookup_elem(&ckm_fault, &ifindex);
+	if (f && (f->drop || f->corrupt) && parse_udp(skb, &p) == 0) {
+		if (f->drop && bpf_get_prandom_u32() < f->drop) {
+			count(&ps->dropped);
+			return TC_ACT_SHOT;
+		}
+		if (f->corrupt && bpf_get_prandom_u32() < f->corrupt && corrupt(skb, &p) == 0)
+			count(&ps->corrupted);
+	}
+	count(&ps->tx);
+	return TC_ACT_OK;
+}
+
+char _license[] SEC("license") = "GPL";

@@ -1,0 +1,55 @@
+"""Byte layouts of the switch's BPF maps, mirroring the structs in bpf/ckm_switch.c."""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+
+#: struct repl_key: job_id (host order), src/dst IPv4 (network order), partition, pad
+REPL_KEY = struct.Struct("<I4s4sHH")
+#: struct repl_val: ifindex, shadow MAC, UDP port (big-endian), IPv4, epoch, token,
+#: packets, bytes
+REPL_VAL = struct.Struct("<I6s2s4sIIQQ")
+#: struct port_stats, in this order
+PORT_FIELDS = ("rx", "tx", "replicated", "dropped", "corrupted", "malformed", "no_entry")
+PORT_STATS = struct.Struct("<" + "Q" * len(PORT_FIELDS))
+#: struct fault: drop and corrupt probabilities scaled to 2**32
+FAULT = struct.Struct("<QQ")
+#: struct sw_cfg: the switch MAC
+SW_CFG = struct.Struct("<6sH")
+U32 = struct.Struct("<I")
+
+MAP_LAYOUT = {
+    "ckm_repl": (REPL_KEY.size, REPL_VAL.size),
+    "ckm_ports": (U32.size, PORT_STATS.size),
+    "ckm_fault": (U32.size, FAULT.size),
+    "ckm_cfg": (U32.size, SW_CFG.size),
+}
+
+
+def ip_bytes(ip: str) -> bytes:
+    return ipaddress.IPv4Address(ip).packed
+
+
+def ip_str(b: bytes) -> str:
+    return str(ipaddress.IPv4Address(b))
+
+
+def mac_bytes(mac: str) -> bytes:
+    parts = mac.split(":")
+    if len(parts) != 6:
+        raise ValueError(f"not a MAC address: {mac!r}")
+    return bytes(int(p, 16) for p in parts)
+
+
+def mac_str(b: bytes) -> str:
+    return ":".join(f"{x:02x}" for x in b)
+
+
+def repl_key(job_id: int, src_ip: str, dst_ip: str, partition: int) -> bytes:
+    return REPL_KEY.pack(job_id, ip_bytes(src_ip), ip_bytes(dst_ip), partition, 0)
+
+
+def prob_scaled(p: float) -> int:
+    """A probability as the threshold the BPF side compares bpf_get_prandom_u32() with."""
+    return round(p * (1 << 32))

@@ -1,0 +1,275 @@
+"""The kernel (tc-eBPF) Checkmate switch: load, attach, and program it from Python.
+
+This is the contract the controller's kernel driver codes against (names and signatures are
+fixed). The switch lives in the network namespace ``cfg.netns(cfg.switch.name)``; one veth
+port per host (``cfg.switch_ifname(host)``) is enslaved to a Linux bridge that does plain
+L2 forwarding, and ``bpf/ckm_switch.c`` on every port replicates ckm datagrams to shadows,
+counts, and injects faults. Maps are pinned under ``/sys/fs/bpf/<prefix>-<switch>/maps``,
+so any process (the controller service, tests, ``testbed demo``) reads and writes the same
+tables through the bpf(2) syscall.
+
+Fault knobs act on frames *leaving* the switch through a port (towards its host), shadow
+copies included, and only on UDP datagrams to ckm ports: ARP, TCP and other traffic is never
+dropped or corrupted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkmate.dataplane import maps
+from checkmate.dataplane.bpfsys import BpfError, PinnedMap
+
+from checkmate.config import ClusterConfig
+from checkmate.errors import CheckmateError
+
+BPFFS = Path("/sys/fs/bpf")
+NETNS_DIR = Path("/run/netns")
+
+
+class SwitchUnreachable(CheckmateError):
+    """The switch namespace, its BPF programs or its pinned maps are absent."""
+
+
+@dataclass(frozen=True)
+class ReplicationEntry:
+    """Copy REPLICATE datagrams of (job, src, dst, partition) to one shadow."""
+
+    job_id: int
+    src_ip: str
+    dst_ip: str
+    partition: int
+    shadow_ifname: str  # switch-namespace interface leading to the shadow
+    shadow_mac: str
+    shadow_ip: str
+    shadow_port: int
+    epoch: int
+    token: int
+
+
+def netns_exists(name: str) -> bool:
+    return (NETNS_DIR / name).exists()
+
+
+def nsenter_argv(netns: str, argv: list[str]) -> list[str]:
+    """argv run inside a network namespace without remounting /sys (bpffs stays visible)."""
+    return ["nsenter", f"--net={NETNS_DIR / netns}", "--", *argv]
+
+
+def ensure_bpffs() -> None:
+    """Mount bpffs at /sys/fs/bpf when the machine booted without it."""
+    if os.path.ismount(BPFFS):
+        return
+    res = subprocess.run(["mount", "-t", "bpf", "bpf", str(BPFFS)], capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        raise CheckmateError(f"cannot mount bpffs on {BPFFS}: {res.stderr.strip()}")
+
+
+def _check_u(name: str, v: int, bits: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < (1 << bits):
+        raise CheckmateError(f"replication entry: {name} must be an integer in "
+                             f"0..{(1 << bits) - 1}, got {v!r}")
+
+
+def _check_ip(name: str, v: str) -> None:
+    try:
+        ipaddress.IPv4Address(v)
+    except ValueError:
+        raise CheckmateError(f"replication entry: {name} is not an IPv4 address: {v!r}") from None
+
+
+class KernelSwitch:
+    """Handle on one kernel switch; constructing it touches nothing."""
+
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.cfg = cfg
+        self.netns = cfg.netns(cfg.switch.name)
+        self.pin_dir = BPFFS / f"{cfg.network.prefix}-{cfg.switch.name}"
+        self.prog_dir = self.pin_dir / "progs"
+        self.map_dir = self.pin_dir / "maps"
+
+    # -- inventory -----------------------------------------------------------------------
+    @property
+    def port_names(self) -> list[str]:
+        return [self.cfg.switch_ifname(h.name) for h in self.cfg.hosts]
+
+    def _ifindexes(self) -> dict[str, int]:
+        """Switch-namespace interface name -> ifindex, for every existing link."""
+        if not netns_exists(self.netns):
+            raise SwitchUnreachable(f"switch namespace {self.netns} does not exist "
+                                    "(run `testbed up`)")
+        from pyroute2 import NetNS
+
+        try:
+            with NetNS(self.netns, flags=0) as ns:
+                return {link.get("ifname"): link["index"] for link in ns.get_links()}
+        except OSError as e:
+            raise SwitchUnreachable(f"cannot enter namespace {self.netns}: {e}") from None
+
+    def _port_ifindexes(self) -> dict[str, int]:
+        links = self._ifindexes()
+        missing = [p for p in self.port_names if p not in links]
+        if missing:
+            raise SwitchUnreachable(f"switch {self.netns} lacks port(s) {', '.join(missing)}")
+        return {p: links[p] for p in self.port_names}
+
+    def _map(self, name: str) -> PinnedMap:
+        path = self.map_dir / name
+        if not path.exists():
+            raise SwitchUnreachable(f"switch tables are not loaded ({path} missing; "
+                                    "run `testbed up`)")
+        try:
+            return PinnedMap(str(path), *maps.MAP_LAYOUT[name])
+        except BpfError as e:
+            raise SwitchUnreachable(str(e)) from None
+
+    def is_up(self) -> bool:
+        """Namespace, programs and maps all present."""
+        if not netns_exists(self.netns):
+            return False
+        need = [self.prog_dir / "ckm_ingress", self.prog_dir / "ckm_egress"]
+        need += [self.map_dir / m for m in maps.MAP_LAYOUT]
+        return all(p.exists() for p in need)
+
+    # -- life cycle ----------------------------------------------------------------------
+    def _tc(self, lines: list[str], check: bool = True) -> None:
+        res = subprocess.run(nsenter_argv(self.netns, ["tc", "-force", "-batch", "-"]),
+                             input="\n".join(lines) + "\n", capture_output=True, text=True)
+        if check and res.returncode != 0:
+            first = (res.stderr.strip().splitlines() or ["no output"])[0]
+            raise CheckmateError(f"tc in {self.netns} failed: {first}")
+
+    def attach(self) -> None:
+        """Load the programs, pin maps, fill port tables and attach to every switch port."""
+        from checkmate.dataplane.build import ensure_built
+
+        obj = ensure_built()
+        ensure_bpffs()
+        ports = self._port_ifindexes()
+        self.detach()
+        if shutil.which("bpftool") is None:
+            raise CheckmateError("bpftool not found; install bpftool (make setup)")
+        self.pin_dir.mkdir(parents=True)
+        res = subprocess.run(
+            ["bpftool", "prog", "loadall", str(obj), str(self.prog_dir), "type", "classifier",
+             "pinmaps", str(self.map_dir)], capture_output=True, text=True)
+        if res.returncode != 0:
+            self._remove_pins()
+            tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+            raise CheckmateError(f"loading {obj.name} failed: {tail}")
+        with self._map("ckm_cfg") as m:
+            m.update(maps.U32.pack(0), maps.SW_CFG.pack(maps.mac_bytes(self.cfg.switch.mac), 0))
+        with self._map("ckm_ports") as pm, self._map("ckm_fault") as fm:
+            for idx in ports.values():
+                pm.update(maps.U32.pack(idx), bytes(maps.PORT_STATS.size))
+                fm.update(maps.U32.pack(idx), bytes(maps.FAULT.size))
+        lines = []
+        for p in ports:
+            lines.append(f"qdisc add dev {p} clsact")
+            lines.append(f"filter add dev {p} ingress bpf da pinned {self.prog_dir}/ckm_ingress")
+            lines.append(f"filter add dev {p} egress bpf da pinned {self.prog_dir}/ckm_egress")
+        self._tc(lines)
+
+    def _remove_pins(self) -> None:
+        if self.pin_dir.exists():
+            shutil.rmtree(self.pin_dir, ignore_errors=True)
+
+    def detach(self) -> None:
+        """Remove the clsact qdiscs (and so the filters) and the pinned objects; idempotent."""
+        if netns_exists(self.netns):
+            links = self._ifindexes()
+            lines = [f"qdisc del dev {p} clsact" for p in self.port_names if p in links]
+            if lines:
+                self._tc(lines, check=False)
+        self._remove_pins()
+
+    # -- tables --------------------------------------------------------------------------
+    def replication_entries(self) -> list[ReplicationEntry]:
+        names = {v: k for k, v in self._ifindexes().items()}
+        with self._map("ckm_repl") as m:
+            items = m.items()
+        out = []
+        for k, v in items:
+            job, src, dst, part, _ = maps.REPL_KEY.unpack(k)
+            idx, mac, port, ip, epoch, token, _, _ = maps.REPL_VAL.unpack(v)
+            out.append(ReplicationEntry(
+                job, maps.ip_str(src), maps.ip_str(dst), part, names.get(idx, f"if{idx}"),
+                maps.mac_str(mac), maps.ip_str(ip), int.from_bytes(port, "big"), epoch, token))
+        return sorted(out, key=lambda e: (e.job_id, e.src_ip, e.dst_ip, e.partition))
+
+    def add_replication(self, e: ReplicationEntry) -> None:
+        """Insert or overwrite (an overwrite restarts the entry's packet/byte counters)."""
+        _check_u("job_id", e.job_id, 32)
+        _check_u("partition", e.partition, 16)
+        _check_u("shadow_port", e.shadow_port, 16)
+        _check_u("epoch", e.epoch, 32)
+        _check_u("token", e.token, 32)
+        for name in ("src_ip", "dst_ip", "shadow_ip"):
+            _check_ip(name, getattr(e, name))
+        try:
+            mac = maps.mac_bytes(e.shadow_mac)
+        except ValueError:
+            raise CheckmateError(f"replication entry: bad shadow_mac {e.shadow_mac!r}") from None
+        ports = self._port_ifindexes()
+        if e.shadow_ifname not in ports:
+            raise CheckmateError(f"replication entry: {e.shadow_ifname!r} is not a port of "
+                                 f"switch {self.cfg.switch.name}")
+        key = maps.repl_key(e.job_id, e.src_ip, e.dst_ip, e.partition)
+        val = maps.REPL_VAL.pack(ports[e.shadow_ifname], mac, e.shadow_port.to_bytes(2, "big"),
+                                 maps.ip_bytes(e.shadow_ip), e.epoch, e.token, 0, 0)
+        with self._map("ckm_repl") as m:
+            m.update(key, val)
+
+    def remove_replication(self, job_id: int, src_ip: str, dst_ip: str, partition: int) -> None:
+        _check_u("job_id", job_id, 32)
+        _check_u("partition", partition, 16)
+        _check_ip("src_ip", src_ip)
+        _check_ip("dst_ip", dst_ip)
+        with self._map("ckm_repl") as m:
+            m.delete(maps.repl_key(job_id, src_ip, dst_ip, partition))
+
+    # -- counters and faults -------------------------------------------------------------
+    def counters(self) -> dict:
+        """{"ports": {ifname: {rx, tx, replicated, ...}}, "faults": {ifname: {drop, corrupt}},
+        "entries": [{job_id, src_ip, dst_ip, partition, shadow_ifname, packets, bytes}]}"""
+        ports = self._port_ifindexes()
+        out: dict = {"ports": {}, "faults": {}, "entries": []}
+        with self._map("ckm_ports") as pm, self._map("ckm_fault") as fm:
+            for name, idx in ports.items():
+                raw = pm.lookup(maps.U32.pack(idx))
+                vals = maps.PORT_STATS.unpack(raw) if raw else (0,) * len(maps.PORT_FIELDS)
+                out["ports"][name] = dict(zip(maps.PORT_FIELDS, vals, strict=True))
+                f = fm.lookup(maps.U32.pack(idx))
+                d, c = maps.FAULT.unpack(f) if f else (0, 0)
+                out["faults"][name] = {"drop": d / 2**32, "corrupt": c / 2**32}
+        names = {v: k for k, v in ports.items()}
+        with self._map("ckm_repl") as m:
+            for k, v in m.items():
+                job, src, dst, part, _ = maps.REPL_KEY.unpack(k)
+                idx, *_, packets, nbytes = maps.REPL_VAL.unpack(v)
+                out["entries"].append({
+                    "job_id": job, "src_ip": maps.ip_str(src), "dst_ip": maps.ip_str(dst),
+                    "partition": part, "shadow_ifname": names.get(idx, f"if{idx}"),
+                    "packets": packets, "bytes": nbytes})
+        out["entries"].sort(key=lambda d: (d["job_id"], d["src_ip"], d["dst_ip"],
+                                           d["partition"]))
+        return out
+
+    def set_fault(self, ifname: str, drop: float = 0.0, corrupt: float = 0.0) -> None:
+        """Drop / corrupt probabilities for ckm UDP leaving the switch through ``ifname``."""
+        for name, p in (("drop", drop), ("corrupt", corrupt)):
+            if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+                raise CheckmateError(f"fault {name} must be a probability in 0..1, got {p!r}")
+        ports = self._port_ifindexes()
+        if ifname not in ports:
+            raise CheckmateError(f"{ifname!r} is not a port of switch {self.cfg.switch.name} "
+                                 f"(ports: {', '.join(ports)})")
+        with self._map("ckm_fault") as m:
+            m.update(maps.U32.pack(ports[ifname]),
+                     maps.FAULT.pack(maps.prob_scaled(drop), maps.prob_scaled(corrupt)))

@@ -1,0 +1,313 @@
+"""The namespace testbed: one network namespace per host plus one for the switch.
+
+``Testbed(cfg).up()`` builds it with pyroute2 from the cluster config (veth pairs, addresses
+and MACs from the config, MTU, the bridge carrying the switch's own IP), attaches the BPF
+switch and optionally starts the controller service in the switch namespace. ``down()``
+removes exactly what ``up()`` created, found from the config's names and from the state file
+in /run/checkmate/<prefix>/, so a crashed run never blocks the next one.
+
+Processes inside a host namespace are started with ``nsenter --net`` (not ``ip netns
+exec``, which remounts /sys and so hides the pinned BPF maps).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import yaml
+from checkmate.dataplane.switch import KernelSwitch, netns_exists, nsenter_argv
+
+from checkmate.config import ClusterConfig
+from checkmate.errors import CheckmateError
+
+STATE_ROOT = Path("/run/checkmate")
+CONTROLLER_MODULE = "checkmate.control.cli"
+
+
+def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
+    """The YAML document that checkmate.config.parse turns back into ``cfg``."""
+    sw = cfg.switch
+    switch: dict[str, Any] = {"name": sw.name, "target": sw.target, "ip": sw.ip, "mac": sw.mac,
+                              "device_id": sw.device_id, "cpu_port": sw.cpu_port,
+                              "cable_m": sw.cable_m, "speed_gbps": sw.speed_gbps}
+    if sw.address:
+        switch["address"] = sw.address
+    hosts = []
+    for h in cfg.hosts:
+        d: dict[str, Any] = {"name": h.name, "role": h.role, "ip": h.ip, "mac": h.mac}
+        if h.rank is not None:
+            d["rank"] = h.rank
+        if h.partition is not None:
+            d["partition"] = h.partition
+        if h.switch_port is not None:
+            d["switch_port"] = h.switch_port
+        hosts.append(d)
+    doc = {"job": {"id": cfg.job_id, "name": cfg.job_name}, "switch": switch,
+           "network": {"subnet": cfg.network.subnet, "mtu": cfg.network.mtu,
+                       "prefix": cfg.network.prefix},
+           "hosts": hosts}
+    doc.update(cfg.extra)
+    return doc
+
+
+def _pid_is(pid: int, needle: str) -> bool:
+    """True if ``pid`` is alive and its command line contains ``needle`` (PID reuse guard)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return needle.encode() in cmdline
+
+
+def stop_pid(pid: int, needle: str, timeout: float = 5.0) -> bool:
+    """SIGTERM, then SIGKILL after ``timeout``; only if the PID still runs ``needle``."""
+    if not _pid_is(pid, needle):
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _reap(pid)
+        if not _pid_is(pid, needle):
+            return True
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _reap(pid)
+    return True
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _sh(argv: list[str]) -> None:
+    res = subprocess.run(argv, capture_output=True, text=True)
+    if res.returncode != 0:
+        first = (res.stderr.strip().splitlines() or ["no output"])[0]
+        raise CheckmateError(f"{' '.join(argv[-4:])}: {first}")
+
+
+class Testbed:
+    """Build and remove one cluster's namespaces; a context manager (up on enter, down on
+    exit, down even when the body raised)."""
+
+    def __init__(self, cfg: ClusterConfig, controller: bool = False,
+                 config_path: str | Path | None = None) -> None:
+        self.cfg = cfg
+        self.controller = controller
+        self.config_path = Path(config_path).resolve() if config_path else None
+        self.switch = KernelSwitch(cfg)
+        self.state_dir = STATE_ROOT / cfg.network.prefix
+
+    # -- names ---------------------------------------------------------------------------
+    def netns_of(self, host: str) -> str:
+        """Namespace of a host, or of the switch when ``host`` is the switch's name."""
+        if host == self.cfg.switch.name:
+            return self.cfg.netns(host)
+        return self.cfg.netns(self.cfg.host(host).name)
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.cfg.netns(self.cfg.switch.name)] + [self.cfg.netns(h.name)
+                                                         for h in self.cfg.hosts]
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "state.json"
+
+    def _read_state(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _write_state(self, state: dict[str, Any]) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.state_file)
+
+    # -- up ------------------------------------------------------------------------------
+    def up(self) -> None:
+        """Build everything; clears stale objects of this prefix first."""
+        if os.geteuid() != 0:
+            raise CheckmateError("the testbed needs root (network namespaces, BPF)")
+        self.down()
+        state: dict[str, Any] = {"prefix": self.cfg.network.prefix,
+                                 "namespaces": self.namespaces,
+                                 "pin_dir": str(self.switch.pin_dir), "pids": {}}
+        self._write_state(state)
+        try:
+            self._build_links()
+            self.switch.attach()
+            if self.controller:
+                pid = self._start_controller()
+                if pid:
+                    state["pids"]["controller"] = pid
+                    self._write_state(state)
+        except BaseException:
+            self.down()
+            raise
+
+    def _build_links(self) -> None:
+        from pyroute2 import NetNS, netns
+
+        cfg = self.cfg
+        plen = ipaddress.IPv4Network(cfg.network.subnet).prefixlen
+        mtu = cfg.network.mtu
+        for name in self.namespaces:
+            netns.create(name)
+        sw_ns = cfg.netns(cfg.switch.name)
+        with NetNS(sw_ns, flags=0) as sw:
+            sw.link("set", index=sw.link_lookup(ifname="lo")[0], state="up")
+            sw.link("add", ifname=cfg.bridge_name, kind="bridge", address=cfg.switch.mac,
+                    mtu=mtu)
+            br = sw.link_lookup(ifname=cfg.bridge_name)[0]
+            sw.addr("add", index=br, address=cfg.switch.ip, prefixlen=plen)
+            for h in cfg.hosts:
+                sw.link("add", ifname=cfg.switch_ifname(h.name), kind="veth",
+                        peer={"ifname": cfg.host_ifname(h.name), "net_ns_fd": cfg.netns(h.name)})
+                idx = sw.link_lookup(ifname=cfg.switch_ifname(h.name))[0]
+                sw.link("set", index=idx, mtu=mtu, master=br)
+            sw.link("set", index=br, state="up")
+        for h in cfg.hosts:
+            with NetNS(cfg.netns(h.name), flags=0) as hn:
+                hn.link("set", index=hn.link_lookup(ifname="lo")[0], state="up")
+                idx = hn.link_lookup(ifname=cfg.host_ifname(h.name))[0]
+                hn.link("set", index=idx, address=h.mac, mtu=mtu)
+                hn.addr("add", index=idx, address=h.ip, prefixlen=plen)
+                hn.link("set", index=idx, state="up")
+        # veth offloads UDP checksums (CHECKSUM_PARTIAL): the datagram would carry only the
+        # pseudo-header sum on the wire. Turned off so every frame, and so every shadow copy
+        # the switch rewrites, carries a complete checksum.
+        for h in cfg.hosts:
+            _sh(nsenter_argv(cfg.netns(h.name),
+                             ["ethtool", "-K", cfg.host_ifname(h.name), "tx", "off"]))
+        with NetNS(sw_ns, flags=0) as sw:
+            for h in cfg.hosts:
+                idx = sw.link_lookup(ifname=cfg.switch_ifname(h.name))[0]
+                sw.link("set", index=idx, state="up")
+
+    def _effective_config(self) -> Path:
+        if self.config_path and self.config_path.exists():
+            return self.config_path
+        path = self.state_dir / "config.yaml"
+        path.write_text(yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False))
+        return path
+
+    def _start_controller(self) -> int | None:
+        if importlib.util.find_spec(CONTROLLER_MODULE) is None:
+            warnings.warn(f"{CONTROLLER_MODULE} is not installed; controller not started",
+                          stacklevel=2)
+            return None
+        log = open(self.state_dir / "controller.log", "ab")  # noqa: SIM115
+        argv = [sys.executable, "-m", CONTROLLER_MODULE, "serve", "--config",
+                str(self._effective_config())]
+        proc = subprocess.Popen(nsenter_argv(self.cfg.netns(self.cfg.switch.name), argv),
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True)
+        log.close()
+        (self.state_dir / "controller.pid").write_text(f"{proc.pid}\n")
+        time.sleep(0.3)
+        if proc.poll() is not None:
+            tail = (self.state_dir / "controller.log").read_text(errors="replace")
+            last = (tail.strip().splitlines() or ["no output"])[-1]
+            warnings.warn(f"controller exited at start ({proc.returncode}): {last}",
+                          stacklevel=2)
+            return None
+        return proc.pid
+
+    # -- down ----------------------------------------------------------------------------
+    def down(self) -> None:
+        """Remove processes (by recorded PID), namespaces, pinned BPF objects, state dir."""
+        from pyroute2 import netns
+
+        state = self._read_state()
+        pids = dict(state.get("pids", {}))
+        pid_file = self.state_dir / "controller.pid"
+        if pid_file.exists():
+            try:
+                pids.setdefault("controller", int(pid_file.read_text().strip()))
+            except ValueError:
+                pass
+        for pid in pids.values():
+            if isinstance(pid, int):
+                stop_pid(pid, CONTROLLER_MODULE)
+        self.switch.detach()
+        stale_pin = state.get("pin_dir")
+        if stale_pin and Path(stale_pin).parent == Path("/sys/fs/bpf"):
+            shutil.rmtree(stale_pin, ignore_errors=True)
+        names = set(self.namespaces) | set(state.get("namespaces", []))
+        prefix = self.cfg.network.prefix + "-"
+        for name in sorted(names):
+            if name.startswith(prefix) and netns_exists(name):
+                netns.remove(name)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def __enter__(self) -> Testbed:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- processes -----------------------------------------------------------------------
+    def argv_in(self, host: str, argv: list[str]) -> list[str]:
+        return nsenter_argv(self.netns_of(host), list(argv))
+
+    def run_in(self, host: str, argv: list[str], **kw: Any) -> subprocess.CompletedProcess:
+        """Run ``argv`` to completion inside ``host``'s namespace (subprocess.run kwargs)."""
+        return subprocess.run(self.argv_in(host, argv), **kw)
+
+    def popen_in(self, host: str, argv: list[str], **kw: Any) -> subprocess.Popen:
+        """Start ``argv`` inside ``host``'s namespace; the caller stops it by its PID."""
+        return subprocess.Popen(self.argv_in(host, argv), **kw)
+
+    # -- inventory -----------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        cfg = self.cfg
+        state = self._read_state()
+        pid = state.get("pids", {}).get("controller")
+        sw_ns = cfg.netns(cfg.switch.name)
+        hosts = []
+        for h in cfg.hosts:
+            d: dict[str, Any] = {
+                "name": h.name, "role": h.role, "namespace": cfg.netns(h.name),
+                "interface": cfg.host_ifname(h.name), "switch_interface":
+                cfg.switch_ifname(h.name), "ip": h.ip, "mac": h.mac, "port": h.port,
+                "up": netns_exists(cfg.netns(h.name))}
+            if h.rank is not None:
+                d["rank"] = h.rank
+            if h.partition is not None:
+                d["partition"] = h.partition
+            hosts.append(d)
+        return {
+            "prefix": cfg.network.prefix,
+            "up": all(netns_exists(n) for n in self.namespaces) and self.switch.is_up(),
+            "switch": {"name": cfg.switch.name, "target": cfg.switch.target,
+                       "namespace": sw_ns, "bridge": cfg.bridge_name, "ip": cfg.switch.ip,
+                       "mac": cfg.switch.mac, "bpf_pin_dir": str(self.switch.pin_dir),
+                       "bpf_attached": self.switch.is_up(),
+                       "controller_pid": pid if pid and _pid_is(pid, CONTROLLER_MODULE)
+                       else None},
+            "hosts": hosts,
+        }
