@@ -1,0 +1,290 @@
+"""The deploy plan: what every target must hold for one cluster config, independent of target.
+
+One plan is built from the config (plus current shadow registrations from the handshake) and
+handed to a driver, which turns it into BPF map entries, P4Runtime table entries and
+multicast groups, or a bfrt script. Keeping it target-independent means every target gets
+the same ring hops, the same groups and the same PFC numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+from checkmate.control import pfc
+
+from checkmate.config import CONTROLLER_PORT, ClusterConfig, Host
+from checkmate.errors import CheckmateError
+
+#: Multicast group flooding broadcast/unknown destinations (FLOOD_GROUP in the P4 sources).
+FLOOD_GROUP = 1
+#: Replication groups: GROUP_BASE + destination rank * 256 + partition.
+GROUP_BASE = 0x1000
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A shadow's current session, from the handshake (overrides the config's address)."""
+
+    partition: int
+    host: str
+    ip: str
+    mac: str
+    port: int
+    epoch: int
+    token: int
+
+
+@dataclass(frozen=True)
+class Replication:
+    """One replication entry: copies of (job, src -> dst, partition) go to ``shadow``."""
+
+    job_id: int
+    src: str
+    src_ip: str
+    dst: str
+    dst_ip: str
+    partition: int
+    shadow: str
+    shadow_ip: str
+    shadow_mac: str
+    shadow_port: int
+    epoch: int
+    token: int
+    group_id: int
+
+    @property
+    def key(self) -> tuple[int, str, str, int]:
+        return (self.job_id, self.src_ip, self.dst_ip, self.partition)
+
+
+@dataclass(frozen=True)
+class L2Entry:
+    mac: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class McastGroup:
+    """A P4 multicast group; replicas are (egress port, replication id) pairs."""
+
+    group_id: int
+    replicas: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ShadowRewrite:
+    """Egress rewrite of the replica carrying replication id ``rid`` (= partition + 1)."""
+
+    rid: int
+    partition: int
+    shadow: str
+    smac: str
+    dmac: str
+    ip: str
+    udp_port: int
+    epoch: int
+    token: int
+
+
+@dataclass(frozen=True)
+class PortPlan:
+    host: str
+    role: str
+    ifname: str
+    port: int
+    speed_gbps: int
+    fec: str  # "rs" (Reed-Solomon, 802.3 clause 91) or "none"
+    mtu: int
+    pfc: pfc.PfcSettings
+
+
+@dataclass(frozen=True)
+class Punt:
+    """HANDSHAKE datagrams to (ip, udp_port) go to the CPU port, where the controller is."""
+
+    ip: str
+    udp_port: int
+    cpu_port: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    job_id: int
+    switch: str
+    target: str
+    replication: tuple[Replication, ...]
+    l2: tuple[L2Entry, ...]
+    groups: tuple[McastGroup, ...]
+    rewrites: tuple[ShadowRewrite, ...]
+    ports: tuple[PortPlan, ...]
+    punt: Punt
+    host_commands: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def switch_port(cfg: ClusterConfig, host: Host) -> int:
+    """Physical switch port of a host on P4 targets: ``switch_port`` from the config, else
+    1 + the host's index in the config (the order mininet_bmv2 attaches the links)."""
+    if host.switch_port is not None:
+        return host.switch_port
+    return 1 + cfg.hosts.index(host)
+
+
+def group_id(dst_rank: int, partition: int) -> int:
+    if dst_rank >= 240 or partition >= 256:
+        raise CheckmateError(
+            f"multicast group id space holds ranks < 240 and partitions < 256 "
+            f"(got rank {dst_rank}, partition {partition})"
+        )
+    return GROUP_BASE + dst_rank * 256 + partition
+
+
+def _shadow_session(
+    cfg: ClusterConfig, partition: int, regs: Mapping[int, Registration]
+) -> tuple[Host, Registration]:
+    """The host and address copies of ``partition`` go to: the registration if any."""
+    reg = regs.get(partition)
+    if reg is not None:
+        return cfg.host(reg.host), reg
+    h = cfg.shadow_for(partition)
+    assert h is not None
+    return h, Registration(partition, h.name, h.ip, h.mac, h.port, 0, 0)
+
+
+def host_commands(cfg: ClusterConfig) -> tuple[str, ...]:
+    """NIC commands that make hosts trust DSCP and run PFC on the ckm priority (printed, not
+    run: the hosts are not ours to configure from the switch)."""
+    prio, dscp = pfc.CKM_PRIORITY, pfc.CKM_DSCP
+    pfc_vec = ",".join("1" if i == prio else "0" for i in range(8))
+    out = []
+    for h in cfg.hosts:
+        ifn = cfg.host_ifname(h.name)
+        out.append(f"{h.name}: dcb pfc set dev {ifn} prio-pfc all:off {prio}:on")
+        out.append(f"{h.name}: dcb app add dev {ifn} dscp-prio {dscp}:{prio}")
+        out.append(f"{h.name}: mlnx_qos -i {ifn} --trust dscp --pfc {pfc_vec}")
+    return tuple(out)
+
+
+def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None = None) -> Plan:
+    """The plan for ``cfg``; ``registrations`` (partition -> session) override shadows."""
+    regs = dict(registrations or {})
+    for p, reg in regs.items():
+        if cfg.shadow_for(p) is None:
+            raise CheckmateError(f"registration for partition {p}, which the config lacks")
+        h = cfg.host(reg.host)
+        if h.role != "shadow":
+            raise CheckmateError(f"registration for partition {p} names {h.name}, a {h.role}")
+    trainers = cfg.trainers
+    n = len(trainers)
+    repl: list[Replication] = []
+    groups: list[McastGroup] = []
+    rewrites: list[ShadowRewrite] = []
+    for shadow in cfg.shadows:
+        p = shadow.partition
+        assert p is not None
+        host, reg = _shadow_session(cfg, p, regs)
+        rewrites.append(ShadowRewrite(
+            rid=p + 1, partition=p, shadow=host.name, smac=cfg.switch.mac, dmac=reg.mac,
+            ip=reg.ip, udp_port=reg.port, epoch=reg.epoch, token=reg.token,
+        ))
+    if n >= 2:
+        for src in trainers:
+            assert src.rank is not None
+            dst = trainers[(src.rank + 1) % n]
+            assert dst.rank is not None
+            for shadow in cfg.shadows:
+                p = shadow.partition
+                assert p is not None
+                host, reg = _shadow_session(cfg, p, regs)
+                gid = group_id(dst.rank, p)
+                repl.append(Replication(
+                    job_id=cfg.job_id, src=src.name, src_ip=src.ip, dst=dst.name,
+                    dst_ip=dst.ip, partition=p, shadow=host.name, shadow_ip=reg.ip,
+                    shadow_mac=reg.mac, shadow_port=reg.port, epoch=reg.epoch,
+                    token=reg.token, group_id=gid,
+                ))
+                groups.append(McastGroup(gid, (
+                    (switch_port(cfg, dst), 0), (switch_port(cfg, host), p + 1),
+                )))
+    host_ports = sorted(switch_port(cfg, h) for h in cfg.hosts)
+    groups.append(McastGroup(
+        FLOOD_GROUP, tuple((port, 0) for port in [*host_ports, cfg.switch.cpu_port])
+    ))
+    l2 = [L2Entry(h.mac, h.name, switch_port(cfg, h)) for h in cfg.hosts]
+    l2.append(L2Entry(cfg.switch.mac, cfg.switch.name, cfg.switch.cpu_port))
+    settings = pfc.pfc_settings(cfg.switch.speed_gbps, cfg.switch.cable_m, cfg.network.mtu)
+    ports = tuple(
+        PortPlan(
+            host=h.name, role=h.role, ifname=cfg.switch_ifname(h.name),
+            port=switch_port(cfg, h), speed_gbps=cfg.switch.speed_gbps,
+            fec=fec_for(h.role, cfg.switch.speed_gbps), mtu=cfg.network.mtu, pfc=settings,
+        )
+        for h in cfg.hosts
+    )
+    _check_ports(cfg, ports)
+    return Plan(
+        job_id=cfg.job_id, switch=cfg.switch.name, target=cfg.switch.target,
+        replication=tuple(repl), l2=tuple(l2), groups=tuple(sorted(groups, key=_gid)),
+        rewrites=tuple(rewrites), ports=ports,
+        punt=Punt(cfg.switch.ip, CONTROLLER_PORT, cfg.switch.cpu_port),
+        host_commands=host_commands(cfg),
+    )
+
+
+def fec_for(role: str, speed_gbps: int) -> str:
+    """RS-FEC on every shadow-facing port (copies have no retransmission on the switch path)
+    and on every port of 100G and faster (the paper runs its 100G links with RS-FEC)."""
+    return "rs" if role == "shadow" or speed_gbps >= 100 else "none"
+
+
+def _gid(g: McastGroup) -> int:
+    return g.group_id
+
+
+def _check_ports(cfg: ClusterConfig, ports: tuple[PortPlan, ...]) -> None:
+    seen: dict[int, str] = {cfg.switch.cpu_port: "the CPU port"}
+    for p in ports:
+        if p.port in seen:
+            raise CheckmateError(f"switch port {p.port} of {p.host} is also {seen[p.port]}")
+        seen[p.port] = p.host
+
+
+def describe(plan: Plan) -> str:
+    """Human-readable plan, printed by ``control deploy --dry-run``."""
+    lines = [f"plan for switch {plan.switch} ({plan.target}), job {plan.job_id}"]
+    lines.append(f"replication entries ({len(plan.replication)}):")
+    for r in plan.replication:
+        lines.append(
+            f"  job {r.job_id} {r.src}({r.src_ip}) -> {r.dst}({r.dst_ip}) part {r.partition}"
+            f" => {r.shadow} {r.shadow_ip}:{r.shadow_port} epoch {r.epoch} group {r.group_id}"
+        )
+    lines.append(f"multicast groups ({len(plan.groups)}):")
+    for g in plan.groups:
+        reps = ", ".join(f"port {p} rid {rid}" for p, rid in g.replicas)
+        lines.append(f"  group {g.group_id}: {reps}")
+    lines.append("shadow rewrites:")
+    for w in plan.rewrites:
+        lines.append(
+            f"  rid {w.rid} (partition {w.partition}) -> {w.shadow} {w.dmac} {w.ip}:{w.udp_port}"
+            f" epoch {w.epoch}"
+        )
+    lines.append("l2 forwarding:")
+    lines += [f"  {e.mac} -> port {e.port} ({e.host})" for e in plan.l2]
+    lines.append(
+        f"handshake punt: {plan.punt.ip}:{plan.punt.udp_port} -> CPU port {plan.punt.cpu_port}"
+    )
+    lines.append("ports:")
+    for p in plan.ports:
+        s = p.pfc
+        lines.append(
+            f"  {p.ifname} port {p.port} ({p.role}) {p.speed_gbps}G fec={p.fec} mtu={p.mtu} "
+            f"pfc prio {s.priority}: headroom {s.headroom_bytes} B ({s.headroom_cells} cells) "
+            f"xoff {s.xoff_bytes} B xon {s.xon_bytes} B"
+        )
+    lines.append("host NIC commands (run on each host):")
+    lines += [f"  {c}" for c in plan.host_commands]
+    return "\n".join(lines)

@@ -1,0 +1,232 @@
+/* Checkmate switch for Tofino (TNA).
+ * Build (SDE): bf-p4c --target tofino --arch tna --p4runtime-files checkmate_tna.p4info.txtpb \
+ *                  -I p4/include -o build/p4/checkmate_tna p4/checkmate_tna.p4
+ * Same tables, keys and actions as checkmate_v1model.p4 (the P4Info names differ only by the
+ * "pipe." prefix). Differences forced by the architecture:
+ * - direct counters are counted explicitly in each action;
+ * - unicast and multicast are independent in the traffic manager, so a replicated
+ *   datagram sets only mcast_grp_a (the group holds the destination, rid 0, and the shadow,
+ *   rid = partition + 1) and L2 forwarding is skipped for it;
+ * - ckm traffic is put on queue CKM_QID with ingress_cos CKM_COS, the priority group that
+ *   has PFC enabled (thresholds from `control deploy`, docs/pfc.md);
+ * - the ingress port reaches egress in a bridged header (flood pruning);
+ * - the IPv4 checksum of a shadow copy is recomputed in the egress deparser; the UDP
+ *   checksum of the copy is set to zero (RFC 768 allows it over IPv4; the ckm CRC32C covers
+ *   the payload).
+ * Parser errors (a ckm port with a payload shorter than the header) do not drop: the packet
+ * continues with hdr.ckm invalid, is counted as malformed and forwarded as plain traffic.
+ */
+#include <core.p4>
+#include <tna.p4>
+
+#include "include/checkmate_parser.p4"
+
+parser CkmIngressParser(packet_in pkt, out headers_t hdr, out ckm_meta_t meta,
+                        out ingress_intrinsic_metadata_t ig_intr_md) {
+    CkmPacketParser() packet_parser;
+
+    state start {
+        pkt.extract(ig_intr_md);
+        pkt.advance(PORT_METADATA_SIZE);
+        packet_parser.apply(pkt, hdr, meta);
+        transition accept;
+    }
+}
+
+control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
+                   in ingress_intrinsic_metadata_t ig_intr_md,
+                   in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
+                   inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
+                   inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    Counter<bit<32>, bit<32>>(STAT_SIZE, CounterType_t.PACKETS_AND_BYTES) ckm_stats;
+    DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) l2_fwd_counter;
+    DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) ckm_punt_counter;
+    DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) ckm_replicate_counter;
+
+    action forward(PortId_t port) {
+        ig_tm_md.ucast_egress_port = port;
+        l2_fwd_counter.count();
+    }
+
+    action flood() {
+        ig_tm_md.mcast_grp_a = FLOOD_GROUP;
+        l2_fwd_counter.count();
+    }
+
+    action drop() {
+        ig_dprsr_md.drop_ctl = 1;
+        l2_fwd_counter.count();
+    }
+
+    table l2_fwd {
+        key = {
+            hdr.ethernet.dst_addr: exact @name("dst_mac");
+        }
+        actions = {
+            forward;
+            flood;
+            drop;
+        }
+        default_action = flood();
+        size = 1024;
+        counters = l2_fwd_counter;
+    }
+
+    action to_cpu(PortId_t port) {
+        ig_tm_md.ucast_egress_port = port;
+        ckm_punt_counter.count();
+        ckm_stats.count(STAT_HANDSHAKE);
+    }
+
+    table ckm_punt {
+        key = {
+            hdr.ipv4.dst_addr: exact @name("dst_ip");
+            hdr.udp.dst_port: exact @name("udp_dst_port");
+        }
+        actions = {
+            to_cpu;
+            @defaultonly NoAction;
+        }
+        default_action = NoAction();
+        size = 16;
+        counters = ckm_punt_counter;
+    }
+
+    action replicate(MulticastGroupId_t group) {
+        ig_tm_md.mcast_grp_a = group;
+        ckm_replicate_counter.count();
+        ckm_stats.count(STAT_REPLICATED);
+    }
+
+    action no_entry() {
+        ckm_stats.count(STAT_NO_ENTRY);
+    }
+
+    table ckm_replicate {
+        key = {
+            hdr.ckm.job_id: exact @name("job_id");
+            hdr.ipv4.src_addr: exact @name("src_ip");
+            hdr.ipv4.dst_addr: exact @name("dst_ip");
+            hdr.ckm.partition: exact @name("partition");
+        }
+        actions = {
+            replicate;
+            @defaultonly no_entry;
+        }
+        default_action = no_entry();
+        size = 4096;
+        counters = ckm_replicate_counter;
+    }
+
+    apply {
+        bool steered = false;
+        hdr.bridge.setValid();
+        hdr.bridge.pad = 0;
+        hdr.bridge.ingress_port = ig_intr_md.ingress_port;
+        if (hdr.ckm.isValid()) {
+            ckm_stats.count(STAT_CKM);
+            ig_tm_md.qid = CKM_QID;
+            ig_tm_md.ingress_cos = CKM_COS;
+            if ((hdr.ckm.flags & CKM_F_HANDSHAKE) != 0) {
+                steered = ckm_punt.apply().hit;
+            } else if ((hdr.ckm.flags & CKM_F_REPLICATE) != 0) {
+                steered = ckm_replicate.apply().hit;
+            }
+        } else if (meta.ckm_port == 1) {
+            ckm_stats.count(STAT_MALFORMED);
+        }
+        if (!steered && hdr.ethernet.isValid()) {
+            l2_fwd.apply();
+        }
+    }
+}
+
+control CkmIngressDeparser(packet_out pkt, inout headers_t hdr, in ckm_meta_t meta,
+                           in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
+    apply {
+        pkt.emit(hdr.bridge);
+        pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.ipv4);
+        pkt.emit(hdr.udp);
+        pkt.emit(hdr.ckm);
+    }
+}
+
+parser CkmEgressParser(packet_in pkt, out headers_t hdr, out ckm_meta_t meta,
+                       out egress_intrinsic_metadata_t eg_intr_md) {
+    CkmPacketParser() packet_parser;
+
+    state start {
+        pkt.extract(eg_intr_md);
+        pkt.extract(hdr.bridge);
+        packet_parser.apply(pkt, hdr, meta);
+        transition accept;
+    }
+}
+
+control CkmEgress(inout headers_t hdr, inout ckm_meta_t meta,
+                  in egress_intrinsic_metadata_t eg_intr_md,
+                  in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
+                  inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
+                  inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
+    DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) shadow_rewrite_counter;
+
+    action rewrite_shadow(bit<48> smac, bit<48> dmac, bit<32> ip, bit<16> udp_port,
+                          bit<32> epoch, bit<32> token) {
+        hdr.ethernet.src_addr = smac;
+        hdr.ethernet.dst_addr = dmac;
+        hdr.ipv4.dst_addr = ip;
+        hdr.udp.dst_port = udp_port;
+        hdr.udp.checksum = 0;
+        hdr.ckm.epoch = epoch;
+        hdr.ckm.token = token;
+        meta.shadow_copy = 1;
+        shadow_rewrite_counter.count();
+    }
+
+    table shadow_rewrite {
+        key = {
+            eg_intr_md.egress_rid: exact @name("egress_rid");
+        }
+        actions = {
+            rewrite_shadow;
+            @defaultonly NoAction;
+        }
+        default_action = NoAction();
+        size = 1024;
+        counters = shadow_rewrite_counter;
+    }
+
+    apply {
+        if (eg_intr_md.egress_rid != 0 && hdr.ckm.isValid()) {
+            shadow_rewrite.apply();
+        } else if (eg_intr_md.egress_port == hdr.bridge.ingress_port) {
+            eg_dprsr_md.drop_ctl = 1;  /* never send a frame back where it came from */
+        }
+        hdr.bridge.setInvalid();
+    }
+}
+
+control CkmEgressDeparser(packet_out pkt, inout headers_t hdr, in ckm_meta_t meta,
+                          in egress_intrinsic_metadata_for_deparser_t eg_dprsr_md) {
+    Checksum() ipv4_checksum;
+
+    apply {
+        if (meta.shadow_copy == 1) {
+            hdr.ipv4.hdr_checksum = ipv4_checksum.update({
+                hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.dscp, hdr.ipv4.ecn,
+                hdr.ipv4.total_len, hdr.ipv4.identification, hdr.ipv4.flags,
+                hdr.ipv4.frag_offset, hdr.ipv4.ttl, hdr.ipv4.protocol,
+                hdr.ipv4.src_addr, hdr.ipv4.dst_addr });
+        }
+        pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.ipv4);
+        pkt.emit(hdr.udp);
+        pkt.emit(hdr.ckm);
+    }
+}
+
+Pipeline(CkmIngressParser(), CkmIngress(), CkmIngressDeparser(),
+         CkmEgressParser(), CkmEgress(), CkmEgressDeparser()) pipe;
+
+Switch(pipe) main;

@@ -1,0 +1,195 @@
+/* Checkmate switch for bmv2 simple_switch_grpc (v1model).
+ * Build: p4c-bm2-ss --arch v1model --p4runtime-files checkmate_v1model.p4info.txtpb \
+ *            -I p4/include -o build/p4/checkmate_v1model.json p4/checkmate_v1model.p4
+ * Needs a v1model.p4 with standard_metadata.priority (p4c >= 1.2.0) and simple_switch
+ * started with --priority-queues for the ckm class to get its own queue.
+ *
+ * Ingress: L2 forwarding by destination MAC (flood group for unknown/broadcast); ckm
+ * datagrams go to the ckm priority; REPLICATE datagrams whose (job, src IP, dst IP,
+ * partition) match ckm_replicate are multicast to a group holding the destination's port
+ * (rid 0, unchanged) and the shadow's port (rid = partition + 1); HANDSHAKE datagrams to
+ * the controller's address/port are sent to the CPU port, where the controller's UDP
+ * socket receives them as ordinary frames (docs/protocol.md, Handshake).
+ * Egress: the replica with a non-zero rid is rewritten for its shadow (shadow_rewrite):
+ * MACs, IPv4 destination, UDP destination port, epoch and token; the IPv4 checksum is
+ * recomputed and the UDP checksum set to zero (legal for UDP over IPv4, RFC 768; the
+ * ckm CRC32C still protects the payload, and the rewritten fields are not covered by it).
+ */
+#include <core.p4>
+#include <v1model.p4>
+
+#include "include/checkmate_parser.p4"
+
+parser CkmParser(packet_in pkt, out headers_t hdr, inout ckm_meta_t meta,
+                 inout standard_metadata_t std_md) {
+    CkmPacketParser() packet_parser;
+
+    state start {
+        packet_parser.apply(pkt, hdr, meta);
+        transition accept;
+    }
+}
+
+control CkmVerifyChecksum(inout headers_t hdr, inout ckm_meta_t meta) {
+    apply { }
+}
+
+control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
+                   inout standard_metadata_t std_md) {
+    counter(STAT_SIZE, CounterType.packets_and_bytes) ckm_stats;
+    direct_counter(CounterType.packets_and_bytes) l2_fwd_counter;
+    direct_counter(CounterType.packets_and_bytes) ckm_punt_counter;
+    direct_counter(CounterType.packets_and_bytes) ckm_replicate_counter;
+
+    action forward(bit<9> port) {
+        std_md.egress_spec = port;
+    }
+
+    action flood() {
+        std_md.mcast_grp = FLOOD_GROUP;
+    }
+
+    action drop() {
+        mark_to_drop(std_md);
+    }
+
+    table l2_fwd {
+        key = {
+            hdr.ethernet.dst_addr: exact @name("dst_mac");
+        }
+        actions = {
+            forward;
+            flood;
+            drop;
+        }
+        default_action = flood();
+        size = 1024;
+        counters = l2_fwd_counter;
+    }
+
+    action to_cpu(bit<9> port) {
+        std_md.egress_spec = port;
+        ckm_stats.count(STAT_HANDSHAKE);
+    }
+
+    table ckm_punt {
+        key = {
+            hdr.ipv4.dst_addr: exact @name("dst_ip");
+            hdr.udp.dst_port: exact @name("udp_dst_port");
+        }
+        actions = {
+            to_cpu;
+            @defaultonly NoAction;
+        }
+        default_action = NoAction();
+        size = 16;
+        counters = ckm_punt_counter;
+    }
+
+    action replicate(bit<16> group) {
+        std_md.mcast_grp = group;
+        ckm_stats.count(STAT_REPLICATED);
+    }
+
+    action no_entry() {
+        ckm_stats.count(STAT_NO_ENTRY);
+    }
+
+    table ckm_replicate {
+        key = {
+            hdr.ckm.job_id: exact @name("job_id");
+            hdr.ipv4.src_addr: exact @name("src_ip");
+            hdr.ipv4.dst_addr: exact @name("dst_ip");
+            hdr.ckm.partition: exact @name("partition");
+        }
+        actions = {
+            replicate;
+            @defaultonly no_entry;
+        }
+        default_action = no_entry();
+        size = 4096;
+        counters = ckm_replicate_counter;
+    }
+
+    apply {
+        bool steered = false;
+        if (hdr.ckm.isValid()) {
+            ckm_stats.count(STAT_CKM);
+            std_md.priority = CKM_COS;
+            if ((hdr.ckm.flags & CKM_F_HANDSHAKE) != 0) {
+                steered = ckm_punt.apply().hit;
+            } else if ((hdr.ckm.flags & CKM_F_REPLICATE) != 0) {
+                steered = ckm_replicate.apply().hit;
+            }
+        } else if (meta.ckm_port == 1) {
+            ckm_stats.count(STAT_MALFORMED);
+        }
+        /* A replicated datagram reaches its destination through the group (rid 0). */
+        if (!steered && hdr.ethernet.isValid()) {
+            l2_fwd.apply();
+        }
+    }
+}
+
+control CkmEgress(inout headers_t hdr, inout ckm_meta_t meta,
+                  inout standard_metadata_t std_md) {
+    direct_counter(CounterType.packets_and_bytes) shadow_rewrite_counter;
+
+    action rewrite_shadow(bit<48> smac, bit<48> dmac, bit<32> ip, bit<16> udp_port,
+                          bit<32> epoch, bit<32> token) {
+        hdr.ethernet.src_addr = smac;
+        hdr.ethernet.dst_addr = dmac;
+        hdr.ipv4.dst_addr = ip;
+        hdr.udp.dst_port = udp_port;
+        hdr.udp.checksum = 0;
+        hdr.ckm.epoch = epoch;
+        hdr.ckm.token = token;
+        meta.shadow_copy = 1;
+    }
+
+    table shadow_rewrite {
+        key = {
+            std_md.egress_rid: exact @name("egress_rid");
+        }
+        actions = {
+            rewrite_shadow;
+            @defaultonly NoAction;
+        }
+        default_action = NoAction();
+        size = 1024;
+        counters = shadow_rewrite_counter;
+    }
+
+    apply {
+        if (std_md.egress_rid != 0 && hdr.ckm.isValid()) {
+            shadow_rewrite.apply();
+        } else if (std_md.egress_port == std_md.ingress_port) {
+            mark_to_drop(std_md);  /* never send a frame back where it came from (floods) */
+        }
+    }
+}
+
+control CkmComputeChecksum(inout headers_t hdr, inout ckm_meta_t meta) {
+    apply {
+        update_checksum(
+            hdr.ipv4.isValid() && meta.shadow_copy == 1,
+            { hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.dscp, hdr.ipv4.ecn,
+              hdr.ipv4.total_len, hdr.ipv4.identification, hdr.ipv4.flags,
+              hdr.ipv4.frag_offset, hdr.ipv4.ttl, hdr.ipv4.protocol,
+              hdr.ipv4.src_addr, hdr.ipv4.dst_addr },
+            hdr.ipv4.hdr_checksum,
+            HashAlgorithm.csum16);
+    }
+}
+
+control CkmDeparser(packet_out pkt, in headers_t hdr) {
+    apply {
+        pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.ipv4);
+        pkt.emit(hdr.udp);
+        pkt.emit(hdr.ckm);
+    }
+}
+
+V1Switch(CkmParser(), CkmVerifyChecksum(), CkmIngress(), CkmEgress(), CkmComputeChecksum(),
+         CkmDeparser()) main;

@@ -1,0 +1,75 @@
+/* Checkmate P4: header types, metadata and constants shared by the TNA and v1model programs.
+ * The ckm header itself comes from ckm_headers.p4, generated from checkmate/wire.py. */
+#ifndef CHECKMATE_COMMON_P4
+#define CHECKMATE_COMMON_P4
+
+#include "ckm_headers.p4"
+
+const bit<16> ETHERTYPE_IPV4 = 0x0800;
+const bit<8> IPPROTO_UDP = 17;
+/* UDP port of the controller's handshake service (checkmate.config.CONTROLLER_PORT). */
+const bit<16> CKM_CONTROLLER_PORT = CKM_PORT_BASE + CKM_PORT_COUNT - 1;
+/* Multicast group flooding broadcast/unknown frames to every host port and the CPU port. */
+const bit<16> FLOOD_GROUP = 1;
+/* 802.1p priority / ingress cos / queue of ckm traffic: PFC makes this class lossless. */
+const bit<3> CKM_COS = 3;
+const bit<5> CKM_QID = 3;
+
+/* Indexes of the ckm_stats counter array (read by `control status`). */
+const bit<32> STAT_CKM = 0;          /* well-formed ckm datagrams seen */
+const bit<32> STAT_REPLICATED = 1;   /* REPLICATE datagrams that matched an entry */
+const bit<32> STAT_NO_ENTRY = 2;     /* REPLICATE datagrams without an entry: forwarded only */
+const bit<32> STAT_MALFORMED = 3;    /* on a ckm port but bad magic/version or too short */
+const bit<32> STAT_HANDSHAKE = 4;    /* HANDSHAKE datagrams punted to the controller */
+const bit<32> STAT_SIZE = 8;
+
+header ethernet_h {
+    bit<48> dst_addr;
+    bit<48> src_addr;
+    bit<16> ether_type;
+}
+
+header ipv4_h {
+    bit<4> version;
+    bit<4> ihl;
+    bit<6> dscp;
+    bit<2> ecn;
+    bit<16> total_len;
+    bit<16> identification;
+    bit<3> flags;
+    bit<13> frag_offset;
+    bit<8> ttl;
+    bit<8> protocol;
+    bit<16> hdr_checksum;
+    bit<32> src_addr;
+    bit<32> dst_addr;
+}
+
+header udp_h {
+    bit<16> src_port;
+    bit<16> dst_port;
+    bit<16> length;
+    bit<16> checksum;
+}
+
+/* TNA only: ingress -> egress bridged metadata (egress needs the ingress port to prune
+ * floods). v1model has standard_metadata for this and never emits it. */
+header ckm_bridge_h {
+    bit<7> pad;
+    bit<9> ingress_port;
+}
+
+struct headers_t {
+    ckm_bridge_h bridge;
+    ethernet_h ethernet;
+    ipv4_h ipv4;
+    udp_h udp;
+    ckm_h ckm;
+}
+
+struct ckm_meta_t {
+    bit<1> ckm_port;     /* UDP destination port lies in the ckm range */
+    bit<1> shadow_copy;  /* egress: this replica was rewritten for a shadow */
+}
+
+#endif

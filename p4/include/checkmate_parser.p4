@@ -1,0 +1,64 @@
+/* Ethernet / IPv4 / UDP / ckm parsing, shared by both architectures as a sub-parser.
+ * A datagram is parsed as ckm only when its UDP destination port lies in
+ * CKM_PORT_BASE .. CKM_PORT_BASE + CKM_PORT_COUNT - 1 (47000..48023) and the first three
+ * payload bytes carry the ckm magic and version. The port range is not aligned to a power
+ * of two, so it is written as eight value/mask blocks; tests/test_p4_sources.py checks
+ * that they cover exactly the Python range. A short or foreign payload on a ckm port leaves
+ * hdr.ckm invalid with meta.ckm_port set: ingress counts it as malformed and forwards it
+ * as plain traffic. */
+#ifndef CHECKMATE_PARSER_P4
+#define CHECKMATE_PARSER_P4
+
+#include "checkmate_common.p4"
+
+parser CkmPacketParser(packet_in pkt, inout headers_t hdr, inout ckm_meta_t meta) {
+    state start {
+        meta.ckm_port = 0;
+        meta.shadow_copy = 0;
+        pkt.extract(hdr.ethernet);
+        transition select(hdr.ethernet.ether_type) {
+            ETHERTYPE_IPV4: parse_ipv4;
+            default: accept;
+        }
+    }
+
+    state parse_ipv4 {
+        pkt.extract(hdr.ipv4);
+        /* No IP options, first fragment only: anything else is plain traffic. */
+        transition select(hdr.ipv4.ihl, hdr.ipv4.frag_offset, hdr.ipv4.protocol) {
+            (4w5, 13w0, IPPROTO_UDP): parse_udp;
+            default: accept;
+        }
+    }
+
+    state parse_udp {
+        pkt.extract(hdr.udp);
+        transition select(hdr.udp.dst_port) {
+            16w0xb798 &&& 16w0xfff8: ckm_port;  /* 47000 .. 47007 */
+            16w0xb7a0 &&& 16w0xffe0: ckm_port;  /* 47008 .. 47039 */
+            16w0xb7c0 &&& 16w0xffc0: ckm_port;  /* 47040 .. 47103 */
+            16w0xb800 &&& 16w0xfe00: ckm_port;  /* 47104 .. 47615 */
+            16w0xba00 &&& 16w0xff00: ckm_port;  /* 47616 .. 47871 */
+            16w0xbb00 &&& 16w0xff80: ckm_port;  /* 47872 .. 47999 */
+            16w0xbb80 &&& 16w0xfff0: ckm_port;  /* 48000 .. 48015 */
+            16w0xbb90 &&& 16w0xfff8: ckm_port;  /* 48016 .. 48023 */
+            default: accept;
+        }
+    }
+
+    state ckm_port {
+        meta.ckm_port = 1;
+        /* magic ++ version must match before the 56-byte header is extracted. */
+        transition select(pkt.lookahead<bit<24>>()) {
+            ((bit<16>)CKM_MAGIC ++ (bit<8>)CKM_VERSION): parse_ckm;
+            default: accept;
+        }
+    }
+
+    state parse_ckm {
+        pkt.extract(hdr.ckm);
+        transition accept;
+    }
+}
+
+#endif
