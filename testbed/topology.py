@@ -61,18 +61,31 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
     return doc
 
 
-def _pid_is(pid: int, needle: str) -> bool:
-    """True if ``pid`` is alive and its command line contains ``needle`` (PID reuse guard)."""
+def proc_start_time(pid: int) -> int | None:
+    """Kernel start time of ``pid`` (clock ticks since boot), None if it is gone."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _alive(pid: int, start: int | None) -> bool:
+    """Still the process we started (same PID and start time, not a zombie)?"""
+    if start is None or proc_start_time(pid) != start:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
-    return needle.encode() in cmdline
+    return state != "Z"
 
 
-def stop_pid(pid: int, needle: str, timeout: float = 5.0) -> bool:
-    """SIGTERM, then SIGKILL after ``timeout``; only if the PID still runs ``needle``."""
-    if not _pid_is(pid, needle):
+def stop_pid(pid: int, start: int | None, timeout: float = 5.0) -> bool:
+    """SIGTERM, then SIGKILL after ``timeout``; only if ``pid`` is still the process that
+    started at ``start`` (a recycled PID is left alone)."""
+    if not _alive(pid, start):
+        _reap(pid)
         return False
     try:
         os.kill(pid, signal.SIGTERM)
@@ -81,7 +94,7 @@ def stop_pid(pid: int, needle: str, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _reap(pid)
-        if not _pid_is(pid, needle):
+        if not _alive(pid, start):
             return True
         time.sleep(0.05)
     try:
@@ -154,16 +167,13 @@ class Testbed:
         self.down()
         state: dict[str, Any] = {"prefix": self.cfg.network.prefix,
                                  "namespaces": self.namespaces,
-                                 "pin_dir": str(self.switch.pin_dir), "pids": {}}
+                                 "pin_dir": str(self.switch.pin_dir), "procs": []}
         self._write_state(state)
         try:
             self._build_links()
             self.switch.attach()
             if self.controller:
-                pid = self._start_controller()
-                if pid:
-                    state["pids"]["controller"] = pid
-                    self._write_state(state)
+                self._start_controller()
         except BaseException:
             self.down()
             raise
@@ -222,12 +232,11 @@ class Testbed:
         log = open(self.state_dir / "controller.log", "ab")  # noqa: SIM115
         argv = [sys.executable, "-m", CONTROLLER_MODULE, "serve", "--config",
                 str(self._effective_config())]
-        proc = subprocess.Popen(nsenter_argv(self.cfg.netns(self.cfg.switch.name), argv),
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True)
+        proc = self.spawn(self.cfg.switch.name, argv, "controller", stdin=subprocess.DEVNULL,
+                          stdout=log, stderr=log)
         log.close()
         (self.state_dir / "controller.pid").write_text(f"{proc.pid}\n")
-        time.sleep(0.3)
+        time.sleep(0.5)
         if proc.poll() is not None:
             tail = (self.state_dir / "controller.log").read_text(errors="replace")
             last = (tail.strip().splitlines() or ["no output"])[-1]
@@ -242,16 +251,9 @@ class Testbed:
         from pyroute2 import netns
 
         state = self._read_state()
-        pids = dict(state.get("pids", {}))
-        pid_file = self.state_dir / "controller.pid"
-        if pid_file.exists():
-            try:
-                pids.setdefault("controller", int(pid_file.read_text().strip()))
-            except ValueError:
-                pass
-        for pid in pids.values():
-            if isinstance(pid, int):
-                stop_pid(pid, CONTROLLER_MODULE)
+        for p in state.get("procs", []):
+            if isinstance(p, dict) and isinstance(p.get("pid"), int):
+                stop_pid(p["pid"], p.get("start"))
         self.switch.detach()
         stale_pin = state.get("pin_dir")
         if stale_pin and Path(stale_pin).parent == Path("/sys/fs/bpf"):
@@ -282,11 +284,22 @@ class Testbed:
         """Start ``argv`` inside ``host``'s namespace; the caller stops it by its PID."""
         return subprocess.Popen(self.argv_in(host, argv), **kw)
 
+    def spawn(self, host: str, argv: list[str], name: str, **kw: Any) -> subprocess.Popen:
+        """Like popen_in, in its own session, and recorded (PID + start time) in the state
+        file so that ``down()`` stops it, even from another process after a crash."""
+        proc = self.popen_in(host, argv, start_new_session=True, **kw)
+        state = self._read_state()
+        state.setdefault("procs", []).append(
+            {"name": name, "host": host, "pid": proc.pid, "start": proc_start_time(proc.pid)})
+        self._write_state(state)
+        return proc
+
     # -- inventory -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         cfg = self.cfg
         state = self._read_state()
-        pid = state.get("pids", {}).get("controller")
+        ctl = [p for p in state.get("procs", []) if p.get("name") == "controller"]
+        pid = ctl[0]["pid"] if ctl and _alive(ctl[0]["pid"], ctl[0].get("start")) else None
         sw_ns = cfg.netns(cfg.switch.name)
         hosts = []
         for h in cfg.hosts:
@@ -307,7 +320,6 @@ class Testbed:
                        "namespace": sw_ns, "bridge": cfg.bridge_name, "ip": cfg.switch.ip,
                        "mac": cfg.switch.mac, "bpf_pin_dir": str(self.switch.pin_dir),
                        "bpf_attached": self.switch.is_up(),
-                       "controller_pid": pid if pid and _pid_is(pid, CONTROLLER_MODULE)
-                       else None},
+                       "controller_pid": pid},
             "hosts": hosts,
         }
