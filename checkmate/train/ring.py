@@ -1,0 +1,490 @@
+"""Ring allreduce over the ckm UDP transport, run by one communication thread.
+
+Each rank sends only to its right neighbour (rank + 1) and receives only from its left one,
+so the ring needs one reliable, ordered datagram stream per direction:
+
+- every data datagram carries a per-sender ``seq``; the receiver keeps out-of-order arrivals
+  and processes strictly in ``seq`` order, so each chunk's reduce-scatter arrival is always
+  processed before its all-gather arrival;
+- the receiver answers with ACK datagrams (``seq`` = next sequence number it still needs)
+  whose payload lists the gaps it has seen (flag NACK); the sender resends those, and resends
+  the oldest unacknowledged datagrams after ``rto`` without an acknowledgement;
+- a payload whose CRC32C does not match is dropped and counted, which turns corruption into
+  loss.
+
+A bucket of ``n`` elements is cut into ``world`` segments, and each segment into chunks that
+fit one datagram and never cross a partition boundary of the flat parameter space. Segment
+``g`` starts at rank ``g``, collects one addend per hop, and is complete at rank ``g - 1``,
+which sends it on its first all-gather hop with REPLICATE set (the switch copies it to the
+partition's shadow) and calls ``on_reduced`` (host replication sends the copy itself). Later
+all-gather hops forward it untagged, so each element reaches its shadow once per iteration.
+
+The caller divides the bucket by the world size before submitting; the reduced bytes are then
+exactly the gradient every rank uses and the shadows receive.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from checkmate import wire
+from checkmate.errors import CheckmateError
+from checkmate.partition import partition_bounds
+from checkmate.train.transport import LossyLink, receive_buffer
+
+#: Largest float32 count in one datagram: fits a 9000-byte MTU with IPv4, UDP and ckm headers.
+MAX_CHUNK = wire.MAX_PAYLOAD_JUMBO // 4
+_F = wire.Flags
+_PACK = wire.STRUCT.pack
+_UNPACK = wire.STRUCT.unpack_from
+_HLEN = wire.HEADER_LEN
+_NACK_MAX = 256  # gaps listed in one ACK datagram
+
+#: Called for each fully reduced chunk once: (iteration, bucket, flat offset, partition, bytes).
+ReducedCallback = Callable[[int, int, int, int, bytes], None]
+
+
+class RingError(CheckmateError):
+    """The ring stalled (a peer is gone) or was closed with work in flight."""
+
+
+@dataclass
+class _Op:
+    """One bucket allreduce in flight."""
+
+    iteration: int
+    bucket: int
+    base: int  # flat offset of the bucket's first element
+    tensor: torch.Tensor
+    buf: np.ndarray
+    future: torch.futures.Future
+    chunks: list[tuple[int, int, int, int]]  # (segment, start, end, partition), bucket-local
+    at: dict[int, int]  # flat offset -> chunk index
+    received: np.ndarray  # arrivals per chunk
+    left: int  # arrivals still expected before the result is final
+    last_progress: float = field(default_factory=time.monotonic)
+
+
+class RingAllreduce:
+    """The ring of one trainer. ``submit`` may be called from any thread.
+
+    Args:
+        rank, world: this trainer's place in the ring.
+        sock: its bound UDP socket (see ``transport.open_socket``).
+        right, left: ``(ip, port)`` of ranks ``rank + 1`` and ``rank - 1``.
+        job_id: stamped into every datagram; others are dropped and counted.
+        nonce: stamped into ``token``; datagrams of an earlier incarnation of the job are
+            dropped (every rank must use the same value).
+        total, partitions: the flat parameter space and its partition count (chunks never
+            straddle a partition boundary, so each REPLICATE datagram has one owner).
+        chunk: elements per datagram (at most ``MAX_CHUNK``).
+        on_reduced: host replication hook, see the module docstring.
+        link: a ``LossyLink`` test double applied to outgoing datagrams (loopback tests).
+        rto: seconds without acknowledgement before resending.
+        stall_timeout: seconds without progress before an operation fails.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        sock: socket.socket,
+        right: tuple[str, int],
+        left: tuple[str, int],
+        job_id: int,
+        nonce: int,
+        total: int,
+        partitions: int,
+        chunk: int = MAX_CHUNK,
+        on_reduced: ReducedCallback | None = None,
+        link: LossyLink | None = None,
+        rto: float = 0.05,
+        stall_timeout: float = 60.0,
+        window: int | None = None,
+    ) -> None:
+        if not 0 <= rank < world:
+            raise CheckmateError(f"rank {rank} outside 0..{world - 1}")
+        if not 1 <= chunk <= MAX_CHUNK:
+            raise CheckmateError(f"chunk must be 1..{MAX_CHUNK} elements, got {chunk}")
+        self.rank, self.world = rank, world
+        self.sock, self.right, self.left = sock, right, left
+        self.job_id, self.nonce = job_id, nonce & 0xFFFFFFFF
+        self.total, self.partitions = total, partitions
+        self._bounds = [(p, a, b) for p, (a, b) in enumerate(partition_bounds(total, partitions))
+                        if a < b]
+        self.chunk = chunk
+        self.on_reduced = on_reduced
+        self.link = link
+        self.rto = rto
+        self.nack_gap = min(rto / 2, 0.005)
+        self.stall_timeout = stall_timeout
+        if window is None:
+            per = (chunk * 4 + _HLEN + 1024) * 2
+            window = max(16, min(512, receive_buffer(sock) // per))
+        self.window = window
+        self.stats = dict(sent=0, resent=0, received=0, duplicate=0, corrupt=0, foreign=0,
+                          malformed=0, acks_sent=0, acks_received=0)
+        # sender
+        self._ready: deque[tuple[int, int, int, int, int, int, bytes, int]] = deque()
+        self._unacked: dict[int, list] = {}
+        self._tx_next = 0
+        self._tx_base = 0
+        self._ack_progress = time.monotonic()  # last time an ACK moved _tx_base
+        # receiver
+        self._held: dict[int, tuple[tuple, bytes]] = {}  # seq -> (header fields, payload)
+        self._proc_next = 0
+        self._recv_next = 0
+        self._max_seen = -1
+        self._ack_due = False
+        self._last_ack = (-1, 0.0)
+        # ops
+        self._ops: dict[tuple[int, int], _Op] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"ckm-ring-{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, tensor: torch.Tensor, base: int, iteration: int, bucket: int
+               ) -> torch.futures.Future:
+        """Start the allreduce of ``tensor`` (1-D float32, reduced in place).
+
+        ``base`` is the flat offset of ``tensor[0]``. The future completes on the
+        communication thread with ``tensor`` once it holds the sum over all ranks.
+        """
+        if tensor.dtype != torch.float32 or tensor.dim() != 1 or not tensor.is_contiguous():
+            raise CheckmateError("ring allreduce takes a contiguous 1-D float32 tensor")
+        if base < 0 or base + tensor.numel() > self.total:
+            raise CheckmateError(f"bucket [{base}, {base + tensor.numel()}) outside the flat "
+                                 f"space of {self.total} elements")
+        fut: torch.futures.Future = torch.futures.Future()
+        if self._error is not None:
+            fut.set_exception(RingError(f"ring is down: {self._error}"))
+            return fut
+        self._inbox.put((tensor, base, iteration, bucket, fut))
+        os.write(self._wake_w, b"x")
+        return fut
+
+    def allreduce(self, tensor: torch.Tensor, base: int = 0, iteration: int = 0,
+                  bucket: int = 0) -> torch.Tensor:
+        """Blocking form of ``submit``."""
+        return self.submit(tensor, base, iteration, bucket).wait()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread after the peers acknowledged what is in flight (or ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while ((self._unacked or self._ready) and self._thread.is_alive()
+               and time.monotonic() < deadline):
+            time.sleep(0.005)
+        self._closing = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=2.0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ------------------------------------------------------------------ layout
+    def _layout(self, base: int, n: int) -> list[tuple[int, int, int, int]]:
+        chunks = []
+        for g in range(self.world):
+            s, e = g * n // self.world, (g + 1) * n // self.world
+            pos = s
+            while pos < e:
+                flat = base + pos
+                for p, a, b in self._bounds:
+                    if a <= flat < b:
+                        part, limit = p, b - base
+                        break
+                else:
+                    raise CheckmateError(f"offset {flat} outside every partition")
+                stop = min(e, pos + self.chunk, limit)
+                chunks.append((g, pos, stop, part))
+                pos = stop
+        return chunks
+
+    # ------------------------------------------------------------------ comm thread
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            while not self._closing:
+                self._take_new_ops()
+                self._process_in_order()
+                self._send_ready()
+                self._resend_timed_out()
+                busy = bool(self._ready) and len(self._unacked) < self.window
+                wait_ms = 0 if busy else (int(self.rto * 500) + 1 if self._unacked or self._ops
+                                          else 200)
+                for fd, _ in poller.poll(wait_ms):
+                    if fd == self._wake_r:
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                self._receive_batch()
+                self._check_stall()
+        except BaseException as e:  # noqa: BLE001 - surfaced through every pending future
+            self._error = e
+            for op in self._ops.values():
+                if not op.future.done():
+                    op.future.set_exception(RingError(f"ring thread failed: {e!r}"))
+            raise
+
+    def _take_new_ops(self) -> None:
+        while True:
+            try:
+                tensor, base, iteration, bucket, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            n = tensor.numel()
+            chunks = self._layout(base, n)
+            at = {base + c[1]: i for i, c in enumerate(chunks)}
+            r, w = self.rank, self.world
+            # Each chunk has one final arrival: its all-gather hop, or, for the segment this
+            # rank completes, its last reduce-scatter hop.
+            op = _Op(iteration, bucket, base, tensor, tensor.numpy(), fut, chunks, at,
+                     np.zeros(len(chunks), np.int8), len(chunks))
+            key = (iteration, bucket)
+            if key in self._ops:
+                fut.set_exception(RingError(f"bucket {bucket} of iteration {iteration} "
+                                            "submitted twice"))
+                continue
+            if w == 1:
+                for _g, s, e, p in chunks:
+                    self._reduced(op, base + s, p, op.buf[s:e].tobytes())
+                fut.set_result(tensor)
+                continue
+            self._ops[key] = op
+            for i, c in enumerate(chunks):
+                if c[0] == r:
+                    self._queue(op, i, replicate=False)
+
+    def _queue(self, op: _Op, i: int, replicate: bool) -> None:
+        g, s, e, p = op.chunks[i]
+        payload = op.buf[s:e].tobytes()
+        flags = _F.REPLICATE if replicate else 0
+        self._ready.append((flags, op.iteration, op.bucket, op.base + s, e - s, p, payload,
+                            wire.crc(payload)))
+        if replicate:
+            self._reduced(op, op.base + s, p, payload)
+
+    def _reduced(self, op: _Op, offset: int, part: int, payload: bytes) -> None:
+        if self.on_reduced is not None:
+            self.on_reduced(op.iteration, op.bucket, offset, part, payload)
+
+    def _transmit(self, dgram: bytes, addr: tuple[str, int]) -> bool:
+        if self.link is not None:
+            d = self.link.apply(dgram, _HLEN)
+            if d is None:
+                return True
+            dgram = d
+        try:
+            self.sock.sendto(dgram, addr)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            # ECONNREFUSED and the like from ICMP: the peer is not up yet; resend later.
+            if e.errno in (111, 113, 101):
+                return True
+            raise
+        return True
+
+    def _send_ready(self) -> None:
+        now = time.monotonic()
+        while self._ready and len(self._unacked) < self.window:
+            flags, it, bucket, off, cnt, part, payload, c = self._ready[0]
+            seq = self._tx_next & 0xFFFFFFFF
+            hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, 0, self.nonce, it, off,
+                        cnt, seq, bucket, part, wire.DType.FLOAT32, 0, 0, 0, 0, c)
+            dgram = hdr + payload
+            if not self._transmit(dgram, self.right):
+                return
+            self._ready.popleft()
+            self._unacked[self._tx_next] = [dgram, now]
+            self._tx_next += 1
+            self.stats["sent"] += 1
+
+    def _resend_timed_out(self) -> None:
+        if not self._unacked:
+            return
+        now = time.monotonic()
+        first = self._unacked.get(self._tx_base)
+        if first is None or now - max(first[1], self._ack_progress) < self.rto:
+            return
+        for n, seq in enumerate(range(self._tx_base, self._tx_next)):
+            ent = self._unacked.get(seq)
+            if ent is None or n >= 64:
+                break
+            if now - ent[1] >= self.rto:
+                if not self._transmit(ent[0], self.right):
+                    return
+                ent[1] = now
+                self.stats["resent"] += 1
+
+    def _receive_batch(self) -> None:
+        got = 0
+        while got < 256:
+            try:
+                data = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except ConnectionRefusedError:
+                continue
+            got += 1
+            self._on_datagram(data)
+            if got % 32 == 0:
+                self._maybe_ack()
+        if got:
+            self._process_in_order()
+        self._maybe_ack()
+
+    def _on_datagram(self, data: bytes) -> None:
+        if len(data) < _HLEN:
+            self.stats["malformed"] += 1
+            return
+        h = _UNPACK(data)
+        if h[0] != wire.MAGIC or h[1] != wire.VERSION:
+            self.stats["malformed"] += 1
+            return
+        if h[3] != self.job_id or h[5] != self.nonce:
+            self.stats["foreign"] += 1
+            return
+        payload = data[_HLEN:]
+        size = wire.DTYPE_SIZE.get(h[12])
+        if size is None or len(payload) != h[8] * size:
+            self.stats["malformed"] += 1
+            return
+        if wire.crc(payload) != h[17]:
+            self.stats["corrupt"] += 1
+            return
+        if h[2] & _F.ACK:
+            self._on_ack(h, payload)
+            return
+        self.stats["received"] += 1
+        seq = self._unwrap(h[9])
+        if seq < self._recv_next or seq in self._held:
+            self.stats["duplicate"] += 1
+            self._ack_due = True
+            return
+        self._held[seq] = (h, payload)
+        if seq > self._max_seen:
+            self._max_seen = seq
+        while self._recv_next in self._held:
+            self._recv_next += 1
+
+    def _unwrap(self, seq32: int) -> int:
+        """The 64-bit sequence number nearest the receive point with these low 32 bits."""
+        base = self._recv_next
+        cand = (base & ~0xFFFFFFFF) | seq32
+        if cand < base - 2**31:
+            cand += 2**32
+        elif cand > base + 2**31:
+            cand -= 2**32
+        return cand
+
+    def _on_ack(self, h: tuple, payload: bytes) -> None:
+        self.stats["acks_received"] += 1
+        cum = self._tx_base + ((h[9] - self._tx_base) & 0xFFFFFFFF)
+        if cum > self._tx_next:
+            return  # stale or bogus
+        if cum > self._tx_base:
+            self._ack_progress = time.monotonic()
+        while self._tx_base < cum:
+            self._unacked.pop(self._tx_base, None)
+            self._tx_base += 1
+        if h[2] & _F.NACK and payload:
+            now = time.monotonic()
+            for (s32,) in struct.iter_unpack("!I", payload[: len(payload) // 4 * 4]):
+                seq = self._tx_base + ((s32 - self._tx_base) & 0xFFFFFFFF)
+                ent = self._unacked.get(seq)
+                if ent is not None and now - ent[1] >= self.nack_gap:
+                    if not self._transmit(ent[0], self.right):
+                        return
+                    ent[1] = now
+                    self.stats["resent"] += 1
+
+    def _maybe_ack(self) -> None:
+        now = time.monotonic()
+        gaps = self._max_seen >= self._recv_next
+        if not (self._ack_due or gaps or self._recv_next != self._last_ack[0]):
+            return
+        if (self._recv_next == self._last_ack[0] and not self._ack_due
+                and now - self._last_ack[1] < self.nack_gap):
+            return
+        missing = []
+        if gaps:
+            for s in range(self._recv_next, self._max_seen):
+                if s not in self._held:
+                    missing.append(s & 0xFFFFFFFF)
+                    if len(missing) >= _NACK_MAX:
+                        break
+        payload = struct.pack(f"!{len(missing)}I", *missing)
+        flags = _F.ACK | (_F.NACK if missing else 0)
+        hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, 0, self.nonce, 0, 0,
+                    len(payload), self._recv_next & 0xFFFFFFFF, 0, 0, wire.DType.BYTES,
+                    0, 0, 0, 0, wire.crc(payload))
+        if self._transmit(hdr + payload, self.left):
+            self.stats["acks_sent"] += 1
+            self._ack_due = False
+            self._last_ack = (self._recv_next, now)
+
+    def _process_in_order(self) -> None:
+        r, w = self.rank, self.world
+        while self._proc_next in self._held:
+            h, payload = self._held[self._proc_next]
+            op = self._ops.get((h[6], h[10]))
+            if op is None:
+                return  # our own backward has not produced this bucket yet
+            del self._held[self._proc_next]
+            self._proc_next += 1
+            i = op.at.get(h[7])
+            if i is None or op.chunks[i][2] - op.chunks[i][1] != h[8]:
+                raise RingError(f"datagram for unknown chunk at offset {h[7]} of bucket "
+                                f"{h[10]}: ranks disagree on the bucket layout")
+            g, s, e, _ = op.chunks[i]
+            vals = np.frombuffer(payload, dtype="<f4")
+            k = op.received[i]
+            op.received[i] = k + 1
+            op.last_progress = time.monotonic()
+            owner_seg = (r + 1) % w
+            if g == owner_seg:  # last reduce-scatter hop: this chunk is now fully reduced
+                op.buf[s:e] += vals
+                self._queue(op, i, replicate=True)
+            elif g != r and k == 0:  # reduce-scatter hop: add and pass on
+                op.buf[s:e] += vals
+                self._queue(op, i, replicate=False)
+                continue
+            else:  # all-gather hop: take the result, pass on unless the next rank owns it
+                op.buf[s:e] = vals
+                if (r - g) % w < w - 2:
+                    self._queue(op, i, replicate=False)
+            op.left -= 1
+            if op.left == 0:
+                del self._ops[(op.iteration, op.bucket)]
+                op.future.set_result(op.tensor)
+
+    def _check_stall(self) -> None:
+        if not self._ops:
+            return
+        now = time.monotonic()
+        for key, op in list(self._ops.items()):
+            if now - op.last_progress > self.stall_timeout:
+                del self._ops[key]
+                op.future.set_exception(RingError(
+                    f"no progress on bucket {op.bucket} of iteration {op.iteration} for "
+                    f"{self.stall_timeout:.0f} s: a peer is gone"))
