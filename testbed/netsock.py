@@ -69,3 +69,40 @@ def udp_socket_in(netns: str, bind: tuple[str, int] | None = None,
         return s
 
     return call_in_netns(netns, make)
+
+
+ETH_P_ALL = 0x0003
+PACKET_OUTGOING = 4
+
+
+def packet_socket_in(netns: str, ifname: str) -> socket.socket:
+    """An AF_PACKET socket inside ``netns`` bound to ``ifname``: sees every frame in both
+    directions (recvfrom's address[2] is the packet type; PACKET_OUTGOING for sent ones) and
+    can send raw Ethernet frames (built with scapy in tests)."""
+
+    def make() -> socket.socket:
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        try:
+            s.bind((ifname, 0))
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    return call_in_netns(netns, make)
+
+
+def drain(sock: socket.socket, quiet: float = 0.2, limit: float = 5.0,
+          bufsize: int = 65535) -> list[tuple[bytes, tuple]]:
+    """Everything ``sock`` receives until it stays quiet for ``quiet`` seconds."""
+    import time
+
+    out = []
+    deadline = time.monotonic() + limit
+    sock.settimeout(quiet)
+    while time.monotonic() < deadline:
+        try:
+            out.append(sock.recvfrom(bufsize))
+        except TimeoutError:
+            break
+    return out
