@@ -1,1 +1,31 @@
-"""Per-target drivers that apply a deploy plan."""
+"""Per-target drivers that apply a deploy plan: kernel (BPF maps), bmv2 and Tofino
+(P4Runtime; Tofino ports through bfrt)."""
+
+from __future__ import annotations
+
+from checkmate.control.drivers.base import ApplyResult, Driver
+
+from checkmate.config import ClusterConfig
+from checkmate.errors import CheckmateError
+
+__all__ = ["ApplyResult", "Driver", "for_switch"]
+
+
+def for_switch(cfg: ClusterConfig, name: str | None = None) -> Driver:
+    """The driver of the config's switch; ``name`` must be that switch's name."""
+    if name is not None and name != cfg.switch.name:
+        raise CheckmateError(f"unknown switch {name!r} (the config has {cfg.switch.name!r})")
+    target = cfg.switch.target
+    if target == "kernel":
+        from checkmate.control.drivers.kernel import KernelDriver
+
+        return KernelDriver(cfg)
+    if target == "bmv2":
+        from checkmate.control.drivers.p4runtime import P4RuntimeDriver
+
+        return P4RuntimeDriver(cfg, "v1model")
+    if target == "tofino":
+        from checkmate.control.drivers.tofino import TofinoDriver
+
+        return TofinoDriver(cfg)
+    raise CheckmateError(f"no driver for target {target!r}")

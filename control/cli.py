@@ -1,0 +1,182 @@
+"""`control`: deploy the plan to a switch, show its state, run the handshake service.
+
+    control deploy --switch NAME [--config FILE] [--dry-run]
+    control status --switch NAME [--config FILE] [--json]
+    control serve [--config FILE] [--bind IP]
+
+Every user-facing failure (unknown switch, unreachable target, bad config or arguments) is
+one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+from checkmate.control import drivers, sessions
+from checkmate.control import plan as plan_mod
+
+from checkmate import config
+from checkmate.errors import CheckmateError, cli_guard
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="control", description="Checkmate controller")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--config", type=Path, default=None,
+                        help="cluster config (default: the embedded testbed/default.yaml)")
+        sp.add_argument("--state", type=Path, default=None,
+                        help="controller state file (default /run/checkmate/<prefix>/"
+                             "controller-<switch>.json)")
+
+    d = sub.add_parser("deploy", help="program the switch from the config")
+    d.add_argument("--switch", required=True)
+    d.add_argument("--dry-run", action="store_true", help="print the plan, touch nothing")
+    common(d)
+    s = sub.add_parser("status", help="print the switch's tables and counters")
+    s.add_argument("--switch", required=True)
+    s.add_argument("--json", action="store_true")
+    common(s)
+    v = sub.add_parser("serve", help="run the shadow handshake service until SIGTERM")
+    v.add_argument("--bind", default=None, help="address to listen on (default switch.ip)")
+    common(v)
+    return p
+
+
+def _load(args: argparse.Namespace) -> config.ClusterConfig:
+    return config.load(args.config or config.default_path())
+
+
+def _store(args: argparse.Namespace, cfg: config.ClusterConfig) -> sessions.SessionStore:
+    return sessions.SessionStore(args.state or sessions.default_path(cfg))
+
+
+def _dry_run(cfg: config.ClusterConfig, plan: plan_mod.Plan) -> None:
+    print(plan_mod.describe(plan))
+    if cfg.switch.target in ("bmv2", "tofino"):
+        from checkmate.control.drivers import p4tables
+
+        print(f"P4Runtime entries ({p4tables.ARCHS[cfg.switch.target]}):")
+        for e in p4tables.entries(plan):
+            print(f"  {e.label()}")
+    if cfg.switch.target == "tofino":
+        from checkmate.control.drivers.tofino import bfrt_script
+
+        print("bfrt_python port script:")
+        print(bfrt_script(plan))
+
+
+def deploy(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    if args.switch != cfg.switch.name:
+        raise CheckmateError(f"unknown switch {args.switch!r} (the config has "
+                             f"{cfg.switch.name!r})")
+    store = _store(args, cfg)
+    plan = plan_mod.build(cfg, store.for_config(cfg))
+    if args.dry_run:
+        _dry_run(cfg, plan)
+        return 0
+    drv = drivers.for_switch(cfg, args.switch)
+    try:
+        res = drv.apply(plan)
+    finally:
+        drv.close()
+    for kind, items in (("+", res.added), ("~", res.changed), ("-", res.removed)):
+        for item in items:
+            print(f"{kind} {item}")
+    for note in res.notes:
+        print(f"note: {note}")
+    print(f"deployed to {cfg.switch.name} ({cfg.switch.target}): {res.summary()}")
+    return 0
+
+
+def _print_status(st: dict) -> None:
+    print(f"switch {st['switch']} ({st['target']})")
+    if st["target"] == "kernel":
+        c = st["counters"]
+        print("replication entries:")
+        for e in c["entries"]:
+            print(f"  job {e['job_id']} {e['src_ip']} -> {e['dst_ip']} part {e['partition']} "
+                  f"=> {e['shadow_ifname']}: {e['packets']} pkts {e['bytes']} bytes")
+        print("ports:")
+        for name, d in sorted(c["ports"].items()):
+            print(f"  {name}: " + " ".join(f"{k}={v}" for k, v in d.items()))
+        return
+    print("table entries:")
+    for e in st["entries"]:
+        print(f"  {e['entry']}: {e['packets']} pkts {e['bytes']} bytes")
+    print("multicast groups:")
+    for g, reps in sorted(st["groups"].items()):
+        print(f"  {g}: {reps}")
+    print("ckm counters: " + " ".join(f"{k}={v}" for k, v in st["ckm_stats"].items()))
+
+
+def status(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    drv = drivers.for_switch(cfg, args.switch)
+    try:
+        st = drv.status()
+    finally:
+        drv.close()
+    regs = _store(args, cfg).for_config(cfg)
+    st["sessions"] = {str(p): {"host": r.host, "epoch": r.epoch, "ip": r.ip, "port": r.port}
+                      for p, r in sorted(regs.items())}
+    if args.json:
+        print(json.dumps(st, indent=1, sort_keys=True))
+        return 0
+    _print_status(st)
+    print("sessions: " + (", ".join(f"partition {p}: {d['host']} epoch {d['epoch']}"
+                                     for p, d in st["sessions"].items()) or "none"))
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from checkmate.control.service import HandshakeService
+
+    cfg = _load(args)
+    drv = drivers.for_switch(cfg)
+    svc = HandshakeService(cfg, drv, _store(args, cfg), bind_ip=args.bind)
+
+    def stop(signum, frame) -> None:
+        svc.stop_event.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        svc.bind()
+        svc.deploy()
+        svc.serve_forever()
+    finally:
+        svc.close()
+        drv.close()
+    print(f"control serve: stopped ({dict(svc.stats)})", flush=True)
+    return 0
+
+
+@cli_guard("control")
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return {"deploy": deploy, "status": status, "serve": serve}[args.cmd](args)
+    except PermissionError:
+        raise
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        raise CheckmateError(f"{e.strerror or e}{where}") from None
+    except ImportError as e:
+        raise CheckmateError(f"missing python package: {e.name or e}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

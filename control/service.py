@@ -1,0 +1,135 @@
+"""The handshake service: shadows register here and get an epoch and token.
+
+A UDP socket on the switch's address, port config.CONTROLLER_PORT (docs/protocol.md,
+"Handshake"). ``register`` mints a new session (larger epoch, fresh token), reprograms the
+switch so the partition's copies go to the registering shadow stamped with that session
+(through the same plan/driver path as `control deploy`, so only changed entries are
+written), stores it, and answers ``registered``. ``session`` answers the current
+registrations. Bad requests get a NACK with a reason; datagrams that are not handshake
+requests are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+from collections import Counter
+
+from checkmate.control import plan as plan_mod
+from checkmate.control.drivers.base import Driver
+from checkmate.control.sessions import SessionStore
+
+from checkmate import handshake, wire
+from checkmate.config import CONTROLLER_PORT, ClusterConfig
+from checkmate.errors import CheckmateError
+
+
+class HandshakeService:
+    def __init__(self, cfg: ClusterConfig, driver: Driver, store: SessionStore,
+                 bind_ip: str | None = None, port: int = CONTROLLER_PORT,
+                 log=None) -> None:
+        self.cfg = cfg
+        self.driver = driver
+        self.store = store
+        self.addr = (bind_ip or cfg.switch.ip, port)
+        self.stats: Counter[str] = Counter()
+        self.stop_event = threading.Event()
+        self._log = log or (lambda msg: print(f"control serve: {msg}", flush=True))
+        self.sock: socket.socket | None = None
+
+    # -- switch programming --------------------------------------------------------------
+    def deploy(self, regs: dict | None = None) -> None:
+        regs = self.store.for_config(self.cfg) if regs is None else regs
+        res = self.driver.apply(plan_mod.build(self.cfg, regs))
+        if res.writes:
+            self._log(f"switch {self.cfg.switch.name}: {res.summary()}")
+
+    # -- requests ------------------------------------------------------------------------
+    def handle(self, data: bytes) -> bytes | None:
+        """The reply to one datagram, or None when it is dropped."""
+        try:
+            h, body = handshake.parse(data)
+        except wire.WireError:
+            self.stats["malformed"] += 1
+            return None
+        if h.flags & (wire.Flags.ACK | wire.Flags.NACK):
+            self.stats["unexpected_reply"] += 1
+            return None
+        op = body.get("op")
+        try:
+            job = body.get("job", h.job_id)
+            if job != self.cfg.job_id or h.job_id != self.cfg.job_id:
+                raise CheckmateError(f"unknown job {job!r} (this controller runs job "
+                                     f"{self.cfg.job_id})")
+            if op == "register":
+                out = self._register(body)
+            elif op == "session":
+                out = self._session()
+            else:
+                raise CheckmateError(f"unknown op {op!r}")
+        except CheckmateError as e:
+            self.stats["refused"] += 1
+            self._log(f"refused {op!r}: {e}")
+            return handshake.reply(h, {"op": "error", "reason": str(e)}, ok=False)
+        self.stats[str(op)] += 1
+        return handshake.reply(h, out)
+
+    def _register(self, body: dict) -> dict:
+        reg = self.store.new_session(self.cfg, body)
+        regs = self.store.for_config(self.cfg)
+        regs[reg.partition] = reg
+        self.deploy(regs)  # raises (-> NACK) if the switch cannot be programmed
+        self.store.commit(reg)
+        self._log(f"registered {reg.host} for partition {reg.partition} at {reg.ip}:"
+                  f"{reg.port}, epoch {reg.epoch}")
+        return {"op": "registered", "job": self.cfg.job_id, "partition": reg.partition,
+                "epoch": reg.epoch, "token": reg.token}
+
+    def _session(self) -> dict:
+        regs = self.store.for_config(self.cfg)
+        return {"op": "session", "job": self.cfg.job_id, "partitions": {
+            str(p): {"epoch": r.epoch, "token": r.token, "ip": r.ip, "port": r.port,
+                     "host": r.host}
+            for p, r in sorted(regs.items())}}
+
+    # -- loop ----------------------------------------------------------------------------
+    def bind(self) -> None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(self.addr)
+        except OSError as e:
+            s.close()
+            raise CheckmateError(f"cannot listen on {self.addr[0]}:{self.addr[1]}: "
+                                 f"{e.strerror}") from None
+        s.settimeout(0.2)
+        self.sock = s
+
+    def serve_forever(self) -> None:
+        if self.sock is None:
+            self.bind()
+        assert self.sock is not None
+        self._log(f"listening on {self.addr[0]}:{self.addr[1]} for job {self.cfg.job_id}")
+        while not self.stop_event.is_set():
+            try:
+                data, peer = self.sock.recvfrom(65535)
+            except TimeoutError:
+                continue
+            except OSError as e:
+                print(f"control serve: recv failed: {e}", file=sys.stderr)
+                continue
+            try:
+                out = self.handle(data)
+            except Exception as e:  # a request must never kill the service
+                self.stats["errors"] += 1
+                self._log(f"internal error on request from {peer[0]}: {e!r}")
+                continue
+            if out is not None:
+                self.sock.sendto(out, peer)
+
+    def close(self) -> None:
+        self.stop_event.set()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None

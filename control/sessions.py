@@ -1,0 +1,111 @@
+"""Shadow registrations (epoch, token, address), kept in a small JSON state file.
+
+The handshake service writes it on every registration and `control deploy` reads it, so a
+redeploy keeps the shadows' current sessions instead of resetting them to the config's
+address with epoch 0. Epochs only grow: the largest one ever handed out is stored too, so a
+restarted service continues above it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import secrets
+from dataclasses import asdict
+from pathlib import Path
+
+from checkmate.control.plan import Registration
+
+from checkmate.config import ClusterConfig
+from checkmate.errors import CheckmateError
+
+_MAC_RE = re.compile(r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")
+STATE_ROOT = Path("/run/checkmate")
+
+
+def default_path(cfg: ClusterConfig) -> Path:
+    """/run/checkmate/<prefix>/controller-<switch>.json (removed by `testbed down`)."""
+    env = os.environ.get("CHECKMATE_CONTROL_STATE")
+    if env:
+        return Path(env)
+    return STATE_ROOT / cfg.network.prefix / f"controller-{cfg.switch.name}.json"
+
+
+class SessionStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.registrations: dict[int, Registration] = {}
+        self.max_epoch = 0
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            raise CheckmateError(f"controller state {self.path} is unreadable: {e}") from None
+        try:
+            self.max_epoch = int(data.get("max_epoch", 0))
+            for r in data.get("registrations", []):
+                reg = Registration(**r)
+                self.registrations[reg.partition] = reg
+        except (TypeError, ValueError, AttributeError) as e:
+            raise CheckmateError(f"controller state {self.path} is malformed: {e}") from None
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({
+            "max_epoch": self.max_epoch,
+            "registrations": [asdict(r) for _, r in sorted(self.registrations.items())],
+        }, indent=1))
+        tmp.replace(self.path)
+
+    def for_config(self, cfg: ClusterConfig) -> dict[int, Registration]:
+        """Registrations that still fit the config (a changed config drops the others)."""
+        out = {}
+        for p, r in self.registrations.items():
+            shadow = cfg.shadow_for(p)
+            try:
+                h = cfg.host(r.host)
+            except CheckmateError:
+                continue
+            if shadow is not None and h.role == "shadow":
+                out[p] = r
+        return out
+
+    def new_session(self, cfg: ClusterConfig, body: dict) -> Registration:
+        """Validate a register request and mint its session (not stored until commit)."""
+        p = body.get("partition")
+        if not isinstance(p, int) or isinstance(p, bool) or cfg.shadow_for(p) is None:
+            raise CheckmateError(f"unknown partition {p!r}")
+        host = body.get("host")
+        if not isinstance(host, str):
+            raise CheckmateError("register needs 'host' (the shadow's name in the config)")
+        h = cfg.host(host)
+        if h.role != "shadow":
+            raise CheckmateError(f"host {host!r} is a {h.role}, not a shadow")
+        ip = body.get("ip", h.ip)
+        try:
+            ipaddress.IPv4Address(ip)
+        except (ValueError, TypeError):
+            raise CheckmateError(f"bad ip {ip!r}") from None
+        mac = str(body.get("mac", h.mac)).lower()
+        if not _MAC_RE.match(mac):
+            raise CheckmateError(f"bad mac {mac!r}")
+        port = body.get("port", h.port)
+        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+            raise CheckmateError(f"bad port {port!r}")
+        epoch = self.max_epoch + 1
+        if epoch >= 2**32:
+            raise CheckmateError("epoch space exhausted")
+        token = secrets.randbits(32) or 1
+        return Registration(p, host, str(ip), mac, port, epoch, token)
+
+    def commit(self, reg: Registration) -> None:
+        self.registrations[reg.partition] = reg
+        self.max_epoch = max(self.max_epoch, reg.epoch)
+        self.save()
