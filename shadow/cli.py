@@ -1,0 +1,228 @@
+"""`shadow`: run a shadow node, or restore the consistent point from shadows or disk.
+
+    shadow serve --partition I/N --config FILE [--host NAME] [--dir DIR]
+                 [--persist-every K] [--persist-seconds T] [--bind IP] [--no-register] ...
+    shadow restore --config FILE [--out FILE] [--from-disk DIR] [--addr HOST:PORT ...]
+    shadow status --config FILE [--addr HOST:PORT ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from checkmate import config as cfgmod
+from checkmate.errors import CheckmateError, cli_guard
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad arguments as one CheckmateError line (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CheckmateError(message)
+
+
+def _nonneg_int(s: str) -> int:
+    if not s.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}")
+    return int(s)
+
+
+def _nonneg_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {s!r}")
+    return v
+
+
+def _port(s: str) -> int:
+    if not s.isdigit() or not 0 <= int(s) < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {s!r}")
+    return int(s)
+
+
+def _ip(s: str) -> str:
+    import ipaddress
+
+    try:
+        return str(ipaddress.IPv4Address(s))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an IPv4 address, got {s!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="shadow", description="Checkmate shadow node")
+    sub = p.add_subparsers(dest="cmd", parser_class=_Parser)
+    s = sub.add_parser("serve", help="receive replicated gradients for one partition")
+    s.add_argument("--partition", required=True, help="I/N: partition I (0-based) of N")
+    s.add_argument("--config", required=True, help="cluster config YAML")
+    s.add_argument("--host", help="this shadow's host name in the config")
+    s.add_argument("--dir", help="persist checkpoints under DIR/part<I>; restore from it")
+    s.add_argument("--persist-every", type=_nonneg_int, default=0, metavar="K",
+                   help="persist every K iterations (iteration %% K == 0); 0: off")
+    s.add_argument("--persist-seconds", type=_nonneg_float, default=0.0, metavar="T",
+                   help="persist when T seconds passed since the last write; 0: off")
+    s.add_argument("--keep", type=_nonneg_int, default=3, help="checkpoints kept on disk")
+    s.add_argument("--bind", type=_ip, default="0.0.0.0", help="UDP bind address")
+    s.add_argument("--port", type=_port, default=cfgmod.SHADOW_PORT, help="UDP port")
+    s.add_argument("--restore-bind", type=_ip, default=None,
+                   help="TCP service bind address (default: --bind)")
+    s.add_argument("--restore-port", type=_port, default=cfgmod.RESTORE_PORT)
+    s.add_argument("--retain", type=_nonneg_int, default=4,
+                   help="committed iterations kept in memory for consistent restore")
+    s.add_argument("--window", type=_nonneg_int, default=8,
+                   help="iterations ahead of the last commit accepted")
+    s.add_argument("--gap-timeout", type=_nonneg_float, default=2.0,
+                   help="seconds newer iterations may arrive before a gap is reported")
+    s.add_argument("--no-register", action="store_true",
+                   help="do not register with the controller (host-replication / loopback)")
+    s.add_argument("--controller", help="HOST:PORT of the controller "
+                   "(default: switch ip and the controller port from the config)")
+    s.add_argument("--epoch", type=_nonneg_int, default=0, help="epoch with --no-register")
+    s.add_argument("--token", type=_nonneg_int, default=0, help="token with --no-register")
+    s.add_argument("--register-timeout", type=_nonneg_float, default=30.0)
+    s.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    r = sub.add_parser("restore", help="print the consistent point and write the state")
+    r.add_argument("--config", required=True)
+    r.add_argument("--out", help="torch.save the restored state dicts to FILE")
+    r.add_argument("--from-disk", metavar="DIR", help="read persisted checkpoints, not shadows")
+    r.add_argument("--addr", action="append", default=[], metavar="HOST:PORT",
+                   help="shadow service address, in partition order (default: the config)")
+    r.add_argument("--timeout", type=_nonneg_float, default=60.0)
+
+    t = sub.add_parser("status", help="print each shadow's status as JSON")
+    t.add_argument("--config", required=True)
+    t.add_argument("--addr", action="append", default=[], metavar="HOST:PORT")
+    return p
+
+
+@cli_guard("shadow")
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.cmd == "serve":
+        return _serve(args)
+    if args.cmd == "restore":
+        return _restore(args)
+    if args.cmd == "status":
+        return _status(args)
+    print("usage: shadow {serve,restore,status} ... (shadow -h for help)", file=sys.stderr)
+    return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from checkmate.shadow.node import NodeOptions, ShadowNode
+
+    from checkmate.partition import parse_partition_arg
+    from checkmate.shadow_client import parse_addr
+
+    index, count = parse_partition_arg(args.partition)
+    cfg = cfgmod.load(args.config)
+    if cfg.num_partitions and count != cfg.num_partitions:
+        raise CheckmateError(f"--partition says {count} partitions, the config has "
+                             f"{cfg.num_partitions} shadows")
+    if args.host:
+        host = cfg.host(args.host)
+        if host.role != "shadow" or host.partition != index:
+            raise CheckmateError(f"host {args.host!r} is not the shadow of partition {index}")
+    else:
+        host = cfg.shadow_for(index)
+    if args.no_register:
+        controller = None
+    elif args.controller:
+        controller = parse_addr(args.controller, cfgmod.CONTROLLER_PORT)
+    else:
+        controller = (cfg.switch.ip, cfgmod.CONTROLLER_PORT)
+    if controller is not None and host is None:
+        raise CheckmateError(f"no shadow host for partition {index} in the config; "
+                             "registration needs its address (or use --no-register)")
+    if args.epoch or args.token:
+        if not args.no_register:
+            raise CheckmateError("--epoch/--token only apply with --no-register")
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s shadow[%(threadName)s] %(levelname)s %(message)s")
+    opts = NodeOptions(
+        partition=index, partitions=count, job=cfg.job_id, bind=args.bind, port=args.port,
+        restore_bind=args.restore_bind or args.bind, restore_port=args.restore_port,
+        dir=args.dir, persist_every=args.persist_every, persist_seconds=args.persist_seconds,
+        keep=max(args.keep, 1), retain=max(args.retain, 1), window=max(args.window, 1),
+        gap_timeout=args.gap_timeout, epoch=args.epoch, token=args.token,
+        controller=controller, host=host.name if host else "", ip=host.ip if host else "",
+        mac=host.mac if host else "", register_deadline=args.register_timeout,
+    )
+    node = ShadowNode(opts).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"shadow: partition {index}/{count} serving udp {opts.bind}:{node.udp_port} "
+          f"tcp {opts.restore_bind}:{node.tcp_port}", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        node.stop()
+    return 0
+
+
+def _addrs(args: argparse.Namespace, cfg: cfgmod.ClusterConfig) -> list[tuple[str, int]]:
+    from checkmate.shadow_client import addrs_from_config, parse_addr
+
+    if args.addr:
+        return [parse_addr(a) for a in args.addr]
+    addrs = addrs_from_config(cfg)
+    if not addrs:
+        raise CheckmateError("the config lists no shadows")
+    return addrs
+
+
+def _restore(args: argparse.Namespace) -> int:
+    cfg = cfgmod.load(args.config)
+    if args.from_disk:
+        from checkmate.shadow.persist import load_full_state
+
+        full = load_full_state(args.from_disk)
+        spec, iteration = full.spec, full.iteration
+        buffers = spec.decode_buffers(full.buffers)
+        model_sd, optim_sd = spec.state_dicts(full.slots, full.step, buffers, full.lrs)
+        extra = full.extra
+    else:
+        from checkmate.shadow_client import restore_state_dicts
+
+        model_sd, optim_sd, iteration, buffers, extra = restore_state_dicts(
+            _addrs(args, cfg), timeout=args.timeout)
+    print(f"consistent point: iteration {iteration}")
+    if args.out:
+        import torch
+
+        state = {"model": model_sd, "optim": optim_sd, "iteration": iteration,
+                 "buffers": buffers, "extra": extra}
+        try:
+            torch.save(state, args.out)
+        except OSError as e:
+            raise CheckmateError(f"cannot write {args.out}: {e.strerror or e}") from None
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from checkmate.shadow_client import ShadowClient
+
+    cfg = cfgmod.load(args.config)
+    out = []
+    for a in _addrs(args, cfg):
+        with ShadowClient(a, 10.0) as c:
+            out.append(c.status())
+    print(json.dumps(out, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""A running shadow: receive thread, step thread, persistence thread and TCP service.
+
+Start order: bind both sockets (fail fast on a taken port), load the newest verified
+checkpoint from disk if there is one (a restarted shadow serves from disk), register with
+the controller for the session epoch/token (unless disabled), then start receiving.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from checkmate.shadow import persist
+from checkmate.shadow.assembler import Assembler
+from checkmate.shadow.receiver import Receiver, open_socket
+from checkmate.shadow.register import register
+from checkmate.shadow.service import Service
+from checkmate.shadow.state import ShadowState, Version
+
+from checkmate.config import RESTORE_PORT, SHADOW_PORT
+
+log = logging.getLogger("checkmate.shadow")
+
+
+@dataclass
+class NodeOptions:
+    partition: int
+    partitions: int
+    job: int
+    bind: str = "0.0.0.0"
+    port: int = SHADOW_PORT
+    restore_bind: str = "0.0.0.0"
+    restore_port: int = RESTORE_PORT
+    dir: str | None = None
+    persist_every: int = 0
+    persist_seconds: float = 0.0
+    keep: int = 3
+    retain: int = 4
+    window: int = 8
+    gap_timeout: float = 2.0
+    epoch: int = 0
+    token: int = 0
+    controller: tuple[str, int] | None = None  # None: do not register (--no-register)
+    host: str = ""
+    ip: str = ""
+    mac: str = ""
+    register_deadline: float = 30.0
+
+
+class ShadowNode:
+    def __init__(self, opts: NodeOptions) -> None:
+        self.opts = opts
+        self.drops: Counter = Counter()
+        self.state = ShadowState(opts.partition, opts.partitions, opts.job, opts.retain,
+                                 opts.window, opts.gap_timeout, self._on_commit)
+        self.state.drops = self.drops
+        self.state.on_assembler = self._on_assembler
+        self.persister: persist.Persister | None = None
+        self.sock, self.rcvbuf = open_socket(opts.bind, opts.port)
+        self.udp_port = self.sock.getsockname()[1]
+        try:
+            self.service = Service(self.state, self.status, opts.restore_bind,
+                                   opts.restore_port)
+        except Exception:
+            self.sock.close()
+            raise
+        self.tcp_port = self.service.port
+        self.receiver = Receiver(self.sock, opts.job, opts.partition, self.drops,
+                                 opts.epoch, opts.token)
+        self.restored_from: str | None = None
+
+    def _on_assembler(self, asm: Assembler) -> None:
+        assert self.state.spec is not None
+        self.receiver.attach(asm, self.state.spec.grad_dtype)
+
+    def _on_commit(self, v: Version) -> None:
+        p = self.persister
+        if p is not None and (p.last_iteration is None or v.iteration > p.last_iteration):
+            p.offer(v)
+
+    def start(self) -> ShadowNode:
+        o = self.opts
+        try:
+            if o.dir:
+                self._load_from_disk()
+                self.persister = persist.Persister(o.dir, o.partition, self.state,
+                                                   o.persist_every, o.persist_seconds,
+                                                   o.keep)
+                if self.restored_from is not None:
+                    self.persister.last_iteration = self.state.latest
+            self.service.start()
+            if o.controller is not None:
+                epoch, token = register(o.controller, o.job, o.partition, o.host, o.ip,
+                                        o.mac, o.port, o.register_deadline)
+                self.receiver.set_session(epoch, token)
+            self.receiver.start()
+        except BaseException:
+            self.stop()
+            raise
+        log.info("shadow partition %d/%d: udp %s:%d tcp %s:%d rcvbuf %d", o.partition,
+                 o.partitions, o.bind, self.udp_port, o.restore_bind, self.tcp_port,
+                 self.rcvbuf)
+        return self
+
+    def _load_from_disk(self) -> None:
+        o = self.opts
+        pdir = persist.part_dir(o.dir, o.partition)
+        persist.clean_temp(pdir)
+        ck = persist.latest_valid(pdir)
+        if ck is None:
+            return
+        m = ck.meta
+        if m["partition"] != o.partition or m["partitions"] != o.partitions:
+            raise persist.PersistError(
+                f"{pdir} holds partition {m['partition']}/{m['partitions']}, this shadow is "
+                f"{o.partition}/{o.partitions}")
+        self.state.set_spec(ck.spec)
+        self.state.install(m["iteration"], m["step"], ck.slots, m["buffers"], m["extra"],
+                           m["lrs"])
+        self.restored_from = str(pdir)
+        log.info("restored partition %d from %s at iteration %d", o.partition, pdir,
+                 m["iteration"])
+
+    def stop(self) -> None:
+        self.receiver.stop()
+        self.service.stop()
+        self.state.stop()
+        if self.persister is not None:
+            self.persister.stop()
+        self.sock.close()
+
+    def status(self) -> dict[str, Any]:
+        st = self.state
+        asm = st.asm
+        return {
+            "partition": self.opts.partition,
+            "partitions": self.opts.partitions,
+            "job": self.opts.job,
+            "seeded": st.seeded_iteration is not None,
+            "seeded_iteration": st.seeded_iteration,
+            "latest": st.latest,
+            "retained": st.retained(),
+            "epoch": self.receiver.epoch,
+            "gaps": list(asm.gaps) if asm else [],
+            "gap_count": asm.gap_count if asm else 0,
+            "pending": sorted(asm.open) if asm else [],
+            "drops": dict(self.drops),
+            "received": self.receiver.received,
+            "committed": st.committed_count,
+            "step_seconds": round(st.step_seconds, 6),
+            "error": st.last_error,
+            "persist": self.persister.status() if self.persister else None,
+            "restored_from": self.restored_from,
+            "rcvbuf": self.rcvbuf,
+            "range": [st.start, st.end] if st.spec else None,
+        }

@@ -1,0 +1,416 @@
+"""Durable checkpoints of a shadow's partition in torch.distributed.checkpoint (DCP) format.
+
+Layout under a root directory (one per cluster, or one per shadow host)::
+
+    root/part<p>/iter-<iteration:012d>/   one committed checkpoint
+        .metadata, __0_0.distcp           written by dcp.save (FileSystemWriter)
+        ckm.json                          iteration, step, spec, slice bounds, buffers, extra
+        manifest.json                     sha256 of every other file
+    root/part<p>/latest                   name of the newest complete checkpoint
+
+A checkpoint is written into a hidden temp directory, fsynced, renamed into place, and only
+then is ``latest`` replaced atomically, so a crash mid-write leaves the previous checkpoint
+loadable (leftover temp directories are removed at the next start). DCP keys are the
+partition's slices: ``model.<param>`` and ``optim.<slot>.<param>`` (1-D, the part of the
+flattened parameter inside the partition; the bounds are in ckm.json). :func:`load_full`
+reads every partition at their newest common iteration with ``dcp.load`` and assembles a
+full model state_dict and a torch.optim state_dict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from checkmate.errors import CheckmateError
+from checkmate.spec import ModelSpec
+
+log = logging.getLogger("checkmate.shadow")
+
+FORMAT = "checkmate-shadow-dcp/1"
+_TMP_PREFIX = ".tmp-"
+_ITER_PREFIX = "iter-"
+
+
+class PersistError(CheckmateError):
+    """A checkpoint that cannot be written or read; the message names the path."""
+
+
+def _fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(p: Path, obj: Any) -> None:
+    with open(p, "w") as f:
+        json.dump(obj, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def part_dir(root: str | Path, partition: int) -> Path:
+    return Path(root) / f"part{partition}"
+
+
+def _keys(spec: ModelSpec, start: int, end: int) -> list[tuple[str, int, int, int, int]]:
+    """(param, lo, hi, a, b): param slice [lo, hi) is partition-local [a, b)."""
+    return [(p.name, lo, hi, p.offset + lo - start, p.offset + hi - start)
+            for p, lo, hi in spec.pieces(start, end)]
+
+
+def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step: int,
+         slots: dict[str, np.ndarray], buffers: dict | None = None, extra: dict | None = None,
+         lrs: list[float] | None = None, keep: int = 3) -> Path:
+    """Write one checkpoint atomically and point ``latest`` at it; returns its directory."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    start, end = spec.bounds(partition)
+    pdir = part_dir(root, partition)
+    try:
+        pdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PersistError(f"cannot create checkpoint directory {pdir}: "
+                           f"{e.strerror or e}") from None
+    name = f"{_ITER_PREFIX}{iteration:012d}"
+    tmp = pdir / f"{_TMP_PREFIX}{name}-{os.getpid()}-{threading.get_ident()}"
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        sd: dict[str, Any] = {}
+        keys = _keys(spec, start, end)
+        for pname, _lo, _hi, a, b in keys:
+            sd[f"model.{pname}"] = torch.from_numpy(slots["param"][a:b])
+            for s in spec.slots[1:]:
+                sd[f"optim.{s}.{pname}"] = torch.from_numpy(slots[s][a:b])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                     no_dist=True)
+        _write_json(tmp / "ckm.json", {
+            "format": FORMAT, "partition": partition, "partitions": spec.partitions,
+            "iteration": iteration, "step": step, "start": start, "end": end,
+            "pieces": [[k[0], k[1], k[2]] for k in keys], "slots": list(spec.slots),
+            "spec": spec.to_json(), "buffers": buffers or {}, "extra": extra or {},
+            "lrs": lrs, "written_at": time.time(),
+        })
+        files = sorted(f for f in os.listdir(tmp) if f != "manifest.json")
+        _write_json(tmp / "manifest.json", {f: _sha256(tmp / f) for f in files})
+        _fsync_path(tmp)
+        final = pdir / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        latest_tmp = pdir / f"{_TMP_PREFIX}latest-{os.getpid()}"
+        latest_tmp.write_text(name + "\n")
+        with open(latest_tmp) as f:
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, pdir / "latest")
+        _fsync_path(pdir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise PersistError(f"cannot write checkpoint {pdir / name}: "
+                           f"{e.strerror or e}") from None
+    prune(pdir, keep)
+    return pdir / name
+
+
+def prune(pdir: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints (never the one ``latest`` names)."""
+    latest = _read_latest(pdir)
+    its = list_iterations(pdir)
+    for it in its[:-keep] if keep > 0 else []:
+        name = f"{_ITER_PREFIX}{it:012d}"
+        if name != latest:
+            shutil.rmtree(pdir / name, ignore_errors=True)
+
+
+def clean_temp(pdir: Path) -> list[str]:
+    """Remove leftovers of interrupted writes; returns their names."""
+    gone = []
+    if pdir.is_dir():
+        for e in pdir.iterdir():
+            if e.name.startswith(_TMP_PREFIX):
+                if e.is_dir():
+                    shutil.rmtree(e, ignore_errors=True)
+                else:
+                    e.unlink(missing_ok=True)
+                gone.append(e.name)
+    return gone
+
+
+def _read_latest(pdir: Path) -> str | None:
+    try:
+        return (pdir / "latest").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def list_iterations(pdir: Path) -> list[int]:
+    """Iterations with a complete (manifest written) checkpoint, ascending."""
+    out = []
+    if pdir.is_dir():
+        for e in pdir.iterdir():
+            if e.name.startswith(_ITER_PREFIX) and (e / "manifest.json").is_file():
+                try:
+                    out.append(int(e.name[len(_ITER_PREFIX):]))
+                except ValueError:
+                    continue
+    return sorted(out)
+
+
+def verify(ckpt: Path) -> dict[str, Any]:
+    """ckm.json of a checkpoint after checking every file against the manifest."""
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        files = sorted(f for f in os.listdir(ckpt) if f != "manifest.json")
+    except (OSError, ValueError) as e:
+        raise PersistError(f"checkpoint {ckpt} has no readable manifest: {e}") from None
+    if sorted(manifest) != files:
+        raise PersistError(f"checkpoint {ckpt}: files {files} do not match the manifest")
+    for f, digest in manifest.items():
+        if _sha256(ckpt / f) != digest:
+            raise PersistError(f"checkpoint {ckpt}: {f} fails its sha256 check")
+    meta = json.loads((ckpt / "ckm.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise PersistError(f"checkpoint {ckpt} is not in {FORMAT} format")
+    return meta
+
+
+@dataclass
+class PartitionCheckpoint:
+    meta: dict[str, Any]
+    spec: ModelSpec
+    slots: dict[str, np.ndarray]  # partition-local fp32 arrays
+
+
+def load_partition(ckpt: Path) -> PartitionCheckpoint:
+    """One verified partition checkpoint, read with dcp.load into preallocated tensors."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    meta = verify(ckpt)
+    spec = ModelSpec.from_json(meta["spec"])
+    size = meta["end"] - meta["start"]
+    slots = {s: np.zeros(size, np.float32) for s in meta["slots"]}
+    sd: dict[str, Any] = {}
+    pos = 0
+    for pname, lo, hi in meta["pieces"]:
+        n = hi - lo
+        sd[f"model.{pname}"] = torch.from_numpy(slots["param"][pos:pos + n])
+        for s in meta["slots"][1:]:
+            sd[f"optim.{s}.{pname}"] = torch.from_numpy(slots[s][pos:pos + n])
+        pos += n
+    if pos != size:
+        raise PersistError(f"checkpoint {ckpt}: pieces cover {pos} of {size} elements")
+    if sd:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+        except Exception as e:  # DCP raises assorted types for damaged files
+            raise PersistError(f"checkpoint {ckpt} cannot be loaded: {e}") from None
+    return PartitionCheckpoint(meta, spec, slots)
+
+
+def latest_valid(pdir: Path) -> PartitionCheckpoint | None:
+    """The newest checkpoint of a partition directory that verifies (``latest`` first)."""
+    names = []
+    latest = _read_latest(pdir)
+    if latest:
+        names.append(latest)
+    names += [f"{_ITER_PREFIX}{it:012d}" for it in reversed(list_iterations(pdir))]
+    seen = set()
+    for name in names:
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            return load_partition(pdir / name)
+        except (PersistError, OSError, ValueError, KeyError) as e:
+            log.warning("skipping checkpoint %s: %s", pdir / name, e)
+    return None
+
+
+def _part_dirs(paths: str | Path | Iterable[str | Path]) -> list[Path]:
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    out: list[Path] = []
+    for item in items:
+        p = Path(item)
+        subs = sorted(d for d in p.glob("part*") if d.is_dir()) if p.is_dir() else []
+        if subs:
+            out += subs
+        elif p.is_dir():
+            out.append(p)
+        else:
+            raise PersistError(f"no checkpoint directory at {p}")
+    return out
+
+
+@dataclass
+class FullCheckpoint:
+    iteration: int
+    step: int
+    spec: ModelSpec
+    slots: dict[str, np.ndarray]  # full-length fp32 arrays
+    buffers: dict[str, str]
+    extra: dict[str, Any]
+    lrs: list[float] | None
+
+
+def load_full_state(paths: str | Path | Iterable[str | Path]) -> FullCheckpoint:
+    """All partitions at their newest common verified iteration, joined."""
+    dirs = _part_dirs(paths)
+    its = [set(list_iterations(d)) for d in dirs]
+    common = sorted(set.intersection(*its), reverse=True) if its else []
+    if not common:
+        raise PersistError(f"no iteration is checkpointed by every partition in "
+                           f"{[str(d) for d in dirs]}")
+    last_err: Exception | None = None
+    for it in common:
+        try:
+            parts = [load_partition(d / f"{_ITER_PREFIX}{it:012d}") for d in dirs]
+        except PersistError as e:
+            last_err = e
+            log.warning("iteration %d unusable: %s", it, e)
+            continue
+        return _join(parts, it)
+    raise PersistError(f"no common iteration verifies: {last_err}")
+
+
+def _join(parts: list[PartitionCheckpoint], it: int) -> FullCheckpoint:
+    spec = parts[0].spec
+    if any(p.spec.dumps() != spec.dumps() for p in parts):
+        raise PersistError("partition checkpoints were written for different specs")
+    got = sorted(p.meta["partition"] for p in parts)
+    if got != list(range(spec.partitions)):
+        raise PersistError(f"need partitions 0..{spec.partitions - 1}, found {got}")
+    steps = {p.meta["step"] for p in parts}
+    if len(steps) != 1:
+        raise PersistError(f"partitions disagree on the step at iteration {it}: {steps}")
+    slots = {s: np.zeros(spec.total, np.float32) for s in spec.slots}
+    for p in parts:
+        a, b = p.meta["start"], p.meta["end"]
+        for s in spec.slots:
+            slots[s][a:b] = p.slots[s]
+    m = parts[0].meta
+    return FullCheckpoint(it, steps.pop(), spec, slots, m["buffers"], m["extra"], m["lrs"])
+
+
+def load_full(paths: str | Path | Iterable[str | Path]) -> tuple[dict, dict, int]:
+    """(model_sd, optim_sd, iteration) from the partitions' DCP checkpoints.
+
+    ``paths`` is a root holding part<p>/ directories, or the partition directories
+    themselves. The state dicts load into a torch module and a torch.optim optimizer.
+    """
+    full = load_full_state(paths)
+    buffers = full.spec.decode_buffers(full.buffers)
+    model_sd, optim_sd = full.spec.state_dicts(full.slots, full.step, buffers, full.lrs)
+    return model_sd, optim_sd, full.iteration
+
+
+class Persister:
+    """Writes selected versions in the background; never blocks the caller.
+
+    A version is due every ``every`` iterations (iteration % every == 0, so all shadows pick
+    the same iterations) or when ``seconds`` have passed since the last write. If a write is
+    still running, the newest due version waits and older waiting ones are dropped.
+    """
+
+    def __init__(self, root: str | Path, partition: int, state: Any, every: int = 0,
+                 seconds: float = 0.0, keep: int = 3) -> None:
+        self.root, self.partition, self.state = Path(root), partition, state
+        self.every, self.seconds, self.keep = every, seconds, keep
+        self.last_time = time.monotonic()
+        self.last_iteration: int | None = None
+        self.written = 0
+        self.errors = 0
+        self.error = ""
+        self.seconds_spent = 0.0
+        self._pending: Any = None
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="shadow-persist", daemon=True)
+        gone = clean_temp(part_dir(self.root, partition))
+        if gone:
+            log.warning("removed leftovers of interrupted checkpoint writes: %s", gone)
+        self._thread.start()
+
+    def due(self, iteration: int) -> bool:
+        if self.every > 0 and iteration % self.every == 0:
+            return True
+        return self.seconds > 0 and time.monotonic() - self.last_time >= self.seconds
+
+    def offer(self, version: Any) -> None:
+        """Called on every commit (under the state lock): pin and queue if due."""
+        if not self.due(version.iteration):
+            return
+        self.last_time = time.monotonic()
+        self.state.pin(version.iteration)
+        with self._cv:
+            old, self._pending = self._pending, version
+            self._cv.notify()
+        if old is not None:
+            self.state.unpin(old)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._pending is None and not self._stop:
+                    self._cv.wait()
+                if self._pending is None:
+                    return
+                v, self._pending = self._pending, None
+            try:
+                t0 = time.perf_counter()
+                save(self.root, self.state.spec, self.partition, v.iteration, v.step, v.slots,
+                     v.buffers, v.extra, v.lrs, self.keep)
+                self.seconds_spent += time.perf_counter() - t0
+                self.last_iteration = v.iteration
+                self.written += 1
+                self.error = ""
+            except Exception as e:  # any failure: keep receiving, keep the old checkpoint
+                self.errors += 1
+                msg = str(e)
+                if msg != self.error:
+                    log.error("persist: %s (previous checkpoint kept)", msg)
+                self.error = msg
+            finally:
+                self.state.unpin(v)
+
+    def stop(self, flush: bool = True) -> None:
+        with self._cv:
+            if not flush and self._pending is not None:
+                self.state.unpin(self._pending)
+                self._pending = None
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(60)
+
+    def status(self) -> dict[str, Any]:
+        return {"dir": str(part_dir(self.root, self.partition)),
+                "last_iteration": self.last_iteration, "written": self.written,
+                "errors": self.errors, "error": self.error}

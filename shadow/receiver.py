@@ -1,0 +1,182 @@
+"""The shadow's UDP receive thread: validate each ckm datagram, place it, drop the rest.
+
+It only receives, validates and copies into staging (checkmate.shadow.assembler); the
+optimizer step and persistence run in other threads, so receive never waits on them. Every
+datagram that is not accepted is counted under one reason: short, magic, version, flags,
+job, epoch, token, length, crc, not_ready, dtype, partition, range, stale, window,
+duplicate, control_range, control_invalid.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from checkmate.shadow.assembler import Assembler
+from crc32c import crc32c
+
+from checkmate import wire
+
+log = logging.getLogger("checkmate.shadow")
+
+#: Receive buffer size asked for; the kernel may grant less (reported in status).
+RCVBUF = 256 << 20
+_MAXDGRAM = 65536
+_GRAD_DTYPE = {"float32": wire.DType.FLOAT32, "bfloat16": wire.DType.BFLOAT16,
+               "float16": wire.DType.FLOAT16}
+_DATA_FLAGS_OK = wire.Flags.REPLICATE | wire.Flags.LAST
+_CTRL = int(wire.Flags.CONTROL)
+_BAD_FLAGS = int(wire.Flags.PARITY | wire.Flags.HANDSHAKE | wire.Flags.SEED
+                 | wire.Flags.ACK | wire.Flags.NACK)
+
+
+def open_socket(bind: str, port: int, rcvbuf: int = RCVBUF) -> tuple[socket.socket, int]:
+    """A bound UDP socket with the largest receive buffer the kernel grants."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    # SO_RCVBUFFORCE (33 on Linux; not exported by Python) passes rmem_max with CAP_NET_ADMIN.
+    for opt in (getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF):
+        try:
+            s.setsockopt(socket.SOL_SOCKET, opt, rcvbuf)
+            break
+        except OSError:
+            continue
+    try:
+        s.bind((bind, port))
+    except OSError as e:
+        s.close()
+        from checkmate.errors import CheckmateError
+
+        raise CheckmateError(f"cannot bind UDP {bind}:{port}: {e.strerror or e}") from None
+    granted = s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    return s, granted
+
+
+class Receiver:
+    """Validates datagrams for one partition and feeds an :class:`Assembler`."""
+
+    def __init__(self, sock: socket.socket, job: int, partition: int,
+                 drops: Counter, epoch: int = 0, token: int = 0) -> None:
+        self.sock = sock
+        self.job = job
+        self.partition = partition
+        self.epoch = epoch
+        self.token = token
+        self.drops = drops
+        self.asm: Assembler | None = None  # set once the spec is known and state seeded
+        self.grad_dtype = int(wire.DType.FLOAT32)
+        self.received = 0
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def attach(self, asm: Assembler, grad_dtype: str) -> None:
+        self.grad_dtype = int(_GRAD_DTYPE[grad_dtype])
+        self.asm = asm
+
+    def set_session(self, epoch: int, token: int) -> None:
+        self.epoch, self.token = epoch, token
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="shadow-recv", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # keep the node alive and visible rather than silently dead
+            log.exception("receive thread failed")
+            self.drops["receiver_crashed"] += 1
+
+    def _loop(self) -> None:
+        sock = self.sock
+        sock.settimeout(0.1)
+        buf = bytearray(_MAXDGRAM)
+        mv = memoryview(buf)
+        unpack = wire.STRUCT.unpack_from
+        hl = wire.HEADER_LEN
+        sizes = {int(k): v for k, v in wire.DTYPE_SIZE.items()}
+        drops = self.drops
+        magic_ok, version_ok = wire.MAGIC, wire.VERSION
+        bytes_dt = int(wire.DType.BYTES)
+        recv_into = sock.recv_into
+        last_tick = time.monotonic()
+        k = 0
+        while not self._stop.is_set():
+            try:
+                n = recv_into(buf)
+            except TimeoutError:
+                if self.asm is not None:
+                    self.asm.check_gaps()
+                last_tick = time.monotonic()
+                continue
+            self.received += 1
+            k += 1
+            if k & 255 == 0:
+                now = time.monotonic()
+                if now - last_tick > 0.1 and self.asm is not None:
+                    self.asm.check_gaps(now)
+                    last_tick = now
+            if n < hl:
+                drops["short"] += 1
+                continue
+            (magic, version, flags, job, epoch, token, it, offset, count, _seq, _bucket,
+             part, dtype, _fi, _fk, _fm, group, crc) = unpack(buf, 0)
+            if magic != magic_ok:
+                drops["magic"] += 1
+                continue
+            if version != version_ok:
+                drops["version"] += 1
+                continue
+            if flags & _BAD_FLAGS:
+                drops["flags"] += 1
+                continue
+            if job != self.job:
+                drops["job"] += 1
+                continue
+            if epoch != self.epoch:
+                drops["epoch"] += 1
+                continue
+            if token != self.token:
+                drops["token"] += 1
+                continue
+            size = sizes.get(dtype)
+            if size is None or count * size != n - hl:
+                drops["length"] += 1
+                continue
+            payload = mv[hl:n]
+            if crc32c(payload) != crc:
+                drops["crc"] += 1
+                continue
+            asm = self.asm
+            if asm is None:
+                drops["not_ready"] += 1
+                continue
+            if flags & _CTRL:
+                if dtype != bytes_dt:
+                    drops["dtype"] += 1
+                    continue
+                asm.place_control(it, offset, count, group, payload)
+            else:
+                if dtype != self.grad_dtype:
+                    drops["dtype"] += 1
+                    continue
+                if part != self.partition:
+                    drops["partition"] += 1
+                    continue
+                if offset < asm.start or offset + count > asm.end or count == 0:
+                    drops["range"] += 1
+                    continue
+                asm.place(it, offset, count, dtype, payload)
+            self.accepted += 1
+
+    def stats(self) -> dict[str, Any]:
+        return {"received": self.received, "accepted": self.accepted}

@@ -1,0 +1,138 @@
+"""The shadow's TCP service (docs/protocol.md, "Shadow TCP service"): spec, seed, status, fetch.
+
+One thread per connection; requests on a connection are answered in order. A bad request
+gets ``{"ok": false, "error": ...}`` and the connection stays usable; a malformed frame
+closes it. Fetch pins the retained version while its bytes are sent, so the version cannot
+be recycled underneath the reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from checkmate.shadow.state import ShadowState
+
+from checkmate.errors import CheckmateError
+from checkmate.shadow_client import ShadowError, recv_frame, send_frame
+from checkmate.spec import ModelSpec
+
+log = logging.getLogger("checkmate.shadow")
+
+#: Largest payload a request may carry (seed chunks are 64 MiB by default).
+MAX_REQUEST = 256 << 20
+
+
+class Service:
+    def __init__(self, state: ShadowState, status: Callable[[], dict[str, Any]],
+                 bind: str, port: int) -> None:
+        self.state = state
+        self.status = status
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((bind, port))
+        except OSError as e:
+            self.sock.close()
+            raise CheckmateError(f"cannot bind TCP {bind}:{port}: {e.strerror or e}") from None
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._accept, name="shadow-tcp", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        with self._lock:
+            for c in list(self._conns):
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="shadow-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                try:
+                    header, payload = recv_frame(conn, MAX_REQUEST)
+                except (ConnectionError, OSError):
+                    return
+                except ShadowError as e:
+                    send_frame(conn, {"ok": False, "error": str(e)})
+                    return
+                try:
+                    reply, parts = self.handle(header, payload)
+                except (CheckmateError, ValueError, KeyError, TypeError) as e:
+                    reply, parts = {"ok": False, "error": str(e) or type(e).__name__}, b""
+                release = reply.pop("_release", None)
+                try:
+                    send_frame(conn, reply, parts)
+                except OSError:
+                    return
+                finally:
+                    if release is not None:
+                        release()
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def handle(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], Any]:
+        op = h.get("op")
+        st = self.state
+        if op == "status":
+            return {"ok": True, **self.status()}, b""
+        if op == "spec":
+            if "spec" not in h:
+                if st.spec is None:
+                    raise CheckmateError("no spec set yet")
+                return {"ok": True, "spec": st.spec.to_json()}, b""
+            st.set_spec(ModelSpec.from_json(h["spec"]))
+            return {"ok": True}, b""
+        if op == "seed":
+            for k in ("iteration", "offset", "count", "step"):
+                if not isinstance(h.get(k), int) or isinstance(h.get(k), bool):
+                    raise CheckmateError(f"seed needs an integer {k!r}")
+            seeded = st.seed(h["iteration"], str(h.get("slot")), h["offset"], h["count"],
+                             h["step"], payload, h.get("buffers"), h.get("extra"))
+            return {"ok": True, "seeded": seeded}, b""
+        if op == "fetch":
+            it = h.get("iteration")
+            if not isinstance(it, int) or isinstance(it, bool):
+                raise CheckmateError("fetch needs an integer 'iteration'")
+            v = st.pin(it)
+            spec = st.spec
+            assert spec is not None
+            reply = {"ok": True, "iteration": v.iteration, "offset": st.start,
+                     "count": st.size, "slots": list(spec.slots), "step": v.step,
+                     "buffers": v.buffers, "extra": v.extra, "lrs": v.lrs,
+                     "_release": lambda: st.unpin(v)}
+            return reply, [v.slots[s] for s in spec.slots]
+        raise CheckmateError(f"unknown op {op!r} (ops: spec, seed, status, fetch)")

@@ -1,0 +1,279 @@
+"""A shadow's replica of one partition: seeding, the optimizer step, retained versions.
+
+Consistency by version retention: after every committed iteration the partition's slots are
+copied into an immutable version, and the last ``retain`` versions are kept. A restore asks
+every shadow what it retains and takes the newest iteration they all hold, so no
+cross-shadow commit protocol is needed on the training path (shadows never talk to each
+other and never slow the trainers); the price is ``retain`` extra copies of the partition in
+memory, and a restore point at most ``retain - 1`` iterations behind the slowest shadow's
+newest when shadows drift apart. Versions being served or persisted are pinned and their
+arrays are recycled only after they are released.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from checkmate.shadow.assembler import Assembler, Control
+from checkmate.shadow.intervals import IntervalSet
+
+from checkmate.errors import CheckmateError
+from checkmate.spec import ModelSpec
+
+log = logging.getLogger("checkmate.shadow")
+
+
+@dataclass
+class Version:
+    """One committed iteration of the partition; its arrays never change once committed."""
+
+    iteration: int
+    step: int
+    slots: dict[str, np.ndarray]
+    buffers: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    lrs: list[float] | None = None
+    pins: int = 0
+    evicted: bool = False
+
+
+def make_optimizer(spec: ModelSpec, start: int, end: int) -> Any:
+    """The partition's FlatOptimizer; one (start, end, hyper) run per group piece."""
+    from checkmate.optim import FlatOptimizer
+
+    runs = []
+    for a, b, gi in spec.group_ranges(start, end):
+        runs.append((a, b, {**spec.groups[gi].hyper(spec.kind), "group": gi}))
+    return FlatOptimizer(spec.kind, runs, end - start)
+
+
+class ShadowState:
+    """Everything the shadow knows about its partition, shared by its threads."""
+
+    def __init__(self, partition: int, partitions: int, job: int, retain: int = 4,
+                 window: int = 8, gap_timeout: float = 2.0,
+                 on_commit: Callable[[Version], None] | None = None) -> None:
+        if retain < 1:
+            raise CheckmateError(f"retain must be >= 1, got {retain}")
+        self.partition, self.partitions, self.job = partition, partitions, job
+        self.retain, self.window, self.gap_timeout = retain, window, gap_timeout
+        self.on_commit = on_commit
+        self.spec: ModelSpec | None = None
+        self.start = self.end = 0
+        self.opt: Any = None
+        self.asm: Assembler | None = None
+        self.on_assembler: Callable[[Assembler], None] | None = None
+        self.drops: Any = None  # Counter shared with the receiver, set by the node
+        self.lock = threading.RLock()
+        self.versions: deque[Version] = deque()
+        self._free: list[dict[str, np.ndarray]] = []
+        self.seeded_iteration: int | None = None
+        self._seed: dict[str, Any] | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stepper: threading.Thread | None = None
+        self.committed_count = 0
+        self.step_seconds = 0.0
+        self.last_error = ""
+
+    # ----- spec -------------------------------------------------------------------------
+    def set_spec(self, spec: ModelSpec) -> None:
+        """Accept the job's spec once; the same spec again is fine, a different one is not."""
+        with self.lock:
+            if self.spec is not None:
+                if self.spec.dumps() != spec.dumps():
+                    raise CheckmateError("a different spec is already set for this job")
+                return
+            if spec.job != self.job:
+                raise CheckmateError(f"spec is for job {spec.job}, this shadow serves "
+                                     f"job {self.job}")
+            if spec.partitions != self.partitions:
+                raise CheckmateError(f"spec has {spec.partitions} partitions, this shadow is "
+                                     f"one of {self.partitions}")
+            self.spec = spec
+            self.start, self.end = spec.bounds(self.partition)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    # ----- seeding ----------------------------------------------------------------------
+    def seed(self, iteration: int, slot: str, offset: int, count: int, step: int,
+             data: memoryview, buffers: dict | None = None, extra: dict | None = None) -> bool:
+        """Take one seed share; True once every slot of the partition is covered."""
+        with self.lock:
+            spec = self.spec
+            if spec is None:
+                raise CheckmateError("no spec yet: send the spec op before seeding")
+            if slot not in spec.slots:
+                raise CheckmateError(f"unknown slot {slot!r} for {spec.kind} "
+                                     f"(slots: {', '.join(spec.slots)})")
+            if offset < self.start or offset + count > self.end or count < 0:
+                raise CheckmateError(
+                    f"seed range [{offset}, {offset + count}) is outside partition "
+                    f"{self.partition} [{self.start}, {self.end})")
+            if len(data) != 4 * count:
+                raise CheckmateError(f"seed carries {len(data)} bytes for {count} float32")
+            if iteration < 0 or step < 0:
+                raise CheckmateError("seed iteration and step must be >= 0")
+            sd = self._seed
+            if sd is None or sd["iteration"] != iteration or sd["step"] != step:
+                sd = self._seed = {
+                    "iteration": iteration, "step": step, "buffers": {}, "extra": {},
+                    "arrays": {s: np.zeros(self.size, np.float32) for s in spec.slots},
+                    "cov": {s: IntervalSet() for s in spec.slots},
+                }
+            if buffers:
+                sd["buffers"] = dict(buffers)
+            if extra:
+                sd["extra"] = dict(extra)
+            a = offset - self.start
+            sd["arrays"][slot][a:a + count] = np.frombuffer(data, dtype="<f4")
+            sd["cov"][slot].add(a, a + count)
+            if all(c.total == self.size for c in sd["cov"].values()):
+                self._seed = None
+                self.install(iteration, step, sd["arrays"], sd["buffers"], sd["extra"])
+                return True
+            return False
+
+    def install(self, iteration: int, step: int, arrays: dict[str, np.ndarray],
+                buffers: dict | None = None, extra: dict | None = None,
+                lrs: list[float] | None = None) -> None:
+        """Make ``arrays`` the partition's state at ``iteration`` (seed or disk restore)."""
+        with self.lock:
+            spec = self.spec
+            assert spec is not None
+            opt = make_optimizer(spec, self.start, self.end)
+            for s in spec.slots:
+                _slot(opt, s)[:] = arrays[s]
+            opt.step_count = step
+            self.opt = opt
+            for v in self.versions:
+                v.evicted = True
+            self.versions.clear()
+            self.seeded_iteration = iteration
+            self._commit(iteration, buffers or {}, extra or {}, lrs)
+            if self.asm is None:
+                self.asm = Assembler(self.start, self.end, len(spec.groups), self._enqueue,
+                                     self.drops, self.window, self.gap_timeout)
+                self.asm.committed = iteration
+                self.asm.next_dispatch = iteration + 1
+                self._start_stepper()
+                if self.on_assembler is not None:
+                    self.on_assembler(self.asm)
+            else:
+                self.asm.request_reset(iteration)
+            log.info("partition %d state installed at iteration %d (step %d)",
+                     self.partition, iteration, step)
+
+    # ----- stepping ---------------------------------------------------------------------
+    def _enqueue(self, it: int, staging: np.ndarray, control: Control) -> None:
+        self._queue.put((it, staging, control))
+
+    def _start_stepper(self) -> None:
+        self._stepper = threading.Thread(target=self._step_loop, name="shadow-step",
+                                         daemon=True)
+        self._stepper.start()
+
+    def stop(self) -> None:
+        if self._stepper is not None:
+            self._queue.put(None)
+            self._stepper.join(10)
+
+    def _step_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            it, staging, control = item
+            try:
+                self.apply(it, staging, control)
+            except Exception as e:  # keep serving retained versions; say why it stopped
+                self.last_error = f"step of iteration {it} failed: {e}"
+                log.exception("step of iteration %d failed", it)
+            finally:
+                if self.asm is not None:
+                    self.asm.release(staging)
+
+    def apply(self, it: int, grad: np.ndarray, control: Control) -> None:
+        """Step with iteration ``it``'s gradient and control message, then commit."""
+        with self.lock:
+            latest = self.versions[-1].iteration if self.versions else None
+            if latest is None or it != latest + 1:
+                return  # a reset raced with this iteration; it is stale now
+            t0 = time.perf_counter()
+            if not control.skip:
+                self.opt.step(grad, control.lrs, control.clip_coef)
+            self.step_seconds += time.perf_counter() - t0
+            self._commit(it, control.buffers, control.extra, control.lrs)
+
+    def _commit(self, it: int, buffers: dict, extra: dict, lrs: list[float] | None) -> None:
+        spec = self.spec
+        assert spec is not None and self.opt is not None
+        arrays = self._free.pop() if self._free else {
+            s: np.empty(self.size, np.float32) for s in spec.slots}
+        for s in spec.slots:
+            np.copyto(arrays[s], _slot(self.opt, s))
+        v = Version(it, int(self.opt.step_count), arrays, buffers, extra, lrs)
+        self.versions.append(v)
+        while len(self.versions) > self.retain:
+            old = self.versions.popleft()
+            old.evicted = True
+            if old.pins == 0:
+                self._free.append(old.slots)
+        self.committed_count += 1
+        if self.asm is not None:
+            self.asm.committed = it
+        if self.on_commit is not None:
+            self.on_commit(v)
+
+    # ----- reading ----------------------------------------------------------------------
+    def retained(self) -> list[int]:
+        with self.lock:
+            return [v.iteration for v in self.versions]
+
+    @property
+    def latest(self) -> int | None:
+        with self.lock:
+            return self.versions[-1].iteration if self.versions else None
+
+    def pin(self, it: int | None = None) -> Version:
+        """Pin a retained version (the newest by default); CheckmateError if not retained."""
+        with self.lock:
+            for v in self.versions:
+                if it is None and v is self.versions[-1] or v.iteration == it:
+                    v.pins += 1
+                    return v
+            have = [v.iteration for v in self.versions]
+            raise CheckmateError(f"iteration {it} is not retained (retained: {have})")
+
+    def unpin(self, v: Version) -> None:
+        with self.lock:
+            v.pins -= 1
+            if v.pins == 0 and v.evicted and self.spec is not None \
+                    and set(v.slots) == set(self.spec.slots):
+                self._free.append(v.slots)
+
+    @contextmanager
+    def pinned(self, it: int | None = None) -> Iterator[Version]:
+        v = self.pin(it)
+        try:
+            yield v
+        finally:
+            self.unpin(v)
+
+
+def _slot(opt: Any, name: str) -> np.ndarray:
+    """The optimizer's live array for a slot (C's FlatOptimizer keeps them by name)."""
+    slots = getattr(opt, "slots", None)
+    if isinstance(slots, dict):
+        return slots[name]
+    return getattr(opt, name)
