@@ -1,0 +1,73 @@
+"""Optimizer kinds, their state slots and hyperparameter defaults (torch 2.13's)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from checkmate.errors import CheckmateError
+
+KINDS = ("adam", "adamw", "sgd")
+
+#: torch's constructor defaults per kind (lr included: a group may omit it).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+             "amsgrad": False, "maximize": False},
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2,
+              "amsgrad": False, "maximize": False},
+    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
+            "nesterov": False, "maximize": False},
+}
+
+
+def check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise CheckmateError(f"unknown optimizer kind {kind!r} (use one of {', '.join(KINDS)})")
+    return kind
+
+
+def resolve(kind: str, hyper: Mapping[str, Any]) -> dict[str, Any]:
+    """``hyper`` over the kind's defaults, validated like torch does. Unknown keys (e.g. a
+    spec group's ``params``) are ignored; None values mean "default"."""
+    check_kind(kind)
+    out = dict(DEFAULTS[kind])
+    for k in out:
+        if hyper.get(k) is not None:
+            out[k] = hyper[k]
+    try:
+        out["lr"] = float(out["lr"])
+        out["weight_decay"] = float(out["weight_decay"])
+        out["maximize"] = bool(out["maximize"])
+        if kind == "sgd":
+            out["momentum"] = float(out["momentum"])
+            out["dampening"] = float(out["dampening"])
+            out["nesterov"] = bool(out["nesterov"])
+        else:
+            b1, b2 = (float(b) for b in out["betas"])
+            out["betas"] = (b1, b2)
+            out["eps"] = float(out["eps"])
+            out["amsgrad"] = bool(out["amsgrad"])
+    except (TypeError, ValueError) as e:
+        raise CheckmateError(f"bad {kind} hyperparameters {dict(hyper)!r}: {e}") from None
+    if out["lr"] < 0 or out["weight_decay"] < 0:
+        raise CheckmateError(f"{kind}: lr and weight_decay must be >= 0, got {out}")
+    if kind == "sgd":
+        if out["momentum"] < 0:
+            raise CheckmateError(f"sgd: momentum must be >= 0, got {out['momentum']}")
+        if out["nesterov"] and (out["momentum"] <= 0 or out["dampening"] != 0):
+            raise CheckmateError("sgd: Nesterov momentum requires a momentum and zero dampening")
+    else:
+        b1, b2 = out["betas"]
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0) or out["eps"] < 0:
+            raise CheckmateError(f"{kind}: need 0 <= betas < 1 and eps >= 0, got {out}")
+    return out
+
+
+def slots(kind: str, groups: list[Mapping[str, Any]]) -> tuple[str, ...]:
+    """State slots a partition holds, in the order used on the wire (seed/fetch)."""
+    check_kind(kind)
+    if kind == "sgd":
+        has_buf = any(float(g.get("momentum") or 0.0) != 0 for g in groups)
+        return ("param", "momentum_buffer") if has_buf else ("param",)
+    ams = any(bool(g.get("amsgrad")) for g in groups)
+    return ("param", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())

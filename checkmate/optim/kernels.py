@@ -1,0 +1,224 @@
+"""Numba kernels: one in-place optimizer step on flat float32 arrays.
+
+Trainer (through :mod:`checkmate.optim.torch_optim`) and shadow (through
+:mod:`checkmate.optim.flat`) both call these functions, so their arithmetic is identical by
+construction. The element formulas follow torch 2.13's single-tensor (``foreach=False``)
+Adam/AdamW/SGD op by op, with a true fused multiply-add wherever ATen's vectorized code
+fuses one (``lerp_``, ``addcmul_``, ``add(alpha=)``); see /work/shared/machine-facts.md.
+
+Gradient element types (see :func:`checkmate.optim.grads.as_kernel_grad`):
+
+- ``float32``: used as is;
+- ``uint16``: bfloat16 bit patterns, widened exactly (``bits << 16``);
+- ``int16``: float16 bit patterns, widened exactly by the CPU's half->float conversion.
+
+Every gradient is first multiplied by ``gscale`` in float32: the clip coefficient
+(``1.0`` for none), negated for ``maximize``. ``x * 1.0`` is exact and
+``-(g * c) == g * (-c)`` in IEEE arithmetic, so this equals torch's ``grad.mul_(coef)``
+followed by ``-grad``.
+
+Work is split into fixed chunks run with ``prange``; the arithmetic is purely
+elementwise, so neither the chunking nor the thread count changes any result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, overload
+
+#: elements per parallel work item (a multiple of every vector width; 64 KiB of float32).
+CHUNK = 16384
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a * b + c`` rounded once (llvm.fma.f32)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fnty = ir.FunctionType(f32, [f32, f32, f32])
+        fn = builder.module.declare_intrinsic("llvm.fma", [f32], fnty)
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@intrinsic
+def _half_bits_to_f32(typingctx, bits):
+    """Widen float16 bits (int16) to float32, exactly (fpext half -> float)."""
+    sig = types.float32(types.int16)
+
+    def codegen(context, builder, signature, args):
+        half = builder.bitcast(args[0], ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, bits):
+    """Widen bfloat16 bits (uint16) to float32, exactly (the bits become the high half)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return sig, codegen
+
+
+def to_f32(x):  # pragma: no cover - replaced by the overload inside jitted code
+    """Widen one gradient element to float32 (jitted code only)."""
+    raise NotImplementedError
+
+
+@overload(to_f32, inline="always")
+def _to_f32_impl(x):
+    if x == types.float32:
+        return lambda x: x
+    if x == types.uint16:
+        return lambda x: _bf16_bits_to_f32(x)
+    if x == types.int16:
+        return lambda x: _half_bits_to_f32(x)
+    raise TypingError(f"unsupported gradient element type {x}")
+
+
+@njit(inline="always", error_model="numpy")
+def _maximum(a, b):
+    """torch.maximum for float32: NaN if either input is NaN."""
+    m = a if a > b else b
+    if a != a:
+        m = a
+    return m
+
+
+# ---------------------------------------------------------------------------- Adam / AdamW
+
+
+@njit(inline="always", error_model="numpy")
+def _adam_range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad):
+    """Adam/AdamW on whole (sliced) arrays; ``s`` holds the float32 scalars (ops.adam_step).
+
+    Loops start at 0 so the indices are provably non-negative: with a variable start,
+    Numba's negative-index wraparound makes the access non-affine and LLVM refuses to
+    vectorize.
+    """
+    gscale, decay, wd, l2, coeff, base_is_avg, c2, b2, bc2_sqrt, eps, neg_step = (
+        s[0], s[1], s[2], s[3] != 0, s[4], s[5] != 0, s[6], s[7], s[8], s[9], s[10])
+    for i in range(param.shape[0]):
+        p = param[i]
+        g = to_f32(grad[i]) * gscale
+        # AdamW: param.mul_(1 - lr*wd); decay is 1.0 (exact no-op) for Adam or wd == 0.
+        p = p * decay
+        # Adam: grad = grad.add(param, alpha=wd), only when wd != 0 (fma(p, wd, g)).
+        g2 = fma32(p, wd, g)
+        g = g2 if l2 else g
+        # exp_avg.lerp_(grad, 1 - beta1), ATen's vector form.
+        m = exp_avg[i]
+        base = m if base_is_avg else g
+        m = fma32(coeff, g - m, base)
+        exp_avg[i] = m
+        # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        v = fma32(c2 * g, g, exp_avg_sq[i] * b2)
+        exp_avg_sq[i] = v
+        if amsgrad:
+            v = _maximum(max_exp_avg_sq[i], v)
+            max_exp_avg_sq[i] = v
+        # denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        denom = np.sqrt(v) / bc2_sqrt + eps
+        # param.addcdiv_(exp_avg, denom, value=-step_size)
+        param[i] = p + (neg_step * m) / denom
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _adam_chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lo, hi, s, amsgrad):
+    """One work item, compiled on its own so LLVM vectorizes it (the same loop inlined into
+    a prange body is not vectorized); amsgrad and plain Adam are separate loops."""
+    p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
+    if amsgrad:
+        _adam_range(p, g, m, v, max_exp_avg_sq[lo:hi], s, True)
+    else:
+        _adam_range(p, g, m, v, max_exp_avg_sq, s, False)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def _adam_parallel(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad):
+    n = param.shape[0]
+    nchunks = (n + CHUNK - 1) // CHUNK
+    for c in prange(nchunks):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        _adam_chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lo, hi, s, amsgrad)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _adam_serial(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad):
+    _adam_chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, 0, param.shape[0], s, amsgrad)
+
+
+# ---------------------------------------------------------------------------------- SGD
+
+
+@njit(inline="always", error_model="numpy")
+def _sgd_range(param, grad, buf, s, mode):
+    """SGD on whole (sliced) arrays (loop from 0: see _adam_range).
+
+    mode: 0 no momentum, 1 first momentum step, 2 momentum, +4 nesterov.
+
+    ``s`` = (gscale, wd, l2, momentum, 1 - dampening, -lr) as float32.
+    """
+    gscale, wd, l2, mom, damp1, neg_lr = s[0], s[1], s[2] != 0, s[3], s[4], s[5]
+    kind = mode & 3
+    nesterov = (mode & 4) != 0
+    for i in range(param.shape[0]):
+        p = param[i]
+        g = to_f32(grad[i]) * gscale
+        g2 = fma32(p, wd, g)
+        g = g2 if l2 else g
+        if kind != 0:
+            if kind == 1:
+                b = g  # buf = grad.detach().clone()
+            else:
+                b = fma32(g, damp1, buf[i] * mom)  # buf.mul_(m).add_(grad, alpha=1-d)
+            buf[i] = b
+            if nesterov:
+                g = fma32(b, mom, g)  # grad.add(buf, alpha=momentum)
+            else:
+                g = b
+        param[i] = fma32(g, neg_lr, p)  # param.add_(grad, alpha=-lr)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sgd_chunk(param, grad, buf, lo, hi, s, mode):
+    """One work item (compiled on its own, see _adam_chunk), calling _sgd_range with a
+    constant mode so each variant compiles to its own loop."""
+    p, g = param[lo:hi], grad[lo:hi]
+    if mode == 0:
+        _sgd_range(p, g, buf[lo:hi], s, 0)
+    elif mode == 1:
+        _sgd_range(p, g, buf[lo:hi], s, 1)
+    elif mode == 2:
+        _sgd_range(p, g, buf[lo:hi], s, 2)
+    elif mode == 5:
+        _sgd_range(p, g, buf[lo:hi], s, 5)
+    else:
+        _sgd_range(p, g, buf[lo:hi], s, 6)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def _sgd_parallel(param, grad, buf, s, mode):
+    n = param.shape[0]
+    nchunks = (n + CHUNK - 1) // CHUNK
+    for c in prange(nchunks):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        _sgd_chunk(param, grad, buf, lo, hi, s, mode)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sgd_serial(param, grad, buf, s, mode):
+    _sgd_chunk(param, grad, buf, 0, param.shape[0], s, mode)

@@ -1,0 +1,116 @@
+"""One optimizer step on flat arrays: torch's scalar arithmetic, then the Numba kernel.
+
+Hyperparameters become float32 scalars exactly as torch 2.13's single-tensor path makes
+them: Python-float (double) arithmetic for ``1 - beta1**step``, ``lr / bc1``,
+``bc2 ** 0.5`` and ``1 - lr*wd``, then one rounding to float32 where ATen takes the value
+as a scalar operand of a float32 kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from checkmate.errors import CheckmateError
+from checkmate.optim import kernels
+
+#: below this many elements one thread does the work (a parallel launch costs more).
+PARALLEL_MIN = 1 << 17
+
+_EMPTY = np.zeros(0, np.float32)
+
+
+def _f32(x: float) -> np.float32:
+    return np.float32(x)
+
+
+def _check_slot(name: str, a: np.ndarray, n: int) -> None:
+    if a.dtype != np.float32 or a.ndim != 1 or a.shape[0] != n:
+        raise CheckmateError(
+            f"{name} must be a 1-D float32 array of {n} elements, got {a.dtype} {a.shape}")
+    if not a.flags.c_contiguous or not a.flags.writeable:
+        raise CheckmateError(f"{name} must be contiguous and writeable")
+
+
+def _check_grad(grad: np.ndarray, n: int) -> None:
+    if grad.dtype not in (np.float32, np.uint16, np.int16) or grad.ndim != 1:
+        raise CheckmateError(
+            f"gradient must be 1-D float32, uint16 (bfloat16 bits) or int16 (float16 bits), "
+            f"got {grad.dtype} {grad.shape}")
+    if grad.shape[0] != n or not grad.flags.c_contiguous:
+        raise CheckmateError(f"gradient must be contiguous with {n} elements, got {grad.shape}")
+
+
+def gscale_of(clip_coef: float | None, maximize: bool) -> np.float32:
+    """The float32 factor every gradient element is multiplied by (clip, then sign)."""
+    c = np.float32(1.0) if clip_coef is None else _f32(clip_coef)
+    return -c if maximize else c
+
+
+def adam_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 decoupled: bool, step: int, gscale: np.float32) -> np.ndarray:
+    """Kernel scalars for Adam (``decoupled=False``) or AdamW at the 1-based ``step``."""
+    w = _f32(1 - beta1)  # lerp weight, taken as float by ATen
+    small = abs(w) < np.float32(0.5)
+    coeff = w if small else w - np.float32(1.0)
+    bias_correction1 = 1 - beta1 ** float(step)
+    bias_correction2 = 1 - beta2 ** float(step)
+    step_size = lr / bias_correction1
+    bc2_sqrt = bias_correction2 ** 0.5
+    decay = _f32(1 - lr * weight_decay) if decoupled and weight_decay != 0 else np.float32(1.0)
+    l2 = 1.0 if (not decoupled and weight_decay != 0) else 0.0
+    return np.array([gscale, decay, weight_decay, l2, coeff, 1.0 if small else 0.0,
+                     1 - beta2, beta2, bc2_sqrt, eps, -step_size], dtype=np.float32)
+
+
+def adam_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray,
+              exp_avg_sq: np.ndarray, max_exp_avg_sq: np.ndarray | None, *, lr: float,
+              beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
+              amsgrad: bool, step: int, clip_coef: float | None = None,
+              maximize: bool = False) -> None:
+    """Adam/AdamW step ``step`` (1-based, already counted) in place on flat float32 arrays.
+
+    ``grad`` is float32, or 16-bit patterns (see :mod:`checkmate.optim.grads`). ``clip_coef``
+    multiplies the gradient first, as ``clip_grad_norm_`` does on the trainer.
+    """
+    n = param.shape[0] if param.ndim == 1 else -1
+    _check_slot("param", param, n)
+    _check_grad(grad, n)
+    _check_slot("exp_avg", exp_avg, n)
+    _check_slot("exp_avg_sq", exp_avg_sq, n)
+    if amsgrad:
+        if max_exp_avg_sq is None:
+            raise CheckmateError("amsgrad needs a max_exp_avg_sq array")
+        _check_slot("max_exp_avg_sq", max_exp_avg_sq, n)
+    else:
+        max_exp_avg_sq = _EMPTY
+    if step < 1:
+        raise CheckmateError(f"Adam step must be >= 1, got {step}")
+    s = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                     decoupled=decoupled, step=step, gscale=gscale_of(clip_coef, maximize))
+    fn = kernels._adam_parallel if n >= PARALLEL_MIN else kernels._adam_serial
+    fn(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, bool(amsgrad))
+
+
+def sgd_step(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | None, *,
+             lr: float, momentum: float = 0.0, dampening: float = 0.0,
+             weight_decay: float = 0.0, nesterov: bool = False, first: bool,
+             clip_coef: float | None = None, maximize: bool = False) -> None:
+    """SGD step in place. ``first``: the momentum buffer does not exist yet (torch: None),
+    so it is set to the gradient instead of being updated."""
+    n = param.shape[0] if param.ndim == 1 else -1
+    _check_slot("param", param, n)
+    _check_grad(grad, n)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise CheckmateError("Nesterov momentum requires a momentum and zero dampening")
+    if momentum != 0:
+        if momentum_buffer is None:
+            raise CheckmateError("SGD with momentum needs a momentum_buffer array")
+        _check_slot("momentum_buffer", momentum_buffer, n)
+        mode = (1 if first else 2) + (4 if nesterov else 0)
+    else:
+        momentum_buffer, mode = _EMPTY, 0
+    s = np.array([gscale_of(clip_coef, maximize), weight_decay,
+                  1.0 if weight_decay != 0 else 0.0, momentum, 1 - dampening, -lr],
+                 dtype=np.float32)
+    fn = kernels._sgd_parallel if n >= PARALLEL_MIN else kernels._sgd_serial
+    fn(param, grad, momentum_buffer, s, mode)

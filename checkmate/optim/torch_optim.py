@@ -1,0 +1,172 @@
+"""torch.optim drop-ins (SGD, Adam, AdamW) that step with Checkmate's Numba kernels.
+
+The trainer uses these so that its arithmetic is exactly the shadow's
+(:class:`checkmate.optim.flat.FlatOptimizer`): both call :mod:`checkmate.optim.ops` on
+float32 memory, here through zero-copy numpy views of each parameter. State and
+``state_dict()`` follow torch.optim's format (``step`` as a float32 tensor,
+``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``; ``momentum_buffer``), so checkpoints load
+into torch's own optimizers and back.
+
+These optimizers never clip: the trainer calls :func:`checkmate.optim.clip.clip_grad_norm_`
+(torch's) before ``step()`` and sends the factor to the shadows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from checkmate.errors import CheckmateError
+from checkmate.optim import hyper as H
+from checkmate.optim import ops
+from checkmate.optim.grads import as_kernel_grad
+
+
+def _flat(t: torch.Tensor, what: str) -> np.ndarray:
+    if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+        raise CheckmateError(
+            f"{what} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    return t.detach().view(-1).numpy()
+
+
+def _scalar(x: Any, name: str) -> float:
+    if isinstance(x, torch.Tensor):
+        raise CheckmateError(f"{name} must be a Python float, not a tensor")
+    return float(x)
+
+
+class _KernelOptimizer(torch.optim.Optimizer):
+    kind = ""
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        for flag in ("capturable", "differentiable", "fused"):
+            if defaults.get(flag):
+                raise CheckmateError(f"{type(self).__name__}: {flag}=True is not supported")
+        super().__init__(params, defaults)
+
+    def _check_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        hp = H.resolve(self.kind, {k: _scalar(v, k) if k in ("lr", "eps", "weight_decay")
+                                   else v for k, v in group.items()})
+        for p in group["params"]:
+            if p.grad is not None and p.grad.shape != p.shape:
+                raise CheckmateError(f"gradient shape {tuple(p.grad.shape)} != {tuple(p.shape)}")
+        return hp
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One optimizer step over every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hp = self._check_group(group)
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_param(p, hp)
+        return loss
+
+    def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class SGD(_KernelOptimizer):
+    """torch.optim.SGD's arithmetic (foreach=False path) on the Numba kernels."""
+
+    kind = "sgd"
+
+    def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                 *, maximize: bool = False, foreach: bool | None = None,
+                 differentiable: bool = False, fused: bool | None = None) -> None:
+        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
+                    "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
+                    "foreach": foreach, "differentiable": differentiable, "fused": fused}
+        H.resolve("sgd", defaults)
+        super().__init__(params, defaults)
+
+    def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
+        state = self.state[p]
+        buf = state.get("momentum_buffer")
+        first = buf is None
+        if hp["momentum"] != 0 and buf is None:
+            buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["momentum_buffer"] = buf
+        ops.sgd_step(_flat(p, "parameter"), as_kernel_grad(p.grad),
+                     None if hp["momentum"] == 0 else _flat(buf, "momentum_buffer"),
+                     lr=hp["lr"], momentum=hp["momentum"], dampening=hp["dampening"],
+                     weight_decay=hp["weight_decay"], nesterov=hp["nesterov"], first=first,
+                     maximize=hp["maximize"])
+        if hp["momentum"] == 0:
+            state.setdefault("momentum_buffer", None)
+
+
+class Adam(_KernelOptimizer):
+    """torch.optim.Adam's arithmetic (foreach=False path) on the Numba kernels."""
+
+    kind = "adam"
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
+                 foreach: bool | None = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None,
+                 decoupled_weight_decay: bool = False) -> None:
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
+                    "capturable": capturable, "differentiable": differentiable, "fused": fused,
+                    "decoupled_weight_decay": decoupled_weight_decay}
+        H.resolve(self.kind, defaults)
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("decoupled_weight_decay", self.kind == "adamw")
+            for p in group["params"]:
+                st = self.state.get(p, {})
+                if st and not torch.is_tensor(st["step"]):
+                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+
+    def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if hp["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        b1, b2 = hp["betas"]
+        mx = _flat(state["max_exp_avg_sq"], "max_exp_avg_sq") if hp["amsgrad"] else None
+        ops.adam_step(_flat(p, "parameter"), as_kernel_grad(p.grad),
+                      _flat(state["exp_avg"], "exp_avg"), _flat(state["exp_avg_sq"], "exp_avg_sq"),
+                      mx, lr=hp["lr"], beta1=b1, beta2=b2, eps=hp["eps"],
+                      weight_decay=hp["weight_decay"], decoupled=self._decoupled(hp),
+                      amsgrad=hp["amsgrad"], step=int(state["step"].item()),
+                      maximize=hp["maximize"])
+
+    def _decoupled(self, hp: dict[str, Any]) -> bool:
+        return self.kind == "adamw" or bool(hp.get("decoupled_weight_decay"))
+
+    def _check_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        hp = super()._check_group(group)
+        hp["decoupled_weight_decay"] = bool(group.get("decoupled_weight_decay", False))
+        return hp
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW's arithmetic (Adam with decoupled weight decay)."""
+
+    kind = "adamw"
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 foreach: bool | None = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable,
+                         differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True)
