@@ -20,6 +20,8 @@ from checkmate.config import ClusterConfig
 from checkmate.errors import CheckmateError
 
 BUILD = p4tables.REPO / "build" / "p4"
+#: Indexes of the P4 ckm_stats counter (STAT_* in p4/include/checkmate_common.p4).
+STAT_NAMES = ("ckm", "replicated", "no_entry", "malformed", "handshake")
 
 
 def device_config_path(arch: str) -> Path:
@@ -166,11 +168,10 @@ class P4RuntimeDriver:
         c = self.schema.counters.get("ckm_stats")
         if c is not None:
             ent = pb.Entity(counter_entry=pb.CounterEntry(counter_id=c.preamble.id))
-            names = ["ckm", "replicated", "no_entry", "malformed", "handshake"]
             for e in self.client.read([ent]):
                 i = e.counter_entry.index.index
-                if i < len(names):
-                    stats[names[i]] = e.counter_entry.data.packet_count
+                if i < len(STAT_NAMES):
+                    stats[STAT_NAMES[i]] = e.counter_entry.data.packet_count
         return {"target": self.cfg.switch.target, "switch": self.cfg.switch.name,
                 "entries": entries, "groups": {g: list(r) for g, r in self.read_groups().items()},
                 "ckm_stats": stats}

@@ -1,0 +1,123 @@
+"""Deploy plan and PFC/FEC port plan, checked against values computed by hand."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from checkmate.control import pfc
+from checkmate.control import plan as plan_mod
+
+from checkmate import config
+from checkmate.errors import CheckmateError
+
+
+@pytest.fixture
+def cfg() -> config.ClusterConfig:
+    return config.load(config.default_path())
+
+
+def with_switch(cfg, **kw):
+    return replace(cfg, switch=replace(cfg.switch, **kw))
+
+
+def test_ring_hops_every_partition(cfg):
+    p = plan_mod.build(cfg)
+    hops = {(r.src, r.dst, r.partition, r.shadow) for r in p.replication}
+    assert hops == {(s, d, part, f"s{part}") for s, d in
+                    [("t0", "t1"), ("t1", "t2"), ("t2", "t3"), ("t3", "t0")]
+                    for part in (0, 1)}
+    assert all(r.job_id == 7 and r.epoch == 0 and r.shadow_port == 47001
+               for r in p.replication)
+    assert {r.key for r in p.replication} == {
+        (7, "10.77.0.1" + a, "10.77.0.1" + b, part)
+        for a, b in [("0", "1"), ("1", "2"), ("2", "3"), ("3", "0")] for part in (0, 1)}
+
+
+def test_registration_overrides_config_address(cfg):
+    reg = plan_mod.Registration(0, "s0", "10.77.0.100", "02:00:0a:4d:00:64", 47055, 4, 99)
+    p = plan_mod.build(cfg, {0: reg})
+    part0 = [r for r in p.replication if r.partition == 0]
+    part1 = [r for r in p.replication if r.partition == 1]
+    assert {(r.shadow_port, r.epoch, r.token) for r in part0} == {(47055, 4, 99)}
+    assert {(r.shadow_port, r.epoch, r.token) for r in part1} == {(47001, 0, 0)}
+    rw = {w.rid: w for w in p.rewrites}
+    assert (rw[1].udp_port, rw[1].epoch, rw[1].token) == (47055, 4, 99)
+
+
+def test_registration_must_name_a_shadow_of_a_known_partition(cfg):
+    bad = plan_mod.Registration(0, "t1", "10.77.0.11", "02:00:0a:4d:00:0b", 47001, 1, 1)
+    with pytest.raises(CheckmateError, match="a trainer"):
+        plan_mod.build(cfg, {0: bad})
+    other = plan_mod.Registration(5, "s0", "10.77.0.100", "02:00:0a:4d:00:64", 47001, 1, 1)
+    with pytest.raises(CheckmateError, match="partition 5"):
+        plan_mod.build(cfg, {5: other})
+
+
+def test_single_trainer_has_no_ring_hop(cfg):
+    one = replace(cfg, hosts=tuple(h for h in cfg.hosts if h.name in ("t0", "s0", "s1")))
+    p = plan_mod.build(one)
+    assert p.replication == ()
+    assert [g.group_id for g in p.groups] == [plan_mod.FLOOD_GROUP]
+
+
+def test_port_collision_with_cpu_port_is_refused(cfg):
+    hosts = tuple(replace(h, switch_port=64) if h.name == "t2" else h for h in cfg.hosts)
+    with pytest.raises(CheckmateError, match="port 64 of t2 is also the CPU port"):
+        plan_mod.build(replace(cfg, hosts=hosts))
+
+
+def test_pfc_default_100g_3m_jumbo(cfg):
+    """100 Gb/s, 3 m, MTU 9000 (the default config), by hand:
+    frame = 9000 + 42 = 9042 B; bit times: 2 frames 144672 + PFC frame 672 + 2 x interface
+    122880 + response 201728 = 592832 BT = 74104 B; cable 3 m x 5 ns x 100 Gb/s = 1500 b =
+    187.5 -> 188 B each way, 376 B both: headroom 74480 B = 931 cells of 80 B.
+    xon = max(round trip 376, one frame 9042) = 9042; xoff = xon + 2 frames = 27126."""
+    p = plan_mod.build(cfg)
+    s = p.ports[0].pfc
+    assert (s.priority, s.headroom_bytes, s.xoff_bytes, s.xon_bytes) == (3, 74480, 27126, 9042)
+    assert (s.headroom_cells, s.xoff_cells, s.xon_cells) == (931, 340, 114)
+    assert {pp.pfc for pp in p.ports} == {s}
+    assert {pp.fec for pp in p.ports} == {"rs"}  # 100G: RS-FEC everywhere
+    assert [pp.ifname for pp in p.ports] == ["ckmp-t0", "ckmp-t1", "ckmp-t2", "ckmp-t3",
+                                             "ckmp-s0", "ckmp-s1"]
+
+
+def test_pfc_25g_100m_standard_mtu(cfg):
+    """25 Gb/s, 100 m, MTU 1500, by hand:
+    frame = 1542 B; 2 frames 24672 + PFC 672 + 2 x 6144 + 40960 = 78592 BT = 9824 B; cable
+    100 m x 5 ns x 25 Gb/s = 12500 b = 1562.5 -> 1563 B each way: headroom 9824 + 3126 =
+    12950 B. xon = max(3126, 1542) = 3126; xoff = 3126 + 3084 = 6210."""
+    c = with_switch(cfg, speed_gbps=25, cable_m=100.0)
+    c = replace(c, network=replace(c.network, mtu=1500))
+    p = plan_mod.build(c)
+    s = p.ports[0].pfc
+    assert (s.headroom_bytes, s.xon_bytes, s.xoff_bytes) == (12950, 3126, 6210)
+    fec = {pp.host: pp.fec for pp in p.ports}
+    assert fec == {"t0": "none", "t1": "none", "t2": "none", "t3": "none",
+                   "s0": "rs", "s1": "rs"}
+
+
+def test_pfc_speed_rows():
+    assert pfc.delays_for(100) == (122880, 201728)
+    assert pfc.delays_for(50) == (122880, 201728)  # unlisted: next faster row
+    assert pfc.delays_for(1) == (8192, 30720)
+    with pytest.raises(CheckmateError, match="400 Gb/s"):
+        pfc.delays_for(400)
+    # Longer cable, more headroom, exactly 2 x the one-way bytes of the extra length.
+    assert pfc.headroom_bytes(100, 103, 9000) - pfc.headroom_bytes(100, 3, 9000) == 2 * 6250
+
+
+def test_host_commands_enable_pfc_on_ckm_priority(cfg):
+    cmds = plan_mod.build(cfg).host_commands
+    assert "t0: dcb pfc set dev ckm-t0 prio-pfc all:off 3:on" in cmds
+    assert "s1: dcb app add dev ckm-s1 dscp-prio 24:3" in cmds
+    assert "t2: mlnx_qos -i ckm-t2 --trust dscp --pfc 0,0,0,1,0,0,0,0" in cmds
+    assert len(cmds) == 3 * len(cfg.hosts)
+
+
+def test_describe_mentions_every_entry(cfg):
+    text = plan_mod.describe(plan_mod.build(cfg))
+    assert text.count(" => s") == 8
+    assert "headroom 74480 B (931 cells)" in text
+    assert "10.77.0.1:48023 -> CPU port 64" in text

@@ -1,0 +1,235 @@
+"""The P4 sources agree with their P4Info, with the ckm wire format and with the controller.
+
+No P4 compiler exists here, so the sources are parsed with a small reader good enough for
+the subset they use (controls, tables, keys, actions, counters, header types), and every
+table, key, action, parameter and counter is checked against the P4Info text protos in
+both directions, with bit widths resolved from the header definitions.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from checkmate.control import p4proto, pfc
+from checkmate.control import plan as plan_mod
+from checkmate.control.drivers import p4runtime as p4rt_driver
+from checkmate.control.drivers import p4tables
+from google.protobuf import text_format
+
+from checkmate import config, wire, wire_gen
+
+P4 = Path(__file__).resolve().parents[1] / "p4"
+ARCHS = {"v1model": "", "tna": "pipe."}
+#: Architecture types and intrinsic fields used as keys/params (v1model.p4, tna.p4).
+TYPE_WIDTHS = {"PortId_t": 9, "MulticastGroupId_t": 16}
+INTRINSIC_WIDTHS = {"std_md.egress_rid": 16, "eg_intr_md.egress_rid": 16}
+
+
+def strip_comments(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def block(text: str, start: int) -> str:
+    """The text between the brace at/after ``start`` and its matching close."""
+    i = text.index("{", start)
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    raise AssertionError("unbalanced braces")
+
+
+def source(arch: str) -> str:
+    return strip_comments((P4 / f"checkmate_{arch}.p4").read_text())
+
+
+def include(name: str) -> str:
+    return strip_comments((P4 / "include" / name).read_text())
+
+
+def header_types() -> dict[str, dict[str, int]]:
+    text = include("checkmate_common.p4") + include("ckm_headers.p4")
+    out = {}
+    for m in re.finditer(r"header\s+(\w+)\s*{", text):
+        fields = re.findall(r"bit<(\d+)>\s+(\w+)\s*;", block(text, m.start()))
+        out[m.group(1)] = {name: int(w) for w, name in fields}
+    return out
+
+
+def headers_struct() -> dict[str, str]:
+    text = include("checkmate_common.p4")
+    m = re.search(r"struct\s+headers_t\s*{", text)
+    return {name: typ for typ, name in re.findall(r"(\w+)\s+(\w+)\s*;", block(text, m.start()))}
+
+
+def width_of(expr: str) -> int:
+    if expr in INTRINSIC_WIDTHS:
+        return INTRINSIC_WIDTHS[expr]
+    root, hdr, field = expr.split(".")
+    assert root == "hdr", expr
+    return header_types()[headers_struct()[hdr]][field]
+
+
+def param_width(typ: str) -> int:
+    m = re.fullmatch(r"bit<(\d+)>", typ)
+    return int(m.group(1)) if m else TYPE_WIDTHS[typ]
+
+
+def parse_program(arch: str) -> dict:
+    """{"tables": {ctrl.table: {...}}, "actions": {ctrl.action: [(param, width)]},
+    "direct": {ctrl.counter}, "counters": {ctrl.counter}}"""
+    text = source(arch)
+    prog: dict = {"tables": {}, "actions": {}, "direct": set(), "counters": set()}
+    for cm in re.finditer(r"control\s+(\w+)\s*\(", text):
+        ctrl = cm.group(1)
+        body = block(text, cm.end())
+        for am in re.finditer(r"action\s+(\w+)\s*\(([^)]*)\)", body):
+            params = [p.split() for p in am.group(2).split(",") if p.strip()]
+            prog["actions"][f"{ctrl}.{am.group(1)}"] = [(n, param_width(t)) for t, n in params]
+        for dm in re.finditer(r"(?:direct_counter|DirectCounter<[^()]*>)\s*\([^)]*\)\s*(\w+)",
+                              body):
+            prog["direct"].add(f"{ctrl}.{dm.group(1)}")
+        for c in re.finditer(r"(?:\bcounter|\bCounter<[^()]*>)\s*\([^)]*\)\s*(\w+)", body):
+            prog["counters"].add(f"{ctrl}.{c.group(1)}")
+        for tm in re.finditer(r"table\s+(\w+)\s*{", body):
+            tb = block(body, tm.start())
+            keys_text = block(tb, tb.index("key"))
+            keys = [(name, width_of(expr)) for expr, name in
+                    re.findall(r"([\w.]+)\s*:\s*exact\s+@name\(\"(\w+)\"\)", keys_text)]
+            acts_text = block(tb, tb.index("actions"))
+            acts = {}
+            for a in [a.strip() for a in acts_text.split(";") if a.strip()]:
+                default_only = a.startswith("@defaultonly")
+                acts[a.split()[-1]] = default_only
+            counter = re.search(r"counters\s*=\s*(\w+)", tb).group(1)
+            size = int(re.search(r"size\s*=\s*(\d+)", tb).group(1))
+            prog["tables"][f"{ctrl}.{tm.group(1)}"] = {
+                "keys": keys, "actions": acts, "counter": f"{ctrl}.{counter}", "size": size}
+    return prog
+
+
+def p4info(arch: str):
+    return text_format.Parse((P4 / f"checkmate_{arch}.p4info.txtpb").read_text(),
+                             p4proto.p4info().P4Info())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tables_keys_actions_agree_with_p4info(arch):
+    prefix = ARCHS[arch]
+    prog = parse_program(arch)
+    info = p4info(arch)
+    actions_by_id = {a.preamble.id: a for a in info.actions}
+    assert {t.preamble.name for t in info.tables} == {prefix + n for n in prog["tables"]}
+    default_only = p4proto.p4info().ActionRef.DEFAULT_ONLY
+    for t in info.tables:
+        src = prog["tables"][t.preamble.name.removeprefix(prefix)]
+        assert [(f.name, f.bitwidth) for f in t.match_fields] == src["keys"], t.preamble.name
+        assert all(f.match_type == p4proto.p4info().MatchField.EXACT for f in t.match_fields)
+        refs = {}
+        for r in t.action_refs:
+            name = actions_by_id[r.id].preamble.alias
+            refs[name] = r.scope == default_only
+        assert refs == src["actions"], t.preamble.name
+        assert t.size == src["size"]
+        (dc_id,) = t.direct_resource_ids
+        dc = next(d for d in info.direct_counters if d.preamble.id == dc_id)
+        assert dc.preamble.name == prefix + src["counter"] and dc.direct_table_id == t.preamble.id
+    for a in info.actions:
+        if a.preamble.name == "NoAction":
+            continue
+        src_params = prog["actions"][a.preamble.name.removeprefix(prefix)]
+        assert [(p.name, p.bitwidth) for p in a.params] == src_params, a.preamble.name
+    declared = {n for n in prog["actions"]}
+    used = {f"{t.split('.')[0]}.{a}" for t, d in prog["tables"].items() for a in d["actions"]
+            if a != "NoAction"}
+    assert used <= declared
+    assert {prefix + n for n in used} == {a.preamble.name for a in info.actions} - {"NoAction"}
+    assert {d.preamble.name for d in info.direct_counters} == {prefix + n for n in prog["direct"]}
+    assert {c.preamble.name for c in info.counters} == {prefix + n for n in prog["counters"]}
+    stat_size = int(re.search(r"STAT_SIZE\s*=\s*(\d+)", include("checkmate_common.p4"))[1])
+    assert [c.size for c in info.counters] == [stat_size]
+
+
+def test_both_programs_have_the_same_tables_and_actions():
+    v1, tna = parse_program("v1model"), parse_program("tna")
+    assert v1["tables"] == tna["tables"]
+    assert v1["actions"] == tna["actions"]
+
+
+def test_driver_schema_loads_both_p4infos():
+    for arch in ARCHS:
+        schema = p4tables.Schema(p4tables.load_p4info(arch))
+        for spec in p4tables.entries(plan_mod.build(config.load(config.default_path()))):
+            assert schema.from_proto(schema.to_proto(spec)) == spec
+
+
+def test_ckm_header_view_is_generated_and_matches_wire_fields():
+    text = (P4 / "include" / "ckm_headers.p4").read_text()
+    assert text == wire_gen.p4_view(), "regenerate with python -m checkmate.wire_gen"
+    assert header_types()["ckm_h"] == {f.name: f.size * 8 for f in wire.FIELDS}
+    assert list(header_types()["ckm_h"]) == [f.name for f in wire.FIELDS]
+    # The programs use the generated view, through the shared include chain.
+    assert '#include "ckm_headers.p4"' in include("checkmate_common.p4")
+    assert '#include "checkmate_common.p4"' in include("checkmate_parser.p4")
+    for arch in ARCHS:
+        assert '#include "include/checkmate_parser.p4"' in source(arch)
+        assert "header ckm_h" not in source(arch)
+    # Every ckm field the P4 code touches exists with the width the controller writes.
+    used = set()
+    for text in [source(a) for a in ARCHS] + [include("checkmate_parser.p4")]:
+        used |= set(re.findall(r"hdr\.ckm\.(\w+)", text))
+    names = {f.name for f in wire.FIELDS}
+    assert used and used <= names | {"isValid", "setValid"}
+    widths = {f.name: f.size * 8 for f in wire.FIELDS}
+    keys = dict(parse_program("v1model")["tables"]["CkmIngress.ckm_replicate"]["keys"])
+    assert keys["job_id"] == widths["job_id"] and keys["partition"] == widths["partition"]
+    rw = dict(parse_program("v1model")["actions"]["CkmEgress.rewrite_shadow"])
+    assert rw["epoch"] == widths["epoch"] and rw["token"] == widths["token"]
+
+
+def _macros() -> dict[str, int]:
+    text = include("ckm_headers.p4")
+    return {k: int(v, 0) for k, v in re.findall(r"#define\s+(\w+)\s+(\w+)", text)
+            if re.fullmatch(r"(0x)?[0-9a-fA-F]+", v)}
+
+
+def test_parser_port_masks_cover_exactly_the_ckm_range():
+    text = include("checkmate_parser.p4")
+    pairs = [(int(v, 16), int(m, 16)) for v, m in
+             re.findall(r"16w0x([0-9a-f]+)\s*&&&\s*16w0x([0-9a-f]+)\s*:\s*ckm_port", text)]
+    covered = {p for p in range(1 << 16) if any(p & m == v for v, m in pairs)}
+    assert covered == set(range(wire.CKM_PORT_BASE, wire.CKM_PORT_BASE + wire.CKM_PORT_COUNT))
+    assert "CKM_MAGIC" in text and "CKM_VERSION" in text
+    assert _macros()["CKM_MAGIC"] == wire.MAGIC and _macros()["CKM_VERSION"] == wire.VERSION
+
+
+def test_constants_agree_with_controller():
+    common = include("checkmate_common.p4")
+    consts = {n: v for n, v in re.findall(r"const\s+bit<\d+>\s+(\w+)\s*=\s*([^;]+);", common)}
+    env = dict(_macros())
+    value = {n: eval(v, {}, env) for n, v in consts.items()}  # noqa: S307 - our own file
+    assert value["CKM_CONTROLLER_PORT"] == config.CONTROLLER_PORT
+    assert value["FLOOD_GROUP"] == plan_mod.FLOOD_GROUP
+    assert value["CKM_COS"] == pfc.CKM_PRIORITY and value["CKM_QID"] == pfc.CKM_QID
+    stats = sorted((v, n) for n, v in value.items() if n.startswith("STAT_") and n != "STAT_SIZE")
+    assert [n.removeprefix("STAT_").lower() for _, n in stats] == \
+        ["ckm", "replicated", "no_entry", "malformed", "handshake"]
+    assert [v for v, _ in stats] == list(range(len(stats)))
+    assert tuple(n.removeprefix("STAT_").lower() for _, n in stats) == p4rt_driver.STAT_NAMES
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shadow_copy_rewrites_checksums_and_egress_by_rid(arch):
+    text = source(arch)
+    eg = block(text, text.index("control CkmEgress("))
+    assert "hdr.udp.checksum = 0" in eg
+    assert "egress_rid != 0" in eg
+    if arch == "v1model":
+        assert "update_checksum(" in text and "meta.shadow_copy == 1" in text
+    else:
+        assert "ipv4_checksum.update(" in text and "meta.shadow_copy == 1" in text
+        assert "ig_tm_md.qid = CKM_QID" in text and "ig_tm_md.ingress_cos = CKM_COS" in text
