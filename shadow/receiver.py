@@ -10,6 +10,7 @@ duplicate, control_range, control_invalid.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -98,7 +99,12 @@ class Receiver:
 
     def _loop(self) -> None:
         sock = self.sock
-        sock.settimeout(0.1)
+        # Non-blocking receive, poll only when the queue is empty: a socket timeout would
+        # cost a poll() syscall before every datagram.
+        sock.setblocking(False)
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        poll = poller.poll
         buf = bytearray(_MAXDGRAM)
         mv = memoryview(buf)
         unpack = wire.STRUCT.unpack_from
@@ -113,10 +119,11 @@ class Receiver:
         while not self._stop.is_set():
             try:
                 n = recv_into(buf)
-            except TimeoutError:
+            except BlockingIOError:
                 if self.asm is not None:
                     self.asm.check_gaps()
                 last_tick = time.monotonic()
+                poll(100)
                 continue
             self.received += 1
             k += 1

@@ -152,9 +152,7 @@ class ShadowState:
             spec = self.spec
             assert spec is not None
             opt = make_optimizer(spec, self.start, self.end)
-            for s in spec.slots:
-                _slot(opt, s)[:] = arrays[s]
-            opt.step_count = step
+            opt.load({s: arrays[s] for s in spec.slots}, step)
             self.opt = opt
             for v in self.versions:
                 v.evicted = True
@@ -272,8 +270,5 @@ class ShadowState:
 
 
 def _slot(opt: Any, name: str) -> np.ndarray:
-    """The optimizer's live array for a slot (C's FlatOptimizer keeps them by name)."""
-    slots = getattr(opt, "slots", None)
-    if isinstance(slots, dict):
-        return slots[name]
-    return getattr(opt, name)
+    """The optimizer's live array for a slot."""
+    return opt.state[name]

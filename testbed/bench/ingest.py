@@ -1,0 +1,212 @@
+"""Bench: gradient bytes/s the shadow receiver places vs a raw UDP receive loop.
+
+One run, same path for both (loopback UDP, one sender process, jumbo-sized ckm datagrams of
+float32 gradient): first a raw loop that only receives datagrams and counts bytes, then the
+shadow's real receive path (checkmate.shadow.receiver + assembler: header checks, session
+checks, CRC32C, coverage, copy into the fp32 staging buffer, control message parsing).
+The sender is paced by the receiver (at most ``--depth`` iterations in flight, acknowledged
+through shared memory), so neither side loses datagrams and the rate is the receiver's.
+The optimizer step is not part of this number (see the optimizer bench); a third line runs
+the whole node with its AdamW step for reference.
+
+    testbed bench ingest [--elements N] [--iterations K] [--seconds S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from checkmate import wire
+
+JOB, EPOCH, TOKEN = 7, 3, 0x5EED
+
+
+def _datagrams(total: int, chunk: int) -> list[bytearray]:
+    """One iteration's datagrams (iteration field patched by the sender) + control."""
+    rng = np.random.default_rng(1)
+    grad = rng.standard_normal(total).astype(np.float32)
+    out = []
+    for off in range(0, total, chunk):
+        c = min(chunk, total - off)
+        h = wire.Header(flags=wire.Flags.REPLICATE, job_id=JOB, epoch=EPOCH, token=TOKEN,
+                        iteration=1, offset=off, count=c, partition=0)
+        out.append(bytearray(wire.encode(h, grad[off:off + c].tobytes())))
+    return out
+
+
+def _control(it: int) -> bytes:
+    body = json.dumps({"iteration": it, "lrs": [1e-3], "clip_coef": None, "skip": False,
+                       "buffers": {}, "extra": {}}).encode()
+    h = wire.Header(flags=wire.Flags.CONTROL, job_id=JOB, epoch=EPOCH, token=TOKEN,
+                    iteration=it, offset=0, count=len(body), dtype=wire.DType.BYTES,
+                    fec_group=len(body))
+    return wire.encode(h, body)
+
+
+def _sender(port: int, total: int, chunk: int, iterations: int, depth: int,
+            acked: Any, control: bool) -> None:
+    dgrams = _datagrams(total, chunk)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect(("127.0.0.1", port))
+    send = s.send
+    for it in range(1, iterations + 1):
+        while acked.value < it - depth:
+            time.sleep(0.0001)
+        for d in dgrams:
+            d[16:24] = it.to_bytes(8, "big")
+            send(d)
+        if control:
+            send(_control(it))
+    s.close()
+
+
+def _run(port_sock: socket.socket, total: int, chunk: int, iterations: int, depth: int,
+         consume, control: bool) -> tuple[float, int]:
+    """Start the sender, run ``consume`` (which sets ``acked``), return (seconds, bytes)."""
+    ctx = mp.get_context("fork")
+    acked = ctx.Value("q", 0, lock=False)
+    port = port_sock.getsockname()[1]
+    proc = ctx.Process(target=_sender, args=(port, total, chunk, iterations, depth, acked,
+                                             control), daemon=True)
+    t0 = time.perf_counter()
+    proc.start()
+    try:
+        nbytes = consume(acked)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return time.perf_counter() - t0, nbytes
+
+
+def _raw(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, int]:
+    from checkmate.shadow.receiver import open_socket
+
+    sock, _ = open_socket("127.0.0.1", 0)
+    per_iter = -(-total // chunk)
+
+    def consume(acked: Any) -> int:
+        buf = bytearray(65536)
+        recv_into = sock.recv_into
+        got = nbytes = 0
+        want = per_iter * iterations
+        sock.settimeout(10)
+        while got < want:
+            n = recv_into(buf)
+            nbytes += n - wire.HEADER_LEN
+            got += 1
+            if got % per_iter == 0:
+                acked.value = got // per_iter
+        return nbytes
+
+    try:
+        return _run(sock, total, chunk, iterations, depth, consume, control=False)
+    finally:
+        sock.close()
+
+
+def _ingest(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, int, dict]:
+    """The real Receiver + Assembler; completed iterations are released at once."""
+    from checkmate.shadow.assembler import Assembler
+    from checkmate.shadow.receiver import Receiver, open_socket
+
+    sock, _ = open_socket("127.0.0.1", 0)
+    drops: Counter = Counter()
+    rx = Receiver(sock, JOB, 0, drops, EPOCH, TOKEN)
+    box: dict[str, Any] = {}
+
+    def done(it: int, staging: np.ndarray, _control: Any) -> None:
+        asm.committed = it
+        asm.release(staging)
+        box["acked"].value = it
+        if it == iterations:
+            rx._stop.set()
+
+    asm = Assembler(0, total, 1, done, drops, window=depth + 2)
+    asm.committed = 0
+    rx.attach(asm, "float32")
+
+    def consume(acked: Any) -> int:
+        box["acked"] = acked
+        guard = threading.Timer(120, rx._stop.set)  # never hang the bench on a lost datagram
+        guard.start()
+        rx.run()
+        guard.cancel()
+        return asm.placed_bytes
+
+    try:
+        secs, nbytes = _run(sock, total, chunk, iterations, depth, consume, control=True)
+    finally:
+        sock.close()
+    return secs, nbytes, dict(drops)
+
+
+def _node(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, int, dict]:
+    """The whole node (receiver, AdamW step, retained versions) via its public pieces."""
+    from checkmate.shadow.node import NodeOptions, ShadowNode
+
+    from checkmate.spec import ModelSpec
+
+    spec = ModelSpec.build(JOB, [("w", (total,))], "adamw", [{"params": ["w"], "lr": 1e-3}], 1)
+    node = ShadowNode(NodeOptions(0, 1, JOB, bind="127.0.0.1", port=0,
+                                  restore_bind="127.0.0.1", restore_port=0, epoch=EPOCH,
+                                  token=TOKEN, window=depth + 2))
+    node.state.set_spec(spec)
+    node.state.install(0, 0, {s: np.zeros(total, np.float32) for s in spec.slots})
+    node.start()
+
+    def consume(acked: Any) -> int:
+        deadline = time.monotonic() + 120
+        while (node.state.latest or 0) < iterations and time.monotonic() < deadline:
+            acked.value = node.state.latest or 0
+            time.sleep(0.0005)
+        return (node.state.latest or 0) * total * 4
+
+    try:
+        secs, nbytes = _run(node.sock, total, chunk, iterations, depth, consume, True)
+    finally:
+        node.stop()
+    return secs, nbytes, dict(node.drops)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="testbed bench ingest")
+    p.add_argument("--elements", type=int, default=1 << 21, help="partition size (floats)")
+    p.add_argument("--iterations", type=int, default=60)
+    p.add_argument("--depth", type=int, default=3, help="iterations in flight")
+    p.add_argument("--chunk", type=int, default=wire.MAX_PAYLOAD_JUMBO // 4,
+                   help="float32 elements per datagram")
+    p.add_argument("--no-node", action="store_true", help="skip the whole-node reference run")
+    a = p.parse_args(argv)
+    if a.elements < 1 or a.iterations < 1 or a.depth < 1 or not 0 < a.chunk <= 16000:
+        p.error("--elements, --iterations, --depth must be >= 1, --chunk 1..16000")
+    mb = a.elements * 4 / 1e6
+    print(f"ingest bench: {a.iterations} iterations x {mb:.1f} MB fp32 gradient, "
+          f"{a.chunk * 4} B payload per datagram, loopback, receiver-paced")
+    raw_s, raw_b = _raw(a.elements, a.chunk, a.iterations, a.depth)
+    ing_s, ing_b, drops = _ingest(a.elements, a.chunk, a.iterations, a.depth)
+    raw_rate, ing_rate = raw_b / raw_s, ing_b / ing_s
+    print(f"{'path':<36}{'GB/s':>8}{'seconds':>10}{'bytes':>16}")
+    print(f"{'raw UDP receive loop (recv_into)':<36}{raw_rate / 1e9:>8.3f}{raw_s:>10.2f}"
+          f"{raw_b:>16d}")
+    print(f"{'shadow ingest (validate+CRC+place)':<36}{ing_rate / 1e9:>8.3f}{ing_s:>10.2f}"
+          f"{ing_b:>16d}")
+    if drops:
+        print(f"ingest drops: {drops}")
+    if not a.no_node:
+        n_s, n_b, n_drops = _node(a.elements, a.chunk, a.iterations, a.depth)
+        print(f"{'whole node incl. AdamW step':<36}{n_b / n_s / 1e9:>8.3f}{n_s:>10.2f}"
+              f"{n_b:>16d}")
+        if n_drops:
+            print(f"node drops: {n_drops}")
+    print(f"ingest vs raw UDP receive bytes/s ratio: {ing_rate / raw_rate:.3f}")
+    return 0
