@@ -154,8 +154,8 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
+        svc.deploy()  # first: "switch not up" is the clearest error when nothing is there
         svc.bind()
-        svc.deploy()
         svc.serve_forever()
     finally:
         svc.close()
