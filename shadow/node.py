@@ -93,7 +93,7 @@ class ShadowNode:
             self.service.start()
             if o.controller is not None:
                 epoch, token = register(o.controller, o.job, o.partition, o.host, o.ip,
-                                        o.mac, o.port, o.register_deadline)
+                                        o.mac, self.udp_port, o.register_deadline)
                 self.receiver.set_session(epoch, token)
             self.receiver.start()
         except BaseException:

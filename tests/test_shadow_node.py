@@ -1,0 +1,365 @@
+"""Shadow nodes on loopback: real UDP and TCP sockets, real FlatOptimizer steps."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
+from checkmate.shadow.node import NodeOptions, ShadowNode
+from checkmate.shadow.state import make_optimizer
+
+from checkmate import handshake, wire
+from checkmate.shadow_client import (
+    ShadowClient,
+    ShadowError,
+    consistent_point,
+    fetch_all,
+    restore_state_dicts,
+    seed_share,
+)
+from checkmate.spec import ModelSpec
+
+JOB = 11
+LRS = [0.01, 0.003]
+
+
+def make_spec(kind="adamw", partitions=2, grad_dtype="float32"):
+    extra = {"momentum": 0.9} if kind == "sgd" else {"amsgrad": False}
+    return ModelSpec.build(
+        JOB, [("emb", (40, 8)), ("w1", (8, 16)), ("b1", (16,)), ("w2", (16, 3))], kind,
+        [{"params": ["emb", "w2"], "lr": LRS[0], "weight_decay": 0.1, **extra},
+         {"params": ["w1", "b1"], "lr": LRS[1], "weight_decay": 0.0, **extra}],
+        partitions, buffers=[("bn.mean", (3,), "float32")], grad_dtype=grad_dtype)
+
+
+class Cluster:
+    """n shadows on loopback with ephemeral ports, seeded like trainers would seed them."""
+
+    def __init__(self, spec, epochs=None, **opts):
+        self.spec = spec
+        self.nodes = []
+        try:
+            for p in range(spec.partitions):
+                self.nodes.append(ShadowNode(NodeOptions(
+                    p, spec.partitions, JOB, bind="127.0.0.1", port=0,
+                    restore_bind="127.0.0.1", restore_port=0,
+                    epoch=(epochs or {}).get(p, 0), token=0, **opts)).start())
+        except BaseException:
+            self.close()
+            raise
+        self.addrs = [("127.0.0.1", n.tcp_port) for n in self.nodes]
+        self.tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        rng = np.random.default_rng(7)
+        self.flat = {s: np.zeros(spec.total, np.float32) for s in spec.slots}
+        self.flat["param"][:] = rng.standard_normal(spec.total).astype(np.float32)
+        self.ref = make_optimizer(spec, 0, spec.total)
+        self.ref.load(self.flat, 0)
+        self.refs = {0: self.ref.snapshot()}
+        self.rng = rng
+
+    def seed(self, world=3):
+        for r in range(world):
+            seed_share(self.addrs, self.spec, self.flat, r, world)
+
+    def send(self, it, grad, parts=None, clip=None, skip=False, drop=None, ctrl=True,
+             **kw):
+        for p in parts if parts is not None else range(self.spec.partitions):
+            a, b = self.spec.bounds(p)
+            addr = ("127.0.0.1", self.nodes[p].udp_port)
+            for d in grad_datagrams(JOB, it, p, a, grad[a:b], chunk=50,
+                                    dtype=self.spec.grad_dtype, **kw):
+                h = wire.decode_header(d)
+                if drop is None or not drop(p, h):
+                    self.tx.sendto(d, addr)
+            if ctrl:
+                body = control_body(it, LRS, clip, skip,
+                                    {"bn.mean": "AAAAAAAAAAAAAAAA"}, {"it": it})
+                for d in control_datagrams(JOB, it, body, frag=40,
+                                           **{k: kw[k] for k in ("epoch", "token") if k in kw}):
+                    self.tx.sendto(d, addr)
+
+    def step_ref(self, it, grad, clip=None, skip=False):
+        g = grad
+        if self.spec.grad_dtype != "float32":
+            g = torch.from_numpy(grad).to(getattr(torch, self.spec.grad_dtype)).float().numpy()
+        if not skip:
+            self.ref.step(g, LRS, clip)
+        self.refs[it] = self.ref.snapshot()
+
+    def wait(self, cond, timeout=15.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            sts = [ShadowClient(a).status() for a in self.addrs]
+            if cond(sts):
+                return sts
+            time.sleep(0.02)
+        raise AssertionError(f"timed out; status: {sts}")
+
+    def close(self):
+        for n in self.nodes:
+            n.stop()
+        if hasattr(self, "tx"):
+            self.tx.close()
+
+
+@pytest.fixture
+def cluster_factory():
+    made = []
+
+    def make(spec=None, **kw):
+        c = Cluster(spec or make_spec(), **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def assert_equal_ref(cluster, it):
+    full = fetch_all(cluster.addrs, it, spec=cluster.spec)
+    ref = cluster.refs[it]
+    for s in cluster.spec.slots:
+        assert np.array_equal(full.slots[s], ref[s]), (it, s)
+    return full
+
+
+@pytest.mark.parametrize("kind, grad_dtype", [("adamw", "float32"), ("sgd", "bfloat16"),
+                                              ("adam", "float16")])
+def test_steps_equal_flat_optimizer_run_directly(cluster_factory, kind, grad_dtype):
+    c = cluster_factory(make_spec(kind, grad_dtype=grad_dtype))
+    c.seed()
+    c.wait(lambda sts: all(s["seeded"] for s in sts))
+    for it in range(1, 7):
+        g = c.rng.standard_normal(c.spec.total).astype(np.float32)
+        clip, skip = (0.37 if it % 2 else None), it == 4
+        c.send(it, g, clip=clip, skip=skip)
+        c.step_ref(it, g, clip, skip)
+    sts = c.wait(lambda sts: all(s["latest"] == 6 for s in sts))
+    assert all(s["retained"] == [3, 4, 5, 6] for s in sts)
+    for it in (3, 4, 6):
+        full = assert_equal_ref(c, it)
+        assert full.extra == {"it": it}
+    assert full.step == 5  # iteration 4 was skipped
+    assert all(not s["drops"] for s in sts), sts
+
+
+def test_duplicates_and_reordering_change_nothing(cluster_factory):
+    c = cluster_factory()
+    c.seed()
+    c.wait(lambda sts: all(s["seeded"] for s in sts))
+    g1 = c.rng.standard_normal(c.spec.total).astype(np.float32)
+    g2 = c.rng.standard_normal(c.spec.total).astype(np.float32)
+    c.send(2, g2)  # iteration 2 first: held until 1 completes
+    c.send(1, g1)
+    c.send(1, g1 * 5)  # a late full resend of 1: stale or duplicate, never applied
+    c.step_ref(1, g1)
+    c.step_ref(2, g2)
+    sts = c.wait(lambda sts: all(s["latest"] == 2 for s in sts))
+    assert_equal_ref(c, 2)
+    assert all(s["drops"].get("stale", 0) + s["drops"].get("duplicate", 0) > 0 for s in sts)
+
+
+def test_foreign_and_damaged_datagrams_are_dropped_by_reason(cluster_factory):
+    c = cluster_factory(epochs={0: 5, 1: 5})
+    c.seed()
+    c.wait(lambda sts: all(s["seeded"] for s in sts))
+    n0 = c.nodes[0]
+    addr = ("127.0.0.1", n0.udp_port)
+    a, b = c.spec.bounds(0)
+    good = wire.Header(flags=wire.Flags.REPLICATE, job_id=JOB, epoch=5, iteration=1,
+                       offset=a, count=4, partition=0)
+    payload = np.ones(4, "<f4").tobytes()
+    bad = {
+        "job": wire.encode(good.with_(job_id=JOB + 1), payload),
+        "epoch": wire.encode(good.with_(epoch=4), payload),
+        "token": wire.encode(good.with_(token=9), payload),
+        "partition": wire.encode(good.with_(partition=1), payload),
+        "range": wire.encode(good.with_(offset=b - 2), payload),
+        "dtype": wire.encode(good.with_(dtype=wire.DType.FLOAT16, count=8), payload),
+        "short": b"\xc4\xec\x01",
+        "magic": b"\x00" * 60,
+        "length": wire.encode(good, payload)[:-4],
+        "flags": wire.encode(good.with_(flags=wire.Flags.PARITY), payload),
+    }
+    crc_bad = bytearray(wire.encode(good, payload))
+    crc_bad[-1] ^= 0xFF
+    bad["crc"] = bytes(crc_bad)
+    for d in bad.values():
+        c.tx.sendto(d, addr)
+    sts = c.wait(lambda sts: sum(sts[0]["drops"].values()) >= len(bad))
+    assert sts[0]["drops"] == dict.fromkeys(bad, 1)
+    assert sts[0]["pending"] == []  # nothing was placed
+    # the right session still gets through and steps
+    g = c.rng.standard_normal(c.spec.total).astype(np.float32)
+    c.send(1, g, epoch=5)
+    c.step_ref(1, g)
+    c.wait(lambda sts: all(s["latest"] == 1 for s in sts))
+    assert_equal_ref(c, 1)
+
+
+def test_gap_is_reported_in_status_and_never_stepped_over(cluster_factory):
+    c = cluster_factory(gap_timeout=0.2)
+    c.seed()
+    c.wait(lambda sts: all(s["seeded"] for s in sts))
+    a, _ = c.spec.bounds(0)
+    lost = a + 100  # the datagram starting at this offset never arrives
+
+    def drop(p, h):
+        return p == 0 and h.offset == lost
+
+    for it in (1, 2, 3):
+        g = c.rng.standard_normal(c.spec.total).astype(np.float32)
+        c.send(it, g, drop=drop if it == 1 else None)
+    time.sleep(0.3)
+    g = c.rng.standard_normal(c.spec.total).astype(np.float32)
+    c.send(4, g)  # newer traffic keeps arriving past the timeout
+    sts = c.wait(lambda sts: sts[0]["gap_count"] >= 1)
+    gap = sts[0]["gaps"][0]
+    assert gap["iteration"] == 1 and gap["missing"] == [[lost, lost + 50]]
+    assert sts[0]["latest"] == 0 and sts[1]["latest"] == 4
+    # partition 0 never steps past the gap; partition 1 moved on beyond its retention, so
+    # there is no consistent point to restore from (the shadow must be re-seeded)
+    assert sts[0]["retained"] == [0] and sts[1]["retained"] == [1, 2, 3, 4]
+    with pytest.raises(ShadowError, match="no iteration is retained"):
+        consistent_point(c.addrs)
+
+
+def test_consistent_point_across_shadows_and_retention(cluster_factory):
+    c = cluster_factory(retain=3)
+    c.seed()
+    c.wait(lambda sts: all(s["seeded"] for s in sts))
+    for it in range(1, 7):
+        g = c.rng.standard_normal(c.spec.total).astype(np.float32)
+        c.send(it, g, parts=[0, 1] if it <= 4 else [0])  # partition 1 lags at 4
+        c.step_ref(it, g)
+    sts = c.wait(lambda sts: sts[0]["latest"] == 6 and sts[1]["latest"] == 4)
+    assert sts[0]["retained"] == [4, 5, 6] and sts[1]["retained"] == [2, 3, 4]
+    assert consistent_point(c.addrs) == 4
+    model_sd, optim_sd, it, buffers, extra = restore_state_dicts(c.addrs)
+    assert it == 4 and extra == {"it": 4}
+    assert torch.equal(buffers["bn.mean"], torch.zeros(3))
+    ref_m, ref_o = c.spec.state_dicts(c.refs[4], 4, buffers, LRS)
+    for k in ref_m:
+        assert torch.equal(model_sd[k], ref_m[k]), k
+    for i in ref_o["state"]:
+        for k in ref_o["state"][i]:
+            assert torch.equal(optim_sd["state"][i][k], ref_o["state"][i][k])
+    # one more iteration at partition 0 only: 4 falls out of its retention -> no common point
+    g = c.rng.standard_normal(c.spec.total).astype(np.float32)
+    c.send(7, g, parts=[0])
+    c.wait(lambda sts: sts[0]["latest"] == 7)
+    with pytest.raises(ShadowError, match="no iteration is retained by every shadow"):
+        consistent_point(c.addrs)
+
+
+def test_service_refusals(cluster_factory):
+    c = cluster_factory()
+    with ShadowClient(c.addrs[0]) as cl:
+        with pytest.raises(ShadowError, match="no spec yet"):
+            cl.seed(0, "param", 0, np.zeros(3, np.float32), 0)
+        cl.send_spec(c.spec)
+        cl.send_spec(c.spec)  # idempotent
+        other = make_spec(partitions=2, kind="sgd")
+        with pytest.raises(ShadowError, match="different spec"):
+            cl.send_spec(other)
+        _, b = c.spec.bounds(0)
+        with pytest.raises(ShadowError, match="outside partition 0"):
+            cl.seed(0, "param", b - 1, np.zeros(3, np.float32), 0)
+        with pytest.raises(ShadowError, match="unknown slot"):
+            cl.seed(0, "momentum_buffer", 0, np.zeros(3, np.float32), 0)
+        with pytest.raises(ShadowError, match="not retained"):
+            cl.fetch(0)
+        with pytest.raises(ShadowError, match="unknown op"):
+            cl.request({"op": "reboot"})
+        assert cl.get_spec() == c.spec
+        assert cl.status()["seeded"] is False
+
+
+class MiniController:
+    """A minimal stand-in for B's controller: answers register after ``ignore`` tries."""
+
+    def __init__(self, ignore=0, refuse=False):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.addr = self.sock.getsockname()
+        self.ignore, self.refuse = ignore, refuse
+        self.requests = []
+        self.epoch = 41
+        self._stop = False
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def run(self):
+        while not self._stop:
+            try:
+                data, peer = self.sock.recvfrom(65536)
+            except TimeoutError:
+                continue
+            h, body = handshake.parse(data)
+            self.requests.append(body)
+            if len(self.requests) <= self.ignore:
+                continue
+            if self.refuse:
+                self.sock.sendto(handshake.reply(h, {"op": "error", "reason": "no such job"},
+                                                 ok=False), peer)
+                continue
+            self.epoch += 1
+            self.sock.sendto(handshake.reply(h, {"op": "registered", "job": body["job"],
+                                                 "partition": body["partition"],
+                                                 "epoch": self.epoch, "token": 777}), peer)
+
+    def close(self):
+        self._stop = True
+        self.t.join(2)
+        self.sock.close()
+
+
+def test_registration_retries_then_session_filters_datagrams(cluster_factory):
+    ctl = MiniController(ignore=2)
+    try:
+        spec = make_spec(partitions=1)
+        c = cluster_factory(spec, controller=ctl.addr, host="s0", ip="127.0.0.1",
+                            mac="02:00:7f:00:00:01")
+        assert len(ctl.requests) == 3
+        assert ctl.requests[-1] == {"op": "register", "job": JOB, "partition": 0,
+                                    "host": "s0", "ip": "127.0.0.1",
+                                    "mac": "02:00:7f:00:00:01",
+                                    "port": c.nodes[0].udp_port}
+        c.seed(1)
+        c.wait(lambda sts: sts[0]["seeded"] and sts[0]["epoch"] == 42)
+        g = c.rng.standard_normal(spec.total).astype(np.float32)
+        c.send(1, g, epoch=41, token=777)  # the previous session: dropped
+        c.send(1, g, epoch=42, token=776)  # wrong token: dropped
+        c.send(1, g, epoch=42, token=777)
+        c.step_ref(1, g)
+        sts = c.wait(lambda sts: sts[0]["latest"] == 1)
+        assert sts[0]["drops"]["epoch"] > 0 and sts[0]["drops"]["token"] > 0
+        assert_equal_ref(c, 1)
+    finally:
+        ctl.close()
+
+
+def test_registration_refused_or_unanswered_is_a_clear_error():
+    from checkmate.shadow.register import register
+
+    from checkmate.errors import CheckmateError
+
+    ctl = MiniController(refuse=True)
+    try:
+        with pytest.raises(CheckmateError, match="refused registration: no such job"):
+            register(ctl.addr, JOB, 0, "s0", "127.0.0.1", "02:00:00:00:00:01", 47001, 5)
+    finally:
+        ctl.close()
+    ctl = MiniController(ignore=10**6)
+    try:
+        with pytest.raises(CheckmateError, match="did not answer"):
+            register(ctl.addr, JOB, 0, "s0", "127.0.0.1", "02:00:00:00:00:01", 47001, 0.5)
+    finally:
+        ctl.close()
