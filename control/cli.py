@@ -25,7 +25,7 @@ from checkmate.errors import CheckmateError, cli_guard
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(f"control: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
 
