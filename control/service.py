@@ -16,12 +16,11 @@ import sys
 import threading
 from collections import Counter
 
+from checkmate import handshake, wire
+from checkmate.config import CONTROLLER_PORT, ClusterConfig
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers.base import Driver
 from checkmate.control.sessions import SessionStore
-
-from checkmate import handshake, wire
-from checkmate.config import CONTROLLER_PORT, ClusterConfig
 from checkmate.errors import CheckmateError
 
 
@@ -41,7 +40,11 @@ class HandshakeService:
     # -- switch programming --------------------------------------------------------------
     def deploy(self, regs: dict | None = None) -> None:
         regs = self.store.for_config(self.cfg) if regs is None else regs
-        res = self.driver.apply(plan_mod.build(self.cfg, regs))
+        try:
+            res = self.driver.apply(plan_mod.build(self.cfg, regs))
+        except CheckmateError:
+            self.driver.close()  # reconnect (and re-arbitrate) on the next request
+            raise
         if res.writes:
             self._log(f"switch {self.cfg.switch.name}: {res.summary()}")
 
