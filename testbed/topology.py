@@ -119,6 +119,20 @@ def _sh(argv: list[str]) -> None:
         raise CheckmateError(f"{' '.join(argv[-4:])}: {first}")
 
 
+def _no_bridge_netfilter(netns: str) -> None:
+    """A switch does not run iptables on bridged frames: where br_netfilter is loaded, turn
+    its hooks off in the switch namespace (per-namespace sysctls; absent otherwise)."""
+    from checkmate.testbed.netsock import call_in_netns
+
+    def write() -> None:
+        for fam in ("iptables", "ip6tables", "arptables"):
+            path = Path(f"/proc/sys/net/bridge/bridge-nf-call-{fam}")
+            if path.exists():
+                path.write_text("0\n")
+
+    call_in_netns(netns, write)
+
+
 class Testbed:
     """Build and remove one cluster's namespaces; a context manager (up on enter, down on
     exit, down even when the body raised)."""
@@ -212,6 +226,7 @@ class Testbed:
         for h in cfg.hosts:
             _sh(nsenter_argv(cfg.netns(h.name),
                              ["ethtool", "-K", cfg.host_ifname(h.name), "tx", "off"]))
+        _no_bridge_netfilter(sw_ns)
         with NetNS(sw_ns, flags=0) as sw:
             for h in cfg.hosts:
                 idx = sw.link_lookup(ifname=cfg.switch_ifname(h.name))[0]
