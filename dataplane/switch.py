@@ -22,10 +22,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkmate.config import ClusterConfig
 from checkmate.dataplane import maps
 from checkmate.dataplane.bpfsys import BpfError, PinnedMap
-
-from checkmate.config import ClusterConfig
 from checkmate.errors import CheckmateError
 
 BPFFS = Path("/sys/fs/bpf")

@@ -11,11 +11,10 @@ import subprocess
 import sys
 import warnings
 
-from checkmate.dataplane.switch import netns_exists
-from checkmate.testbed.topology import Testbed
-
 from checkmate import config
+from checkmate.dataplane.switch import netns_exists
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.testbed.topology import Testbed
 
 
 class _Parser(argparse.ArgumentParser):

@@ -13,9 +13,8 @@ import argparse
 import struct
 import sys
 
-from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry
-
 from checkmate import config, wire
+from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry
 from checkmate.errors import CheckmateError, cli_guard
 
 

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from checkmate.dataplane.switch import NETNS_DIR
-
 from checkmate.errors import CheckmateError
 
 CLONE_NEWNET = 0x40000000
+SO_RCVBUFFORCE = 33
 _libc = ctypes.CDLL(None, use_errno=True)
 T = TypeVar("T")
 
@@ -59,8 +59,8 @@ def udp_socket_in(netns: str, bind: tuple[str, int] | None = None,
     def make() -> socket.socket:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            if rcvbuf:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            if rcvbuf:  # FORCE (root) so net.core.rmem_max does not cap it silently
+                s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf)
             if bind:
                 s.bind(bind)
         except BaseException:

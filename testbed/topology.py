@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from checkmate.dataplane.switch import KernelSwitch, netns_exists, nsenter_argv
 
 from checkmate.config import ClusterConfig
+from checkmate.dataplane.switch import KernelSwitch, netns_exists, nsenter_argv
 from checkmate.errors import CheckmateError
 
 STATE_ROOT = Path("/run/checkmate")

@@ -11,9 +11,9 @@ import socket
 import struct
 
 import pytest
-from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry, SwitchUnreachable
 
 from checkmate import config, wire
+from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry, SwitchUnreachable
 from checkmate.errors import CheckmateError
 
 pytestmark = [
@@ -98,9 +98,10 @@ def test_plain_ckm_reaches_only_its_destination(net):
 
 
 def test_replicate_sends_one_rewritten_copy_to_the_shadow(net):
-    from checkmate.testbed.netsock import PACKET_OUTGOING, drain, packet_socket_in
     from scapy.layers.inet import IP, UDP
     from scapy.layers.l2 import Ether
+
+    from checkmate.testbed.netsock import PACKET_OUTGOING, drain, packet_socket_in
 
     cfg, sw, rx, tx = net
     t0, t1, s0 = cfg.host("t0"), cfg.host("t1"), cfg.host("s0")
@@ -196,9 +197,10 @@ def test_no_entry_forwards_without_copy_and_counts(net):
 
 
 def test_malformed_never_replicated_never_crash(net):
-    from checkmate.testbed.netsock import packet_socket_in
     from scapy.layers.inet import IP, UDP
     from scapy.layers.l2 import Ether
+
+    from checkmate.testbed.netsock import packet_socket_in
 
     cfg, sw, rx, tx = net
     t0, t1 = cfg.host("t0"), cfg.host("t1")
