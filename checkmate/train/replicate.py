@@ -1,0 +1,89 @@
+"""What a trainer sends to the shadows itself: host-mode gradient copies and control messages.
+
+In switch mode the switch copies the REPLICATE datagrams of the ring, so trainers send the
+shadows nothing but rank 0's control message. In host mode (no switch, e.g. loopback) each
+rank also sends every chunk it completes straight to the owning shadow: about 1/N of the
+gradient per rank per iteration, N the world size, on top of the ring's 2(N-1)/N.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from checkmate import wire
+
+_F = wire.Flags
+_PACK = wire.STRUCT.pack
+#: Bytes of control JSON per datagram (fits a 9000-byte MTU).
+CONTROL_FRAGMENT = wire.MAX_PAYLOAD_JUMBO
+
+
+@dataclass
+class ShadowTarget:
+    """Where one partition's shadow receives ckm datagrams, and its current session."""
+
+    partition: int
+    ip: str
+    port: int
+    epoch: int = 0
+    token: int = 0
+
+
+class ShadowSender:
+    """One unbound UDP socket for everything a trainer sends to shadows directly."""
+
+    def __init__(self, job_id: int, targets: Sequence[ShadowTarget]) -> None:
+        self.job_id = job_id
+        self.targets = {t.partition: t for t in targets}
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.sent_bytes = 0
+        self.sent_datagrams = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def update_sessions(self, sessions: dict[int, tuple[int, int]]) -> None:
+        """New (epoch, token) per partition, e.g. after a shadow re-registered."""
+        for p, (epoch, token) in sessions.items():
+            if p in self.targets:
+                self.targets[p].epoch, self.targets[p].token = epoch, token
+
+    def _send(self, t: ShadowTarget, flags: int, iteration: int, offset: int, count: int,
+              bucket: int, dtype: int, payload: bytes, fec_group: int = 0) -> None:
+        with self._lock:
+            seq = self._seq
+            self._seq = (self._seq + 1) & 0xFFFFFFFF
+        hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, t.epoch, t.token, iteration,
+                    offset, count, seq, bucket, t.partition, dtype, 0, 0, 0, fec_group,
+                    wire.crc(payload))
+        try:
+            self.sock.sendto(hdr + payload, (t.ip, t.port))
+        except OSError:
+            return  # a shadow that is down misses this copy; its gap report says so
+        self.sent_bytes += len(payload)
+        self.sent_datagrams += 1
+
+    def copy(self, iteration: int, bucket: int, offset: int, partition: int,
+             payload: bytes) -> None:
+        """Host replication of one fully reduced chunk (the ring's ``on_reduced`` hook)."""
+        t = self.targets.get(partition)
+        if t is not None:
+            self._send(t, _F.REPLICATE, iteration, offset, len(payload) // 4, bucket,
+                       wire.DType.FLOAT32, payload)
+
+    def control(self, iteration: int, body: dict[str, Any]) -> int:
+        """Send the control message of ``iteration`` to every shadow; returns its length."""
+        data = json.dumps(body, separators=(",", ":")).encode()
+        for t in self.targets.values():
+            for off in range(0, max(len(data), 1), CONTROL_FRAGMENT):
+                frag = data[off:off + CONTROL_FRAGMENT]
+                self._send(t, _F.CONTROL, iteration, off, len(frag), 0, wire.DType.BYTES,
+                           frag, fec_group=len(data))
+        return len(data)

@@ -1,0 +1,121 @@
+"""Restore a trainer job from the shadows' consistent point.
+
+``restore_session`` is what ``CheckmateSession.start(resume=True)`` runs on every rank:
+rank 0 waits until the shadows stop committing (the killed job's last datagrams may still
+be in flight), picks the newest iteration every partition retains and broadcasts it, so all
+ranks load the same one. Each rank then loads model parameters and buffers, optimizer state
+(step counts, moments, param-group learning rates), the scheduler, and returns the
+iteration; the user's ``extra`` (data position) is in ``session.restored_extra``. RNG needs
+nothing: it is reseeded per (rank, iteration).
+
+A shadow that already committed an iteration newer than the restore point simply ignores
+its repeated gradients: training is deterministic, so its state is the one the restored
+job recomputes.
+
+``python -m checkmate.train.restore --shadow HOST:PORT ... [--out FILE]`` prints the
+consistent point and optionally writes ``{"model", "optimizer", "iteration", "extra"}``
+with torch.save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import torch
+
+from checkmate.errors import CheckmateError, cli_guard
+from checkmate.shadow_client import (
+    ShadowClient,
+    consistent_point,
+    parse_addr,
+    restore_state_dicts,
+)
+
+
+def settle(addrs: list[tuple[str, int]], quiet: float = 0.3, timeout: float = 10.0) -> None:
+    """Wait until no shadow's latest committed iteration changed for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: list[Any] | None = None
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        now = []
+        for a in addrs:
+            with ShadowClient(a) as c:
+                now.append(c.status().get("latest"))
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return
+        time.sleep(0.05)
+
+
+def load_trainer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       scheduler: Any, model_sd: dict, optim_sd: dict, extra: dict) -> None:
+    """Load restored state dicts into live objects, keeping what the shadows do not hold."""
+    model.load_state_dict(model_sd, strict=True)
+    # Keys only the live param groups have (the scheduler's initial_lr) survive the load.
+    kept = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(optim_sd)
+    for g, old in zip(optimizer.param_groups, kept, strict=True):
+        for k, v in old.items():
+            g.setdefault(k, v)
+    sched = extra.get("scheduler")
+    if scheduler is not None and sched is not None:
+        scheduler.load_state_dict(sched)
+        # The groups must hold the rate of the *next* step, which the scheduler computed.
+        for g, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            g["lr"] = lr
+
+
+def restore_session(sess: Any) -> int:
+    """Restore ``sess`` (a CheckmateSession) in place; returns the restored iteration."""
+    import torch.distributed as dist
+
+    addrs = sess.layout.shadow_tcp
+    point = [None]
+    if sess.layout.rank == 0:
+        settle(addrs)
+        point[0] = consistent_point(addrs)
+    dist.broadcast_object_list(point, src=0, group=sess.group)
+    model_sd, optim_sd, it, _, extra = restore_state_dicts(addrs, sess.spec, point[0])
+    load_trainer_state(sess.module, sess.optimizer, sess.scheduler, model_sd, optim_sd, extra)
+    sess.restored_extra = extra.get("user", {})
+    return it
+
+
+@cli_guard("checkmate.train.restore")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m checkmate.train.restore",
+        description="Fetch a job's state at the shadows' consistent point.")
+    ap.add_argument("--shadow", action="append", default=[], metavar="HOST[:PORT]",
+                    help="a shadow's TCP service, once per partition")
+    ap.add_argument("--config", help="cluster config; its shadows are used if no --shadow")
+    ap.add_argument("--iteration", type=int, help="restore this iteration, not the newest")
+    ap.add_argument("--out", help="torch.save the restored state to FILE")
+    args = ap.parse_args(argv)
+    if args.shadow:
+        addrs = [parse_addr(a) for a in args.shadow]
+    elif args.config:
+        from checkmate.config import load
+        from checkmate.shadow_client import addrs_from_config
+
+        addrs = addrs_from_config(load(args.config))
+    else:
+        raise CheckmateError("give --shadow HOST:PORT (once per partition) or --config")
+    point = args.iteration if args.iteration is not None else consistent_point(addrs)
+    model_sd, optim_sd, it, _, extra = restore_state_dicts(addrs, None, point)
+    print(f"consistent point: iteration {it} ({len(model_sd)} tensors, "
+          f"{len(optim_sd['state'])} optimizer states)")
+    if args.out:
+        torch.save({"model": model_sd, "optimizer": optim_sd, "iteration": it,
+                    "extra": extra}, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The training-side entry point: one ``CheckmateSession`` per trainer process.
+
+A user's loop reads::
+
+    sess = CheckmateSession(model, optimizer, scheduler, layout, max_grad_norm=1.0)
+    start = sess.start(resume=False)       # seed the shadows, or restore from them
+    for it in range(start + 1, steps + 1):
+        sess.begin(it)                     # iteration number, per-iteration RNG seed
+        loss = loss_fn(sess.model(x), y)   # sess.model wraps model (CheckmateDDP)
+        loss.backward()                    # buckets allreduce over ckm while backward runs
+        sess.step(extra={"data": ...})     # clip, optimizer + scheduler step, control msg
+    sess.close()
+
+Rendezvous, barriers and the run nonce go through torch.distributed (gloo); the gradient
+allreduce itself goes over the ckm ring only.
+
+Randomness: ``begin`` reseeds torch's RNG from (seed, rank, iteration), so after a restore
+every rank draws exactly what it would have drawn; the control message therefore needs no
+RNG state, only the scheduler state and the user's ``extra`` (e.g. data position).
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkmate import handshake, wire
+from checkmate.errors import CheckmateError
+from checkmate.spec import ModelSpec
+from checkmate.train.ddp import BUCKET_ELEMS, CheckmateDDP
+from checkmate.train.replicate import ShadowSender, ShadowTarget
+from checkmate.train.ring import MAX_CHUNK, RingAllreduce
+from checkmate.train.transport import LossyLink, open_socket
+
+MODES = ("switch", "host")
+
+
+@dataclass
+class JobLayout:
+    """Addresses of one job: every trainer's ring endpoint and every shadow's.
+
+    Args:
+        job_id: the ckm job id.
+        rank, world: this trainer's place.
+        trainers: ``(ip, port)`` of each rank's ring socket, in rank order.
+        shadows: each partition's UDP target (epoch/token filled from the controller in
+            switch mode, or given for shadows that do not register).
+        shadow_tcp: each partition's TCP service address (seed, status, fetch).
+        mode: ``switch`` (the switch copies REPLICATE datagrams) or ``host`` (trainers send
+            the copies themselves).
+        controller: ``(ip, port)`` of the handshake service, asked for the shadows' current
+            sessions (switch mode).
+    """
+
+    job_id: int
+    rank: int
+    world: int
+    trainers: list[tuple[str, int]]
+    shadows: list[ShadowTarget]
+    shadow_tcp: list[tuple[str, int]]
+    mode: str = "switch"
+    controller: tuple[str, int] | None = None
+    chunk: int = MAX_CHUNK
+    bucket_elems: int = BUCKET_ELEMS
+    seed: int = 0
+    link: LossyLink | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise CheckmateError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if len(self.trainers) != self.world:
+            raise CheckmateError(f"{len(self.trainers)} trainer addresses for world "
+                                 f"size {self.world}")
+        if len(self.shadows) != len(self.shadow_tcp) or not self.shadows:
+            raise CheckmateError("need one UDP and one TCP address per shadow partition")
+
+
+def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
+                   tries: int = 5) -> dict[int, dict[str, Any]]:
+    """The controller's current registrations: partition -> {epoch, token, ip, port}."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(timeout / tries)
+        seq = secrets.randbits(31)
+        req = handshake.request(job_id, seq, {"op": "session", "job": job_id})
+        for _ in range(tries):
+            s.sendto(req, controller)
+            try:
+                while True:
+                    data = s.recv(65536)
+                    try:
+                        h, body = handshake.parse(data)
+                    except wire.WireError:
+                        continue
+                    if h.seq == seq:
+                        break
+            except TimeoutError:
+                continue
+            if not h.flags & wire.Flags.ACK:
+                raise CheckmateError(f"controller refused session query: {body.get('reason')}")
+            return {int(p): v for p, v in body.get("partitions", {}).items()}
+    raise CheckmateError(f"controller {controller[0]}:{controller[1]} did not answer")
+
+
+def rng_seed(seed: int, rank: int, iteration: int) -> int:
+    """The torch seed of (rank, iteration): a fixed function, so restores redraw the same."""
+    return (seed * 1_000_003 + rank * 7_919 + iteration * 104_729) % (2**63 - 1)
+
+
+class CheckmateSession:
+    """Checkmate on one trainer: ring, wrapper, bootstrap, control messages, restore."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
+                 group: Any = None) -> None:
+        self.layout = layout
+        self.module = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.group = group
+        self.spec = ModelSpec.from_torch(layout.job_id, model, optimizer, len(layout.shadows))
+        self.iteration = 0
+        self.last_clip: float | None = None
+        self.control_bytes = 0
+        self.model: CheckmateDDP | None = None
+        self.ring: RingAllreduce | None = None
+        self.sender = ShadowSender(layout.job_id, layout.shadows)
+        self._refresh_stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ setup
+    def start(self, resume: bool = False, seed_timeout: float = 60.0) -> int:
+        """Seed the shadows (fresh job) or restore from them; returns the last done iteration.
+
+        Every rank must call it. Training may start only after it returns: the shadows of
+        every partition then hold the initial (or restored) state.
+        """
+        lay = self.layout
+        nonce = [secrets.randbits(32) if lay.rank == 0 else 0]
+        dist.broadcast_object_list(nonce, src=0, group=self.group)
+        if lay.mode == "switch" and lay.controller is not None:
+            self._refresh_sessions()
+            self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
+                                               name="ckm-sessions")
+            self._refresher.start()
+        if resume:
+            from checkmate.train.restore import restore_session
+
+            self.iteration = restore_session(self)
+        else:
+            from checkmate.shadow_client import seed_share, wait_seeded
+
+            flat = self.spec.flat_from_state_dicts(self.module.state_dict(),
+                                                   self.optimizer.state_dict())
+            seed_share(lay.shadow_tcp, self.spec, flat, lay.rank, lay.world)
+            wait_seeded(lay.shadow_tcp, timeout=seed_timeout)
+            self.iteration = 0
+        dist.barrier(group=self.group)
+        ip, port = lay.trainers[lay.rank]
+        sock = open_socket(ip, port)
+        on_reduced = self.sender.copy if lay.mode == "host" else None
+        self.ring = RingAllreduce(
+            lay.rank, lay.world, sock, lay.trainers[(lay.rank + 1) % lay.world],
+            lay.trainers[(lay.rank - 1) % lay.world], lay.job_id, nonce[0], self.spec.total,
+            self.spec.partitions, chunk=lay.chunk, on_reduced=on_reduced, link=lay.link)
+        order = [p.name for p in self.spec.params]
+        self.model = CheckmateDDP(self.module, self.ring, order, lay.bucket_elems)
+        # Every ring socket must be bound before anyone sends.
+        dist.barrier(group=self.group)
+        return self.iteration
+
+    def _refresh_sessions(self) -> None:
+        lay = self.layout
+        regs = query_sessions(lay.controller, lay.job_id)
+        self.sender.update_sessions({p: (int(v["epoch"]), int(v["token"]))
+                                     for p, v in regs.items()})
+
+    def _refresh_loop(self) -> None:
+        while not self._refresh_stop.wait(1.0):
+            try:
+                self._refresh_sessions()
+            except (CheckmateError, OSError):
+                pass  # keep the last known sessions; the next round tries again
+
+    # ------------------------------------------------------------------ per iteration
+    def begin(self, iteration: int) -> None:
+        """Start ``iteration`` (1-based): tag datagrams with it and reseed the RNG."""
+        if self.model is None:
+            raise CheckmateError("call start() first")
+        self.iteration = iteration
+        self.model.iteration = iteration
+        torch.manual_seed(rng_seed(self.layout.seed, self.layout.rank, iteration))
+
+    def step(self, extra: dict[str, Any] | None = None) -> float | None:
+        """Clip, step the optimizer and scheduler, and (rank 0) send the control message.
+
+        Returns the clip coefficient applied (None without clipping).
+        """
+        from checkmate.optim.clip import clip_grad_norm_
+
+        coef = None
+        if self.max_grad_norm is not None:
+            _, coef = clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.last_clip = coef
+        if self.layout.rank == 0:
+            body = {
+                "iteration": self.iteration, "lrs": lrs, "clip_coef": coef, "skip": False,
+                "buffers": self.spec.encode_buffers(dict(self.module.named_buffers())),
+                "extra": {
+                    "scheduler": (self.scheduler.state_dict()
+                                  if self.scheduler is not None else None),
+                    "user": extra or {},
+                },
+            }
+            self.control_bytes = self.sender.control(self.iteration, body)
+        return coef
+
+    def close(self) -> None:
+        self._refresh_stop.set()
+        if self.ring is not None:
+            self.ring.close()
+        self.sender.close()
+
+    def wait_shadows(self, iteration: int, timeout: float = 30.0) -> None:
+        """Block until every shadow committed ``iteration`` (for tests and clean shutdown)."""
+        from checkmate.shadow_client import ShadowClient
+
+        deadline = time.monotonic() + timeout
+        for a in self.layout.shadow_tcp:
+            with ShadowClient(a) as c:
+                while (c.status().get("latest") or 0) < iteration:
+                    if time.monotonic() > deadline:
+                        raise CheckmateError(f"shadow {a[0]}:{a[1]} did not commit "
+                                             f"iteration {iteration}")
+                    time.sleep(0.02)

@@ -1,0 +1,97 @@
+"""One trainer process of a scenario: ``python -m checkmate.train.worker --job FILE``.
+
+Launched torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment) by
+``testbed run``. ``FILE`` is a JSON job description (addresses, model, steps; see
+``testbed/run.py``). Progress goes to stdout as one JSON object per line, so the launcher
+can follow it and kill the job at a chosen iteration. At the end every rank writes its final
+model, optimizer and scheduler state with torch.save for the bit-exact comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from checkmate.errors import CheckmateError, cli_guard
+from checkmate.train.replicate import ShadowTarget
+from checkmate.train.session import CheckmateSession, JobLayout
+
+
+def _emit(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def layout_from_job(job: dict, rank: int, world: int) -> JobLayout:
+    return JobLayout(
+        job_id=int(job["job_id"]), rank=rank, world=world,
+        trainers=[tuple(a) for a in job["trainers"]],
+        shadows=[ShadowTarget(**s) for s in job["shadows"]],
+        shadow_tcp=[tuple(a) for a in job["shadow_tcp"]],
+        mode=job["mode"],
+        controller=tuple(job["controller"]) if job.get("controller") else None,
+        seed=int(job.get("seed", 0)),
+    )
+
+
+def _env_int(name: str) -> int:
+    v = os.environ.get(name)
+    if v is None or not v.isdigit():
+        raise CheckmateError(f"environment variable {name} must be set to an integer")
+    return int(v)
+
+
+@cli_guard("checkmate.train.worker")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m checkmate.train.worker")
+    ap.add_argument("--job", required=True, help="job description (JSON)")
+    ap.add_argument("--resume", action="store_true", help="restore from the shadows first")
+    args = ap.parse_args(argv)
+    try:
+        job = json.loads(Path(args.job).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckmateError(f"cannot read job file {args.job}: {e}") from None
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from checkmate.testbed.models import build
+
+    steps = int(job["steps"])
+    w = build(job["model"], int(job.get("seed", 0)), steps)
+    sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout_from_job(job, rank, world),
+                            w.max_grad_norm)
+    t0 = time.perf_counter()
+    start = sess.start(resume=args.resume)
+    _emit(event="started", rank=rank, iteration=start, resumed=args.resume,
+          seconds=time.perf_counter() - t0)
+    for it in range(start + 1, steps + 1):
+        sess.begin(it)
+        x, y = w.batch(rank, it)
+        w.optimizer.zero_grad()
+        loss = w.loss(sess.model(x), y)
+        loss.backward()
+        sess.step(extra={"data": {"iteration": it}})
+        _emit(event="iter", rank=rank, iteration=it, loss=round(float(loss.detach()), 5),
+              t=time.time())
+    if rank == 0:
+        sess.wait_shadows(steps)
+    out = Path(job["out"])
+    torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
+                "scheduler": w.scheduler.state_dict() if w.scheduler else None,
+                "iteration": steps}, out / f"final-rank{rank}.pt")
+    _emit(event="done", rank=rank, iteration=steps, stats=sess.ring.stats,
+          control_bytes=sess.control_bytes, copy_bytes=sess.sender.sent_bytes)
+    dist.barrier()
+    sess.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

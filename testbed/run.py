@@ -1,0 +1,536 @@
+"""`testbed run`: train a real small model with N trainers and n shadows, inject a failure.
+
+    testbed run --scenario NAME|FILE [--config FILE] [--mode switch|host] [--json OUT]
+
+Scenarios live in testbed/scenarios/*.yaml (found by name) or any YAML file:
+``{name, model: gpt|cnn, steps, seed, kill_at: ITER|random}``. Without ``kill_at`` the job
+runs once (failure-free). With it, the job runs twice on fresh shadows: once failure-free
+(the reference), once with every trainer SIGKILLed when rank 0 reports ``kill_at`` and then
+restored from the shadows' consistent point. The final model and optimizer state of the two
+runs must be equal (torch.equal on every tensor), and at most one iteration may be repeated.
+Each run also checks that the shadows' final state equals the trainers'.
+
+Modes: ``switch`` runs every host in its namespace behind the eBPF switch (root; the
+testbed is brought up if it is not already); ``host`` runs plain processes on loopback
+addresses 127.77.N.x and the trainers send the shadow copies themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from checkmate import config as cfgmod
+from checkmate.errors import CheckmateError, cli_guard
+
+SCENARIO_DIR = Path(__file__).with_name("scenarios")
+MODES = ("switch", "host")
+#: Loopback /24 (first three octets) used in host mode unless --loopback-net says otherwise.
+LOOPBACK_NET = "127.77.0"
+#: Iterations a shadow accepts beyond its last commit (shadow serve --window).
+SHADOW_WINDOW = 64
+
+
+# ----------------------------------------------------------------------------- scenario
+@dataclass
+class Scenario:
+    name: str
+    model: str
+    steps: int
+    seed: int = 0
+    kill_at: int | None = None
+    description: str = ""
+
+
+def scenario_names() -> list[str]:
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
+
+
+def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:
+    """A scenario by name (testbed/scenarios/NAME.yaml) or by path; CheckmateError if bad."""
+    path = Path(ref)
+    if not path.suffix:
+        path = SCENARIO_DIR / f"{ref}.yaml"
+    if not path.is_file():
+        raise CheckmateError(f"no scenario {ref!r} (known: {', '.join(scenario_names())}, "
+                             "or a path to a YAML file)")
+    try:
+        d = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        raise CheckmateError(f"scenario {path} is not readable YAML") from None
+    if not isinstance(d, dict):
+        raise CheckmateError(f"scenario {path} must be a mapping")
+    unknown = set(d) - {"name", "model", "steps", "seed", "kill_at", "description"}
+    if unknown:
+        raise CheckmateError(f"scenario {path}: unknown key(s) {', '.join(sorted(unknown))}")
+    from checkmate.testbed.models import MODELS
+
+    model = d.get("model", "gpt")
+    if model not in MODELS:
+        raise CheckmateError(f"scenario {path}: model must be one of {', '.join(MODELS)}")
+    steps, seed = d.get("steps", 40), d.get("seed", 0)
+    for k, v, lo in (("steps", steps, 2), ("seed", seed, 0)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise CheckmateError(f"scenario {path}: {k} must be an integer >= {lo}, got {v!r}")
+    kill = d.get("kill_at")
+    if kill == "random":
+        kill = (rng or random.Random()).randint(max(1, steps // 4), max(1, 3 * steps // 4))
+    elif kill is not None and (not isinstance(kill, int) or isinstance(kill, bool)
+                               or not 1 <= kill < steps):
+        raise CheckmateError(f"scenario {path}: kill_at must be 1..{steps - 1} or 'random', "
+                             f"got {kill!r}")
+    return Scenario(str(d.get("name", path.stem)), model, steps, seed, kill,
+                    str(d.get("description", "")))
+
+
+# ----------------------------------------------------------------------------- cluster
+class Cluster:
+    """Where each host runs and how to start a process there (namespaces or loopback)."""
+
+    def __init__(self, cfg: cfgmod.ClusterConfig, mode: str, config_path: Path,
+                 loopback_net: str, stack: ExitStack) -> None:
+        self.cfg, self.mode, self.config_path = cfg, mode, config_path
+        self.testbed = None
+        if mode == "switch":
+            if os.geteuid() != 0:
+                raise CheckmateError("switch mode needs root (namespaces, BPF); "
+                                     "use --mode host to run on loopback")
+            from checkmate.dataplane.switch import KernelSwitch
+            from checkmate.testbed.topology import Testbed
+
+            tb = Testbed(cfg, controller=True, config_path=config_path)
+            if not KernelSwitch(cfg).is_up():
+                stack.enter_context(tb)
+            self.testbed = tb
+            self.ip = {h.name: h.ip for h in cfg.hosts}
+        else:
+            self.ip = {}
+            for h in cfg.trainers:
+                self.ip[h.name] = f"{loopback_net}.{10 + h.rank}"
+            for h in cfg.shadows:
+                self.ip[h.name] = f"{loopback_net}.{100 + h.partition}"
+
+    def popen(self, host: str, argv: list[str], env: dict[str, str], **kw: Any
+              ) -> subprocess.Popen:
+        full_env = {**os.environ, **env}
+        if self.testbed is not None:
+            return self.testbed.popen_in(host, argv, env=full_env, **kw)
+        return subprocess.Popen(argv, env=full_env, **kw)
+
+    def run(self, host: str, argv: list[str]) -> subprocess.CompletedProcess:
+        if self.testbed is not None:
+            return self.testbed.run_in(host, argv, capture_output=True, text=True)
+        return subprocess.run(argv, capture_output=True, text=True)
+
+    def ifname(self, host: str) -> str:
+        return self.cfg.host_ifname(host) if self.mode == "switch" else "lo"
+
+
+def _free_port(ip: str) -> int:
+    with socket.socket() as s:
+        s.bind((ip if ip.startswith("127.") else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- one run
+@dataclass
+class RunResult:
+    label: str
+    finals: list[Path] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    killed_at: int | None = None
+    max_done_before_kill: int | None = None
+    restored_from: int | None = None
+    seconds: float = 0.0
+    stats: list[dict] = field(default_factory=list)
+    shadow_matches_trainer: bool | None = None
+
+
+class Run:
+    """One training job: its shadows, its trainers, their progress."""
+
+    def __init__(self, cl: Cluster, sc: Scenario, workdir: Path, label: str,
+                 progress: Any) -> None:
+        self.cl, self.sc, self.label, self.progress = cl, sc, label, progress
+        self.dir = workdir / label
+        self.dir.mkdir(parents=True)
+        self.events: queue.Queue = queue.Queue()
+        self.shadows: list[subprocess.Popen] = []
+        self.trainers: list[subprocess.Popen] = []
+        self.result = RunResult(label)
+
+    # -- processes -----------------------------------------------------------------------
+    def start_shadows(self) -> None:
+        cfg, cl = self.cl.cfg, self.cl
+        n = cfg.num_partitions
+        for h in cfg.shadows:
+            argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve",
+                    "--partition", f"{h.partition}/{n}", "--config", str(cl.config_path),
+                    "--host", h.name, "--bind", cl.ip[h.name],
+                    # Trainers may run ahead while a shadow JIT-compiles its first step.
+                    "--window", str(SHADOW_WINDOW)]
+            if cl.mode == "host":
+                argv.append("--no-register")
+            log = open(self.dir / f"shadow-{h.name}.log", "wb")  # noqa: SIM115
+            self.shadows.append(cl.popen(h.name, argv, {}, stdout=log, stderr=log,
+                                         stdin=subprocess.DEVNULL, start_new_session=True))
+            log.close()
+        deadline = time.monotonic() + 60
+        for h, p in zip(cfg.shadows, self.shadows, strict=True):
+            while True:
+                if p.poll() is not None:
+                    raise CheckmateError(f"shadow {h.name} exited ({p.returncode}); see "
+                                         f"{self.dir / f'shadow-{h.name}.log'}")
+                r = self._probe(h.name)
+                if r:
+                    break
+                if time.monotonic() > deadline:
+                    raise CheckmateError(f"shadow {h.name} did not come up")
+                time.sleep(0.2)
+
+    def _probe(self, host: str) -> bool:
+        if self.cl.mode == "host":
+            try:
+                with socket.create_connection((self.cl.ip[host], cfgmod.RESTORE_PORT), 0.5):
+                    return True
+            except OSError:
+                return False
+        code = ("import socket,sys;socket.create_connection((sys.argv[1],int(sys.argv[2])),"
+                "0.5)")
+        r = self.cl.run(self.cl.cfg.trainers[0].name,
+                        [sys.executable, "-c", code, self.cl.ip[host],
+                         str(cfgmod.RESTORE_PORT)])
+        return r.returncode == 0
+
+    def job_file(self) -> Path:
+        cfg, cl = self.cl.cfg, self.cl
+        job = {
+            "job_id": cfg.job_id, "mode": cl.mode, "model": self.sc.model,
+            "steps": self.sc.steps, "seed": self.sc.seed, "out": str(self.dir),
+            "trainers": [[cl.ip[h.name], cfgmod.TRAINER_PORT] for h in cfg.trainers],
+            "shadows": [{"partition": h.partition, "ip": cl.ip[h.name],
+                         "port": cfgmod.SHADOW_PORT} for h in cfg.shadows],
+            "shadow_tcp": [[cl.ip[h.name], cfgmod.RESTORE_PORT] for h in cfg.shadows],
+            "controller": ([cfg.switch.ip, cfgmod.CONTROLLER_PORT] if cl.mode == "switch"
+                           else None),
+        }
+        path = self.dir / "job.json"
+        path.write_text(json.dumps(job, indent=1))
+        return path
+
+    def start_trainers(self, resume: bool) -> None:
+        cfg, cl = self.cl.cfg, self.cl
+        job = self.job_file()
+        master = cl.ip[cfg.trainers[0].name]
+        port = _free_port(master)
+        self.trainers = []
+        for h in cfg.trainers:
+            env = {"RANK": str(h.rank), "WORLD_SIZE": str(len(cfg.trainers)),
+                   "MASTER_ADDR": master, "MASTER_PORT": str(port),
+                   "GLOO_SOCKET_IFNAME": cl.ifname(h.name), "OMP_NUM_THREADS": "1",
+                   "PYTHONUNBUFFERED": "1"}
+            argv = [sys.executable, "-m", "checkmate.train.worker", "--job", str(job)]
+            if resume:
+                argv.append("--resume")
+            err = open(self.dir / f"trainer-{h.name}{'-resumed' if resume else ''}.log",
+                       "ab")  # noqa: SIM115
+            p = cl.popen(h.name, argv, env, stdout=subprocess.PIPE, stderr=err,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+            err.close()
+            threading.Thread(target=self._read, args=(h.rank, p), daemon=True).start()
+            self.trainers.append(p)
+
+    def _read(self, rank: int, p: subprocess.Popen) -> None:
+        for line in p.stdout:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict):
+                ev["pid"] = p.pid
+                self.events.put(ev)
+        self.events.put({"event": "exit", "rank": rank, "pid": p.pid})
+
+    def kill_trainers(self) -> None:
+        for p in self.trainers:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+        for p in self.trainers:
+            p.wait()
+
+    def stop(self) -> None:
+        for p in self.trainers + self.shadows:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGTERM)
+        for p in self.trainers + self.shadows:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+
+    # -- following -----------------------------------------------------------------------
+    def follow(self, kill_at: int | None, timeout: float = 600) -> str:
+        """Consume events until all trainers are done ("done") or killed ("killed")."""
+        world = len(self.trainers)
+        pids = {p.pid for p in self.trainers}
+        done, exited = set(), set()
+        deadline = time.monotonic() + timeout
+        max_done = 0
+        while len(exited) < world:
+            try:
+                ev = self.events.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise CheckmateError(f"{self.label}: trainers made no progress") from None
+                continue
+            if ev.get("pid") not in pids:
+                continue  # a line from a killed incarnation
+            kind = ev.get("event")
+            if kind == "iter":
+                max_done = max(max_done, ev["iteration"])
+                if ev["rank"] == 0:
+                    self.result.losses.append(ev["loss"])
+                    self.progress(self.label, ev["iteration"], ev["loss"])
+                    if kill_at is not None and ev["iteration"] >= kill_at:
+                        self.kill_trainers()
+                        # Drain what the pipes still held: steps finished before the kill.
+                        time.sleep(0.3)
+                        while not self.events.empty():
+                            e = self.events.get_nowait()
+                            if e.get("event") == "iter" and e.get("pid") in pids:
+                                max_done = max(max_done, e["iteration"])
+                        self.result.killed_at = ev["iteration"]
+                        self.result.max_done_before_kill = max_done
+                        return "killed"
+            elif kind == "started":
+                if ev.get("resumed") and ev["rank"] == 0:
+                    self.result.restored_from = ev["iteration"]
+            elif kind == "done":
+                done.add(ev["rank"])
+                self.result.stats.append({"rank": ev["rank"], **ev.get("stats", {}),
+                                          "control_bytes": ev.get("control_bytes"),
+                                          "copy_bytes": ev.get("copy_bytes")})
+            elif kind == "exit":
+                exited.add(ev["rank"])
+        if len(done) < world:
+            bad = sorted(set(range(world)) - done)
+            raise CheckmateError(f"{self.label}: trainer(s) {bad} failed; see "
+                                 f"{self.dir}/trainer-*.log")
+        for p in self.trainers:
+            p.wait()
+        self.result.finals = [self.dir / f"final-rank{r}.pt" for r in range(world)]
+        return "done"
+
+    def shadow_state(self) -> Path:
+        """The shadows' state at the last iteration, fetched from inside the cluster."""
+        out = self.dir / "shadows-final.pt"
+        argv = [sys.executable, "-m", "checkmate.train.restore", "--iteration",
+                str(self.sc.steps), "--out", str(out)]
+        for h in self.cl.cfg.shadows:
+            argv += ["--shadow", f"{self.cl.ip[h.name]}:{cfgmod.RESTORE_PORT}"]
+        r = self.cl.run(self.cl.cfg.trainers[0].name, argv)
+        if r.returncode != 0:
+            raise CheckmateError(f"fetching the shadows' state failed: "
+                                 f"{(r.stderr or r.stdout).strip()[-300:]}")
+        return out
+
+
+# ----------------------------------------------------------------------------- compare
+def _equal(a: Any, b: Any, path: str, diffs: list[str]) -> None:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)):
+            diffs.append(path)
+    elif isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b:
+                diffs.append(f"{path}.{k} (missing on one side)")
+            else:
+                _equal(a[k], b[k], f"{path}.{k}", diffs)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            diffs.append(f"{path} (length)")
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            _equal(x, y, f"{path}[{i}]", diffs)
+    elif a != b:
+        diffs.append(path)
+
+
+def compare_states(a: dict, b: dict, keys: tuple[str, ...] = ("model", "optimizer")
+                   ) -> list[str]:
+    """Paths where two saved states differ (tensors by torch.equal); empty if identical."""
+    diffs: list[str] = []
+    for k in keys:
+        _equal(a[k], b[k], k, diffs)
+    return diffs
+
+
+def check_run(run: Run) -> list[str]:
+    """Problems with one finished run: ranks that disagree, shadows that differ."""
+    import torch
+
+    problems = []
+    finals = [torch.load(p, weights_only=False) for p in run.result.finals]
+    for r, f in enumerate(finals[1:], start=1):
+        d = compare_states(finals[0], f)
+        if d:
+            problems.append(f"{run.label}: rank {r} differs from rank 0 at {d[:3]}")
+    shadows = torch.load(run.shadow_state(), weights_only=False)
+    d = compare_states(finals[0], shadows, ("model",))
+    sd_t, sd_s = finals[0]["optimizer"], shadows["optimizer"]
+    d += compare_states({"s": sd_t["state"]}, {"s": sd_s["state"]}, ("s",))
+    lr_t = [g["lr"] for g in sd_t["param_groups"]]
+    run.result.shadow_matches_trainer = not d
+    if d:
+        problems.append(f"{run.label}: shadows' state differs from the trainers' at {d[:3]} "
+                        f"(lrs {lr_t})")
+    return problems
+
+
+# ----------------------------------------------------------------------------- main
+def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str, Any]:
+    """Run the scenario; returns the report (``ok`` False with ``problems`` on failure)."""
+    import torch
+
+    report: dict[str, Any] = {"scenario": sc.name, "mode": cl.mode, "model": sc.model,
+                              "steps": sc.steps, "trainers": len(cl.cfg.trainers),
+                              "shadows": cl.cfg.num_partitions, "kill_at": sc.kill_at,
+                              "runs": {}}
+    problems: list[str] = []
+    runs = [("failure-free", None)] + ([("kill-restore", sc.kill_at)] if sc.kill_at else [])
+    finished: dict[str, Run] = {}
+    for label, kill in runs:
+        run = Run(cl, sc, workdir, label, progress)
+        t0 = time.perf_counter()
+        try:
+            run.start_shadows()
+            run.start_trainers(resume=False)
+            if run.follow(kill) == "killed":
+                run.start_trainers(resume=True)
+                run.follow(None)
+            problems += check_run(run)
+        finally:
+            run.stop()
+        run.result.seconds = round(time.perf_counter() - t0, 2)
+        finished[label] = run
+        r = run.result
+        report["runs"][label] = {
+            "seconds": r.seconds, "first_loss": r.losses[0] if r.losses else None,
+            "last_loss": r.losses[-1] if r.losses else None, "killed_at": r.killed_at,
+            "max_done_before_kill": r.max_done_before_kill, "restored_from": r.restored_from,
+            "shadows_match_trainers": r.shadow_matches_trainer, "ring": r.stats,
+        }
+    ff = finished["failure-free"].result
+    if ff.losses and not ff.losses[-1] < ff.losses[0]:
+        problems.append(f"loss did not fall ({ff.losses[0]} -> {ff.losses[-1]})")
+    if "kill-restore" in finished:
+        kr = finished["kill-restore"].result
+        a = torch.load(ff.finals[0], weights_only=False)
+        b = torch.load(kr.finals[0], weights_only=False)
+        diffs = compare_states(a, b, ("model", "optimizer", "scheduler"))
+        report["bit_identical"] = not diffs
+        if diffs:
+            problems.append(f"kill-restore final state differs from failure-free at "
+                            f"{diffs[:5]}")
+        if kr.restored_from is None:
+            problems.append("the restarted trainers did not report a restore point")
+        else:
+            repeated = kr.max_done_before_kill - kr.restored_from
+            report["repeated_iterations"] = repeated
+            if repeated > 1:
+                problems.append(f"{repeated} iterations repeated (at most 1 allowed)")
+    report["ok"] = not problems
+    report["problems"] = problems
+    return report
+
+
+def _table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"testbed run {report['scenario']} ({report['mode']} mode, "
+                    f"{report['model']}, {report['trainers']} trainers x "
+                    f"{report['shadows']} shadows, {report['steps']} iterations)")
+    for col in ("run", "seconds", "loss first -> last", "killed at", "restored from",
+                "shadows = trainers"):
+        t.add_column(col)
+    for label, r in report["runs"].items():
+        t.add_row(label, f"{r['seconds']:.1f}",
+                  f"{r['first_loss']} -> {r['last_loss']}",
+                  str(r["killed_at"] or "-"), str(r["restored_from"] or "-"),
+                  {True: "yes", False: "NO", None: "-"}[r["shadows_match_trainers"]])
+    c = Console()
+    c.print(t)
+    if "bit_identical" in report:
+        c.print(f"final model+optimizer bit-identical to failure-free: "
+                f"{'yes' if report['bit_identical'] else 'NO'}; repeated iterations: "
+                f"{report.get('repeated_iterations')}")
+    for p in report["problems"]:
+        c.print(f"[red]problem:[/red] {p}")
+    c.print("[green]OK[/green]" if report["ok"] else "[red]FAILED[/red]")
+
+
+@cli_guard("testbed run")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="testbed run", description=__doc__.splitlines()[0])
+    ap.add_argument("--scenario", required=True, help="scenario name or YAML file")
+    ap.add_argument("--config", help="cluster config (default: the embedded default)")
+    ap.add_argument("--mode", choices=MODES, default="switch")
+    ap.add_argument("--json", metavar="OUT", help="write the JSON report to OUT")
+    ap.add_argument("--workdir", help="keep logs and states here (default: a temp dir)")
+    ap.add_argument("--loopback-net", default=LOOPBACK_NET,
+                    help="host mode: first three octets of the loopback addresses")
+    ap.add_argument("--seed", type=int, help="seed for a random kill_at")
+    args = ap.parse_args(argv)
+    sc = load_scenario(args.scenario, random.Random(args.seed))
+    config_path = Path(args.config).resolve() if args.config else cfgmod.default_path()
+    cfg = cfgmod.load(config_path)
+    if len(cfg.trainers) < 2 or not cfg.shadows:
+        raise CheckmateError("the config needs at least 2 trainers and 1 shadow")
+    parts = args.loopback_net.split(".")
+    if len(parts) != 3 or parts[0] != "127" or not all(p.isdigit() and int(p) < 256
+                                                       for p in parts):
+        raise CheckmateError(f"--loopback-net must look like 127.X.Y, got {args.loopback_net}")
+    from rich.console import Console
+
+    console = Console(stderr=True)
+
+    def progress(label: str, it: int, loss: float) -> None:
+        console.print(f"[{label}] iteration {it}/{sc.steps} loss {loss:.4f}", highlight=False)
+
+    with ExitStack() as stack:
+        if args.workdir:
+            workdir = Path(args.workdir)
+            workdir.mkdir(parents=True, exist_ok=True)
+            workdir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
+        else:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckm-run-")))
+        cl = Cluster(cfg, args.mode, config_path, args.loopback_net, stack)
+        report = execute(sc, cl, workdir, progress)
+    _table(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
