@@ -16,10 +16,9 @@ import signal
 import sys
 from pathlib import Path
 
+from checkmate import config
 from checkmate.control import drivers, sessions
 from checkmate.control import plan as plan_mod
-
-from checkmate import config
 from checkmate.errors import CheckmateError, cli_guard
 
 

@@ -11,8 +11,8 @@ import threading
 from collections.abc import Iterable
 
 import grpc
-from checkmate.control import p4proto
 
+from checkmate.control import p4proto
 from checkmate.errors import CheckmateError
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-from checkmate.control import pfc
-
 from checkmate.config import CONTROLLER_PORT, ClusterConfig, Host
+from checkmate.control import pfc
 from checkmate.errors import CheckmateError
 
 #: Multicast group flooding broadcast/unknown destinations (FLOOD_GROUP in the P4 sources).

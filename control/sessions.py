@@ -16,9 +16,8 @@ import secrets
 from dataclasses import asdict
 from pathlib import Path
 
-from checkmate.control.plan import Registration
-
 from checkmate.config import ClusterConfig
+from checkmate.control.plan import Registration
 from checkmate.errors import CheckmateError
 
 _MAC_RE = re.compile(r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from checkmate import config
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers.kernel import KernelDriver
 from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry
-
-from checkmate import config
 
 pytestmark = [
     pytest.mark.netns,

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import text_format
+
+from checkmate import config
 from checkmate.control import p4proto
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers.p4runtime import P4RuntimeDriver
 from checkmate.control.drivers.tofino import TofinoDriver
 from checkmate.control.p4rt_client import P4RuntimeClient, TargetUnreachable
-from google.protobuf import text_format
-
-from checkmate import config
 from checkmate.errors import CheckmateError
 
 REPO = Path(__file__).resolve().parents[1]

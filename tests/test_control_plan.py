@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from checkmate.control import pfc
-from checkmate.control import plan as plan_mod
 
 from checkmate import config
+from checkmate.control import pfc
+from checkmate.control import plan as plan_mod
 from checkmate.errors import CheckmateError
 
 

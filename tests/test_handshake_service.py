@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from checkmate.dataplane.switch import KernelSwitch
 
 from checkmate import config, handshake, wire
+from checkmate.dataplane.switch import KernelSwitch
 
 pytestmark = [
     pytest.mark.netns,

@@ -12,13 +12,13 @@ import re
 from pathlib import Path
 
 import pytest
+from google.protobuf import text_format
+
+from checkmate import config, wire, wire_gen
 from checkmate.control import p4proto, pfc
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers import p4runtime as p4rt_driver
 from checkmate.control.drivers import p4tables
-from google.protobuf import text_format
-
-from checkmate import config, wire, wire_gen
 
 P4 = Path(__file__).resolve().parents[1] / "p4"
 ARCHS = {"v1model": "", "tna": "pipe."}

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from checkmate.control.drivers.base import ApplyResult, Driver
-
 from checkmate.config import ClusterConfig
+from checkmate.control.drivers.base import ApplyResult, Driver
 from checkmate.errors import CheckmateError
 
 __all__ = ["ApplyResult", "Driver", "for_switch"]

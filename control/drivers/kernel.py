@@ -6,11 +6,10 @@ replication entries are programmed; port settings are reported as not applicable
 
 from __future__ import annotations
 
+from checkmate.config import ClusterConfig
 from checkmate.control.drivers.base import ApplyResult
 from checkmate.control.plan import Plan, Replication
 from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry, SwitchUnreachable
-
-from checkmate.config import ClusterConfig
 
 
 def entry_for(cfg: ClusterConfig, r: Replication) -> ReplicationEntry:

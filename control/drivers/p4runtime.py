@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from checkmate.config import ClusterConfig
 from checkmate.control import p4proto
 from checkmate.control.drivers import p4tables
 from checkmate.control.drivers.base import ApplyResult
 from checkmate.control.p4rt_client import P4RuntimeClient
 from checkmate.control.plan import Plan
-
-from checkmate.config import ClusterConfig
 from checkmate.errors import CheckmateError
 
 BUILD = p4tables.REPO / "build" / "p4"

@@ -11,10 +11,10 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkmate.control import p4proto
-from checkmate.control.plan import Plan
 from google.protobuf import text_format
 
+from checkmate.control import p4proto
+from checkmate.control.plan import Plan
 from checkmate.errors import CheckmateError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,13 +12,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from checkmate.config import ClusterConfig
 from checkmate.control import pfc
 from checkmate.control.drivers.base import ApplyResult
 from checkmate.control.drivers.p4runtime import BUILD, P4RuntimeDriver
 from checkmate.control.p4rt_client import P4RuntimeClient
 from checkmate.control.plan import Plan
-
-from checkmate.config import ClusterConfig
 
 SPEEDS = {10: "BF_SPEED_10G", 25: "BF_SPEED_25G", 40: "BF_SPEED_40G", 50: "BF_SPEED_50G",
           100: "BF_SPEED_100G", 200: "BF_SPEED_200G", 400: "BF_SPEED_400G"}
