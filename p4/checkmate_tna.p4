@@ -125,7 +125,7 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         hdr.bridge.ingress_port = ig_intr_md.ingress_port;
         if (hdr.ckm.isValid()) {
             ckm_stats.count(STAT_CKM);
-            ig_tm_md.qid = CKM_QID;
+            ig_tm_md.qid = (QueueId_t)CKM_QID;  /* bit<5> on Tofino 1, bit<7> on Tofino 2 */
             ig_tm_md.ingress_cos = CKM_COS;
             if ((hdr.ckm.flags & CKM_F_HANDSHAKE) != 0) {
                 steered = ckm_punt.apply().hit;
