@@ -159,3 +159,25 @@ def test_bad_config_is_one_line(tmp_path):
     p.write_text("job: {id: 7}\nswitch: {name: sw0}\nhosts: []\n")
     res = _cli("up", "--config", str(p), check_rc=None)
     assert res.returncode == 2 and "hosts" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_demo_installs_ring_entries_sends_and_cleans_up(cfg_file):
+    from checkmate.dataplane.switch import KernelSwitch
+
+    cfg = config.load(cfg_file)
+    _cli("up", "--config", str(cfg_file), "--no-controller")
+    res = _cli("demo", "--config", str(cfg_file), "--count", "3")
+    copies = 3 * len(cfg.trainers) * cfg.num_partitions
+    assert f"shadow copies: {copies} of {copies} expected" in res.stdout
+    sw = KernelSwitch(cfg)
+    assert sw.replication_entries() == []  # the demo removed the entries it installed
+    ports = sw.counters()["ports"]
+    assert sum(p["replicated"] for p in ports.values()) == copies
+    assert all(ports[cfg.switch_ifname(t.name)]["replicated"] == 3 * cfg.num_partitions
+               for t in cfg.trainers)
+    _cli("down", "--config", str(cfg_file))
+
+
+def test_demo_without_testbed_is_one_line(cfg_file):
+    res = _cli("demo", "--config", str(cfg_file), check_rc=2)
+    assert "testbed up" in res.stderr and "Traceback" not in res.stderr
