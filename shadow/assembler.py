@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from checkmate.shadow.intervals import IntervalSet
 
 from checkmate import wire
+from checkmate.shadow.intervals import IntervalSet
 
 log = logging.getLogger("checkmate.shadow")
 

@@ -119,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from checkmate.shadow.node import NodeOptions, ShadowNode
-
     from checkmate.partition import parse_partition_arg
+    from checkmate.shadow.node import NodeOptions, ShadowNode
     from checkmate.shadow_client import parse_addr
 
     index, count = parse_partition_arg(args.partition)

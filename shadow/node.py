@@ -12,14 +12,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from checkmate.config import RESTORE_PORT, SHADOW_PORT
 from checkmate.shadow import persist
 from checkmate.shadow.assembler import Assembler
 from checkmate.shadow.receiver import Receiver, open_socket
 from checkmate.shadow.register import register
 from checkmate.shadow.service import Service
 from checkmate.shadow.state import ShadowState, Version
-
-from checkmate.config import RESTORE_PORT, SHADOW_PORT
 
 log = logging.getLogger("checkmate.shadow")
 

@@ -17,10 +17,10 @@ import time
 from collections import Counter
 from typing import Any
 
-from checkmate.shadow.assembler import Assembler
 from crc32c import crc32c
 
 from checkmate import wire
+from checkmate.shadow.assembler import Assembler
 
 log = logging.getLogger("checkmate.shadow")
 

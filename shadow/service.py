@@ -14,9 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from checkmate.shadow.state import ShadowState
-
 from checkmate.errors import CheckmateError
+from checkmate.shadow.state import ShadowState
 from checkmate.shadow_client import ShadowError, recv_frame, send_frame
 from checkmate.spec import ModelSpec
 

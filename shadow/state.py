@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from checkmate.shadow.assembler import Assembler, Control
-from checkmate.shadow.intervals import IntervalSet
 
 from checkmate.errors import CheckmateError
+from checkmate.shadow.assembler import Assembler, Control
+from checkmate.shadow.intervals import IntervalSet
 from checkmate.spec import ModelSpec
 
 log = logging.getLogger("checkmate.shadow")

@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 import torch
+
+from checkmate import handshake, wire
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
 from checkmate.shadow.node import NodeOptions, ShadowNode
 from checkmate.shadow.state import make_optimizer
-
-from checkmate import handshake, wire
 from checkmate.shadow_client import (
     ShadowClient,
     ShadowError,
@@ -347,9 +347,8 @@ def test_registration_retries_then_session_filters_datagrams(cluster_factory):
 
 
 def test_registration_refused_or_unanswered_is_a_clear_error():
-    from checkmate.shadow.register import register
-
     from checkmate.errors import CheckmateError
+    from checkmate.shadow.register import register
 
     ctl = MiniController(refuse=True)
     try:

@@ -8,13 +8,13 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from checkmate.shadow.assembler import Assembler, parse_control
-from checkmate.shadow.feed import control_body, encode_grad
-from checkmate.shadow.intervals import IntervalSet
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkmate import wire
+from checkmate.shadow.assembler import Assembler, parse_control
+from checkmate.shadow.feed import control_body, encode_grad
+from checkmate.shadow.intervals import IntervalSet
 from checkmate.spec import ModelSpec, SpecError
 
 # ----- IntervalSet ------------------------------------------------------------------------

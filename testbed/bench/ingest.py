@@ -153,7 +153,6 @@ def _ingest(total: int, chunk: int, iterations: int, depth: int) -> tuple[float,
 def _node(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, int, dict]:
     """The whole node (receiver, AdamW step, retained versions) via its public pieces."""
     from checkmate.shadow.node import NodeOptions, ShadowNode
-
     from checkmate.spec import ModelSpec
 
     spec = ModelSpec.build(JOB, [("w", (total,))], "adamw", [{"params": ["w"], "lr": 1e-3}], 1)
