@@ -8,6 +8,8 @@ as a scalar operand of a float32 kernel.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from checkmate.errors import CheckmateError
@@ -17,6 +19,10 @@ from checkmate.optim import kernels
 PARALLEL_MIN = 1 << 17
 
 _EMPTY = np.zeros(0, np.float32)
+
+#: one parallel kernel at a time per process (the workqueue layer cannot run two at once;
+#: each uses every core anyway). Serial kernels release the GIL and need no lock.
+_PARALLEL = threading.Lock()
 
 
 def _f32(x: float) -> np.float32:
@@ -87,8 +93,12 @@ def adam_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray,
         raise CheckmateError(f"Adam step must be >= 1, got {step}")
     s = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                      decoupled=decoupled, step=step, gscale=gscale_of(clip_coef, maximize))
-    fn = kernels._adam_parallel if n >= PARALLEL_MIN else kernels._adam_serial
-    fn(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, bool(amsgrad))
+    if n >= PARALLEL_MIN:
+        with _PARALLEL:
+            kernels._adam_parallel(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s,
+                                   bool(amsgrad))
+    else:
+        kernels._adam_serial(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, bool(amsgrad))
 
 
 def sgd_step(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | None, *,
@@ -112,5 +122,8 @@ def sgd_step(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | 
     s = np.array([gscale_of(clip_coef, maximize), weight_decay,
                   1.0 if weight_decay != 0 else 0.0, momentum, 1 - dampening, -lr],
                  dtype=np.float32)
-    fn = kernels._sgd_parallel if n >= PARALLEL_MIN else kernels._sgd_serial
-    fn(param, grad, momentum_buffer, s, mode)
+    if n >= PARALLEL_MIN:
+        with _PARALLEL:
+            kernels._sgd_parallel(param, grad, momentum_buffer, s, mode)
+    else:
+        kernels._sgd_serial(param, grad, momentum_buffer, s, mode)

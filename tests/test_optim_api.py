@@ -1,0 +1,195 @@
+"""checkmate.optim: gradient element types, clipping factor, state_dict format, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import checkmate.optim as co
+from checkmate.errors import CheckmateError
+from checkmate.optim import ops
+
+
+def _sgd_neg(grad: np.ndarray) -> np.ndarray:
+    """param = -0.0 - 1 * grad through the kernel: exposes the widened gradient bit for bit
+    (starting from -0.0 keeps the sign of zero gradients)."""
+    p = np.full(grad.shape[0], -0.0, np.float32)
+    ops.sgd_step(p, grad, None, lr=1.0, first=True)
+    return p
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+def test_every_16bit_pattern_widens_exactly_inside_the_kernel(kind: str) -> None:
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    t = torch.from_numpy(bits.view(np.int16)).view(getattr(torch, kind))
+    kernel_form = co.as_kernel_grad(t)
+    assert kernel_form.dtype == co.KERNEL_GRAD_DTYPES[kind]
+    widened = t.float().numpy()  # torch's exact conversion
+    nan = np.isnan(widened)  # NaN payloads may be quieted differently: compare NaN-ness
+    for ours in (co.widen(kernel_form), -_sgd_neg(kernel_form)):
+        assert np.array_equal(np.isnan(ours), nan)
+        assert np.array_equal(ours[~nan].view(np.int32), widened[~nan].view(np.int32))
+    assert int(nan.sum()) == (2 * 127 if kind == "bfloat16" else 2 * 1023)
+
+
+def test_numpy_float16_and_tensor_forms_map_to_kernel_types() -> None:
+    h = np.array([1.5, -2.0, 6e-8], np.float16)
+    assert co.as_kernel_grad(h).dtype == np.int16
+    assert co.as_kernel_grad(torch.ones(3)).dtype == np.float32
+    with pytest.raises(CheckmateError, match="unsupported"):
+        co.as_kernel_grad(np.zeros(3, np.float64))
+    with pytest.raises(CheckmateError, match="contiguous"):
+        co.as_kernel_grad(torch.ones(4, 4).t())
+
+
+def test_clip_factor_reproduces_torch_clipping_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in (1000, 37, 5)]
+    grads = [torch.randn(p.shape, generator=gen) * 10 for p in ps]
+    for p, g in zip(ps, grads, strict=True):
+        p.grad = g.clone()
+    _, coef = co.clip_grad_norm_(ps, max_norm=1.0)
+    assert coef is not None and coef < 1.0
+    assert np.float32(coef) == coef  # exactly a float32
+    for p, g in zip(ps, grads, strict=True):
+        assert np.array_equal(p.grad.numpy(), g.numpy() * np.float32(coef))
+    # below the threshold the factor is exactly 1.0 and gradients stay unchanged
+    _, coef = co.clip_grad_norm_(ps, max_norm=1e9)
+    assert coef == 1.0
+    assert co.clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0)[1] is None
+
+
+def _model_and_grads(seed: int = 0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2))
+    return m, [torch.randn(p.shape) for p in m.parameters()]
+
+
+@pytest.mark.parametrize("ours,theirs,kw", [
+    (co.AdamW, torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True}),
+    (co.Adam, torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1}),
+    (co.SGD, torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+])
+def test_state_dict_round_trips_with_torch_optim(ours, theirs, kw) -> None:
+    m1, grads = _model_and_grads()
+    o1 = ours(m1.parameters(), **kw)
+    for _ in range(3):
+        for p, g in zip(m1.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        o1.step()
+    sd = copy.deepcopy(o1.state_dict())  # torch shares state tensors on load otherwise
+    first = sd["state"][0]
+    if ours is co.SGD:
+        assert set(first) == {"momentum_buffer"}
+    else:
+        assert first["step"].dtype == torch.float32 and float(first["step"]) == 3.0
+        assert {"exp_avg", "exp_avg_sq"} <= set(first)
+    # ours -> torch's optimizer: same state, and torch steps on from it
+    m2, _ = _model_and_grads()
+    m2.load_state_dict(m1.state_dict())
+    o2 = theirs(m2.parameters(), **kw)
+    o2.load_state_dict(sd)
+    for k, v in sd["state"][0].items():
+        assert torch.equal(o2.state[next(m2.parameters())][k], v)
+    # torch's -> ours: a fresh optimizer of ours continues exactly like o1 does
+    m3, _ = _model_and_grads()
+    m3.load_state_dict(m1.state_dict())
+    o3 = ours(m3.parameters(), **kw)
+    o3.load_state_dict(copy.deepcopy(o2.state_dict()))
+    for mod, opt in ((m1, o1), (m3, o3)):
+        for p, g in zip(mod.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    for a, b in zip(m1.parameters(), m3.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_sgd_without_momentum_keeps_torch_state_shape() -> None:
+    m, grads = _model_and_grads()
+    o = co.SGD(m.parameters(), lr=0.1)
+    for p, g in zip(m.parameters(), grads, strict=True):
+        p.grad = g
+    o.step()
+    assert o.state_dict()["state"][0] == {"momentum_buffer": None}
+
+
+def test_bad_arguments_are_one_line_errors() -> None:
+    p = [torch.nn.Parameter(torch.ones(3))]
+    with pytest.raises(CheckmateError, match="Nesterov"):
+        co.SGD(p, lr=0.1, nesterov=True)
+    with pytest.raises(CheckmateError, match="fused"):
+        co.AdamW(p, fused=True)
+    with pytest.raises(CheckmateError, match="betas"):
+        co.Adam(p, betas=(1.0, 0.9))
+    q = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    q.grad = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(CheckmateError, match="float32"):
+        co.AdamW([q]).step()
+    a = np.zeros(5, np.float32)
+    with pytest.raises(CheckmateError, match="gradient"):
+        ops.adam_step(a, np.zeros(4, np.float32), a.copy(), a.copy(), None, lr=1e-3,
+                      beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0, decoupled=True,
+                      amsgrad=False, step=1)
+
+
+SPEC = {
+    "job": 1, "total": 10, "partitions": 2, "buffers": [], "grad_dtype": "float32",
+    "params": [{"name": "a", "shape": [2, 3], "offset": 0, "numel": 6},
+               {"name": "b", "shape": [4], "offset": 6, "numel": 4}],
+    "optimizer": {"kind": "adam", "groups": [{"params": ["a"], "lr": 0.1},
+                                             {"params": ["b"], "lr": 0.2, "amsgrad": True}]},
+}
+
+
+def test_flat_optimizer_from_spec_builds_group_ranges_and_slots() -> None:
+    f0, f1 = (co.FlatOptimizer.from_spec(SPEC, i) for i in range(2))
+    assert f0.size == 5 and f1.size == 5
+    assert [(s, e, g) for s, e, g, _ in f0.ranges] == [(0, 5, 0)]
+    assert [(s, e, g) for s, e, g, _ in f1.ranges] == [(0, 1, 0), (1, 5, 1)]
+    assert f1.slots == ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    g = np.ones(5, np.float32)
+    f1.step(g, [0.1, 0.2])
+    assert f1.step_count == 1
+    # Adam's first step moves every element by lr (bias-corrected m/sqrt(v) = 1)
+    assert np.allclose(f1.param, [-0.1, -0.2, -0.2, -0.2, -0.2], rtol=1e-6)
+    assert np.array_equal(f1.max_exp_avg_sq[1:], f1.exp_avg_sq[1:])
+    snap = f1.snapshot()
+    f1.step(g, [0.1, 0.2])
+    assert not np.array_equal(snap["param"], f1.param)
+    f1.load(snap, 1)
+    assert np.array_equal(snap["param"], f1.param) and f1.step_count == 1
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda s: s.pop("total"), "lacks"),
+    (lambda s: s.update(total=11), "total"),
+    (lambda s: s["optimizer"].update(kind="lamb"), "unknown optimizer"),
+    (lambda s: s["optimizer"]["groups"][1]["params"].remove("b"), "no param group"),
+    (lambda s: s["optimizer"]["groups"][1]["params"].append("a"), "two param groups"),
+    (lambda s: s["params"][1].update(offset=5), "offset"),
+])
+def test_flat_optimizer_rejects_inconsistent_specs(mutate, match: str) -> None:
+    spec = copy.deepcopy(SPEC)
+    mutate(spec)
+    with pytest.raises(CheckmateError, match=match):
+        co.FlatOptimizer.from_spec(spec, 1)
+
+
+def test_flat_optimizer_checks_ranges_and_step_inputs() -> None:
+    with pytest.raises(CheckmateError, match="hole"):
+        co.FlatOptimizer("sgd", [(0, 3, {}), (4, 6, {})], 6)
+    with pytest.raises(CheckmateError, match="overlap"):
+        co.FlatOptimizer("sgd", [(0, 4, {}), (3, 6, {})], 6)
+    with pytest.raises(CheckmateError, match="cover"):
+        co.FlatOptimizer("sgd", [(0, 4, {})], 6)
+    f = co.FlatOptimizer("sgd", [(0, 3, {"momentum": 0.9}), (3, 6, {})], 6)
+    assert f.slots == ("param", "momentum_buffer")
+    with pytest.raises(CheckmateError, match="learning rates"):
+        f.step(np.zeros(6, np.float32), [0.1])
+    with pytest.raises(CheckmateError, match="elements"):
+        f.step(np.zeros(5, np.float32), [0.1, 0.1])
+    f.step(np.ones(6, np.float32), [0.1, 0.1])
+    assert np.array_equal(f.momentum_buffer, [1, 1, 1, 0, 0, 0])
