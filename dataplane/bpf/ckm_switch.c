@@ -235,10 +235,12 @@ int ckm_ingress(struct __sk_buff *skb)
  * CRC32C fails) and fix the UDP checksum, so the receiver's kernel still delivers it. */
 static __always_inline int corrupt(struct __sk_buff *skb, struct pkt *p)
 {
-	__u32 plen = p->udp_len - sizeof(struct udphdr);
-	__u32 start = p->ckm_off, words;
+	__u32 plen, start = p->ckm_off, words;
 	__be16 w, nw;
 
+	if (p->udp_len < sizeof(struct udphdr))
+		return -1; /* inconsistent UDP length: leave it alone */
+	plen = p->udp_len - sizeof(struct udphdr);
 	if (plen >= CKM_HEADER_LEN + 2) {
 		start += CKM_HEADER_LEN;
 		plen -= CKM_HEADER_LEN;
