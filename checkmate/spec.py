@@ -160,8 +160,9 @@ class ModelSpec:
             if "betas" in hyper:
                 hyper["betas"] = [float(b) for b in hyper["betas"]]
             groups.append({"params": pnames, **hyper})
+        persistent = set(model.state_dict())  # non-persistent buffers are not restored
         buffers = [(n, tuple(b.shape), str(b.dtype).removeprefix("torch."))
-                   for n, b in model.named_buffers()]
+                   for n, b in model.named_buffers() if n in persistent]
         return cls.build(job, [(n, tuple(named[n].shape)) for n in names], kind, groups,
                          partitions, buffers, grad_dtype)
 

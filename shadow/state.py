@@ -46,6 +46,29 @@ class Version:
     evicted: bool = False
 
 
+_WARM: set[tuple[str, bool]] = set()
+
+
+def warm_up(spec: ModelSpec) -> None:
+    """Compile the optimizer kernels now (serial and parallel variants) on scratch arrays, so
+    the first real step does not stall the shadow while trainers run ahead."""
+    from checkmate.optim.ops import PARALLEL_MIN
+
+    key = (spec.kind, any(g.amsgrad for g in spec.groups))
+    if key in _WARM:
+        return
+    g0 = spec.groups[0]
+    for n in (1, PARALLEL_MIN):
+        hyper = {**g0.hyper(spec.kind), "amsgrad": key[1]} if spec.kind != "sgd" else {
+            **g0.hyper(spec.kind), "momentum": 0.9}
+        from checkmate.optim import FlatOptimizer
+
+        opt = FlatOptimizer(spec.kind, [(0, n, hyper)], n)
+        opt.step(np.zeros(n, np.float32), [g0.lr], None)
+        opt.step(np.zeros(n, np.float32), [g0.lr], 0.5)
+    _WARM.add(key)
+
+
 def make_optimizer(spec: ModelSpec, start: int, end: int) -> Any:
     """The partition's FlatOptimizer; one (start, end, hyper) run per group piece."""
     from checkmate.optim import FlatOptimizer
@@ -151,6 +174,7 @@ class ShadowState:
         with self.lock:
             spec = self.spec
             assert spec is not None
+            warm_up(spec)  # before anyone sees "seeded"
             opt = make_optimizer(spec, self.start, self.end)
             opt.load({s: arrays[s] for s in spec.slots}, step)
             self.opt = opt
