@@ -49,8 +49,9 @@ class HandshakeService:
             self._log(f"switch {self.cfg.switch.name}: {res.summary()}")
 
     # -- requests ------------------------------------------------------------------------
-    def handle(self, data: bytes) -> bytes | None:
-        """The reply to one datagram, or None when it is dropped."""
+    def handle(self, data: bytes, peer_ip: str | None = None) -> bytes | None:
+        """The reply to one datagram, or None when it is dropped. ``peer_ip``: the sender's
+        address; a shadow may only register the address it sends from."""
         try:
             h, body = handshake.parse(data)
         except wire.WireError:
@@ -66,6 +67,11 @@ class HandshakeService:
                 raise CheckmateError(f"unknown job {job!r} (this controller runs job "
                                      f"{self.cfg.job_id})")
             if op == "register":
+                if peer_ip is not None:
+                    body.setdefault("ip", peer_ip)  # default: the address it sends from
+                    if body["ip"] != peer_ip:
+                        raise CheckmateError(f"register for {body['ip']!r} sent from "
+                                             f"{peer_ip}: a shadow registers its own address")
                 out = self._register(body)
             elif op == "session":
                 out = self._session()
@@ -123,7 +129,7 @@ class HandshakeService:
                 print(f"control serve: recv failed: {e}", file=sys.stderr)
                 continue
             try:
-                out = self.handle(data)
+                out = self.handle(data, peer[0])
             except Exception as e:  # a request must never kill the service
                 self.stats["errors"] += 1
                 self._log(f"internal error on request from {peer[0]}: {e!r}")

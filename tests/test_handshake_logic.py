@@ -98,6 +98,9 @@ def test_garbage_and_replies_are_dropped_and_counted(switch, tmp_path):
     h, body = handshake.parse(svc.handle(handshake.request(
         7, 2, {**reg_body(), "mac": "zz"}, 1)))
     assert h.flags & wire.Flags.NACK and "bad mac" in body["reason"]
+    h, body = handshake.parse(svc.handle(handshake.request(7, 3, reg_body(), 1), "10.0.0.9"))
+    assert h.flags & wire.Flags.NACK and "sent from 10.0.0.9" in body["reason"]
+    assert svc.store.max_epoch == 0
     svc.driver.close()
 
 
@@ -113,7 +116,9 @@ def test_serves_over_udp_until_stopped(switch, tmp_path):
     c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     c.settimeout(5)
     try:
-        c.sendto(handshake.request(7, 42, reg_body(0, "s0"), 0), ("127.0.0.1", port))
+        body = reg_body(0, "s0")
+        del body["ip"]  # defaults to the sender's address
+        c.sendto(handshake.request(7, 42, body, 0), ("127.0.0.1", port))
         h, body = handshake.parse(c.recv(65535))
     finally:
         c.close()
@@ -122,4 +127,5 @@ def test_serves_over_udp_until_stopped(switch, tmp_path):
         svc.driver.close()
     assert not t.is_alive()
     assert h.seq == 42 and body["op"] == "registered" and body["epoch"] == 1
-    assert rewrite_of(switch, 1)["epoch"] == 1
+    rw = rewrite_of(switch, 1)
+    assert rw["epoch"] == 1 and rw["ip"] == ip("127.0.0.1")

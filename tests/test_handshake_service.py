@@ -163,6 +163,9 @@ def test_bad_requests_are_refused_or_dropped(served):
     trainer = ask(served, "t1", handshake.request(7, 3, {
         "op": "register", "job": 7, "partition": 0, "host": "t1"}))
     assert trainer["flags"] & wire.Flags.NACK and "not a shadow" in trainer["body"]["reason"]
+    spoof = ask(served, "t1", handshake.request(7, 3, {
+        "op": "register", "job": 7, "partition": 0, "host": "s0", "ip": "10.77.0.100"}))
+    assert spoof["flags"] & wire.Flags.NACK and "sent from 10.77.0.11" in spoof["body"]["reason"]
     unknown = ask(served, "s0", handshake.request(7, 4, {"op": "reboot"}))
     assert unknown["flags"] & wire.Flags.NACK
     assert ask(served, "s0", b"not a ckm datagram at all", timeout=0.5) is None
