@@ -127,7 +127,7 @@ def cnn_batch(seed: int, rank: int, iteration: int, batch: int, classes: int = 4
     patterns = torch.randn(classes, 3, 16, 16, generator=pg)
     g = torch.Generator().manual_seed(seed * 7_777_777 + rank * 1_000 + iteration)
     y = torch.randint(classes, (batch,), generator=g)
-    x = patterns[y] + 1.5 * torch.randn(batch, 3, 16, 16, generator=g)
+    x = patterns[y] + 1.0 * torch.randn(batch, 3, 16, 16, generator=g)
     return x, y
 
 
@@ -171,7 +171,7 @@ def build_cnn(seed: int, steps: int, batch: int = 16, width: int = 16) -> Worklo
 
     torch.manual_seed(seed)
     model = TinyCNN(width=width)
-    opt = SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    opt = SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     half = max(1, steps // 2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < half else 0.2)
     return Workload("cnn", model, opt, sched, None,

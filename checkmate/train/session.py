@@ -212,6 +212,7 @@ class CheckmateSession:
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        self._sync_buffers()
         self.last_clip = coef
         if self.layout.rank == 0:
             body = {
@@ -225,6 +226,22 @@ class CheckmateSession:
             }
             self.control_bytes = self.sender.control(self.iteration, body)
         return coef
+
+    def _sync_buffers(self) -> None:
+        # Every rank takes rank 0's buffers (BatchNorm statistics) after each step, as DDP's
+        # broadcast_buffers does; they are also what the control message gives the shadows.
+        # Buffers are not gradients, so they go over the rendezvous group, not the ring.
+        bufs = [b for b in self.module.buffers() if b.numel()]
+        if bufs and self.layout.world > 1:
+            flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in bufs])
+            dist.broadcast(flat, src=0, group=self.group)
+            if self.layout.rank != 0:
+                off = 0
+                with torch.no_grad():
+                    for b in bufs:
+                        n = b.numel()
+                        b.copy_(flat[off:off + n].view(b.shape).to(b.dtype))
+                        off += n
 
     def close(self) -> None:
         self._refresh_stop.set()

@@ -1,0 +1,198 @@
+"""Ring allreduce over real UDP sockets on loopback (addresses 127.78.x.y, test prefix "te").
+
+Loss and corruption come from ``LossyLink``, a test double of a lossy network applied to
+outgoing datagrams (loopback has no switch); the namespace test in test_e2e_switch.py uses
+the real switch's fault knobs instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from checkmate import wire
+from checkmate.partition import partition_bounds
+from checkmate.train.ring import RingAllreduce
+from checkmate.train.transport import LossyLink, open_socket
+
+_net = itertools.count(1)
+
+
+def make_ring(world: int, total: int, partitions: int = 2, chunk: int = 512,
+              link: float = 0.0, corrupt: float = 0.0, on_reduced=None, nonce: int = 99):
+    net = f"127.78.{next(_net)}"
+    addrs = [(f"{net}.{10 + r}", 47000) for r in range(world)]
+    socks = [open_socket(*a) for a in addrs]
+    rings = []
+    for r in range(world):
+        lk = LossyLink(link, corrupt, seed=r) if (link or corrupt) else None
+        cb = (lambda *a, r=r: on_reduced(r, *a)) if on_reduced else None
+        rings.append(RingAllreduce(r, world, socks[r], addrs[(r + 1) % world],
+                                   addrs[(r - 1) % world], 7, nonce, total, partitions,
+                                   chunk=chunk, link=lk, rto=0.03, on_reduced=cb,
+                                   stall_timeout=20))
+    return rings
+
+
+def close_all(rings):
+    for r in rings:
+        r.close(timeout=1.0)
+
+
+def run_allreduce(rings, tensors, base=0, iteration=1, bucket=0):
+    futs = [r.submit(t, base, iteration, bucket) for r, t in zip(rings, tensors, strict=True)]
+    return [f.wait() for f in futs]
+
+
+def ring_order_sum(xs: list[torch.Tensor], world: int) -> torch.Tensor:
+    """The sum in the ring's order: segment g accumulates ranks g, g+1, ... in turn."""
+    n = xs[0].numel()
+    out = torch.empty(n)
+    for g in range(world):
+        s, e = g * n // world, (g + 1) * n // world
+        acc = xs[g][s:e].clone()
+        for k in range(1, world):
+            acc += xs[(g + k) % world][s:e]
+        out[s:e] = acc
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exact_sum_identical_on_every_rank(world):
+    n = 10_007
+    rings = make_ring(world, n)
+    try:
+        g = torch.Generator().manual_seed(world)
+        xs = [torch.randn(n, generator=g) for _ in range(world)]
+        res = run_allreduce(rings, [x.clone() for x in xs])
+        expect = ring_order_sum(xs, world)
+        for t in res:
+            assert torch.equal(t, expect)
+        assert all(r.stats["resent"] == 0 for r in rings)
+    finally:
+        close_all(rings)
+
+
+def test_exact_sum_under_loss_and_corruption():
+    world, n = 4, 20_011
+    rings = make_ring(world, n, link=0.05, corrupt=0.05)
+    try:
+        g = torch.Generator().manual_seed(5)
+        for it in range(1, 4):
+            xs = [torch.randn(n, generator=g) for _ in range(world)]
+            res = run_allreduce(rings, [x.clone() for x in xs], iteration=it)
+            expect = ring_order_sum(xs, world)
+            for t in res:
+                assert torch.equal(t, expect)
+        assert sum(r.stats["resent"] for r in rings) > 0
+        assert sum(r.stats["corrupt"] for r in rings) > 0
+        assert sum(r.link.dropped for r in rings) > 0
+    finally:
+        close_all(rings)
+
+
+def test_each_element_reduced_exactly_once_split_at_partitions():
+    world, total, parts = 4, 30_001, 3
+    base, n = 1_234, 25_000  # a bucket in the middle of the flat space
+    seen = []
+    lock = threading.Lock()
+
+    def on_reduced(rank, iteration, bucket, offset, partition, payload):
+        with lock:
+            seen.append((rank, iteration, bucket, offset, partition, payload))
+
+    rings = make_ring(world, total, partitions=parts, on_reduced=on_reduced)
+    try:
+        xs = [torch.full((n,), float(r + 1)) for r in range(world)]
+        res = run_allreduce(rings, [x.clone() for x in xs], base=base, iteration=3, bucket=2)
+        cover = np.zeros(total, np.int32)
+        bounds = partition_bounds(total, parts)
+        for _, it, b, off, p, payload in seen:
+            assert (it, b) == (3, 2)
+            cnt = len(payload) // 4
+            lo, hi = bounds[p]
+            assert lo <= off and off + cnt <= hi, "a copy crosses its partition boundary"
+            cover[off:off + cnt] += 1
+            vals = np.frombuffer(payload, "<f4")
+            assert np.array_equal(vals, res[0].numpy()[off - base:off - base + cnt])
+        assert cover[base:base + n].min() == 1 and cover.max() == 1
+        assert cover[:base].sum() == 0
+        # Each rank completes the segment after its own: 1/world of the bucket.
+        per_rank = {r: sum(len(s[5]) // 4 for s in seen if s[0] == r) for r in range(world)}
+        for r in range(world):
+            g = (r + 1) % world
+            assert per_rank[r] == (g + 1) * n // world - g * n // world
+    finally:
+        close_all(rings)
+
+
+def test_replicate_flag_on_first_all_gather_hop_only():
+    """Sniff every datagram of a 3-rank ring: each element is sent with REPLICATE once."""
+    world, n = 3, 3_001
+    rings = make_ring(world, n, partitions=2)
+    tagged = np.zeros(n, np.int32)
+    orig = [r._transmit for r in rings]
+
+    def spy(i):
+        def transmit(dgram, addr):
+            h = wire.decode_header(dgram)
+            if h.flags & wire.Flags.REPLICATE:
+                tagged[h.offset:h.offset + h.count] += 1
+            return orig[i](dgram, addr)
+        return transmit
+
+    for i, r in enumerate(rings):
+        r._transmit = spy(i)
+    try:
+        run_allreduce(rings, [torch.ones(n) for _ in range(world)])
+        assert tagged.min() == 1 and tagged.max() == 1
+    finally:
+        close_all(rings)
+
+
+def test_buckets_out_of_order_and_foreign_datagrams_dropped():
+    world, n = 2, 4_000
+    rings = make_ring(world, n, partitions=1, nonce=5)
+    try:
+        # rank 1 submits bucket 1 first, rank 0 bucket 0 first: held until each side has both
+        a0, a1 = torch.ones(2000), torch.ones(2000) * 2
+        b0, b1 = torch.ones(2000) * 3, torch.ones(2000) * 4
+        f = [rings[0].submit(a0, 0, 1, 0), rings[1].submit(b1, 2000, 1, 1),
+             rings[0].submit(a1, 2000, 1, 1), rings[1].submit(b0, 0, 1, 0)]
+        for x in f:
+            x.wait()
+        assert torch.equal(a0, torch.full((2000,), 4.0)) and torch.equal(b0, a0)
+        assert torch.equal(a1, torch.full((2000,), 6.0)) and torch.equal(b1, a1)
+        # A datagram of another incarnation (other nonce) is dropped and counted.
+        import socket
+
+        h = wire.Header(job_id=7, token=6, count=1, iteration=2)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(wire.encode(h, b"\0\0\0\0"), rings[0].sock.getsockname())
+            s.sendto(b"garbage", rings[0].sock.getsockname())
+        import time
+
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and not (rings[0].stats["foreign"]
+                                                   and rings[0].stats["malformed"]):
+            time.sleep(0.01)
+        assert rings[0].stats["foreign"] == 1 and rings[0].stats["malformed"] == 1
+    finally:
+        close_all(rings)
+
+
+def test_bad_arguments_are_one_line_errors():
+    from checkmate.errors import CheckmateError
+
+    rings = make_ring(2, 100, partitions=1)
+    try:
+        with pytest.raises(CheckmateError):
+            rings[0].submit(torch.ones(10, dtype=torch.float64), 0, 1, 0)
+        with pytest.raises(CheckmateError):
+            rings[0].submit(torch.ones(10), 95, 1, 0)
+    finally:
+        close_all(rings)
