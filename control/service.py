@@ -11,6 +11,7 @@ requests are dropped and counted.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import sys
 import threading
@@ -69,7 +70,9 @@ class HandshakeService:
             if op == "register":
                 if peer_ip is not None:
                     body.setdefault("ip", peer_ip)  # default: the address it sends from
-                    if body["ip"] != peer_ip:
+                    # Remote shadows register their own address; local (loopback) tools
+                    # may register on a shadow's behalf.
+                    if body["ip"] != peer_ip and not ipaddress.ip_address(peer_ip).is_loopback:
                         raise CheckmateError(f"register for {body['ip']!r} sent from "
                                              f"{peer_ip}: a shadow registers its own address")
                 out = self._register(body)

@@ -101,6 +101,9 @@ def test_garbage_and_replies_are_dropped_and_counted(switch, tmp_path):
     h, body = handshake.parse(svc.handle(handshake.request(7, 3, reg_body(), 1), "10.0.0.9"))
     assert h.flags & wire.Flags.NACK and "sent from 10.0.0.9" in body["reason"]
     assert svc.store.max_epoch == 0
+    # From loopback a local tool may register on a shadow's behalf.
+    h, body = handshake.parse(svc.handle(handshake.request(7, 4, reg_body(), 1), "127.0.0.1"))
+    assert h.flags & wire.Flags.ACK and body["epoch"] == 1
     svc.driver.close()
 
 
