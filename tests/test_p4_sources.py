@@ -232,4 +232,5 @@ def test_shadow_copy_rewrites_checksums_and_egress_by_rid(arch):
         assert "update_checksum(" in text and "meta.shadow_copy == 1" in text
     else:
         assert "ipv4_checksum.update(" in text and "meta.shadow_copy == 1" in text
-        assert "ig_tm_md.qid = (QueueId_t)CKM_QID" in text and "ig_tm_md.ingress_cos = CKM_COS" in text
+        assert "ig_tm_md.qid = (QueueId_t)CKM_QID" in text
+        assert "ig_tm_md.ingress_cos = CKM_COS" in text
