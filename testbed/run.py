@@ -439,6 +439,11 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
             "max_done_before_kill": r.max_done_before_kill, "restored_from": r.restored_from,
             "shadows_match_trainers": r.shadow_matches_trainer, "ring": r.stats,
         }
+    if cl.mode == "switch":
+        from checkmate.dataplane.switch import KernelSwitch
+
+        entries = KernelSwitch(cl.cfg).counters().get("entries", [])
+        report["switch_replicated_packets"] = sum(int(e.get("packets", 0)) for e in entries)
     ff = finished["failure-free"].result
     if ff.losses and not ff.losses[-1] < ff.losses[0]:
         problems.append(f"loss did not fall ({ff.losses[0]} -> {ff.losses[-1]})")

@@ -49,14 +49,14 @@ def test_gradients_equal_the_mean_over_ranks(zero_to_none):
         for it in (1, 2):
             errors = []
 
-            def work(r, it=it):
+            def work(r, it=it, errors=errors):
                 try:
                     d = ddps[r]
                     d.iteration = it
                     d.module.zero_grad(set_to_none=zero_to_none)
                     d(xs[r]).square().sum().backward()
-                except Exception as e:  # surfaced below
-                    errors.append(e)
+                except Exception as exc:  # surfaced below
+                    errors.append(exc)
 
             ts = [threading.Thread(target=work, args=(r,)) for r in range(world)]
             for t in ts:

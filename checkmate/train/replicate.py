@@ -45,6 +45,7 @@ class ShadowSender:
         self._lock = threading.Lock()
         self.sent_bytes = 0
         self.sent_datagrams = 0
+        self.copy_bytes = 0  # host replication only (the extra traffic of host mode)
 
     def close(self) -> None:
         self.sock.close()
@@ -75,6 +76,7 @@ class ShadowSender:
         """Host replication of one fully reduced chunk (the ring's ``on_reduced`` hook)."""
         t = self.targets.get(partition)
         if t is not None:
+            self.copy_bytes += len(payload)
             self._send(t, _F.REPLICATE, iteration, offset, len(payload) // 4, bucket,
                        wire.DType.FLOAT32, payload)
 

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 "scheduler": w.scheduler.state_dict() if w.scheduler else None,
                 "iteration": steps}, out / f"final-rank{rank}.pt")
     _emit(event="done", rank=rank, iteration=steps, stats=sess.ring.stats,
-          control_bytes=sess.control_bytes, copy_bytes=sess.sender.sent_bytes)
+          control_bytes=sess.control_bytes, copy_bytes=sess.sender.copy_bytes)
     dist.barrier()
     sess.close()
     dist.destroy_process_group()
