@@ -35,6 +35,10 @@ class IntervalSet:
             self.total += b - a
             return [(a, b)]
         i = bisect_right(starts, a)
+        if i > 0 and ends[i - 1] == a and (i == n or b < starts[i]):
+            ends[i - 1] = b  # extends a run without reaching the next one
+            self.total += b - a
+            return [(a, b)]
         j = i - 1 if i > 0 and ends[i - 1] >= a else i
         new: list[tuple[int, int]] = []
         pos, lo, hi, k = a, a, b, j
