@@ -51,8 +51,15 @@ def run_traffic(cfg: config.ClusterConfig, count: int) -> dict[str, dict[str, in
     """Send the demo traffic; per host: datagrams received, replicated ones, CRC failures."""
     from checkmate.testbed.netsock import drain, udp_socket_in
 
-    rx = {h.name: udp_socket_in(cfg.netns(h.name), ("0.0.0.0", h.port), 8 << 20)
-          for h in cfg.hosts}
+    rx: dict = {}
+    try:
+        for h in cfg.hosts:
+            rx[h.name] = udp_socket_in(cfg.netns(h.name), ("0.0.0.0", h.port), 8 << 20)
+    except OSError as e:
+        for s in rx.values():
+            s.close()
+        raise CheckmateError(f"cannot bind UDP port {h.port} in {cfg.netns(h.name)} "
+                             f"({e.strerror}); is a trainer or shadow running there?") from None
     tx = {t.name: udp_socket_in(cfg.netns(t.name)) for t in cfg.trainers}
     stats = {h.name: {"received": 0, "replicate_flag": 0, "bad_crc": 0} for h in cfg.hosts}
     try:
