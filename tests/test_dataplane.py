@@ -306,6 +306,11 @@ def test_faults_on_the_shadow_port_hit_only_copies(net):
     sw.set_fault("tap-s0", drop=0.0)
     _burst(cfg, tx, rx["t1"], 10, replicate=True)
     assert len(received(rx["s0"])) == 10
+    sw.set_fault("tap-s0", corrupt=1.0)
+    got = _burst(cfg, tx, rx["t1"], 20, replicate=True)
+    assert len(got) == 20 and all(_crc_ok(d) for d in got)  # originals intact
+    copies = received(rx["s0"])
+    assert len(copies) == 20 and not any(_crc_ok(d) for d in copies)
 
 
 def test_entries_insert_overwrite_remove(net):
