@@ -40,15 +40,17 @@ def make_spec(kind="adamw", partitions=2, grad_dtype="float32"):
 class Cluster:
     """n shadows on loopback with ephemeral ports, seeded like trainers would seed them."""
 
-    def __init__(self, spec, epochs=None, **opts):
+    def __init__(self, spec, epochs=None, per_node=None, **opts):
         self.spec = spec
+        self.job = spec.job
         self.nodes = []
         try:
             for p in range(spec.partitions):
                 self.nodes.append(ShadowNode(NodeOptions(
-                    p, spec.partitions, JOB, bind="127.0.0.1", port=0,
+                    p, spec.partitions, spec.job, bind="127.0.0.1", port=0,
                     restore_bind="127.0.0.1", restore_port=0,
-                    epoch=(epochs or {}).get(p, 0), token=0, **opts)).start())
+                    epoch=(epochs or {}).get(p, 0), token=0,
+                    **opts, **(per_node or {}).get(p, {}))).start())
         except BaseException:
             self.close()
             raise
@@ -71,7 +73,7 @@ class Cluster:
         for p in parts if parts is not None else range(self.spec.partitions):
             a, b = self.spec.bounds(p)
             addr = ("127.0.0.1", self.nodes[p].udp_port)
-            for d in grad_datagrams(JOB, it, p, a, grad[a:b], chunk=50,
+            for d in grad_datagrams(self.job, it, p, a, grad[a:b], chunk=50,
                                     dtype=self.spec.grad_dtype, **kw):
                 h = wire.decode_header(d)
                 if drop is None or not drop(p, h):
@@ -79,7 +81,7 @@ class Cluster:
             if ctrl:
                 body = control_body(it, LRS, clip, skip,
                                     {"bn.mean": "AAAAAAAAAAAAAAAA"}, {"it": it})
-                for d in control_datagrams(JOB, it, body, frag=40,
+                for d in control_datagrams(self.job, it, body, frag=40,
                                            **{k: kw[k] for k in ("epoch", "token") if k in kw}):
                     self.tx.sendto(d, addr)
 
