@@ -46,9 +46,13 @@ from checkmate.train.transport import LossyLink, receive_buffer
 
 #: Largest float32 count in one datagram: fits a 9000-byte MTU with IPv4, UDP and ckm headers.
 MAX_CHUNK = wire.MAX_PAYLOAD_JUMBO // 4
-_F = wire.Flags
+# Plain ints: IntFlag arithmetic costs microseconds per datagram on the hot path.
+_REPLICATE, _ACK, _NACK = (int(f) for f in (wire.Flags.REPLICATE, wire.Flags.ACK,
+                                             wire.Flags.NACK))
 _PACK = wire.STRUCT.pack
 _UNPACK = wire.STRUCT.unpack_from
+_FLOAT32, _BYTES = int(wire.DType.FLOAT32), int(wire.DType.BYTES)
+_SIZES = {int(k): v for k, v in wire.DTYPE_SIZE.items()}
 _HLEN = wire.HEADER_LEN
 _NACK_MAX = 256  # gaps listed in one ACK datagram
 
@@ -277,7 +281,7 @@ class RingAllreduce:
     def _queue(self, op: _Op, i: int, replicate: bool) -> None:
         g, s, e, p = op.chunks[i]
         payload = op.buf[s:e].tobytes()
-        flags = _F.REPLICATE if replicate else 0
+        flags = _REPLICATE if replicate else 0
         self._ready.append((flags, op.iteration, op.bucket, op.base + s, e - s, p, payload,
                             wire.crc(payload)))
         if replicate:
@@ -310,7 +314,7 @@ class RingAllreduce:
             flags, it, bucket, off, cnt, part, payload, c = self._ready[0]
             seq = self._tx_next & 0xFFFFFFFF
             hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, 0, self.nonce, it, off,
-                        cnt, seq, bucket, part, wire.DType.FLOAT32, 0, 0, 0, 0, c)
+                        cnt, seq, bucket, part, _FLOAT32, 0, 0, 0, 0, c)
             dgram = hdr + payload
             if not self._transmit(dgram, self.right):
                 return
@@ -365,14 +369,14 @@ class RingAllreduce:
             self.stats["foreign"] += 1
             return
         payload = data[_HLEN:]
-        size = wire.DTYPE_SIZE.get(h[12])
+        size = _SIZES.get(h[12])
         if size is None or len(payload) != h[8] * size:
             self.stats["malformed"] += 1
             return
         if wire.crc(payload) != h[17]:
             self.stats["corrupt"] += 1
             return
-        if h[2] & _F.ACK:
+        if h[2] & _ACK:
             self._on_ack(h, payload)
             return
         self.stats["received"] += 1
@@ -407,7 +411,7 @@ class RingAllreduce:
         while self._tx_base < cum:
             self._unacked.pop(self._tx_base, None)
             self._tx_base += 1
-        if h[2] & _F.NACK and payload:
+        if h[2] & _NACK and payload:
             now = time.monotonic()
             for (s32,) in struct.iter_unpack("!I", payload[: len(payload) // 4 * 4]):
                 seq = self._tx_base + ((s32 - self._tx_base) & 0xFFFFFFFF)
@@ -434,9 +438,9 @@ class RingAllreduce:
                     if len(missing) >= _NACK_MAX:
                         break
         payload = struct.pack(f"!{len(missing)}I", *missing)
-        flags = _F.ACK | (_F.NACK if missing else 0)
+        flags = _ACK | (_NACK if missing else 0)
         hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, 0, self.nonce, 0, 0,
-                    len(payload), self._recv_next & 0xFFFFFFFF, 0, 0, wire.DType.BYTES,
+                    len(payload), self._recv_next & 0xFFFFFFFF, 0, 0, _BYTES,
                     0, 0, 0, 0, wire.crc(payload))
         if self._transmit(hdr + payload, self.left):
             self.stats["acks_sent"] += 1
