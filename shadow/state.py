@@ -47,11 +47,19 @@ class Version:
 
 
 _WARM: set[tuple[str, bool]] = set()
+#: Numba compiles (or loads from its cache) a kernel once per process; two threads doing it
+#: at the same time race inside Numba, so warm-ups are serialized.
+_WARM_LOCK = threading.Lock()
 
 
 def warm_up(spec: ModelSpec) -> None:
     """Compile the optimizer kernels now (serial and parallel variants) on scratch arrays, so
     the first real step does not stall the shadow while trainers run ahead."""
+    with _WARM_LOCK:
+        _warm_up(spec)
+
+
+def _warm_up(spec: ModelSpec) -> None:
     from checkmate.optim.ops import PARALLEL_MIN
 
     key = (spec.kind, any(g.amsgrad for g in spec.groups))

@@ -218,9 +218,11 @@ def test_gap_is_reported_in_status_and_never_stepped_over(cluster_factory):
     for it in (1, 2, 3):
         g = c.rng.standard_normal(c.spec.total).astype(np.float32)
         c.send(it, g, drop=drop if it == 1 else None)
+        c.step_ref(it, g)
     time.sleep(0.3)
     g = c.rng.standard_normal(c.spec.total).astype(np.float32)
     c.send(4, g)  # newer traffic keeps arriving past the timeout
+    c.step_ref(4, g)
     sts = c.wait(lambda sts: sts[0]["gap_count"] >= 1)
     gap = sts[0]["gaps"][0]
     assert gap["iteration"] == 1 and gap["missing"] == [[lost, lost + 50]]
@@ -230,6 +232,18 @@ def test_gap_is_reported_in_status_and_never_stepped_over(cluster_factory):
     assert sts[0]["retained"] == [0] and sts[1]["retained"] == [1, 2, 3, 4]
     with pytest.raises(ShadowError, match="no iteration is retained"):
         consistent_point(c.addrs)
+    # recovery: the trainers re-seed partition 0 with their state at iteration 4
+    a, b = c.spec.bounds(0)
+    with ShadowClient(c.addrs[0]) as cl:
+        for s in c.spec.slots:
+            cl.seed(4, s, a, c.refs[4][s][a:b], 4)
+    g = c.rng.standard_normal(c.spec.total).astype(np.float32)
+    c.send(5, g)
+    c.step_ref(5, g)
+    sts = c.wait(lambda sts: all(s["latest"] == 5 for s in sts))
+    assert sts[0]["retained"] == [4, 5] and sts[0]["gaps"][0]["iteration"] == 1
+    assert consistent_point(c.addrs) == 5
+    assert_equal_ref(c, 5)
 
 
 def test_consistent_point_across_shadows_and_retention(cluster_factory):
