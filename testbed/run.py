@@ -154,6 +154,7 @@ class RunResult:
     label: str
     finals: list[Path] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # rank 0's wall clock after each step
     killed_at: int | None = None
     max_done_before_kill: int | None = None
     restored_from: int | None = None
@@ -174,6 +175,7 @@ class Run:
         self.shadows: list[subprocess.Popen] = []
         self.trainers: list[subprocess.Popen] = []
         self.result = RunResult(label)
+        self.extra_job: dict[str, Any] = {}  # merged into the job file (benchmarks)
 
     # -- processes -----------------------------------------------------------------------
     def start_shadows(self) -> None:
@@ -230,6 +232,7 @@ class Run:
             "controller": ([cfg.switch.ip, cfgmod.CONTROLLER_PORT] if cl.mode == "switch"
                            else None),
         }
+        job.update(self.extra_job)
         path = self.dir / "job.json"
         path.write_text(json.dumps(job, indent=1))
         return path
@@ -307,6 +310,7 @@ class Run:
                 max_done = max(max_done, ev["iteration"])
                 if ev["rank"] == 0:
                     self.result.losses.append(ev["loss"])
+                    self.result.times.append(ev["t"])
                     self.progress(self.label, ev["iteration"], ev["loss"])
                     if kill_at is not None and ev["iteration"] >= kill_at:
                         self.kill_trainers()

@@ -97,6 +97,7 @@ class RingAllreduce:
         on_reduced: host replication hook, see the module docstring.
         link: a ``LossyLink`` test double applied to outgoing datagrams (loopback tests).
         rto: seconds without acknowledgement before resending.
+        tag: set REPLICATE on first all-gather hops (off: a plain allreduce, no copies).
         stall_timeout: seconds without progress before an operation fails.
     """
 
@@ -117,6 +118,7 @@ class RingAllreduce:
         rto: float = 0.05,
         stall_timeout: float = 60.0,
         window: int | None = None,
+        tag: bool = True,
     ) -> None:
         if not 0 <= rank < world:
             raise CheckmateError(f"rank {rank} outside 0..{world - 1}")
@@ -130,6 +132,7 @@ class RingAllreduce:
                         if a < b]
         self.chunk = chunk
         self.on_reduced = on_reduced
+        self.tag = tag
         self.link = link
         self.rto = rto
         self.nack_gap = min(rto / 2, 0.005)
@@ -281,7 +284,7 @@ class RingAllreduce:
     def _queue(self, op: _Op, i: int, replicate: bool) -> None:
         g, s, e, p = op.chunks[i]
         payload = op.buf[s:e].tobytes()
-        flags = _REPLICATE if replicate else 0
+        flags = _REPLICATE if replicate and self.tag else 0
         self._ready.append((flags, op.iteration, op.bucket, op.base + s, e - s, p, payload,
                             wire.crc(payload)))
         if replicate:

@@ -39,7 +39,9 @@ from checkmate.train.replicate import ShadowSender, ShadowTarget
 from checkmate.train.ring import MAX_CHUNK, RingAllreduce
 from checkmate.train.transport import LossyLink, open_socket
 
-MODES = ("switch", "host")
+#: switch: the switch copies REPLICATE datagrams; host: trainers send the copies; off: no
+#: Checkmate at all (same ring, no tags, no shadows) -- the no-checkpoint baseline.
+MODES = ("switch", "host", "off")
 
 
 @dataclass
@@ -78,7 +80,8 @@ class JobLayout:
         if len(self.trainers) != self.world:
             raise CheckmateError(f"{len(self.trainers)} trainer addresses for world "
                                  f"size {self.world}")
-        if len(self.shadows) != len(self.shadow_tcp) or not self.shadows:
+        if len(self.shadows) != len(self.shadow_tcp) or (not self.shadows
+                                                         and self.mode != "off"):
             raise CheckmateError("need one UDP and one TCP address per shadow partition")
 
 
@@ -125,7 +128,8 @@ class CheckmateSession:
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
         self.group = group
-        self.spec = ModelSpec.from_torch(layout.job_id, model, optimizer, len(layout.shadows))
+        self.spec = ModelSpec.from_torch(layout.job_id, model, optimizer,
+                                         max(1, len(layout.shadows)))
         self.iteration = 0
         self.last_clip: float | None = None
         self.control_bytes = 0
@@ -150,7 +154,11 @@ class CheckmateSession:
             self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
                                                name="ckm-sessions")
             self._refresher.start()
-        if resume:
+        if lay.mode == "off":
+            if resume:
+                raise CheckmateError("nothing to resume from without shadows (mode off)")
+            self.iteration = 0
+        elif resume:
             from checkmate.train.restore import restore_session
 
             self.iteration = restore_session(self)
@@ -169,7 +177,8 @@ class CheckmateSession:
         self.ring = RingAllreduce(
             lay.rank, lay.world, sock, lay.trainers[(lay.rank + 1) % lay.world],
             lay.trainers[(lay.rank - 1) % lay.world], lay.job_id, nonce[0], self.spec.total,
-            self.spec.partitions, chunk=lay.chunk, on_reduced=on_reduced, link=lay.link)
+            self.spec.partitions, chunk=lay.chunk, on_reduced=on_reduced, link=lay.link,
+            tag=lay.mode != "off")
         order = [p.name for p in self.spec.params]
         self.model = CheckmateDDP(self.module, self.ring, order, lay.bucket_elems)
         # Every ring socket must be bound before anyone sends.
@@ -214,7 +223,7 @@ class CheckmateSession:
             self.scheduler.step()
         self._sync_buffers()
         self.last_clip = coef
-        if self.layout.rank == 0:
+        if self.layout.rank == 0 and self.layout.mode != "off":
             body = {
                 "iteration": self.iteration, "lrs": lrs, "clip_coef": coef, "skip": False,
                 "buffers": self.spec.encode_buffers(dict(self.module.named_buffers())),

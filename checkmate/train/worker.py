@@ -24,6 +24,44 @@ from checkmate.train.replicate import ShadowTarget
 from checkmate.train.session import CheckmateSession, JobLayout
 
 
+class Baseline:
+    """The per-iteration checkpoint a benchmark compares Checkmate with.
+
+    ``checkmate`` and ``none`` save nothing here; ``dcp`` calls
+    torch.distributed.checkpoint.async_save every iteration (waiting for the previous save
+    first, as its docs require); ``torchsave`` has rank 0 torch.save model and optimizer.
+    """
+
+    KINDS = ("checkmate", "none", "dcp", "torchsave")
+
+    def __init__(self, kind: str, directory: str | None, rank: int) -> None:
+        if kind not in self.KINDS:
+            raise CheckmateError(f"ckpt must be one of {', '.join(self.KINDS)}, got {kind!r}")
+        if kind in ("dcp", "torchsave") and not directory:
+            raise CheckmateError(f"ckpt {kind} needs ckpt_dir")
+        self.kind, self.dir, self.rank = kind, Path(directory or "."), rank
+        self._pending = None
+
+    def save(self, it: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.kind == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            if self._pending is not None:
+                self._pending.result()
+            state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+            self._pending = dcp.async_save(state, checkpoint_id=str(self.dir / f"step-{it}"))
+        elif self.kind == "torchsave" and self.rank == 0:
+            tmp = self.dir / "latest.pt.tmp"
+            torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
+                        "iteration": it}, tmp)
+            tmp.replace(self.dir / "latest.pt")
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+
 def _emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
@@ -32,9 +70,9 @@ def layout_from_job(job: dict, rank: int, world: int) -> JobLayout:
     return JobLayout(
         job_id=int(job["job_id"]), rank=rank, world=world,
         trainers=[tuple(a) for a in job["trainers"]],
-        shadows=[ShadowTarget(**s) for s in job["shadows"]],
-        shadow_tcp=[tuple(a) for a in job["shadow_tcp"]],
-        mode=job["mode"],
+        shadows=[ShadowTarget(**s) for s in job.get("shadows", [])],
+        shadow_tcp=[tuple(a) for a in job.get("shadow_tcp", [])],
+        mode=job["mode"] if job.get("ckpt", "checkmate") == "checkmate" else "off",
         controller=tuple(job["controller"]) if job.get("controller") else None,
         seed=int(job.get("seed", 0)),
     )
@@ -63,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     from checkmate.testbed.models import build
 
     steps = int(job["steps"])
-    w = build(job["model"], int(job.get("seed", 0)), steps)
+    w = build(job["model"], int(job.get("seed", 0)), steps, **job.get("model_kw", {}))
+    ckpt = Baseline(job.get("ckpt", "checkmate"), job.get("ckpt_dir"), rank)
     sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout_from_job(job, rank, world),
                             w.max_grad_norm)
     t0 = time.perf_counter()
@@ -77,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         loss = w.loss(sess.model(x), y)
         loss.backward()
         sess.step(extra={"data": {"iteration": it}})
+        ckpt.save(it, w.model, w.optimizer)
         _emit(event="iter", rank=rank, iteration=it, loss=round(float(loss.detach()), 5),
               t=time.time())
-    if rank == 0:
+    ckpt.finish()
+    if rank == 0 and sess.layout.mode != "off":
         sess.wait_shadows(steps)
     out = Path(job["out"])
     torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
