@@ -42,6 +42,11 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 
 #: elements per parallel work item (a multiple of every vector width; 64 KiB of float32).
 CHUNK = 16384
+#: work items a thread takes at a time; checkmate.optim.ops sets it around each parallel
+#: launch (a `with` block inside a cached kernel cannot be cached). Dynamic instead of
+#: Numba's static split: with other processes on the cores, a static half waits for the
+#: slower thread (measured: 1229 vs 1559 M params/s, p25 of 25 AdamW steps on 20M).
+SCHEDULE = 8
 
 
 @intrinsic

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import numba
 import numpy as np
 
 from checkmate.errors import CheckmateError
@@ -94,7 +95,7 @@ def adam_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray,
     s = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                      decoupled=decoupled, step=step, gscale=gscale_of(clip_coef, maximize))
     if n >= PARALLEL_MIN:
-        with _PARALLEL:
+        with _PARALLEL, numba.parallel_chunksize(kernels.SCHEDULE):
             kernels._adam_parallel(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s,
                                    bool(amsgrad))
     else:
@@ -123,7 +124,7 @@ def sgd_step(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | 
                   1.0 if weight_decay != 0 else 0.0, momentum, 1 - dampening, -lr],
                  dtype=np.float32)
     if n >= PARALLEL_MIN:
-        with _PARALLEL:
+        with _PARALLEL, numba.parallel_chunksize(kernels.SCHEDULE):
             kernels._sgd_parallel(param, grad, momentum_buffer, s, mode)
     else:
         kernels._sgd_serial(param, grad, momentum_buffer, s, mode)
