@@ -193,3 +193,41 @@ def test_flat_optimizer_checks_ranges_and_step_inputs() -> None:
         f.step(np.zeros(5, np.float32), [0.1, 0.1])
     f.step(np.ones(6, np.float32), [0.1, 0.1])
     assert np.array_equal(f.momentum_buffer, [1, 1, 1, 0, 0, 0])
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_kernels_release_the_gil(parallel: bool) -> None:
+    """The shadow steps in one thread while its receive thread keeps running Python: the
+    main thread must make progress in the middle of one long kernel call. (With the GIL
+    held it cannot: any progress would have to fall before or after the call.)"""
+    import threading
+    import time
+
+    from checkmate.optim import kernels
+
+    n = 8_000_000
+    p, g, m, v = (np.zeros(n, np.float32) for _ in range(4))
+    s = ops.adam_scalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                         decoupled=True, step=1, gscale=np.float32(1.0))
+    kernel = kernels._adam_parallel if parallel else kernels._adam_serial
+    empty = np.zeros(0, np.float32)
+    kernel(p, g, m, v, empty, s, False)  # compile / load outside the measurement
+    for _ in range(5):
+        span: list[float] = []
+
+        def stepper(span: list[float] = span) -> None:
+            span.append(time.perf_counter())
+            kernel(p, g, m, v, empty, s, False)
+            span.append(time.perf_counter())
+
+        t = threading.Thread(target=stepper)
+        stamps = []
+        t.start()
+        while t.is_alive():
+            stamps.append(time.perf_counter())
+        t.join()
+        t0, t1 = span
+        lo, hi = t0 + 0.3 * (t1 - t0), t1 - 0.3 * (t1 - t0)
+        if any(lo < x < hi for x in stamps):
+            return
+    pytest.fail("the main thread never ran while a kernel was running")

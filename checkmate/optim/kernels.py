@@ -161,7 +161,7 @@ def _adam_chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lo, hi, s, ams
         _adam_range(p, g, m, v, max_exp_avg_sq, s, False)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def _adam_parallel(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad):
     n = param.shape[0]
     nchunks = (n + CHUNK - 1) // CHUNK
@@ -225,7 +225,7 @@ def _sgd_chunk(param, grad, buf, lo, hi, s, mode):
         _sgd_range(p, g, buf[lo:hi], s, 6)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def _sgd_parallel(param, grad, buf, s, mode):
     n = param.shape[0]
     nchunks = (n + CHUNK - 1) // CHUNK
