@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -187,3 +188,24 @@ def test_two_partitions_load_into_torch_model_and_adamw_in_fresh_process(tmp_pat
     assert "RESULT 4 True 5" in r.stdout, r.stdout + r.stderr
     meta = json.loads((tmp_path / "part1" / "iter-000000000004" / "ckm.json").read_text())
     assert meta["extra"] == {"data_pos": 128} and meta["step"] == 4
+
+
+def test_time_based_persistence(tmp_path):
+    c = Cluster(make_spec(partitions=1), dir=str(tmp_path), persist_seconds=0.5)
+    try:
+        c.seed(1)
+        c.wait(lambda sts: sts[0]["seeded"])
+        t0 = time.monotonic()
+        for it in (1, 2, 3, 4):
+            c.send(it, c.rng.standard_normal(c.spec.total).astype(np.float32))
+        c.wait(lambda sts: sts[0]["latest"] == 4)
+        fast = time.monotonic() - t0 < 0.5  # all four within one period (usual case)
+        time.sleep(0.6)
+        c.send(5, c.rng.standard_normal(c.spec.total).astype(np.float32))
+        sts = c.wait(lambda sts: sts[0]["persist"]["last_iteration"] == 5)
+        its = persist.list_iterations(tmp_path / "part0")
+        assert its[-1] == 5
+        if fast:  # at most one of iterations 0..4 was due, then 5 after the pause
+            assert sts[0]["persist"]["written"] <= 2 and len(its) <= 2
+    finally:
+        c.close()
