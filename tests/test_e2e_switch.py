@@ -44,11 +44,11 @@ RANK_PROGRAM = textwrap.dedent("""
     from checkmate.train.ring import RingAllreduce
     from checkmate.train.transport import open_socket
     rank, world, n, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    ips = sys.argv[5:]
+    ips = sys.argv[6:]
     s = open_socket(ips[rank], 47000)
     ring = RingAllreduce(rank, world, s, (ips[(rank + 1) % world], 47000),
                          (ips[(rank - 1) % world], 47000), 7, 4242, n, 2, rto=0.03,
-                         stall_timeout=60)
+                         stall_timeout=60, chunk=int(sys.argv[5]))
     res = []
     for it in range(1, 4):
         g = torch.Generator().manual_seed(1000 * it + rank)
@@ -77,7 +77,11 @@ def _ring_order_sum(xs, world):
     return out
 
 
-def test_ring_exact_through_switch_with_drop_and_corrupt(cfg_path, tmp_path):
+@pytest.mark.parametrize("chunk", [2229, 16_000])
+def test_ring_exact_through_switch_with_drop_and_corrupt(cfg_path, tmp_path, chunk):
+    """chunk 2229: every ring datagram is one frame the fault knobs see; 16000: plain hops
+    are IP-fragmented (the switch forwards fragments as plain traffic) and only the
+    REPLICATE pieces and ACKs meet the knobs."""
     from checkmate.testbed.topology import Testbed
 
     cfg = cfgmod.load(cfg_path)
@@ -88,7 +92,7 @@ def test_ring_exact_through_switch_with_drop_and_corrupt(cfg_path, tmp_path):
             tb.switch.set_fault(cfg.switch_ifname(h.name), drop=0.03, corrupt=0.03)
         procs = [tb.popen_in(h.name, [sys.executable, "-c", RANK_PROGRAM, str(h.rank),
                                       str(world), str(n), str(tmp_path / f"r{h.rank}.pt"),
-                                      *ips], stderr=subprocess.PIPE)
+                                      str(chunk), *ips], stderr=subprocess.PIPE)
                  for h in cfg.trainers]
         errs = []
         for p in procs:

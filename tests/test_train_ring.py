@@ -16,7 +16,7 @@ import torch
 
 from checkmate import wire
 from checkmate.partition import partition_bounds
-from checkmate.train.ring import RingAllreduce
+from checkmate.train.ring import MAX_CHUNK, RingAllreduce
 from checkmate.train.transport import LossyLink, open_socket
 
 _net = itertools.count(1)
@@ -61,10 +61,10 @@ def ring_order_sum(xs: list[torch.Tensor], world: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_exact_sum_identical_on_every_rank(world):
-    n = 10_007
-    rings = make_ring(world, n)
+@pytest.mark.parametrize("world,chunk", [(2, 512), (3, 512), (4, 512), (3, 16_000)])
+def test_exact_sum_identical_on_every_rank(world, chunk):
+    n = 100_007
+    rings = make_ring(world, n, chunk=chunk)
     try:
         g = torch.Generator().manual_seed(world)
         xs = [torch.randn(n, generator=g) for _ in range(world)]
@@ -77,9 +77,10 @@ def test_exact_sum_identical_on_every_rank(world):
         close_all(rings)
 
 
-def test_exact_sum_under_loss_and_corruption():
-    world, n = 4, 20_011
-    rings = make_ring(world, n, link=0.05, corrupt=0.05)
+@pytest.mark.parametrize("chunk", [512, 6_000])
+def test_exact_sum_under_loss_and_corruption(chunk):
+    world, n = 4, 40_011
+    rings = make_ring(world, n, link=0.05, corrupt=0.05, chunk=chunk)
     try:
         g = torch.Generator().manual_seed(5)
         for it in range(1, 4):
@@ -95,9 +96,10 @@ def test_exact_sum_under_loss_and_corruption():
         close_all(rings)
 
 
-def test_each_element_reduced_exactly_once_split_at_partitions():
-    world, total, parts = 4, 30_001, 3
-    base, n = 1_234, 25_000  # a bucket in the middle of the flat space
+@pytest.mark.parametrize("chunk", [512, 16_000])
+def test_each_element_reduced_exactly_once_split_at_partitions(chunk):
+    world, total, parts = 4, 60_001, 3
+    base, n = 1_234, 55_000  # a bucket in the middle of the flat space
     seen = []
     lock = threading.Lock()
 
@@ -105,7 +107,7 @@ def test_each_element_reduced_exactly_once_split_at_partitions():
         with lock:
             seen.append((rank, iteration, bucket, offset, partition, payload))
 
-    rings = make_ring(world, total, partitions=parts, on_reduced=on_reduced)
+    rings = make_ring(world, total, partitions=parts, on_reduced=on_reduced, chunk=chunk)
     try:
         xs = [torch.full((n,), float(r + 1)) for r in range(world)]
         res = run_allreduce(rings, [x.clone() for x in xs], base=base, iteration=3, bucket=2)
@@ -114,6 +116,7 @@ def test_each_element_reduced_exactly_once_split_at_partitions():
         for _, it, b, off, p, payload in seen:
             assert (it, b) == (3, 2)
             cnt = len(payload) // 4
+            assert cnt <= MAX_CHUNK, "a copy larger than one jumbo frame"
             lo, hi = bounds[p]
             assert lo <= off and off + cnt <= hi, "a copy crosses its partition boundary"
             cover[off:off + cnt] += 1
@@ -130,10 +133,12 @@ def test_each_element_reduced_exactly_once_split_at_partitions():
         close_all(rings)
 
 
-def test_replicate_flag_on_first_all_gather_hop_only():
-    """Sniff every datagram of a 3-rank ring: each element is sent with REPLICATE once."""
-    world, n = 3, 3_001
-    rings = make_ring(world, n, partitions=2)
+@pytest.mark.parametrize("chunk", [700, 16_000])
+def test_replicate_flag_on_first_all_gather_hop_only(chunk):
+    """Sniff every datagram of a 3-rank ring: each element is sent with REPLICATE once,
+    in datagrams that fit one jumbo frame."""
+    world, n = 3, 30_001
+    rings = make_ring(world, n, partitions=2, chunk=chunk)
     tagged = np.zeros(n, np.int32)
     orig = [r._transmit for r in rings]
 
@@ -141,6 +146,7 @@ def test_replicate_flag_on_first_all_gather_hop_only():
         def transmit(dgram, addr):
             h = wire.decode_header(dgram)
             if h.flags & wire.Flags.REPLICATE:
+                assert len(dgram) <= wire.HEADER_LEN + wire.MAX_PAYLOAD_JUMBO
                 tagged[h.offset:h.offset + h.count] += 1
             return orig[i](dgram, addr)
         return transmit

@@ -25,6 +25,7 @@ exactly the gradient every rank uses and the shadows receive.
 
 from __future__ import annotations
 
+import bisect
 import os
 import queue
 import select
@@ -44,8 +45,13 @@ from checkmate.errors import CheckmateError
 from checkmate.partition import partition_bounds
 from checkmate.train.transport import LossyLink, receive_buffer
 
-#: Largest float32 count in one datagram: fits a 9000-byte MTU with IPv4, UDP and ckm headers.
+#: Largest float32 count in one REPLICATE datagram: one 9000-byte frame with IPv4, UDP and ckm
+#: headers, so the switch sees (and copies) each replicated datagram whole.
 MAX_CHUNK = wire.MAX_PAYLOAD_JUMBO // 4
+#: Largest float32 count in a plain ring datagram (64 KB UDP). Larger than the MTU, so the
+#: sending kernel fragments it and the switch forwards the fragments as plain traffic: seven
+#: times fewer datagrams for Python to handle on the hops nobody copies.
+BIG_CHUNK = 16_000
 # Plain ints: IntFlag arithmetic costs microseconds per datagram on the hot path.
 _REPLICATE, _ACK, _NACK = (int(f) for f in (wire.Flags.REPLICATE, wire.Flags.ACK,
                                              wire.Flags.NACK))
@@ -76,7 +82,9 @@ class _Op:
     future: torch.futures.Future
     chunks: list[tuple[int, int, int, int]]  # (segment, start, end, partition), bucket-local
     at: dict[int, int]  # flat offset -> chunk index
+    starts: list[int]  # flat offset of each chunk, ascending
     received: np.ndarray  # arrivals per chunk
+    pending: np.ndarray  # elements still missing of chunks that arrive in pieces
     left: int  # arrivals still expected before the result is final
     last_progress: float = field(default_factory=time.monotonic)
 
@@ -93,7 +101,8 @@ class RingAllreduce:
             dropped (every rank must use the same value).
         total, partitions: the flat parameter space and its partition count (chunks never
             straddle a partition boundary, so each REPLICATE datagram has one owner).
-        chunk: elements per datagram (at most ``MAX_CHUNK``).
+        chunk: elements per plain ring datagram (at most ``BIG_CHUNK``); the first
+            all-gather hop of a chunk goes in REPLICATE pieces of ``MAX_CHUNK`` elements.
         on_reduced: host replication hook, see the module docstring.
         link: a ``LossyLink`` test double applied to outgoing datagrams (loopback tests).
         rto: seconds without acknowledgement before resending.
@@ -112,7 +121,7 @@ class RingAllreduce:
         nonce: int,
         total: int,
         partitions: int,
-        chunk: int = MAX_CHUNK,
+        chunk: int = BIG_CHUNK,
         on_reduced: ReducedCallback | None = None,
         link: LossyLink | None = None,
         rto: float = 0.05,
@@ -122,8 +131,8 @@ class RingAllreduce:
     ) -> None:
         if not 0 <= rank < world:
             raise CheckmateError(f"rank {rank} outside 0..{world - 1}")
-        if not 1 <= chunk <= MAX_CHUNK:
-            raise CheckmateError(f"chunk must be 1..{MAX_CHUNK} elements, got {chunk}")
+        if not 1 <= chunk <= BIG_CHUNK:
+            raise CheckmateError(f"chunk must be 1..{BIG_CHUNK} elements, got {chunk}")
         self.rank, self.world = rank, world
         self.sock, self.right, self.left = sock, right, left
         self.job_id, self.nonce = job_id, nonce & 0xFFFFFFFF
@@ -131,6 +140,7 @@ class RingAllreduce:
         self._bounds = [(p, a, b) for p, (a, b) in enumerate(partition_bounds(total, partitions))
                         if a < b]
         self.chunk = chunk
+        self.piece = min(chunk, MAX_CHUNK)
         self.on_reduced = on_reduced
         self.tag = tag
         self.link = link
@@ -138,7 +148,7 @@ class RingAllreduce:
         self.nack_gap = min(rto / 2, 0.005)
         self.stall_timeout = stall_timeout
         if window is None:
-            per = (chunk * 4 + _HLEN + 1024) * 2
+            per = (chunk * 4 + _HLEN + 1024) * 8
             window = max(16, min(512, receive_buffer(sock) // per))
         self.window = window
         self.stats = dict(sent=0, resent=0, received=0, duplicate=0, corrupt=0, foreign=0,
@@ -265,7 +275,8 @@ class RingAllreduce:
             # Each chunk has one final arrival: its all-gather hop, or, for the segment this
             # rank completes, its last reduce-scatter hop.
             op = _Op(iteration, bucket, base, tensor, tensor.numpy(), fut, chunks, at,
-                     np.zeros(len(chunks), np.int8), len(chunks))
+                     [base + c[1] for c in chunks], np.zeros(len(chunks), np.int8),
+                     np.array([c[2] - c[1] for c in chunks], np.int64), len(chunks))
             key = (iteration, bucket)
             if key in self._ops:
                 fut.set_exception(RingError(f"bucket {bucket} of iteration {iteration} "
@@ -283,12 +294,19 @@ class RingAllreduce:
 
     def _queue(self, op: _Op, i: int, replicate: bool) -> None:
         g, s, e, p = op.chunks[i]
-        payload = op.buf[s:e].tobytes()
-        flags = _REPLICATE if replicate and self.tag else 0
-        self._ready.append((flags, op.iteration, op.bucket, op.base + s, e - s, p, payload,
-                            wire.crc(payload)))
         if replicate:
-            self._reduced(op, op.base + s, p, payload)
+            # The first all-gather hop: frame-sized REPLICATE pieces the switch can copy.
+            flags = _REPLICATE if self.tag else 0
+            for a in range(s, e, self.piece):
+                b = min(e, a + self.piece)
+                payload = op.buf[a:b].tobytes()
+                self._ready.append((flags, op.iteration, op.bucket, op.base + a, b - a, p,
+                                    payload, wire.crc(payload)))
+                self._reduced(op, op.base + a, p, payload)
+            return
+        payload = op.buf[s:e].tobytes()
+        self._ready.append((0, op.iteration, op.bucket, op.base + s, e - s, p, payload,
+                            wire.crc(payload)))
 
     def _reduced(self, op: _Op, offset: int, part: int, payload: bytes) -> None:
         if self.on_reduced is not None:
@@ -459,20 +477,37 @@ class RingAllreduce:
                 return  # our own backward has not produced this bucket yet
             del self._held[self._proc_next]
             self._proc_next += 1
-            i = op.at.get(h[7])
-            if i is None or op.chunks[i][2] - op.chunks[i][1] != h[8]:
-                raise RingError(f"datagram for unknown chunk at offset {h[7]} of bucket "
+            off, cnt = h[7], h[8]
+            i = op.at.get(off)
+            if i is None:  # a REPLICATE piece inside a chunk
+                i = bisect.bisect_right(op.starts, off) - 1
+            g, s, e, _ = op.chunks[i] if i >= 0 else (-1, 0, 0, 0)
+            lo = off - op.base
+            whole = lo == s and lo + cnt == e
+            if i < 0 or lo + cnt > e or not (whole or g == r):
+                raise RingError(f"datagram for unknown chunk at offset {off} of bucket "
                                 f"{h[10]}: ranks disagree on the bucket layout")
-            g, s, e, _ = op.chunks[i]
             vals = np.frombuffer(payload, dtype="<f4")
+            op.last_progress = time.monotonic()
+            if g == r:  # first all-gather hop, possibly in pieces: take the result
+                op.buf[lo:lo + cnt] = vals
+                op.pending[i] -= cnt
+                if op.pending[i] > 0:
+                    continue
+                if w > 2:
+                    self._queue(op, i, replicate=False)
+                op.left -= 1
+                if op.left == 0:
+                    del self._ops[(op.iteration, op.bucket)]
+                    op.future.set_result(op.tensor)
+                continue
             k = op.received[i]
             op.received[i] = k + 1
-            op.last_progress = time.monotonic()
             owner_seg = (r + 1) % w
             if g == owner_seg:  # last reduce-scatter hop: this chunk is now fully reduced
                 op.buf[s:e] += vals
                 self._queue(op, i, replicate=True)
-            elif g != r and k == 0:  # reduce-scatter hop: add and pass on
+            elif k == 0:  # reduce-scatter hop: add and pass on
                 op.buf[s:e] += vals
                 self._queue(op, i, replicate=False)
                 continue

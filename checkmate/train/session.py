@@ -36,7 +36,7 @@ from checkmate.errors import CheckmateError
 from checkmate.spec import ModelSpec
 from checkmate.train.ddp import BUCKET_ELEMS, CheckmateDDP
 from checkmate.train.replicate import ShadowSender, ShadowTarget
-from checkmate.train.ring import MAX_CHUNK, RingAllreduce
+from checkmate.train.ring import BIG_CHUNK, RingAllreduce
 from checkmate.train.transport import LossyLink, open_socket
 
 #: switch: the switch copies REPLICATE datagrams; host: trainers send the copies; off: no
@@ -69,7 +69,7 @@ class JobLayout:
     shadow_tcp: list[tuple[str, int]]
     mode: str = "switch"
     controller: tuple[str, int] | None = None
-    chunk: int = MAX_CHUNK
+    chunk: int = BIG_CHUNK
     bucket_elems: int = BUCKET_ELEMS
     seed: int = 0
     link: LossyLink | None = field(default=None, repr=False)
