@@ -1,18 +1,26 @@
 """`testbed bench dataplane`: what replication costs the kernel switch's forwarding.
 
 One run builds its own testbed (prefix "tabn"), installs one replication entry (t0 -> t1,
-partition 0 -> shadow s0) and alternates rounds of plain ckm and REPLICATE ckm traffic
-from t0 to t1 (order ABBA...), same datagram size, same duration. Per mode it reports:
+partition 0 -> shadow s0) and sends one ckm datagram size from t0 to t1 in rounds of equal
+duration, three modes per block with plain in the middle (K P S, then S P K, ...):
 
-- sender rate (datagrams and MB/s out of t0's socket; on veth the forwarding path and the
-  socket delivery run in the sender's softirq context, so this is the switch's capacity),
-- goodput at the destination (what t1's socket received, and the loss),
-- copies that reached the shadow with the entry's epoch/token (replicated rounds).
+- plain: no REPLICATE flag, no copies;
+- replicated, shadow sink (K): REPLICATE; the copies go to s0's interface, where a tc
+  ingress program (dataplane/bpf/ckm_sink.c) counts them, checks their addressing and
+  epoch/token, and drops them before the IP stack. This stands in for a shadow on its own
+  machine: the CPUs here pay the switch's clone and one veth hop per copy, not the shadow
+  host's receive. It is the headline;
+- replicated, shadow socket (S): REPLICATE; the sink only counts and passes, and the copies
+  are received by a UDP socket in s0's namespace (a real receiving process). On this testbed
+  that second receive runs on the same CPUs as the sender and the switch (end to end).
 
-Headline: destination goodput with replication / without it, the median over rounds of the
-ratio between back-to-back rounds (robust to bursts of outside load on a shared machine).
-Sender and receivers are separate processes (fork), each with its socket inside its host's
-namespace.
+Per mode it reports the sender rate (on veth the forwarding and socket delivery run in the
+sender's softirq context), the goodput at t1 (and its loss), the copies counted at the sink
+and the copies read from the shadow socket. Headline: t1's goodput in a sink round over its
+goodput in the adjacent plain round, median over blocks (robust to bursts of outside load on
+a shared machine). The run fails unless the sink counted a correct copy for >= 99% of the
+datagrams sent in sink rounds. Sender and receivers are separate processes (fork), each
+with its socket inside its host's namespace.
 """
 
 from __future__ import annotations
@@ -93,11 +101,34 @@ def _sender(netns: str, dst: tuple[str, int], datagrams: dict[str, bytes],
     sock.close()
 
 
+MODES = {
+    "plain": "plain",
+    "sink": "replicated, shadow sink",
+    "socket": "replicated, shadow socket",
+}
+REPLICATED = ("sink", "socket")
+MIN_COPY_FRACTION = 0.99
+
+
 def _snapshot(counts) -> tuple[int, int, int]:
     return counts[0], counts[1], counts[2]
 
 
-def run(rounds: int, seconds: float, payload: int) -> dict[str, dict[str, float]]:
+def block_order(r: int) -> list[str]:
+    """Modes of block ``r``: plain in the middle, so both replicated modes run next to a
+    plain round; the replicated modes swap sides every block."""
+    return ["sink", "plain", "socket"] if r % 2 == 0 else ["socket", "plain", "sink"]
+
+
+def _entry_packets(switch) -> int:
+    from checkmate.dataplane import maps
+
+    with switch._map("ckm_repl") as m:
+        return sum(maps.REPL_VAL.unpack(v)[6] for _, v in m.items())
+
+
+def run(rounds: int, seconds: float, payload: int) -> dict[str, dict]:
+    from checkmate.dataplane.sink import ShadowSink
     from checkmate.dataplane.switch import ReplicationEntry
     from checkmate.testbed.topology import Testbed
 
@@ -106,17 +137,19 @@ def run(rounds: int, seconds: float, payload: int) -> dict[str, dict[str, float]
     n = payload // 4
     body = struct.pack(f"<{n}f", *range(n))
     base = wire.Header(job_id=cfg.job_id, epoch=1, token=2, iteration=1, count=n, partition=0)
-    datagrams = {
-        "plain": wire.encode(base, body),
-        "replicated": wire.encode(base.with_(flags=wire.Flags.REPLICATE), body),
-    }
+    plain = wire.encode(base, body)
+    repl = wire.encode(base.with_(flags=wire.Flags.REPLICATE), body)
+    datagrams = {"plain": plain, "sink": repl, "socket": repl}
     ctx = mp.get_context("fork")
     totals: dict = {m: {"sent": 0, "send_s": 0.0, "dest": 0, "dest_bytes": 0, "copies": 0,
-                        "copies_ok": 0, "rounds": []} for m in datagrams}
+                        "copies_ok": 0, "sink": 0, "sink_ok": 0, "sink_dropped": 0,
+                        "switch_copies": 0, "rounds": []} for m in MODES}
+    sink = ShadowSink(cfg, "s0")
     with Testbed(cfg) as tb:
         tb.switch.add_replication(ReplicationEntry(
             cfg.job_id, t0.ip, t1.ip, 0, cfg.switch_ifname("s0"), s0.mac, s0.ip, s0.port,
             EPOCH, TOKEN))
+        sink.attach(EPOCH, TOKEN, drop=False)
         stop = ctx.Event()
         c_dst = ctx.RawArray("Q", 3)
         c_sh = ctx.RawArray("Q", 3)
@@ -131,22 +164,28 @@ def run(rounds: int, seconds: float, payload: int) -> dict[str, dict[str, float]
             p.start()
         try:
             time.sleep(0.5)  # receivers bound
-            order = ["plain", "replicated"]
             for r in range(rounds):
-                for mode in (order if r % 2 == 0 else order[::-1]):
-                    d0, s0c = _snapshot(c_dst), _snapshot(c_sh)
+                for mode in block_order(r):
+                    sink.set_drop(mode == "sink")
+                    d0, sh0, k0 = _snapshot(c_dst), _snapshot(c_sh), sink.counts()
+                    e0 = _entry_packets(tb.switch)
                     parent.send(("send", mode, seconds))
                     sent, took = parent.recv()
                     time.sleep(0.3)  # let the receivers drain their queues
-                    d1, s1c = _snapshot(c_dst), _snapshot(c_sh)
+                    d1, sh1, k1 = _snapshot(c_dst), _snapshot(c_sh), sink.counts()
+                    dk = k1 - k0
                     t = totals[mode]
                     t["rounds"].append((d1[1] - d0[1]) / took)
                     t["sent"] += sent
                     t["send_s"] += took
                     t["dest"] += d1[0] - d0[0]
                     t["dest_bytes"] += d1[1] - d0[1]
-                    t["copies"] += s1c[0] - s0c[0]
-                    t["copies_ok"] += s1c[2] - s0c[2]
+                    t["copies"] += sh1[0] - sh0[0]
+                    t["copies_ok"] += sh1[2] - sh0[2]
+                    t["sink"] += dk.packets
+                    t["sink_ok"] += dk.ok
+                    t["sink_dropped"] += dk.dropped
+                    t["switch_copies"] += _entry_packets(tb.switch) - e0
             parent.send(("stop",))
         finally:
             stop.set()
@@ -155,42 +194,70 @@ def run(rounds: int, seconds: float, payload: int) -> dict[str, dict[str, float]
                 if p.is_alive():
                     p.kill()
                     p.join()
-        counters = tb.switch.counters()
-    for t in totals.values():
-        t["entry_packets"] = counters["entries"][0]["packets"] if counters["entries"] else 0
+            sink.detach()
+    if sink.pin_dir.exists() or sink.is_attached():
+        raise CheckmateError(f"shadow sink left behind ({sink.pin_dir})")
     return totals
 
 
-def pair_ratios(totals: dict) -> list[float]:
-    """Replicated / plain destination goodput of each round (both modes ran back to back,
+def pair_ratios(totals: dict, mode: str = "sink") -> list[float]:
+    """``mode`` / plain destination goodput of each block (the two rounds ran back to back,
     so a burst of outside load hits both sides of a pair alike)."""
-    return [r / p for r, p in zip(totals["replicated"]["rounds"], totals["plain"]["rounds"],
+    return [r / p for r, p in zip(totals[mode]["rounds"], totals["plain"]["rounds"],
                                   strict=True) if p > 0]
+
+
+def copy_fraction(totals: dict, mode: str = "sink") -> float:
+    """Correct copies counted at the sink per datagram sent in ``mode``'s rounds."""
+    t = totals[mode]
+    return t["sink_ok"] / t["sent"] if t["sent"] else 0.0
+
+
+def _ratios_line(ratios: list[float], totals: dict, mode: str) -> str:
+    rep, plain = totals[mode], totals["plain"]
+    overall = (rep["dest_bytes"] / rep["send_s"]) / (plain["dest_bytes"] / plain["send_s"])
+    return (f"min {ratios[0]:.3f}  median {statistics.median(ratios):.3f}  max "
+            f"{ratios[-1]:.3f}; ratio of totals {overall:.3f}")
 
 
 def _report(totals: dict, payload: int, dsize: int) -> float:
     print(f"dataplane bench: t0 -> t1 through the tc-eBPF switch, {dsize}-byte ckm datagrams "
-          f"({payload} payload bytes)")
-    hdr = (f"{'mode':<11} {'sent/s':>9} {'sent MB/s':>10} {'dest recv/s':>12} "
-           f"{'dest MB/s':>10} {'dest loss':>10} {'copies':>9} {'copies ok':>10}")
-    print(hdr)
-    for mode, t in totals.items():
+          f"({payload} payload bytes), {len(totals['plain']['rounds'])} blocks")
+    print(f"{'mode':<26} {'sent/s':>8} {'sent MB/s':>9} {'dest recv/s':>11} {'dest MB/s':>9} "
+          f"{'dest loss':>9} {'switch copies':>13} {'sink ok':>8} {'sink drop':>9} "
+          f"{'socket ok':>9}")
+    for mode, label in MODES.items():
+        t = totals[mode]
         secs = t["send_s"]
         loss = 1 - t["dest"] / t["sent"] if t["sent"] else 0.0
-        print(f"{mode:<11} {t['sent'] / secs:>9.0f} {t['sent'] * dsize / secs / 1e6:>10.1f} "
-              f"{t['dest'] / secs:>12.0f} {t['dest_bytes'] / secs / 1e6:>10.1f} "
-              f"{loss:>10.2%} {t['copies']:>9} {t['copies_ok']:>10}")
-    rep, plain = totals["replicated"], totals["plain"]
-    copy_frac = rep["copies_ok"] / rep["sent"] if rep["sent"] else 0.0
-    print(f"copies with the entry's epoch/token at the shadow: {copy_frac:.2%} of replicated "
-          f"datagrams sent; plain rounds produced {plain['copies']} copies")
+        print(f"{label:<26} {t['sent'] / secs:>8.0f} {t['sent'] * dsize / secs / 1e6:>9.1f} "
+              f"{t['dest'] / secs:>11.0f} {t['dest_bytes'] / secs / 1e6:>9.1f} {loss:>9.2%} "
+              f"{t['switch_copies']:>13} {t['sink_ok']:>8} {t['sink_dropped']:>9} "
+              f"{t['copies_ok']:>9}")
+    sink, sock = totals["sink"], totals["socket"]
+    frac = copy_fraction(totals, "sink")
+    bad = sink["sink"] - sink["sink_ok"] + sock["sink"] - sock["sink_ok"]
+    print(f"copies: sink rounds {frac:.2%} of replicated datagrams sent counted correct at the "
+          f"sink (all dropped there: {sink['sink_dropped'] == sink['sink']}); socket rounds "
+          f"{copy_fraction(totals, 'socket'):.2%} counted at the sink, "
+          f"{sock['copies_ok'] / sock['sent'] if sock['sent'] else 0:.2%} read by the shadow's "
+          f"socket; wrong copies {bad}; plain rounds made {totals['plain']['switch_copies']}")
     print(f"note: {os.cpu_count()} CPUs shared by the sender, the switch (softirq in the "
-          "sender's context), the destination and the shadow receiver")
-    overall = (rep["dest_bytes"] / rep["send_s"]) / (plain["dest_bytes"] / plain["send_s"])
-    ratios = sorted(pair_ratios(totals))
+          "sender's context), the destination and the shadow")
+    e2e = sorted(pair_ratios(totals, "socket"))
+    print(f"end to end, copies read by a UDP socket on the shadow host (same CPUs), per block: "
+          f"{_ratios_line(e2e, totals, 'socket')}")
+    ratios = sorted(pair_ratios(totals, "sink"))
+    print(f"switch only, copies counted and dropped by the shadow sink, per block: "
+          f"{_ratios_line(ratios, totals, 'sink')}")
+    if frac < MIN_COPY_FRACTION or bad or totals["plain"]["switch_copies"]:
+        raise CheckmateError(
+            f"copies missing or wrong: {frac:.2%} of replicated datagrams produced a correct "
+            f"copy at the sink (need >= {MIN_COPY_FRACTION:.0%}), {bad} wrong copies, "
+            f"{totals['plain']['switch_copies']} copies of plain datagrams")
     ratio = statistics.median(ratios)
-    print(f"per-round ratios: min {ratios[0]:.3f}  median {ratio:.3f}  max {ratios[-1]:.3f}; "
-          f"ratio of totals {overall:.3f}")
+    print(f"end-to-end (shadow socket) median {statistics.median(e2e):.3f}; headline is the "
+          "shadow-sink median")
     print(f"replicated vs plain throughput ratio: {ratio:.3f}")
     return ratio
 
@@ -198,7 +265,8 @@ def _report(totals: dict, payload: int, dsize: int) -> float:
 @cli_guard("testbed bench dataplane")
 def main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="testbed bench dataplane")
-    ap.add_argument("--rounds", type=int, default=16, help="rounds per mode (default 16)")
+    ap.add_argument("--rounds", type=int, default=12,
+                    help="blocks of one round per mode (default 12)")
     ap.add_argument("--seconds", type=float, default=0.75,
                     help="seconds per round (default 0.75)")
     ap.add_argument("--payload", type=int, default=8192,
