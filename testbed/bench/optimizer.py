@@ -11,11 +11,12 @@ tensor per size:
   param, exp_avg, exp_avg_sq: 28 bytes/parameter, all threads); a streaming
   ``torch.add`` (12 bytes/element) is shown beside it as a second bandwidth figure.
 
-Variants alternate over ``--rounds`` rounds so load from other processes spreads over
-all of them; each variant's figure is its best round's median step time (sizes above
-20M take half the steps per round to keep the default run near a minute).
+Every round runs one step of each variant back to back, so load from other processes
+(this machine is shared) hits all of them alike; a figure is the median over rounds, and
+the headline pairs the steps of each round: median over rounds of (fastest torch
+variant's time) / (our time), taken at the size where it is lowest.
 
-    testbed bench optimizer [--sizes 10M,100M] [--steps 5] [--rounds 3]
+    testbed bench optimizer [--sizes 10M,100M] [--rounds N] [--seconds S]
 
 Headline: ours / the fastest torch variant.
 """
@@ -37,6 +38,7 @@ from numba import njit, prange
 
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.optim import AdamW
+from checkmate.optim.kernels import CHUNK, SCHEDULE
 
 BYTES_PER_PARAM = 28  # 4 reads + 3 writes of float32
 BYTES_PER_ADD = 12  # c = a + b
@@ -45,17 +47,35 @@ BYTES_PER_ADD = 12  # c = a + b
 STREAM = "bandwidth bound (stream, 28 B/param)"
 ADD = "torch.add (12 B/element)"
 OURS = "ours (checkmate.optim.AdamW)"
+FUSED = "torch AdamW fused=True"
+FOREACH = "torch AdamW foreach=True"
+LOOP = "torch AdamW foreach=False"
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
-def _stream(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
+@njit(cache=True, nogil=True, error_model="numpy")
+def _stream_chunk(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, lo: int,
+                  hi: int) -> None:
     """AdamW's memory traffic without its arithmetic: 4 float32 reads, 3 writes."""
-    for i in prange(p.shape[0]):
+    p, g, m, v = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
+    for i in range(p.shape[0]):
         a = m[i] + g[i]
         b = v[i] + g[i]
         m[i] = a
         v[i] = b
         p[i] = p[i] + a
+
+
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
+def _stream_parallel(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
+    n = p.shape[0]
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        _stream_chunk(p, g, m, v, c * CHUNK, min(c * CHUNK + CHUNK, n))
+
+
+def _stream(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
+    """Same work split and scheduling as our optimizer kernels."""
+    with numba.parallel_chunksize(SCHEDULE):
+        _stream_parallel(p, g, m, v)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,9 +85,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _size(s: str) -> int:
     mult = {"K": 10**3, "M": 10**6, "G": 10**9}
-    s = s.strip().upper()
+    t = s.strip().upper()
     try:
-        n = int(float(s[:-1]) * mult[s[-1]]) if s and s[-1] in mult else int(s)
+        n = int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(t)
     except ValueError:
         raise CheckmateError(f"bad size {s!r} (use e.g. 10M, 250K or 1000000)") from None
     if n < 1:
@@ -75,72 +95,68 @@ def _size(s: str) -> int:
     return n
 
 
-def _median_step(step: Callable[[], object], steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def _bench_size(n: int, steps: int, rounds: int, with_loop: bool) -> dict[str, float]:
-    """Best-of-rounds median seconds per step for every variant at ``n`` parameters."""
+def _bench_size(n: int, rounds: int, seconds: float,
+                with_loop: bool) -> dict[str, list[float]]:
+    """Seconds per step of every variant at ``n`` parameters, one step each per round;
+    stops early (after at least 5 rounds) once ``seconds`` have passed."""
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen) * 1e-2
     a = torch.randn(n, generator=gen)
     out = torch.empty(n)
-    params: dict[str, torch.nn.Parameter] = {}
-    opts: dict[str, Callable[[], object]] = {}
+    steps: dict[str, Callable[[], object]] = {}
     makers: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
         OURS: lambda p: AdamW(p, lr=1e-3),
-        "torch AdamW foreach=True": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True),
-        "torch AdamW fused=True": lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+        FUSED: lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+        FOREACH: lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True),
     }
     if with_loop:
-        makers["torch AdamW foreach=False"] = lambda p: torch.optim.AdamW(
-            p, lr=1e-3, foreach=False)
+        makers[LOOP] = lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False)
     for name, make in makers.items():
         p = torch.nn.Parameter(a.clone())
         p.grad = grad
-        opt = make([p])
-        opt.step()  # allocates state; compiles or loads our kernel
-        params[name], opts[name] = p, opt.step
-    slots = [np.zeros(n, np.float32) for _ in range(3)]
+        steps[name] = make([p]).step
+    slots = [torch.zeros(n).numpy() for _ in range(3)]  # torch's allocator, like the others
     gnp = grad.numpy()
-    opts[STREAM] = lambda: _stream(slots[0], gnp, slots[1], slots[2])
-    opts[ADD] = lambda: torch.add(a, grad, out=out)
-    for step in opts.values():
-        step()  # the new ones: compile, touch the pages
-    best = {name: float("inf") for name in opts}
-    for _ in range(rounds):
-        for name, step in opts.items():
-            best[name] = min(best[name], _median_step(step, steps))
-    del params, opts
+    steps[STREAM] = lambda: _stream(slots[0], gnp, slots[1], slots[2])
+    steps[ADD] = lambda: torch.add(a, grad, out=out)
+    for step in steps.values():
+        step()  # allocate optimizer state, compile or load kernels, touch the pages
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    start = time.perf_counter()
+    for r in range(rounds):
+        if r >= 5 and time.perf_counter() - start > seconds:
+            break
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t)
+    del steps
     gc.collect()
-    return best
+    return times
 
 
-def _report(n: int, best: dict[str, float]) -> float:
-    bound = n / best[STREAM]
-    add_bw = BYTES_PER_ADD * n / best[ADD]
-    print(f"\n{n / 1e6:g}M fp32 parameters (bandwidth: stream {bound * BYTES_PER_PARAM / 1e9:.1f}"
-          f" GB/s, torch.add {add_bw / 1e9:.1f} GB/s)")
+def _report(n: int, times: dict[str, list[float]]) -> float:
+    """Print the table for one size; return the median paired ratio ours / fastest torch."""
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    bound = n / med[STREAM]
+    print(f"\n{n / 1e6:g}M fp32 parameters, {len(times[OURS])} rounds (bandwidth: stream "
+          f"{bound * BYTES_PER_PARAM / 1e9:.1f} GB/s, torch.add "
+          f"{BYTES_PER_ADD * n / med[ADD] / 1e9:.1f} GB/s)")
     print(f"  {'variant':<38} {'ms/step':>9} {'M params/s':>11} {'GB/s':>7} {'of bound':>9}")
-    rates = {}
-    for name, sec in best.items():
-        if name == ADD:
-            continue
-        rate = n / sec
-        if name != STREAM:
-            rates[name] = rate
-        print(f"  {name:<38} {sec * 1e3:9.2f} {rate / 1e6:11.0f} "
-              f"{rate * BYTES_PER_PARAM / 1e9:7.1f} {rate / bound:9.2f}")
-    ours = rates.pop(OURS)
-    fastest_name = max(rates, key=rates.__getitem__)
-    ratio = ours / rates[fastest_name]
-    print(f"  ours / fastest torch ({fastest_name}): {ratio:.2f}; ours / bandwidth bound: "
-          f"{ours / bound:.2f}")
+    for name, sec in med.items():
+        if name != ADD:
+            rate = n / sec
+            print(f"  {name:<38} {sec * 1e3:9.2f} {rate / 1e6:11.0f} "
+                  f"{rate * BYTES_PER_PARAM / 1e9:7.1f} {rate / bound:9.2f}")
+    torch_names = [k for k in times if k not in (OURS, STREAM, ADD)]
+    # Paired per round: the steps of one round ran back to back under the same load.
+    paired = [min(times[k][r] for k in torch_names) / times[OURS][r]
+              for r in range(len(times[OURS]))]
+    ratio = statistics.median(paired)
+    fastest = min(torch_names, key=med.__getitem__)
+    print(f"  ours / fastest torch: {ratio:.2f} (median over rounds; by medians vs {fastest}: "
+          f"{med[fastest] / med[OURS]:.2f}); ours / bandwidth bound: "
+          f"{n / med[OURS] / bound:.2f}")
     return ratio
 
 
@@ -148,25 +164,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="testbed bench optimizer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10M,100M",
                     help="comma-separated parameter counts (K/M suffixes), default 10M,100M")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per round (default 5)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="rounds of one step per variant (default: 30 up to 20M, else 8)")
+    ap.add_argument("--seconds", type=float, default=15.0,
+                    help="stop a size's rounds after this long, once 5 are done (default 15)")
     args = ap.parse_args(argv)
     sizes = [_size(s) for s in args.sizes.split(",") if s.strip()]
     if not sizes:
         raise CheckmateError("--sizes needs at least one size")
-    if args.steps < 1 or args.rounds < 1:
-        raise CheckmateError("--steps and --rounds must be >= 1")
+    if args.rounds < 0:
+        raise CheckmateError("--rounds must be >= 0 (0: the default per size)")
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     print(f"AdamW step, {threads} threads (torch {torch.__version__}, numba "
-          f"{numba.__version__}, {numba.get_num_threads()} numba threads); best of "
-          f"{args.rounds} rounds x median of {args.steps} steps")
+          f"{numba.__version__}, {numba.get_num_threads()} numba threads); "
+          "rounds of one step per variant")
     ratios = []
     for i, n in enumerate(sizes):
-        steps = args.steps if n <= 20_000_000 else max(1, args.steps // 2)
-        best = _bench_size(n, steps, args.rounds, with_loop=i == 0)
-        ratios.append(_report(n, best))
+        rounds = args.rounds or (30 if n <= 20_000_000 else 8)
+        ratios.append(_report(n, _bench_size(n, rounds, args.seconds, with_loop=i == 0)))
     print(f"\nload average after the run: {os.getloadavg()[0]:.1f} on {threads} cores "
           "(other processes make every figure noisier; the ratio is the worst size's)")
     print(f"ours vs fastest torch AdamW params/s ratio: {min(ratios):.2f}")
