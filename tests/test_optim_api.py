@@ -170,6 +170,7 @@ def test_flat_optimizer_from_spec_builds_group_ranges_and_slots() -> None:
     (lambda s: s["optimizer"]["groups"][1]["params"].remove("b"), "no param group"),
     (lambda s: s["optimizer"]["groups"][1]["params"].append("a"), "two param groups"),
     (lambda s: s["params"][1].update(offset=5), "offset"),
+    (lambda s: s["params"][1].update(numel=5), "numel"),
 ])
 def test_flat_optimizer_rejects_inconsistent_specs(mutate, match: str) -> None:
     spec = copy.deepcopy(SPEC)
@@ -231,3 +232,13 @@ def test_kernels_release_the_gil(parallel: bool) -> None:
         if any(lo < x < hi for x in stamps):
             return
     pytest.fail("the main thread never ran while a kernel was running")
+
+
+def test_warm_up_compiles_every_gradient_type() -> None:
+    co.warm_up(("adamw", "sgd"), (np.float32, np.uint16, np.int16))
+    from checkmate.optim import kernels
+
+    for fn in (kernels._adam_serial, kernels._adam_parallel, kernels._sgd_serial,
+               kernels._sgd_parallel):
+        grad_types = {str(sig[1].dtype) for sig in fn.signatures}
+        assert {"float32", "uint16", "int16"} <= grad_types, fn

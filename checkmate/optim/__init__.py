@@ -10,7 +10,7 @@ from checkmate.optim.clip import clip_coef_of, clip_grad_norm_
 from checkmate.optim.flat import FlatOptimizer
 from checkmate.optim.grads import KERNEL_GRAD_DTYPES, as_kernel_grad, widen
 from checkmate.optim.hyper import DEFAULTS, KINDS, slots
-from checkmate.optim.ops import adam_step, sgd_step
+from checkmate.optim.ops import adam_step, sgd_step, warm_up
 from checkmate.optim.torch_optim import SGD, Adam, AdamW
 
 __all__ = [
@@ -27,5 +27,6 @@ __all__ = [
     "clip_grad_norm_",
     "sgd_step",
     "slots",
+    "warm_up",
     "widen",
 ]

@@ -88,6 +88,8 @@ class FlatOptimizer:
         for s, p in zip(slots, spec["params"], strict=True):
             if "offset" in p and int(p["offset"]) != s.offset:
                 raise CheckmateError(f"parameter {s.name!r}: offset {p['offset']} != {s.offset}")
+            if "numel" in p and int(p["numel"]) != s.numel:
+                raise CheckmateError(f"parameter {s.name!r}: numel {p['numel']} != {s.numel}")
         if not 0 <= index < n:
             raise CheckmateError(f"partition {index} out of range for {n} partitions")
         group_of: dict[str, int] = {}

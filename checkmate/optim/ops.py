@@ -128,3 +128,27 @@ def sgd_step(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | 
             kernels._sgd_parallel(param, grad, momentum_buffer, s, mode)
     else:
         kernels._sgd_serial(param, grad, momentum_buffer, s, mode)
+
+
+_WARM_LOCK = threading.Lock()
+
+
+def warm_up(kinds: tuple[str, ...] = ("adam", "sgd"),
+            grad_dtypes: tuple[type, ...] = (np.float32,)) -> None:
+    """Compile (or load from Numba's on-disk cache) the serial and parallel kernels for
+    ``kinds`` and gradient element types now, so that the first real step does not stall
+    (first compile takes seconds; a cache load well under one). Idempotent, thread-safe.
+    """
+    with _WARM_LOCK:
+        one = np.zeros(1, np.float32)
+        for dt in grad_dtypes:
+            g = np.zeros(1, dt)
+            if any(k in ("adam", "adamw") for k in kinds):
+                s = adam_scalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                                 decoupled=True, step=1, gscale=np.float32(1.0))
+                for fn in (kernels._adam_serial, kernels._adam_parallel):
+                    fn(one.copy(), g, one.copy(), one.copy(), _EMPTY, s, False)
+            if "sgd" in kinds:
+                s = np.zeros(6, np.float32)
+                for fn in (kernels._sgd_serial, kernels._sgd_parallel):
+                    fn(one.copy(), g, _EMPTY, s, 0)
