@@ -8,6 +8,7 @@ state must equal a failure-free run's bit for bit.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +28,14 @@ def _run(tmp_path: Path, scenario: str, net: str, extra: list[str] = ()) -> tupl
     return p.returncode, report, p.stderr + p.stdout
 
 
-@pytest.mark.parametrize("model,net", [("gpt", "127.79.1"), ("cnn", "127.79.2")])
-def test_kill_restore_host_mode_bit_identical(tmp_path, model, net):
+def _net() -> str:
+    """A random loopback /24, so that two suite runs at once do not share addresses."""
+    return f"127.79.{random.randrange(1, 255)}"
+
+
+@pytest.mark.parametrize("model", ["gpt", "cnn"])
+def test_kill_restore_host_mode_bit_identical(tmp_path, model):
+    net = _net()
     sc = tmp_path / "short.yaml"
     sc.write_text(f"name: short-{model}\nmodel: {model}\nsteps: 14\nseed: 3\nkill_at: 7\n")
     rc, report, text = _run(tmp_path, str(sc), net)
@@ -44,9 +51,9 @@ def test_kill_restore_host_mode_bit_identical(tmp_path, model, net):
 
 
 def test_bad_scenario_is_one_line_error(tmp_path):
-    rc, _, text = _run(tmp_path, "no-such-scenario", "127.79.3")
+    rc, _, text = _run(tmp_path, "no-such-scenario", _net())
     assert rc == 2 and "Traceback" not in text and "no scenario" in text
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: gpt\nsteps: 10\nkill_at: 50\n")
-    rc, _, text = _run(tmp_path, str(bad), "127.79.3")
+    rc, _, text = _run(tmp_path, str(bad), _net())
     assert rc == 2 and "kill_at" in text and "Traceback" not in text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -25,10 +26,11 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces and BPF"),
 ]
 
+# The prefix gets a random suffix so that two suite runs at once do not share namespaces.
 CONFIG = """\
 job: {id: 7, name: te}
 switch: {name: sw0, target: kernel}
-network: {subnet: 10.79.0.0/24, mtu: 9000, prefix: te}
+network: {subnet: 10.79.0.0/24, mtu: 9000, prefix: PREFIX}
 hosts:
   - {name: t0, role: trainer, rank: 0, ip: 10.79.0.10}
   - {name: t1, role: trainer, rank: 1, ip: 10.79.0.11}
@@ -61,7 +63,7 @@ RANK_PROGRAM = textwrap.dedent("""
 @pytest.fixture
 def cfg_path(tmp_path: Path) -> Path:
     p = tmp_path / "te.yaml"
-    p.write_text(CONFIG)
+    p.write_text(CONFIG.replace("PREFIX", f"te{random.randrange(1000):03d}"))
     return p
 
 
@@ -138,5 +140,6 @@ def test_kill_restore_switch_mode(cfg_path, tmp_path):
         # switch mode: the trainers sent the shadows no gradient bytes themselves
         assert all(r["copy_bytes"] == 0 for r in run["ring"])
     # nothing of the testbed is left behind
+    prefix = cfgmod.load(cfg_path).network.prefix
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not any(line.startswith("te-") for line in ns.splitlines())
+    assert not any(line.startswith(f"{prefix}-") for line in ns.splitlines())
