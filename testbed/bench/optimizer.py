@@ -11,7 +11,7 @@ tensor per size:
   param, exp_avg, exp_avg_sq: 28 bytes/parameter, all threads); a streaming
   ``torch.add`` (12 bytes/element) is shown beside it as a second bandwidth figure.
 
-Every round runs one step of each variant back to back, so load from other processes
+Every round runs one step of each variant, each after a 10 ms idle gap, so load from other processes
 (this machine is shared) hits all of them alike; a figure is the median over rounds, and
 the headline pairs the steps of each round: median over rounds of (fastest torch
 variant's time) / (our time), taken at the size where it is lowest.
@@ -48,6 +48,11 @@ STREAM = "bandwidth bound (stream, 28 B/param)"
 ADD = "torch.add (12 B/element)"
 OURS = "ours (checkmate.optim.AdamW)"
 FUSED = "torch AdamW fused=True"
+#: idle time before each timed step. After a torch op, torch's OpenMP workers spin for a
+#: few ms; a step that follows at once shares the cores with them (ours measured +3-4 ms
+#: at 10M on 2 cores, torch's own next op does not suffer: it runs on those threads).
+#: The gap gives every variant the same start.
+IDLE_GAP = 0.01
 FOREACH = "torch AdamW foreach=True"
 LOOP = "torch AdamW foreach=False"
 
@@ -127,6 +132,7 @@ def _bench_size(n: int, rounds: int, seconds: float,
         if r >= 5 and time.perf_counter() - start > seconds:
             break
         for name, step in steps.items():
+            time.sleep(IDLE_GAP)
             t = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t)
