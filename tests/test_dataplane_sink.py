@@ -170,7 +170,7 @@ def _totals(sent: int, sink_ok: int, wrong: int = 0, plain_copies: int = 0) -> d
     def mode(rate: float, **kw: int) -> dict:
         t = {"sent": sent, "send_s": 1.0, "dest": sent, "dest_bytes": int(rate), "copies": 0,
              "copies_ok": 0, "sink": 0, "sink_ok": 0, "sink_dropped": 0, "switch_copies": 0,
-             "rounds": [rate, rate]}
+             "cpu_s": 0.001, "rounds": [rate, rate]}
         t.update(kw)
         return t
 

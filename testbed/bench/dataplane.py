@@ -14,13 +14,17 @@ duration, three modes per block with plain in the middle (K P S, then S P K, ...
   are received by a UDP socket in s0's namespace (a real receiving process). On this testbed
   that second receive runs on the same CPUs as the sender and the switch (end to end).
 
-Per mode it reports the sender rate (on veth the forwarding and socket delivery run in the
-sender's softirq context), the goodput at t1 (and its loss), the copies counted at the sink
-and the copies read from the shadow socket. Headline: t1's goodput in a sink round over its
-goodput in the adjacent plain round, median over blocks (robust to bursts of outside load on
-a shared machine). The run fails unless the sink counted a correct copy for >= 99% of the
-datagrams sent in sink rounds. Sender and receivers are separate processes (fork), each
-with its socket inside its host's namespace.
+Per mode it reports the sender rate and the sender's CPU time per datagram (on veth the
+forwarding, the copy and the socket deliveries run as softirq work in the sender's context
+and are charged to it, so this is the per-datagram cost of send + switch, less sensitive to
+outside load than rates), the goodput at t1 (and its loss), the copies the switch made, the
+copies counted at the sink and the copies read from the shadow socket.
+
+Headline: t1's goodput in a sink round over its goodput in the adjacent plain round, median
+over blocks (robust to bursts of outside load on a shared machine). The end-to-end (socket)
+median is printed on the line before it. The run fails unless the sink counted a correct
+copy for >= 99% of the datagrams sent in sink rounds. Sender and receivers are separate
+processes (fork), each with its socket inside its host's namespace.
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ def _receiver(netns: str, port: int, counts, check_session: bool, stop) -> None:
 def _sender(netns: str, dst: tuple[str, int], datagrams: dict[str, bytes],
             conn: Connection) -> None:
     """On ("send", mode, seconds): send that mode's datagram as fast as possible; reply the
-    count. Sends in batches of 256 between clock reads."""
+    count, the time and the CPU time used (the switch's softirq work runs in this process's
+    context and is charged to it). Sends in batches of 256 between clock reads."""
     from checkmate.testbed.netsock import udp_socket_in
 
     sock = udp_socket_in(netns)
@@ -91,13 +96,16 @@ def _sender(netns: str, dst: tuple[str, int], datagrams: dict[str, bytes],
         _, mode, seconds = msg
         d = datagrams[mode]
         sent = 0
+        c0 = os.times()
         t0 = time.perf_counter()
         end = t0 + seconds
         while time.perf_counter() < end:
             for _ in range(256):
                 send(d, dst)
             sent += 256
-        conn.send((sent, time.perf_counter() - t0))
+        took = time.perf_counter() - t0
+        c1 = os.times()
+        conn.send((sent, took, c1.user + c1.system - c0.user - c0.system))
     sock.close()
 
 
@@ -106,7 +114,6 @@ MODES = {
     "sink": "replicated, shadow sink",
     "socket": "replicated, shadow socket",
 }
-REPLICATED = ("sink", "socket")
 MIN_COPY_FRACTION = 0.99
 
 
@@ -121,9 +128,12 @@ def block_order(r: int) -> list[str]:
 
 
 def _entry_packets(switch) -> int:
+    """Copies the switch made so far (all entries), straight from the pinned table: cheaper
+    than KernelSwitch.counters(), which also walks the namespace's links."""
     from checkmate.dataplane import maps
+    from checkmate.dataplane.bpfsys import PinnedMap
 
-    with switch._map("ckm_repl") as m:
+    with PinnedMap(str(switch.map_dir / "ckm_repl"), *maps.MAP_LAYOUT["ckm_repl"]) as m:
         return sum(maps.REPL_VAL.unpack(v)[6] for _, v in m.items())
 
 
@@ -143,7 +153,7 @@ def run(rounds: int, seconds: float, payload: int) -> dict[str, dict]:
     ctx = mp.get_context("fork")
     totals: dict = {m: {"sent": 0, "send_s": 0.0, "dest": 0, "dest_bytes": 0, "copies": 0,
                         "copies_ok": 0, "sink": 0, "sink_ok": 0, "sink_dropped": 0,
-                        "switch_copies": 0, "rounds": []} for m in MODES}
+                        "switch_copies": 0, "cpu_s": 0.0, "rounds": []} for m in MODES}
     sink = ShadowSink(cfg, "s0")
     with Testbed(cfg) as tb:
         tb.switch.add_replication(ReplicationEntry(
@@ -170,7 +180,7 @@ def run(rounds: int, seconds: float, payload: int) -> dict[str, dict]:
                     d0, sh0, k0 = _snapshot(c_dst), _snapshot(c_sh), sink.counts()
                     e0 = _entry_packets(tb.switch)
                     parent.send(("send", mode, seconds))
-                    sent, took = parent.recv()
+                    sent, took, cpu = parent.recv()
                     time.sleep(0.3)  # let the receivers drain their queues
                     d1, sh1, k1 = _snapshot(c_dst), _snapshot(c_sh), sink.counts()
                     dk = k1 - k0
@@ -178,6 +188,7 @@ def run(rounds: int, seconds: float, payload: int) -> dict[str, dict]:
                     t["rounds"].append((d1[1] - d0[1]) / took)
                     t["sent"] += sent
                     t["send_s"] += took
+                    t["cpu_s"] += cpu
                     t["dest"] += d1[0] - d0[0]
                     t["dest_bytes"] += d1[1] - d0[1]
                     t["copies"] += sh1[0] - sh0[0]
@@ -223,16 +234,17 @@ def _ratios_line(ratios: list[float], totals: dict, mode: str) -> str:
 def _report(totals: dict, payload: int, dsize: int) -> float:
     print(f"dataplane bench: t0 -> t1 through the tc-eBPF switch, {dsize}-byte ckm datagrams "
           f"({payload} payload bytes), {len(totals['plain']['rounds'])} blocks")
-    print(f"{'mode':<26} {'sent/s':>8} {'sent MB/s':>9} {'dest recv/s':>11} {'dest MB/s':>9} "
-          f"{'dest loss':>9} {'switch copies':>13} {'sink ok':>8} {'sink drop':>9} "
-          f"{'socket ok':>9}")
+    print(f"{'mode':<26} {'sent/s':>8} {'sent MB/s':>9} {'sender us/dg':>12} "
+          f"{'dest recv/s':>11} {'dest MB/s':>9} {'dest loss':>9} {'switch copies':>13} "
+          f"{'sink ok':>8} {'sink drop':>9} {'socket ok':>9}")
     for mode, label in MODES.items():
         t = totals[mode]
         secs = t["send_s"]
         loss = 1 - t["dest"] / t["sent"] if t["sent"] else 0.0
+        us = t["cpu_s"] / t["sent"] * 1e6 if t["sent"] else 0.0
         print(f"{label:<26} {t['sent'] / secs:>8.0f} {t['sent'] * dsize / secs / 1e6:>9.1f} "
-              f"{t['dest'] / secs:>11.0f} {t['dest_bytes'] / secs / 1e6:>9.1f} {loss:>9.2%} "
-              f"{t['switch_copies']:>13} {t['sink_ok']:>8} {t['sink_dropped']:>9} "
+              f"{us:>12.2f} {t['dest'] / secs:>11.0f} {t['dest_bytes'] / secs / 1e6:>9.1f} "
+              f"{loss:>9.2%} {t['switch_copies']:>13} {t['sink_ok']:>8} {t['sink_dropped']:>9} "
               f"{t['copies_ok']:>9}")
     sink, sock = totals["sink"], totals["socket"]
     frac = copy_fraction(totals, "sink")
@@ -243,7 +255,8 @@ def _report(totals: dict, payload: int, dsize: int) -> float:
           f"{sock['copies_ok'] / sock['sent'] if sock['sent'] else 0:.2%} read by the shadow's "
           f"socket; wrong copies {bad}; plain rounds made {totals['plain']['switch_copies']}")
     print(f"note: {os.cpu_count()} CPUs shared by the sender, the switch (softirq in the "
-          "sender's context), the destination and the shadow")
+          "sender's context), the destination and the shadow; sender us/dg is the sender's CPU "
+          "time per datagram (send + switch + delivery, less what ksoftirqd took over)")
     e2e = sorted(pair_ratios(totals, "socket"))
     print(f"end to end, copies read by a UDP socket on the shadow host (same CPUs), per block: "
           f"{_ratios_line(e2e, totals, 'socket')}")
