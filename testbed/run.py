@@ -190,7 +190,10 @@ class Run:
             if cl.mode == "host":
                 argv.append("--no-register")
             log = open(self.dir / f"shadow-{h.name}.log", "wb")  # noqa: SIM115
-            self.shadows.append(cl.popen(h.name, argv, {}, stdout=log, stderr=log,
+            # One kernel thread per shadow: on a small testbed machine the shadows share the
+            # trainers' cores (results do not depend on the thread count).
+            env = {"NUMBA_NUM_THREADS": "1"}
+            self.shadows.append(cl.popen(h.name, argv, env, stdout=log, stderr=log,
                                          stdin=subprocess.DEVNULL, start_new_session=True))
             log.close()
         deadline = time.monotonic() + 60
@@ -276,6 +279,18 @@ class Run:
                 os.kill(p.pid, signal.SIGKILL)
         for p in self.trainers:
             p.wait()
+
+    def shadow_cpu_seconds(self) -> float:
+        """CPU time the shadow processes used so far (user + system)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for p in self.shadows:
+            try:
+                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick
+        return total
 
     def stop(self) -> None:
         for p in self.trainers + self.shadows:

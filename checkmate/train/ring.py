@@ -295,7 +295,8 @@ class RingAllreduce:
     def _queue(self, op: _Op, i: int, replicate: bool) -> None:
         g, s, e, p = op.chunks[i]
         if replicate:
-            # The first all-gather hop: frame-sized REPLICATE pieces the switch can copy.
+            # The first all-gather hop: frame-sized REPLICATE pieces the switch can copy
+            # (the same pieces untagged without Checkmate, so both send identical traffic).
             flags = _REPLICATE if self.tag else 0
             for a in range(s, e, self.piece):
                 b = min(e, a + self.piece)
