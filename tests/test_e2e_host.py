@@ -57,3 +57,11 @@ def test_bad_scenario_is_one_line_error(tmp_path):
     bad.write_text("model: gpt\nsteps: 10\nkill_at: 50\n")
     rc, _, text = _run(tmp_path, str(bad), _net())
     assert rc == 2 and "kill_at" in text and "Traceback" not in text
+
+
+def test_restore_cli_errors_are_one_line():
+    for argv in ([], ["--shadow", "nohost:x"], ["--shadow", "127.0.0.1:1"]):
+        p = subprocess.run([sys.executable, "-m", "checkmate.train.restore", *argv],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2, p.stderr
+        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
