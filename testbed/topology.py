@@ -134,6 +134,20 @@ def _no_bridge_netfilter(netns: str) -> None:
     call_in_netns(netns, write)
 
 
+def _no_ipv6(netns: str) -> None:
+    """The testbed is IPv4-only: without IPv6, no neighbour-discovery or router-solicitation
+    frames appear on the ports after `up`, so per-port counters count only test traffic."""
+    from checkmate.testbed.netsock import call_in_netns
+
+    def write() -> None:
+        for conf in ("all", "default"):
+            path = Path(f"/proc/sys/net/ipv6/conf/{conf}/disable_ipv6")
+            if path.exists():
+                path.write_text("1\n")
+
+    call_in_netns(netns, write)
+
+
 class Testbed:
     """Build and remove one cluster's namespaces; a context manager (up on enter, down on
     exit, down even when the body raised)."""
@@ -201,6 +215,7 @@ class Testbed:
         mtu = cfg.network.mtu
         for name in self.namespaces:
             netns.create(name)
+            _no_ipv6(name)
         sw_ns = cfg.netns(cfg.switch.name)
         with NetNS(sw_ns, flags=0) as sw:
             sw.link("set", index=sw.link_lookup(ifname="lo")[0], state="up")
