@@ -38,7 +38,8 @@ from numba import njit, prange
 
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.optim import AdamW
-from checkmate.optim.kernels import CHUNK, SCHEDULE
+from checkmate.optim.kernels import CHUNK
+from checkmate.optim.ops import _schedule
 
 BYTES_PER_PARAM = 28  # 4 reads + 3 writes of float32
 BYTES_PER_ADD = 12  # c = a + b
@@ -79,7 +80,7 @@ def _stream_parallel(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray)
 
 def _stream(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
     """Same work split and scheduling as our optimizer kernels."""
-    with numba.parallel_chunksize(SCHEDULE):
+    with numba.parallel_chunksize(_schedule(p.shape[0])):
         _stream_parallel(p, g, m, v)
 
 
