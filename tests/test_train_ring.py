@@ -143,12 +143,13 @@ def test_replicate_flag_on_first_all_gather_hop_only(chunk):
     orig = [r._transmit for r in rings]
 
     def spy(i):
-        def transmit(dgram, addr):
+        def transmit(parts, addr):
+            dgram = b"".join(parts)
             h = wire.decode_header(dgram)
             if h.flags & wire.Flags.REPLICATE:
                 assert len(dgram) <= wire.HEADER_LEN + wire.MAX_PAYLOAD_JUMBO
                 tagged[h.offset:h.offset + h.count] += 1
-            return orig[i](dgram, addr)
+            return orig[i](parts, addr)
         return transmit
 
     for i, r in enumerate(rings):

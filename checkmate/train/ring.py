@@ -160,7 +160,7 @@ class RingAllreduce:
         self._tx_base = 0
         self._ack_progress = time.monotonic()  # last time an ACK moved _tx_base
         # receiver
-        self._held: dict[int, tuple[tuple, bytes]] = {}  # seq -> (header fields, payload)
+        self._held: dict[int, tuple[tuple, memoryview]] = {}  # seq -> (header fields, payload)
         self._proc_next = 0
         self._recv_next = 0
         self._max_seen = -1
@@ -313,14 +313,15 @@ class RingAllreduce:
         if self.on_reduced is not None:
             self.on_reduced(op.iteration, op.bucket, offset, part, payload)
 
-    def _transmit(self, dgram: bytes, addr: tuple[str, int]) -> bool:
+    def _transmit(self, parts: tuple[bytes, ...], addr: tuple[str, int]) -> bool:
+        """Send one datagram given as (header, payload) parts, gathered by the kernel."""
         if self.link is not None:
-            d = self.link.apply(dgram, _HLEN)
+            d = self.link.apply(b"".join(parts), _HLEN)
             if d is None:
                 return True
-            dgram = d
+            parts = (d,)
         try:
-            self.sock.sendto(dgram, addr)
+            self.sock.sendmsg(parts, (), 0, addr)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as e:
@@ -337,7 +338,7 @@ class RingAllreduce:
             seq = self._tx_next & 0xFFFFFFFF
             hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, 0, self.nonce, it, off,
                         cnt, seq, bucket, part, _FLOAT32, 0, 0, 0, 0, c)
-            dgram = hdr + payload
+            dgram = (hdr, payload)
             if not self._transmit(dgram, self.right):
                 return
             self._ready.popleft()
@@ -390,7 +391,7 @@ class RingAllreduce:
         if h[3] != self.job_id or h[5] != self.nonce:
             self.stats["foreign"] += 1
             return
-        payload = data[_HLEN:]
+        payload = memoryview(data)[_HLEN:]
         size = _SIZES.get(h[12])
         if size is None or len(payload) != h[8] * size:
             self.stats["malformed"] += 1
@@ -464,7 +465,7 @@ class RingAllreduce:
         hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, 0, self.nonce, 0, 0,
                     len(payload), self._recv_next & 0xFFFFFFFF, 0, 0, _BYTES,
                     0, 0, 0, 0, wire.crc(payload))
-        if self._transmit(hdr + payload, self.left):
+        if self._transmit((hdr, payload), self.left):
             self.stats["acks_sent"] += 1
             self._ack_due = False
             self._last_ack = (self._recv_next, now)
