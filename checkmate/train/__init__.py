@@ -1,1 +1,31 @@
-"""Training side: ckm ring allreduce, DDP comm hook, replication, bootstrap, restore."""
+"""Training side: ckm ring allreduce, DDP wrapper, replication, bootstrap, restore.
+
+Entry points: :class:`CheckmateSession` (one per trainer process; see its module for the
+training loop), :class:`JobLayout` (addresses of a job), :class:`CheckmateDDP` and
+:class:`RingAllreduce` (usable on their own), :func:`restore_session`
+(``python -m checkmate.train.restore`` on the command line).
+
+Names are resolved lazily so that ``python -m checkmate.train.restore`` (and the worker) do
+not find their own module imported before they run.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "CheckmateDDP": "checkmate.train.ddp",
+    "CheckmateSession": "checkmate.train.session",
+    "JobLayout": "checkmate.train.session",
+    "RingAllreduce": "checkmate.train.ring",
+    "ShadowTarget": "checkmate.train.replicate",
+    "restore_session": "checkmate.train.restore",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'checkmate.train' has no attribute {name!r}")
