@@ -494,15 +494,17 @@ def _table(report: dict[str, Any]) -> None:
     t = Table(title=f"testbed run {report['scenario']} ({report['mode']} mode, "
                     f"{report['model']}, {report['trainers']} trainers x "
                     f"{report['shadows']} shadows, {report['steps']} iterations)")
-    for col in ("run", "seconds", "loss first -> last", "killed at", "restored from",
+    t.add_column("run", no_wrap=True)
+    for col in ("seconds", "loss first -> last", "killed at", "restored from",
                 "shadows = trainers"):
-        t.add_column(col)
+        t.add_column(col, justify="right")
     for label, r in report["runs"].items():
-        t.add_row(label, f"{r['seconds']:.1f}",
-                  f"{r['first_loss']} -> {r['last_loss']}",
+        loss = ("-" if r["first_loss"] is None
+                else f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}")
+        t.add_row(label, f"{r['seconds']:.1f}", loss,
                   str(r["killed_at"] or "-"), str(r["restored_from"] or "-"),
                   {True: "yes", False: "NO", None: "-"}[r["shadows_match_trainers"]])
-    c = Console()
+    c = Console(width=max(Console().width, 100))
     c.print(t)
     if "bit_identical" in report:
         c.print(f"final model+optimizer bit-identical to failure-free: "
