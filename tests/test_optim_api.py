@@ -242,3 +242,46 @@ def test_warm_up_compiles_every_gradient_type() -> None:
                kernels._sgd_parallel):
         grad_types = {str(sig[1].dtype) for sig in fn.signatures}
         assert {"float32", "uint16", "int16"} <= grad_types, fn
+
+
+def test_batched_small_params_match_the_one_tensor_path(monkeypatch) -> None:
+    """Small params go through one batched call; with different step counts per param
+    (a param without a gradient skips a step) results equal the one-tensor path's."""
+    from checkmate.optim import torch_optim
+
+    def make():
+        gen = torch.Generator().manual_seed(5)
+        return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in
+                ((5,), (300001,), (7, 3), (0,))]
+
+    a, b = make(), make()
+    oa = co.AdamW(a, lr=1e-2, amsgrad=True, weight_decay=0.05)
+    ob = co.AdamW(b, lr=1e-2, amsgrad=True, weight_decay=0.05)
+    gen = torch.Generator().manual_seed(6)
+    for it in range(4):
+        for i, (pa, pb) in enumerate(zip(a, b, strict=True)):
+            g = None if (i == 2 and it == 1) else torch.randn(pa.shape, generator=gen)
+            pa.grad = None if g is None else g.clone()
+            pb.grad = None if g is None else g.clone()
+        oa.step()
+        with monkeypatch.context() as mp:
+            mp.setattr(torch_optim, "_batchable", lambda p: False)
+            ob.step()
+        for pa, pb in zip(a, b, strict=True):
+            assert torch.equal(pa, pb)
+            for k, v in oa.state[pa].items():
+                assert torch.equal(v, ob.state[pb][k]), k
+    assert float(oa.state[a[2]]["step"]) == 3.0 and float(oa.state[a[0]]["step"]) == 4.0
+
+
+def test_batched_path_refuses_mis_sized_loaded_state() -> None:
+    p = torch.nn.Parameter(torch.ones(10))
+    o = co.Adam([p])
+    p.grad = torch.ones(10)
+    o.step()
+    sd = copy.deepcopy(o.state_dict())
+    sd["state"][0]["exp_avg"] = torch.zeros(3)  # would write out of bounds if trusted
+    o2 = co.Adam([p])
+    o2.load_state_dict(sd)
+    with pytest.raises(CheckmateError, match="exp_avg"):
+        o2.step()

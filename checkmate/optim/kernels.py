@@ -238,3 +238,36 @@ def _sgd_parallel(param, grad, buf, s, mode):
 @njit(cache=True, nogil=True, error_model="numpy")
 def _sgd_serial(param, grad, buf, s, mode):
     _sgd_chunk(param, grad, buf, 0, param.shape[0], s, mode)
+
+
+# ------------------------------------------------------------------- many small tensors
+
+
+@intrinsic
+def _f32_ptr(typingctx, addr):
+    """The float32 pointer at integer address ``addr`` (a torch tensor's data_ptr())."""
+    sig = types.CPointer(types.float32)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _adam_multi(ptrs, lens, scal, amsgrad):
+    """Adam/AdamW on many small float32 tensors in one call (the trainer's per-parameter
+    Python overhead dominates otherwise). Row t: addresses of param, grad (float32),
+    exp_avg, exp_avg_sq, max_exp_avg_sq (0 unless amsgrad), ``lens[t]`` elements, scalars
+    ``scal[t]``. Same element code as every other path."""
+    for t in range(lens.shape[0]):
+        n = lens[t]
+        p = numba.carray(_f32_ptr(ptrs[t, 0]), n)
+        g = numba.carray(_f32_ptr(ptrs[t, 1]), n)
+        m = numba.carray(_f32_ptr(ptrs[t, 2]), n)
+        v = numba.carray(_f32_ptr(ptrs[t, 3]), n)
+        if amsgrad:
+            mx = numba.carray(_f32_ptr(ptrs[t, 4]), n)
+            _adam_range(p, g, m, v, mx, scal[t], True)
+        else:
+            _adam_range(p, g, m, v, p, scal[t], False)

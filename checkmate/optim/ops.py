@@ -156,6 +156,9 @@ def warm_up(kinds: tuple[str, ...] = ("adam", "sgd"),
                                  decoupled=True, step=1, gscale=np.float32(1.0))
                 for fn in (kernels._adam_serial, kernels._adam_parallel):
                     fn(one.copy(), g, one.copy(), one.copy(), _EMPTY, s, False)
+                if dt is np.float32:  # the trainer's batched path (float32 gradients only)
+                    kernels._adam_multi(np.zeros((0, 5), np.int64), np.zeros(0, np.int64),
+                                        np.zeros((0, 11), np.float32), False)
             if "sgd" in kinds:
                 s = np.zeros(6, np.float32)
                 for fn in (kernels._sgd_serial, kernels._sgd_parallel):

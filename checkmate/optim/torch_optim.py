@@ -21,7 +21,7 @@ import torch
 
 from checkmate.errors import CheckmateError
 from checkmate.optim import hyper as H
-from checkmate.optim import ops
+from checkmate.optim import kernels, ops
 from checkmate.optim.grads import as_kernel_grad
 
 
@@ -30,6 +30,16 @@ def _flat(t: torch.Tensor, what: str) -> np.ndarray:
         raise CheckmateError(
             f"{what} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
     return t.detach().view(-1).numpy()
+
+
+def _batchable(p: torch.Tensor) -> bool:
+    """Small float32 CPU parameter with a float32 gradient of its shape, both contiguous:
+    fit for the batched kernel (anything else takes the checked one-tensor path)."""
+    g = p.grad
+    return (p.numel() < ops.PARALLEL_MIN and p.dtype == torch.float32 and p.device.type == "cpu"
+            and p.is_contiguous() and g is not None and g.dtype == torch.float32
+            and g.device.type == "cpu" and g.is_contiguous() and not g.is_sparse
+            and g.shape == p.shape)
 
 
 def _scalar(x: Any, name: str) -> float:
@@ -129,6 +139,70 @@ class Adam(_KernelOptimizer):
                 st = self.state.get(p, {})
                 if st and not torch.is_tensor(st["step"]):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One optimizer step. Small parameters with float32 gradients go through one
+        batched kernel call per group; the rest one call each (parallel when large)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hp = self._check_group(group)
+            small = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if _batchable(p):
+                    small.append(p)
+                else:
+                    self._step_param(p, hp)
+            if small:
+                self._step_batch(small, hp)
+        return loss
+
+    def _init_state(self, p: torch.Tensor, hp: dict[str, Any]) -> dict[str, Any]:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if hp["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _step_batch(self, params: list[torch.Tensor], hp: dict[str, Any]) -> None:
+        states = [self._init_state(p, hp) for p in params]
+        slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if hp["amsgrad"] else ())
+        for p, st in zip(params, states, strict=True):
+            for k in slots:  # a loaded state may differ; the kernel trusts these sizes
+                t = st[k]
+                if not (t.dtype == torch.float32 and t.device.type == "cpu"
+                        and t.is_contiguous() and t.numel() == p.numel()):
+                    raise CheckmateError(f"state {k} must be a contiguous float32 CPU tensor "
+                                         f"of {p.numel()} elements, got {t.dtype} "
+                                         f"{tuple(t.shape)} on {t.device}")
+        steps = [st["step"] for st in states]
+        torch._foreach_add_(steps, 1)
+        b1, b2 = hp["betas"]
+        gscale = ops.gscale_of(None, hp["maximize"])
+        rows: dict[float, np.ndarray] = {}
+        scal = np.empty((len(params), 11), np.float32)
+        for i, k in enumerate(torch.stack(steps).tolist()):
+            if k not in rows:
+                rows[k] = ops.adam_scalars(lr=hp["lr"], beta1=b1, beta2=b2, eps=hp["eps"],
+                                           weight_decay=hp["weight_decay"],
+                                           decoupled=self._decoupled(hp), step=int(k),
+                                           gscale=gscale)
+            scal[i] = rows[k]
+        ams = hp["amsgrad"]
+        ptrs = np.array([[p.data_ptr(), p.grad.data_ptr(), st["exp_avg"].data_ptr(),
+                          st["exp_avg_sq"].data_ptr(),
+                          st["max_exp_avg_sq"].data_ptr() if ams else 0]
+                         for p, st in zip(params, states, strict=True)], dtype=np.int64)
+        lens = np.array([p.numel() for p in params], dtype=np.int64)
+        kernels._adam_multi(ptrs, lens, scal, bool(ams))
 
     def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
         state = self.state[p]
