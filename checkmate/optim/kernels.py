@@ -271,3 +271,26 @@ def _adam_multi(ptrs, lens, scal, amsgrad):
             _adam_range(p, g, m, v, mx, scal[t], True)
         else:
             _adam_range(p, g, m, v, p, scal[t], False)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sgd_multi(ptrs, lens, scal, modes):
+    """SGD on many small float32 tensors in one call (see _adam_multi). Row t: addresses
+    of param, grad (float32), momentum buffer (0 for mode 0); mode as in _sgd_range."""
+    for t in range(lens.shape[0]):
+        n = lens[t]
+        p = numba.carray(_f32_ptr(ptrs[t, 0]), n)
+        g = numba.carray(_f32_ptr(ptrs[t, 1]), n)
+        mode = modes[t]
+        b = numba.carray(_f32_ptr(ptrs[t, 2 if mode != 0 else 0]), n)
+        s = scal[t]
+        if mode == 0:
+            _sgd_range(p, g, b, s, 0)
+        elif mode == 1:
+            _sgd_range(p, g, b, s, 1)
+        elif mode == 2:
+            _sgd_range(p, g, b, s, 2)
+        elif mode == 5:
+            _sgd_range(p, g, b, s, 5)
+        else:
+            _sgd_range(p, g, b, s, 6)

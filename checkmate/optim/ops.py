@@ -110,6 +110,20 @@ def adam_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray,
         kernels._adam_serial(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, bool(amsgrad))
 
 
+def sgd_scalars(*, lr: float, momentum: float, dampening: float, weight_decay: float,
+                gscale: np.float32) -> np.ndarray:
+    """Kernel scalars for SGD."""
+    return np.array([gscale, weight_decay, 1.0 if weight_decay != 0 else 0.0, momentum,
+                     1 - dampening, -lr], dtype=np.float32)
+
+
+def sgd_mode(momentum: float, nesterov: bool, first: bool) -> int:
+    """Kernel variant: 0 no momentum, 1 first momentum step, 2 momentum, +4 nesterov."""
+    if momentum == 0:
+        return 0
+    return (1 if first else 2) + (4 if nesterov else 0)
+
+
 def sgd_step(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | None, *,
              lr: float, momentum: float = 0.0, dampening: float = 0.0,
              weight_decay: float = 0.0, nesterov: bool = False, first: bool,
@@ -125,12 +139,11 @@ def sgd_step(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | 
         if momentum_buffer is None:
             raise CheckmateError("SGD with momentum needs a momentum_buffer array")
         _check_slot("momentum_buffer", momentum_buffer, n)
-        mode = (1 if first else 2) + (4 if nesterov else 0)
     else:
-        momentum_buffer, mode = _EMPTY, 0
-    s = np.array([gscale_of(clip_coef, maximize), weight_decay,
-                  1.0 if weight_decay != 0 else 0.0, momentum, 1 - dampening, -lr],
-                 dtype=np.float32)
+        momentum_buffer = _EMPTY
+    mode = sgd_mode(momentum, nesterov, first)
+    s = sgd_scalars(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                    gscale=gscale_of(clip_coef, maximize))
     if n >= PARALLEL_MIN:
         with _PARALLEL, numba.parallel_chunksize(_schedule(n)):
             kernels._sgd_parallel(param, grad, momentum_buffer, s, mode)
@@ -163,3 +176,6 @@ def warm_up(kinds: tuple[str, ...] = ("adam", "sgd"),
                 s = np.zeros(6, np.float32)
                 for fn in (kernels._sgd_serial, kernels._sgd_parallel):
                     fn(one.copy(), g, _EMPTY, s, 0)
+                if dt is np.float32:
+                    kernels._sgd_multi(np.zeros((0, 3), np.int64), np.zeros(0, np.int64),
+                                       np.zeros((0, 6), np.float32), np.zeros(0, np.int64))

@@ -98,6 +98,54 @@ class SGD(_KernelOptimizer):
         H.resolve("sgd", defaults)
         super().__init__(params, defaults)
 
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One optimizer step; small parameters batched per group (see Adam.step)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hp = self._check_group(group)
+            small = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if _batchable(p):
+                    small.append(p)
+                else:
+                    self._step_param(p, hp)
+            if small:
+                self._step_batch(small, hp)
+        return loss
+
+    def _step_batch(self, params: list[torch.Tensor], hp: dict[str, Any]) -> None:
+        mom = hp["momentum"]
+        rows, modes = [], []
+        for p in params:
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            modes.append(ops.sgd_mode(mom, hp["nesterov"], buf is None))
+            if mom == 0:
+                state.setdefault("momentum_buffer", None)
+                rows.append([p.data_ptr(), p.grad.data_ptr(), 0])
+                continue
+            if buf is None:
+                buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["momentum_buffer"] = buf
+            elif not (buf.dtype == torch.float32 and buf.device.type == "cpu"
+                      and buf.is_contiguous() and buf.numel() == p.numel()):
+                raise CheckmateError(f"state momentum_buffer must be a contiguous float32 CPU "
+                                     f"tensor of {p.numel()} elements, got {buf.dtype} "
+                                     f"{tuple(buf.shape)} on {buf.device}")
+            rows.append([p.data_ptr(), p.grad.data_ptr(), buf.data_ptr()])
+        s = ops.sgd_scalars(lr=hp["lr"], momentum=mom, dampening=hp["dampening"],
+                            weight_decay=hp["weight_decay"],
+                            gscale=ops.gscale_of(None, hp["maximize"]))
+        kernels._sgd_multi(np.array(rows, dtype=np.int64),
+                           np.array([p.numel() for p in params], dtype=np.int64),
+                           np.tile(s, (len(params), 1)), np.array(modes, dtype=np.int64))
+
     def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
         state = self.state[p]
         buf = state.get("momentum_buffer")
