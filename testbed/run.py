@@ -120,6 +120,9 @@ class Cluster:
             self.testbed = tb
             self.ip = {h.name: h.ip for h in cfg.hosts}
         else:
+            self.registry = Path(tempfile.gettempdir()) / f"checkmate-run-{loopback_net}.json"
+            self.clear_leftovers()
+            stack.callback(self.clear_leftovers)
             self.ip = {}
             for h in cfg.trainers:
                 self.ip[h.name] = f"{loopback_net}.{10 + h.rank}"
@@ -128,10 +131,39 @@ class Cluster:
 
     def popen(self, host: str, argv: list[str], env: dict[str, str], **kw: Any
               ) -> subprocess.Popen:
+        """Start a process on ``host``, recorded so that a later run (or `testbed down` in
+        switch mode) stops it if this launcher dies without cleaning up."""
         full_env = {**os.environ, **env}
+        kw.pop("start_new_session", None)
+        name = f"{host}:{argv[2] if len(argv) > 2 else argv[0]}"
         if self.testbed is not None:
-            return self.testbed.popen_in(host, argv, env=full_env, **kw)
-        return subprocess.Popen(argv, env=full_env, **kw)
+            return self.testbed.spawn(host, argv, name, env=full_env, **kw)
+        p = subprocess.Popen(argv, env=full_env, start_new_session=True, **kw)
+        self._record(p.pid)
+        return p
+
+    # Host mode has no testbed state dir: leftovers are listed in a file per loopback net.
+    def _record(self, pid: int) -> None:
+        from checkmate.testbed.topology import proc_start_time
+
+        procs = self._recorded()
+        procs.append({"pid": pid, "start": proc_start_time(pid)})
+        self.registry.write_text(json.dumps(procs))
+
+    def _recorded(self) -> list[dict]:
+        try:
+            data = json.loads(self.registry.read_text())
+        except (OSError, ValueError):
+            return []
+        return [d for d in data if isinstance(d, dict) and isinstance(d.get("pid"), int)]
+
+    def clear_leftovers(self) -> None:
+        """Stop processes an earlier, killed launcher left on this loopback net."""
+        from checkmate.testbed.topology import stop_pid
+
+        for d in self._recorded():
+            stop_pid(d["pid"], d.get("start"), timeout=2.0)
+        self.registry.unlink(missing_ok=True)
 
     def run(self, host: str, argv: list[str]) -> subprocess.CompletedProcess:
         if self.testbed is not None:
