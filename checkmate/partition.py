@@ -11,6 +11,7 @@ Partition ``i`` of ``n`` covers ``[i * total // n, (i + 1) * total // n)``. When
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,11 +31,24 @@ __all__ = [
 ]
 
 
-def _check(total: int, n: int) -> None:
-    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+def _int(x: object) -> int | None:
+    """``x`` as a Python int if it is an integer (numpy ones too), not a bool."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _check(total: int, n: int) -> tuple[int, int]:
+    """``(total, n)`` as Python ints, validated."""
+    t, k = _int(total), _int(n)
+    if t is None or t < 0:
         raise CheckmateError(f"flat parameter count must be an integer >= 0, got {total!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if k is None or k < 1:
         raise CheckmateError(f"partition count must be an integer >= 1, got {n!r}")
+    return t, k
 
 
 def _start(i: int, total: int, n: int) -> int:
@@ -43,7 +57,7 @@ def _start(i: int, total: int, n: int) -> int:
 
 def partition_bounds(total: int, n: int) -> list[tuple[int, int]]:
     """Half-open ``(start, end)`` of each of the ``n`` partitions of ``total`` elements."""
-    _check(total, n)
+    total, n = _check(total, n)
     return [(_start(i, total, n), _start(i + 1, total, n)) for i in range(n)]
 
 
@@ -53,8 +67,9 @@ def partition_of(offset: int, total: int, n: int) -> int:
     Raises:
         CheckmateError: ``offset`` lies outside ``[0, total)``.
     """
-    _check(total, n)
-    if not 0 <= offset < total:
+    total, n = _check(total, n)
+    offset = _int(offset)
+    if offset is None or not 0 <= offset < total:
         raise CheckmateError(f"offset {offset} outside the flat space [0, {total})")
     # Largest i with i*total//n <= offset  <=>  i*total < (offset+1)*n.
     return ((offset + 1) * n - 1) // total
@@ -70,12 +85,13 @@ def split_range(offset: int, count: int, total: int, n: int) -> list[tuple[int, 
     Raises:
         CheckmateError: the chunk does not lie inside ``[0, total)``.
     """
-    _check(total, n)
-    if count < 0 or offset < 0 or offset + count > total:
+    total, n = _check(total, n)
+    o, c = _int(offset), _int(count)
+    if o is None or c is None or c < 0 or o < 0 or o + c > total:
         raise CheckmateError(
-            f"chunk [{offset}, {offset + count}) outside the flat space [0, {total})")
+            f"chunk of {count!r} elements at offset {offset!r} outside the flat space [0, {total})")
     pieces: list[tuple[int, int, int]] = []
-    pos, end = offset, offset + count
+    pos, end = o, o + c
     while pos < end:
         part = partition_of(pos, total, n)
         stop = min(end, _start(part + 1, total, n))

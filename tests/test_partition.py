@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -45,6 +46,14 @@ def test_partition_of_boundaries_and_errors() -> None:
             partition_of(bad, total, n)
     with pytest.raises(CheckmateError, match="partition count"):
         partition_bounds(10, 0)
+    with pytest.raises(CheckmateError, match="partition count"):
+        partition_bounds(10, 2.0)
+    with pytest.raises(CheckmateError, match="flat parameter count"):
+        partition_bounds(True, 2)
+    # numpy integers (sizes computed with numpy) are fine and give plain ints back
+    b = partition_bounds(np.int64(10), np.int32(3))
+    assert b == [(0, 3), (3, 6), (6, 10)] and all(type(x) is int for r in b for x in r)
+    assert partition_of(np.int64(5), 10, 3) == 1
 
 
 @given(st.integers(1, 10**6), st.integers(1, 50), st.data())
