@@ -3,10 +3,14 @@
     testbed run --scenario NAME|FILE [--config FILE] [--mode switch|host] [--json OUT]
 
 Scenarios live in testbed/scenarios/*.yaml (found by name) or any YAML file:
-``{name, model: gpt|cnn, steps, seed, kill_at: ITER|random}``. Without ``kill_at`` the job
-runs once (failure-free). With it, the job runs twice on fresh shadows: once failure-free
-(the reference), once with every trainer SIGKILLed when rank 0 reports ``kill_at`` and then
-restored from the shadows' consistent point. The final model and optimizer state of the two
+``{name, model: gpt|cnn, steps, seed, kill_at: ITER|random, kill_phase: PHASE}``. Without
+``kill_at`` the job runs once (failure-free). With it, the job runs twice on fresh shadows:
+once failure-free (the reference), once with every trainer SIGKILLed and then restored from
+the shadows' consistent point. ``kill_phase: after-step`` (default): the launcher kills all
+trainers when rank 0 reports iteration ``kill_at``; ``before-control``: rank 0 SIGKILLs
+itself after its optimizer step of ``kill_at`` but before the control message (so the shadows
+cannot commit that iteration while other ranks finished it), and the launcher kills the rest
+when it sees rank 0 die. The final model and optimizer state of the two
 runs must be equal (torch.equal on every tensor), and at most one iteration may be repeated.
 Each run also checks that the shadows' final state equals the trainers'.
 
@@ -56,6 +60,10 @@ class Scenario:
     seed: int = 0
     kill_at: int | None = None
     description: str = ""
+    kill_phase: str = "after-step"
+
+
+KILL_PHASES = ("after-step", "before-control")
 
 
 def scenario_names() -> list[str]:
@@ -76,7 +84,8 @@ def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:
         raise CheckmateError(f"scenario {path} is not readable YAML") from None
     if not isinstance(d, dict):
         raise CheckmateError(f"scenario {path} must be a mapping")
-    unknown = set(d) - {"name", "model", "steps", "seed", "kill_at", "description"}
+    unknown = set(d) - {"name", "model", "steps", "seed", "kill_at", "kill_phase",
+                        "description"}
     if unknown:
         raise CheckmateError(f"scenario {path}: unknown key(s) {', '.join(sorted(unknown))}")
     from checkmate.testbed.models import MODELS
@@ -95,8 +104,12 @@ def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:
                                or not 1 <= kill < steps):
         raise CheckmateError(f"scenario {path}: kill_at must be 1..{steps - 1} or 'random', "
                              f"got {kill!r}")
+    phase = d.get("kill_phase", "after-step")
+    if phase not in KILL_PHASES:
+        raise CheckmateError(f"scenario {path}: kill_phase must be one of "
+                             f"{', '.join(KILL_PHASES)}, got {phase!r}")
     return Scenario(str(d.get("name", path.stem)), model, steps, seed, kill,
-                    str(d.get("description", "")))
+                    str(d.get("description", "")), phase)
 
 
 # ----------------------------------------------------------------------------- cluster
@@ -272,7 +285,9 @@ class Run:
         path.write_text(json.dumps(job, indent=1))
         return path
 
-    def start_trainers(self, resume: bool) -> None:
+    def start_trainers(self, resume: bool, fail_at: int | None = None) -> None:
+        """Start every rank; ``fail_at``: rank 0 kills itself before that iteration's
+        control message (checkmate.train.worker's failure injector)."""
         cfg, cl = self.cl.cfg, self.cl
         job = self.job_file()
         master = cl.ip[cfg.trainers[0].name]
@@ -283,6 +298,10 @@ class Run:
                    "MASTER_ADDR": master, "MASTER_PORT": str(port),
                    "GLOO_SOCKET_IFNAME": cl.ifname(h.name), "OMP_NUM_THREADS": "1",
                    "PYTHONUNBUFFERED": "1"}
+            if fail_at is not None and h.rank == 0:
+                from checkmate.train.worker import FAIL_AT_ENV
+
+                env[FAIL_AT_ENV] = f"{fail_at}:before-control"
             argv = [sys.executable, "-m", "checkmate.train.worker", "--job", str(job)]
             if resume:
                 argv.append("--resume")
@@ -336,8 +355,25 @@ class Run:
                 p.wait()
 
     # -- following -----------------------------------------------------------------------
-    def follow(self, kill_at: int | None, timeout: float = 600) -> str:
-        """Consume events until all trainers are done ("done") or killed ("killed")."""
+    def _killed(self, at: int, max_done: int, pids: set[int]) -> str:
+        self.kill_trainers()
+        # Drain what the pipes still held: steps finished before the kill.
+        time.sleep(0.3)
+        while not self.events.empty():
+            e = self.events.get_nowait()
+            if e.get("event") == "iter" and e.get("pid") in pids:
+                max_done = max(max_done, e["iteration"])
+        self.result.killed_at = at
+        self.result.max_done_before_kill = max_done
+        return "killed"
+
+    def follow(self, kill_at: int | None, timeout: float = 600,
+               fail_at: int | None = None) -> str:
+        """Consume events until all trainers are done ("done") or killed ("killed").
+
+        ``kill_at``: kill every trainer when rank 0 reports that iteration; ``fail_at``:
+        rank 0 dies by itself at that iteration, then the others are killed.
+        """
         world = len(self.trainers)
         pids = {p.pid for p in self.trainers}
         done, exited = set(), set()
@@ -360,16 +396,7 @@ class Run:
                     self.result.times.append(ev["t"])
                     self.progress(self.label, ev["iteration"], ev["loss"])
                     if kill_at is not None and ev["iteration"] >= kill_at:
-                        self.kill_trainers()
-                        # Drain what the pipes still held: steps finished before the kill.
-                        time.sleep(0.3)
-                        while not self.events.empty():
-                            e = self.events.get_nowait()
-                            if e.get("event") == "iter" and e.get("pid") in pids:
-                                max_done = max(max_done, e["iteration"])
-                        self.result.killed_at = ev["iteration"]
-                        self.result.max_done_before_kill = max_done
-                        return "killed"
+                        return self._killed(ev["iteration"], max_done, pids)
             elif kind == "started":
                 if ev.get("resumed") and ev["rank"] == 0:
                     self.result.restored_from = ev["iteration"]
@@ -380,6 +407,8 @@ class Run:
                                           "copy_bytes": ev.get("copy_bytes")})
             elif kind == "exit":
                 exited.add(ev["rank"])
+                if fail_at is not None and ev["rank"] == 0 and 0 not in done:
+                    return self._killed(fail_at, max_done, pids)
         if len(done) < world:
             bad = sorted(set(range(world)) - done)
             raise CheckmateError(f"{self.label}: trainer(s) {bad} failed; see "
@@ -465,6 +494,7 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
     report: dict[str, Any] = {"scenario": sc.name, "mode": cl.mode, "model": sc.model,
                               "steps": sc.steps, "trainers": len(cl.cfg.trainers),
                               "shadows": cl.cfg.num_partitions, "kill_at": sc.kill_at,
+                              "kill_phase": sc.kill_phase,
                               "runs": {}}
     problems: list[str] = []
     runs = [("failure-free", None)] + ([("kill-restore", sc.kill_at)] if sc.kill_at else [])
@@ -474,8 +504,10 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
         t0 = time.perf_counter()
         try:
             run.start_shadows()
-            run.start_trainers(resume=False)
-            if run.follow(kill) == "killed":
+            self_kill = kill is not None and sc.kill_phase == "before-control"
+            run.start_trainers(resume=False, fail_at=kill if self_kill else None)
+            outcome = (run.follow(None, fail_at=kill) if self_kill else run.follow(kill))
+            if outcome == "killed":
                 run.start_trainers(resume=True)
                 run.follow(None)
             problems += check_run(run)

@@ -136,6 +136,8 @@ class CheckmateSession:
         self.model: CheckmateDDP | None = None
         self.ring: RingAllreduce | None = None
         self.sender = ShadowSender(layout.job_id, layout.shadows)
+        #: Failure-injection hook ``(phase, iteration)`` for tests and scenarios.
+        self.injector: Any = None
         self._refresh_stop = threading.Event()
         self._refresher: threading.Thread | None = None
 
@@ -223,6 +225,8 @@ class CheckmateSession:
             self.scheduler.step()
         self._sync_buffers()
         self.last_clip = coef
+        if self.injector is not None:
+            self.injector("before-control", self.iteration)
         if self.layout.rank == 0 and self.layout.mode != "off":
             body = {
                 "iteration": self.iteration, "lrs": lrs, "clip_coef": coef, "skip": False,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,27 @@ class Baseline:
             self._pending = None
 
 
+#: Failure injector for scenarios: "ITERATION:PHASE" makes this trainer SIGKILL itself at that
+#: point of that iteration (phase "before-control": after the optimizer step, before the
+#: control message). Only the environment sets it; there is no command-line flag.
+FAIL_AT_ENV = "CHECKMATE_FAIL_AT"
+
+
+def _injector(spec: str | None):
+    """A session hook that kills this process at the given (iteration, phase)."""
+    if not spec:
+        return None
+    it, _, phase = spec.partition(":")
+    if not it.isdigit() or phase != "before-control":
+        raise CheckmateError(f"{FAIL_AT_ENV} must look like ITERATION:before-control, "
+                             f"got {spec!r}")
+
+    def hook(at_phase: str, iteration: int) -> None:
+        if at_phase == phase and iteration == int(it):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
 def _emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
@@ -105,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = Baseline(job.get("ckpt", "checkmate"), job.get("ckpt_dir"), rank)
     sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout_from_job(job, rank, world),
                             w.max_grad_norm)
+    sess.injector = _injector(os.environ.get(FAIL_AT_ENV))
     t0 = time.perf_counter()
     start = sess.start(resume=args.resume)
     _emit(event="started", rank=rank, iteration=start, resumed=args.resume,
