@@ -12,12 +12,14 @@ so the ring needs one reliable, ordered datagram stream per direction:
 - a payload whose CRC32C does not match is dropped and counted, which turns corruption into
   loss.
 
-A bucket of ``n`` elements is cut into ``world`` segments, and each segment into chunks that
-fit one datagram and never cross a partition boundary of the flat parameter space. Segment
-``g`` starts at rank ``g``, collects one addend per hop, and is complete at rank ``g - 1``,
-which sends it on its first all-gather hop with REPLICATE set (the switch copies it to the
-partition's shadow) and calls ``on_reduced`` (host replication sends the copy itself). Later
-all-gather hops forward it untagged, so each element reaches its shadow once per iteration.
+A bucket of ``n`` elements is cut into ``world`` segments, and each segment into chunks of
+at most ``chunk`` elements (64 KB datagrams, IP-fragmented on a 9000-byte path) that never
+cross a partition boundary of the flat parameter space. Segment ``g`` starts at rank ``g``,
+collects one addend per hop, and is complete at rank ``g - 1``, which sends it on its first
+all-gather hop in frame-sized pieces with REPLICATE set (the switch copies each piece to the
+partition's shadow) and calls ``on_reduced`` per piece (host replication sends the copy
+itself). Later all-gather hops forward whole chunks untagged, so each element reaches its
+shadow once per iteration.
 
 The caller divides the bucket by the world size before submitting; the reduced bytes are then
 exactly the gradient every rank uses and the shadows receive.
