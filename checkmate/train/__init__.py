@@ -2,8 +2,9 @@
 
 Entry points: :class:`CheckmateSession` (one per trainer process; see its module for the
 training loop), :class:`JobLayout` (addresses of a job), :class:`CheckmateDDP` and
-:class:`RingAllreduce` (usable on their own), :func:`restore_session`
-(``python -m checkmate.train.restore`` on the command line).
+:class:`RingAllreduce` (usable on their own), :func:`restore_trainer` (one process) and
+:func:`restore_session` (every rank of a job; ``python -m checkmate.train.restore`` on the
+command line).
 
 Names are resolved lazily so that ``python -m checkmate.train.restore`` (and the worker) do
 not find their own module imported before they run.
@@ -20,6 +21,7 @@ _WHERE = {
     "JobLayout": "checkmate.train.session",
     "RingAllreduce": "checkmate.train.ring",
     "ShadowTarget": "checkmate.train.replicate",
+    "restore_trainer": "checkmate.train.restore",
     "restore_session": "checkmate.train.restore",
 }
 __all__ = sorted(_WHERE)

@@ -70,6 +70,20 @@ def load_trainer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             g["lr"] = lr
 
 
+def restore_trainer(addrs: list[tuple[str, int]], model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, scheduler: Any = None,
+            iteration: int | None = None) -> tuple[int, dict]:
+    """Load the shadows' consistent point (or ``iteration``) into live trainer objects.
+
+    The one call for a single process; ``restore_session`` is the same for every rank of a
+    job at once. Returns ``(iteration, user extra)``; training continues at iteration + 1,
+    with torch's RNG reseeded per iteration (``CheckmateSession.begin``).
+    """
+    model_sd, optim_sd, it, _, extra = restore_state_dicts(addrs, None, iteration)
+    load_trainer_state(model, optimizer, scheduler, model_sd, optim_sd, extra)
+    return it, extra.get("user", {})
+
+
 def restore_session(sess: Any) -> int:
     """Restore ``sess`` (a CheckmateSession) in place; returns the restored iteration."""
     import torch.distributed as dist
