@@ -117,7 +117,19 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads(Path(args.job).read_text())
     except (OSError, ValueError) as e:
         raise CheckmateError(f"cannot read job file {args.job}: {e}") from None
+    if not isinstance(job, dict):
+        raise CheckmateError(f"job file {args.job} must hold a JSON object")
+    missing = [k for k in ("job_id", "mode", "model", "steps", "trainers", "out") if k not in job]
+    if missing:
+        raise CheckmateError(f"job file {args.job} lacks {', '.join(missing)}")
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    _env_int("MASTER_PORT")
+    if not os.environ.get("MASTER_ADDR"):
+        raise CheckmateError("environment variable MASTER_ADDR must be set (torchrun-style)")
+    try:
+        layout = layout_from_job(job, rank, world)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckmateError(f"job file {args.job}: bad entry ({e})") from None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from checkmate.testbed.models import build
@@ -125,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = int(job["steps"])
     w = build(job["model"], int(job.get("seed", 0)), steps, **job.get("model_kw", {}))
     ckpt = Baseline(job.get("ckpt", "checkmate"), job.get("ckpt_dir"), rank)
-    sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout_from_job(job, rank, world),
-                            w.max_grad_norm)
+    sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout, w.max_grad_norm)
     sess.injector = _injector(os.environ.get(FAIL_AT_ENV))
     t0 = time.perf_counter()
     start = sess.start(resume=args.resume)
