@@ -1,4 +1,5 @@
-"""Ring allreduce over real UDP sockets on loopback (addresses 127.78.x.y, test prefix "te").
+"""Ring allreduce over real UDP sockets on loopback (127.R.x.y, R random per run).
+
 
 Loss and corruption come from ``LossyLink``, a test double of a lossy network applied to
 outgoing datagrams (loopback has no switch); the namespace test in test_e2e_switch.py uses
@@ -8,6 +9,7 @@ the real switch's fault knobs instead.
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 
 import numpy as np
@@ -20,11 +22,13 @@ from checkmate.train.ring import MAX_CHUNK, RingAllreduce
 from checkmate.train.transport import LossyLink, open_socket
 
 _net = itertools.count(1)
+# A random second octet per run, so two suite runs on one machine never share addresses.
+_OCTET = random.randrange(100, 200)
 
 
 def make_ring(world: int, total: int, partitions: int = 2, chunk: int = 512,
               link: float = 0.0, corrupt: float = 0.0, on_reduced=None, nonce: int = 99):
-    net = f"127.78.{next(_net)}"
+    net = f"127.{_OCTET}.{next(_net)}"
     addrs = [(f"{net}.{10 + r}", 47000) for r in range(world)]
     socks = [open_socket(*a) for a in addrs]
     rings = []
