@@ -1,6 +1,5 @@
 """Ring allreduce over real UDP sockets on loopback (127.R.x.y, R random per run).
 
-
 Loss and corruption come from ``LossyLink``, a test double of a lossy network applied to
 outgoing datagrams (loopback has no switch); the namespace test in test_e2e_switch.py uses
 the real switch's fault knobs instead.
