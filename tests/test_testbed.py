@@ -122,10 +122,6 @@ def test_down_leaves_a_recycled_pid_alone(cfg_file):
 
 
 def test_controller_started_in_switch_namespace_and_stopped(cfg_file):
-    import importlib.util
-
-    if importlib.util.find_spec("checkmate.control.cli") is None:
-        pytest.skip("controller service (checkmate.control.cli) not installed yet")
     res = _cli("up", "--config", str(cfg_file))
     st = json.loads(_cli("status", "--config", str(cfg_file), "--json").stdout)
     pid = st["switch"]["controller_pid"]
