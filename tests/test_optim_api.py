@@ -238,8 +238,8 @@ def test_warm_up_compiles_every_gradient_type() -> None:
     co.warm_up(("adamw", "sgd"), (np.float32, np.uint16, np.int16))
     from checkmate.optim import kernels
 
-    for fn in (kernels._adam_serial, kernels._adam_parallel, kernels._sgd_serial,
-               kernels._sgd_parallel):
+    for fn in (kernels._adam_serial, kernels._adam_worker, kernels._sgd_serial,
+               kernels._sgd_worker):
         grad_types = {str(sig[1].dtype) for sig in fn.signatures}
         assert {"float32", "uint16", "int16"} <= grad_types, fn
 

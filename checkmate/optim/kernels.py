@@ -17,8 +17,9 @@ Every gradient is first multiplied by ``gscale`` in float32: the clip coefficien
 ``-(g * c) == g * (-c)`` in IEEE arithmetic, so this equals torch's ``grad.mul_(coef)``
 followed by ``-grad``.
 
-Work is split into fixed chunks run with ``prange``; the arithmetic is purely
-elementwise, so neither the chunking nor the thread count changes any result.
+Large arrays are split into pieces that several threads take from a shared counter
+(:mod:`checkmate.optim.pool`); the arithmetic is purely elementwise, so neither the
+pieces nor the thread count change any result.
 """
 
 from __future__ import annotations
@@ -28,25 +29,33 @@ import os
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
-# Numba's default "omp" layer here is a second OpenMP runtime beside torch's; both spin
-# on the same cores and each slows the other down (measured: torch's fused AdamW 23 ms ->
-# 41 ms after one of our parallel steps, ours 40 ms instead of 5-10 ms). The workqueue
-# layer does not spin. It does not allow concurrent parallel launches from several threads:
-# checkmate.optim.ops serializes them. An explicit NUMBA_THREADING_LAYER wins.
+from checkmate.optim import pool
+from checkmate.optim.pool import fetch_add
+
+# Our kernels run their threads themselves (checkmate.optim.pool) and use no Numba
+# threading layer. For any prange code in the same process: Numba's default "omp" layer
+# here is a second OpenMP runtime beside torch's; both spin on the same cores and each
+# slows the other down (measured: torch's fused AdamW 23 ms -> 41 ms after one parallel
+# Numba step). The workqueue layer does not spin. An explicit NUMBA_THREADING_LAYER wins.
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
 
-#: elements per parallel work item (a multiple of every vector width; 64 KiB of float32).
+#: parallel pieces are whole multiples of this many elements (64 KiB of float32, a multiple
+#: of every vector width), so every piece starts as aligned as the array does.
 CHUNK = 16384
-#: work items a thread takes at a time; checkmate.optim.ops sets it around each parallel
-#: launch (a `with` block inside a cached kernel cannot be cached). Dynamic instead of
-#: Numba's static split: with other processes on the cores, a static half waits for the
-#: slower thread (measured: 1229 vs 1559 M params/s, p25 of 25 AdamW steps on 20M).
-SCHEDULE = 8
+#: pieces per thread a parallel step is cut into (see grab_size).
+GRABS_PER_THREAD = 16
+
+
+def grab_size(n: int, threads: int) -> int:
+    """Elements a thread takes from the shared counter at a time: whole CHUNKs, about
+    GRABS_PER_THREAD pieces per thread (few jumps for the hardware prefetcher, yet a thread
+    slowed by other processes still leaves work to the others)."""
+    return max(1, n // (GRABS_PER_THREAD * max(1, threads) * CHUNK)) * CHUNK
 
 
 @intrinsic
@@ -152,8 +161,8 @@ def _adam_range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _adam_chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lo, hi, s, amsgrad):
-    """One work item, compiled on its own so LLVM vectorizes it (the same loop inlined into
-    a prange body is not vectorized); amsgrad and plain Adam are separate loops."""
+    """Elements [lo, hi), compiled on its own so LLVM vectorizes it (the same loop inlined
+    into a prange body was not); amsgrad and plain Adam are separate loops."""
     p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
     if amsgrad:
         _adam_range(p, g, m, v, max_exp_avg_sq[lo:hi], s, True)
@@ -161,14 +170,27 @@ def _adam_chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lo, hi, s, ams
         _adam_range(p, g, m, v, max_exp_avg_sq, s, False)
 
 
-@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
-def _adam_parallel(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad):
+@njit(cache=True, nogil=True, error_model="numpy")
+def _adam_worker(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad, grab, ctl):
+    """One thread's share of a parallel step (checkmate.optim.pool): pieces of ``grab``
+    elements from the shared counter until none are left."""
     n = param.shape[0]
-    nchunks = (n + CHUNK - 1) // CHUNK
-    for c in prange(nchunks):
-        lo = c * CHUNK
-        hi = min(lo + CHUNK, n)
-        _adam_chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lo, hi, s, amsgrad)
+    fetch_add(ctl, 1, 1)
+    while True:
+        lo = fetch_add(ctl, 0, grab)
+        if lo >= n:
+            break
+        _adam_chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lo, min(lo + grab, n), s,
+                    amsgrad)
+    fetch_add(ctl, 1, -1)
+
+
+def _adam_parallel(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad):
+    """The Adam step on all of Numba's threads (numba.get_num_threads(), the caller
+    included); returns when every element is done."""
+    threads = numba.get_num_threads()
+    pool.run(_adam_worker, (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad,
+                            grab_size(param.shape[0], threads)), threads)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -225,14 +247,24 @@ def _sgd_chunk(param, grad, buf, lo, hi, s, mode):
         _sgd_range(p, g, buf[lo:hi], s, 6)
 
 
-@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
-def _sgd_parallel(param, grad, buf, s, mode):
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sgd_worker(param, grad, buf, s, mode, grab, ctl):
+    """One thread's share of a parallel SGD step (see _adam_worker)."""
     n = param.shape[0]
-    nchunks = (n + CHUNK - 1) // CHUNK
-    for c in prange(nchunks):
-        lo = c * CHUNK
-        hi = min(lo + CHUNK, n)
-        _sgd_chunk(param, grad, buf, lo, hi, s, mode)
+    fetch_add(ctl, 1, 1)
+    while True:
+        lo = fetch_add(ctl, 0, grab)
+        if lo >= n:
+            break
+        _sgd_chunk(param, grad, buf, lo, min(lo + grab, n), s, mode)
+    fetch_add(ctl, 1, -1)
+
+
+def _sgd_parallel(param, grad, buf, s, mode):
+    """The SGD step on all of Numba's threads (see _adam_parallel)."""
+    threads = numba.get_num_threads()
+    pool.run(_sgd_worker, (param, grad, buf, s, mode, grab_size(param.shape[0], threads)),
+             threads)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

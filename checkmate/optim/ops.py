@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 
-import numba
 import numpy as np
 
 from checkmate.errors import CheckmateError
@@ -21,17 +20,6 @@ PARALLEL_MIN = 1 << 17
 
 _EMPTY = np.zeros(0, np.float32)
 
-#: one parallel kernel at a time per process (the workqueue layer cannot run two at once;
-#: each uses every core anyway). Serial kernels release the GIL and need no lock.
-_PARALLEL = threading.Lock()
-
-
-def _schedule(n: int) -> int:
-    """Work items a thread takes at a time: at least kernels.SCHEDULE, and about 16 grabs
-    per thread on big arrays (fewer jumps for the hardware prefetcher; measured +3-5% on
-    100M parameters), so a thread slowed by other processes still leaves work to others."""
-    items = (n + kernels.CHUNK - 1) // kernels.CHUNK
-    return max(kernels.SCHEDULE, items // (16 * numba.get_num_threads()))
 
 
 def _f32(x: float) -> np.float32:
@@ -103,9 +91,8 @@ def adam_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray,
     s = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                      decoupled=decoupled, step=step, gscale=gscale_of(clip_coef, maximize))
     if n >= PARALLEL_MIN:
-        with _PARALLEL, numba.parallel_chunksize(_schedule(n)):
-            kernels._adam_parallel(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s,
-                                   bool(amsgrad))
+        kernels._adam_parallel(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s,
+                               bool(amsgrad))
     else:
         kernels._adam_serial(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, bool(amsgrad))
 
@@ -145,8 +132,7 @@ def sgd_step(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | 
     s = sgd_scalars(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                     gscale=gscale_of(clip_coef, maximize))
     if n >= PARALLEL_MIN:
-        with _PARALLEL, numba.parallel_chunksize(_schedule(n)):
-            kernels._sgd_parallel(param, grad, momentum_buffer, s, mode)
+        kernels._sgd_parallel(param, grad, momentum_buffer, s, mode)
     else:
         kernels._sgd_serial(param, grad, momentum_buffer, s, mode)
 

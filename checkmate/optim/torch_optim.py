@@ -42,6 +42,19 @@ def _batchable(p: torch.Tensor) -> bool:
             and g.shape == p.shape)
 
 
+def _count_step(state: dict[str, Any]) -> int:
+    """``state["step"] += 1`` and return the new count. A CPU float32 step tensor is
+    counted through its numpy view: the same float32 addition, without two torch
+    dispatcher round trips (measured ~0.1 ms per step after an idle gap)."""
+    t = state["step"]
+    if t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad:
+        v = t.numpy()
+        v += np.float32(1.0)
+        return int(v)
+    t += 1
+    return int(t.item())
+
+
 def _scalar(x: Any, name: str) -> float:
     if isinstance(x, torch.Tensor):
         raise CheckmateError(f"{name} must be a Python float, not a tensor")
@@ -253,22 +266,15 @@ class Adam(_KernelOptimizer):
         kernels._adam_multi(ptrs, lens, scal, bool(ams))
 
     def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
-        state = self.state[p]
-        if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if hp["amsgrad"] and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        state = self._init_state(p, hp)
+        step = _count_step(state)
         b1, b2 = hp["betas"]
         mx = _flat(state["max_exp_avg_sq"], "max_exp_avg_sq") if hp["amsgrad"] else None
         ops.adam_step(_flat(p, "parameter"), as_kernel_grad(p.grad),
                       _flat(state["exp_avg"], "exp_avg"), _flat(state["exp_avg_sq"], "exp_avg_sq"),
                       mx, lr=hp["lr"], beta1=b1, beta2=b2, eps=hp["eps"],
                       weight_decay=hp["weight_decay"], decoupled=self._decoupled(hp),
-                      amsgrad=hp["amsgrad"], step=int(state["step"].item()),
-                      maximize=hp["maximize"])
+                      amsgrad=hp["amsgrad"], step=step, maximize=hp["maximize"])
 
     def _decoupled(self, hp: dict[str, Any]) -> bool:
         return self.kind == "adamw" or bool(hp.get("decoupled_weight_decay"))

@@ -34,12 +34,12 @@ from collections.abc import Callable
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
 from checkmate.errors import CheckmateError, cli_guard
-from checkmate.optim import AdamW
-from checkmate.optim.kernels import CHUNK
-from checkmate.optim.ops import _schedule
+from checkmate.optim import AdamW, pool
+from checkmate.optim.kernels import grab_size
+from checkmate.optim.pool import fetch_add
 
 BYTES_PER_PARAM = 28  # 4 reads + 3 writes of float32
 BYTES_PER_ADD = 12  # c = a + b
@@ -71,17 +71,24 @@ def _stream_chunk(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, lo
         p[i] = p[i] + a
 
 
-@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
-def _stream_parallel(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
+@njit(cache=True, nogil=True, error_model="numpy")
+def _stream_worker(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, grab: int,
+                   ctl: np.ndarray) -> None:
+    """One thread's share, taken piece by piece exactly like our optimizer kernels'."""
     n = p.shape[0]
-    for c in prange((n + CHUNK - 1) // CHUNK):
-        _stream_chunk(p, g, m, v, c * CHUNK, min(c * CHUNK + CHUNK, n))
+    fetch_add(ctl, 1, 1)
+    while True:
+        lo = fetch_add(ctl, 0, grab)
+        if lo >= n:
+            break
+        _stream_chunk(p, g, m, v, lo, min(lo + grab, n))
+    fetch_add(ctl, 1, -1)
 
 
 def _stream(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
-    """Same work split and scheduling as our optimizer kernels."""
-    with numba.parallel_chunksize(_schedule(p.shape[0])):
-        _stream_parallel(p, g, m, v)
+    """Same threads, pieces and launch as our optimizer kernels (checkmate.optim.pool)."""
+    threads = numba.get_num_threads()
+    pool.run(_stream_worker, (p, g, m, v, grab_size(p.shape[0], threads)), threads)
 
 
 class _Parser(argparse.ArgumentParser):
