@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from checkmate.errors import CheckmateError
+from checkmate.shadow.osname import name_thread
 from checkmate.spec import ModelSpec
 
 log = logging.getLogger("checkmate.shadow")
@@ -377,6 +378,7 @@ class Persister:
             self.state.unpin(old)
 
     def _loop(self) -> None:
+        name_thread()
         while True:
             with self._cv:
                 while self._pending is None and not self._stop:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from checkmate.errors import CheckmateError
+from checkmate.shadow.osname import name_thread
 from checkmate.shadow.state import ShadowState
 from checkmate.shadow_client import ShadowError, recv_frame, send_frame
 from checkmate.spec import ModelSpec
@@ -65,6 +66,7 @@ class Service:
             self._thread.join(5)
 
     def _accept(self) -> None:
+        name_thread()
         while not self._stop.is_set():
             try:
                 conn, _ = self.sock.accept()
@@ -77,6 +79,7 @@ class Service:
                              daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        name_thread()
         try:
             while True:
                 try:

@@ -27,6 +27,7 @@ import numpy as np
 from checkmate.errors import CheckmateError
 from checkmate.shadow.assembler import Assembler, Control
 from checkmate.shadow.intervals import IntervalSet
+from checkmate.shadow.osname import name_thread
 from checkmate.spec import ModelSpec
 
 log = logging.getLogger("checkmate.shadow")
@@ -219,6 +220,7 @@ class ShadowState:
             self._stepper.join(10)
 
     def _step_loop(self) -> None:
+        name_thread()
         while True:
             item = self._queue.get()
             if item is None:
