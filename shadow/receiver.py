@@ -29,7 +29,7 @@ log = logging.getLogger("checkmate.shadow")
 
 #: Receive buffer size asked for; the kernel may grant less (reported in status).
 RCVBUF = 256 << 20
-#: While datagrams keep coming, sleep this long whenever the queue runs dry, so the next
+#: While datagrams trickle in, sleep this long whenever the queue runs dry, so the next
 #: recvmmsg takes many datagrams at once. Waking per poll() took ~3 datagrams per wake-up
 #: (114 wake-ups per training iteration per shadow); on a machine where shadows share cores
 #: with trainers each wake-up can preempt a trainer in the middle of its ring hop. The shadow
@@ -133,22 +133,27 @@ class Receiver:
         stop = self._stop.is_set
         last_tick = time.monotonic()
         linger, sleep = self.linger, time.sleep
-        flowing = False  # took datagrams since the last sleep
+        # Datagrams taken since the thread last slept. A trickle (fewer than one batch) means
+        # waking again at once would take only a few: linger. After a burst the sender has
+        # paused (e.g. it waits for something): block in poll() and answer as soon as it
+        # resumes.
+        taken, batch = 0, self.batch
         while not stop():
             try:
                 lens = recv()
             except BlockingIOError:
                 self.wakeups += 1
-                if flowing and linger:
-                    flowing = False
-                    sleep(linger)  # traffic is flowing: let the queue fill, then batch
+                if linger and 0 < taken < batch:
+                    taken = 0
+                    sleep(linger)
                     continue
+                taken = 0
                 if self.asm is not None:
                     self.asm.check_gaps()
                 last_tick = time.monotonic()
                 poll(100)
                 continue
-            flowing = True
+            taken += len(lens)
             self.received += len(lens)
             now = time.monotonic()
             if now - last_tick > 0.1:
