@@ -54,8 +54,9 @@ def test_any_thread_count_and_piece_size_gives_the_serial_bits(threads: int, gra
 
 
 @njit(nogil=True)
-def _owner_worker(owner: np.ndarray, grab: int, ctl: np.ndarray) -> None:
-    """Marks each piece with the entry rank of the thread that took it (0: first in)."""
+def _owner_worker(owner: np.ndarray, acc: np.ndarray, grab: int, ctl: np.ndarray) -> None:
+    """Marks each piece with the entry rank of the thread that took it (0: first in);
+    a dependent chain per element makes the whole call last tens of milliseconds."""
     n = owner.shape[0]
     me = fetch_add(ctl, 1, 1)
     while True:
@@ -64,22 +65,24 @@ def _owner_worker(owner: np.ndarray, grab: int, ctl: np.ndarray) -> None:
             break
         for i in range(lo, min(lo + grab, n)):
             owner[i] = me
-            for _ in range(20):  # some work per element, so a piece outlasts a wake-up
-                owner[i] = owner[i] * 1 + 0
+            x = float(i)
+            for _ in range(100):
+                x = x * 0.999999 + 1e-3
+            acc[i] = x
     fetch_add(ctl, 1, -1)
 
 
 def test_helpers_really_take_pieces() -> None:
     """With 2 threads a second thread takes pieces while the first still works (else the
     pool would be a serial loop in disguise)."""
-    owner = np.full(N, -1, np.int64)
-    for _ in range(20):
+    owner = np.full(200_000, -1, np.int64)
+    acc = np.zeros(owner.shape[0])
+    for _ in range(10):
         owner[:] = -1
-        pool.run(_owner_worker, (owner, 4096), 2)
+        pool.run(_owner_worker, (owner, acc, 2048), 2)
         assert (owner >= 0).all()
         if (owner == 1).any():
             return
-        time.sleep(0.01)
     pytest.fail("no second thread ever took a piece while the first was working")
 
 

@@ -87,10 +87,12 @@ class _Pool:
             for go in self.helpers[:threads - 1]:
                 if go.locked():  # else a wake-up is still pending: it will see this job
                     go.release()
-            worker(*full)
-            while _inside(ctl) != 0:  # a helper is finishing its last piece
-                time.sleep(0)
-            self.job = None
+            try:
+                worker(*full)
+            finally:
+                while _inside(ctl) != 0:  # a helper is finishing its last piece
+                    time.sleep(0)
+                self.job = None
 
 
 _POOL = _Pool()
