@@ -223,7 +223,9 @@ def test_gap_is_reported_in_status_and_never_stepped_over(cluster_factory):
     g = c.rng.standard_normal(c.spec.total).astype(np.float32)
     c.send(4, g)  # newer traffic keeps arriving past the timeout
     c.step_ref(4, g)
-    sts = c.wait(lambda sts: sts[0]["gap_count"] >= 1)
+    # wait for both: the gap report at partition 0 and iteration 4 committed at partition 1
+    # (the receiver may hold a trickle's last datagrams for its linger time)
+    sts = c.wait(lambda sts: sts[0]["gap_count"] >= 1 and sts[1]["latest"] == 4)
     gap = sts[0]["gaps"][0]
     assert gap["iteration"] == 1 and gap["missing"] == [[lost, lost + 50]]
     assert sts[0]["latest"] == 0 and sts[1]["latest"] == 4
