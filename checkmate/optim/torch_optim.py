@@ -80,40 +80,8 @@ class _KernelOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One optimizer step over every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            hp = self._check_group(group)
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._step_param(p, hp)
-        return loss
-
-    def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-
-class SGD(_KernelOptimizer):
-    """torch.optim.SGD's arithmetic (foreach=False path) on the Numba kernels."""
-
-    kind = "sgd"
-
-    def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0,
-                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 *, maximize: bool = False, foreach: bool | None = None,
-                 differentiable: bool = False, fused: bool | None = None) -> None:
-        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
-                    "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
-                    "foreach": foreach, "differentiable": differentiable, "fused": fused}
-        H.resolve("sgd", defaults)
-        super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One optimizer step; small parameters batched per group (see Adam.step)."""
+        """One optimizer step. Small parameters with float32 gradients go through one
+        batched kernel call per group; the rest one call each (parallel when large)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -131,6 +99,28 @@ class SGD(_KernelOptimizer):
             if small:
                 self._step_batch(small, hp)
         return loss
+
+    def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
+        raise NotImplementedError  # each optimizer kind defines its own
+
+    def _step_batch(self, params: list[torch.Tensor], hp: dict[str, Any]) -> None:
+        raise NotImplementedError  # each optimizer kind defines its own
+
+
+class SGD(_KernelOptimizer):
+    """torch.optim.SGD's arithmetic (foreach=False path) on the Numba kernels."""
+
+    kind = "sgd"
+
+    def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                 *, maximize: bool = False, foreach: bool | None = None,
+                 differentiable: bool = False, fused: bool | None = None) -> None:
+        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
+                    "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
+                    "foreach": foreach, "differentiable": differentiable, "fused": fused}
+        H.resolve("sgd", defaults)
+        super().__init__(params, defaults)
 
     def _step_batch(self, params: list[torch.Tensor], hp: dict[str, Any]) -> None:
         mom = hp["momentum"]
@@ -200,28 +190,6 @@ class Adam(_KernelOptimizer):
                 st = self.state.get(p, {})
                 if st and not torch.is_tensor(st["step"]):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One optimizer step. Small parameters with float32 gradients go through one
-        batched kernel call per group; the rest one call each (parallel when large)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            hp = self._check_group(group)
-            small = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if _batchable(p):
-                    small.append(p)
-                else:
-                    self._step_param(p, hp)
-            if small:
-                self._step_batch(small, hp)
-        return loss
 
     def _init_state(self, p: torch.Tensor, hp: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
