@@ -37,6 +37,8 @@ _MAC_RE = re.compile(r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")
 TRAINER_PORT = wire.CKM_PORT_BASE
 #: UDP port a shadow receives replicated gradients on.
 SHADOW_PORT = wire.CKM_PORT_BASE + 1
+#: UDP port a trainer answers shadows' repair requests on (checkmate.train.repair).
+REPAIR_PORT = wire.CKM_PORT_BASE + 2
 #: UDP port the controller's handshake service listens on.
 CONTROLLER_PORT = wire.CKM_PORT_BASE + wire.CKM_PORT_COUNT - 1
 #: TCP port a shadow's restore service listens on (not a ckm port: restore is bulk TCP).

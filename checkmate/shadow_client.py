@@ -259,6 +259,32 @@ def fetch_all(addrs: Sequence[Addr], iteration: int, timeout: float = 60.0,
     return FullState(iteration, first.step, slots, first.buffers, first.extra, first.lrs, got)
 
 
+@dataclass
+class Restored:
+    """A job's state at one iteration, as torch state_dicts (see restore_state_dicts)."""
+
+    model_sd: dict[str, Any]
+    optim_sd: dict[str, Any]
+    iteration: int
+    step: int  # optimizer steps taken (the shadows' step count)
+    buffers: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def restore_point(addrs: Sequence[Addr], spec: ModelSpec | None = None,
+                  iteration: int | None = None, timeout: float = 60.0) -> Restored:
+    """The state at ``iteration`` (default: the consistent point) from every shadow."""
+    if spec is None:
+        with ShadowClient(addrs[0], timeout) as c:
+            spec = c.get_spec()
+    if iteration is None:
+        iteration = consistent_point(addrs, timeout)
+    full = fetch_all(addrs, iteration, timeout, spec)
+    buffers = spec.decode_buffers(full.buffers)
+    model_sd, optim_sd = spec.state_dicts(full.slots, full.step, buffers, full.lrs)
+    return Restored(model_sd, optim_sd, iteration, full.step, buffers, full.extra)
+
+
 def restore_state_dicts(
     addrs: Sequence[Addr], spec: ModelSpec | None = None, iteration: int | None = None,
     timeout: float = 60.0,
@@ -269,15 +295,8 @@ def restore_state_dicts(
     torch.optim's format; ``buffers`` are the decoded buffer tensors, ``extra`` the trainer's
     opaque state from the control message of that iteration.
     """
-    if spec is None:
-        with ShadowClient(addrs[0], timeout) as c:
-            spec = c.get_spec()
-    if iteration is None:
-        iteration = consistent_point(addrs, timeout)
-    full = fetch_all(addrs, iteration, timeout, spec)
-    buffers = spec.decode_buffers(full.buffers)
-    model_sd, optim_sd = spec.state_dicts(full.slots, full.step, buffers, full.lrs)
-    return model_sd, optim_sd, iteration, buffers, full.extra
+    r = restore_point(addrs, spec, iteration, timeout)
+    return r.model_sd, r.optim_sd, r.iteration, r.buffers, r.extra
 
 
 def seed_share(

@@ -4,9 +4,15 @@ Owned by the receive thread (no locks on the hot path). Each open iteration has 
 staging buffer the size of the partition and coverage sets for gradient elements and
 control bytes. An iteration is complete when every element of the partition and every byte
 of its control message arrived; complete iterations are handed to the stepper strictly in
-order. If an older iteration stays incomplete while newer ones keep arriving for longer than
-``gap_timeout`` seconds, the gap (iteration and missing ranges) is reported once: logged,
-counted and kept for ``status`` -- never waited on silently.
+order. A hole (missing elements, a missing or invalid control message) is repaired: once
+there is evidence that the senders are done with an iteration (a newer iteration arrives,
+its control message arrived, or the trainers report they passed it) and nothing new
+arrived for it for ``REPAIR_DELAY`` seconds, exactly the missing ranges are asked of the
+trainers (checkmate.shadow.repair), again with exponential backoff until they arrive. A
+trainer that no longer retains the iteration answers "gone": the shadow then asks to be
+re-seeded (``reseed_wanted``). If an older iteration stays incomplete while newer ones keep
+arriving for longer than ``gap_timeout`` seconds, the gap (iteration and missing ranges) is
+also reported once: logged, counted and kept for ``status`` -- never waited on silently.
 """
 
 from __future__ import annotations
@@ -29,6 +35,16 @@ log = logging.getLogger("checkmate.shadow")
 
 #: Largest control message accepted (JSON with base64 buffers).
 MAX_CONTROL = 64 << 20
+#: Seconds without progress on an iteration, once the senders are known to be done with it,
+#: before its holes are asked for (the receive thread lingers 5 ms between batches).
+REPAIR_DELAY = 0.02
+#: Seconds without progress before asking even without evidence that the senders are done
+#: (the last iteration of a job has no newer one behind it).
+REPAIR_IDLE = 0.25
+#: Longest wait between two requests for the same iteration.
+REPAIR_MAX_BACKOFF = 0.5
+#: Oldest pending iterations looked at per tick.
+REPAIR_SCAN = 8
 
 
 @dataclass
@@ -56,6 +72,12 @@ class _Iter:
     control: Control | None = None
     ctrl_error: str = ""
     gap_reported: bool = False
+    # Progress seen by the last tick (covered elements + control bytes) and when it changed;
+    # measured in tick() so the per-datagram path pays nothing for it.
+    seen: int = 0
+    last_progress: float = 0.0
+    repair_tries: int = 0
+    repair_next: float = 0.0
 
 
 def parse_control(data: bytes, iteration: int, groups: int) -> Control:
@@ -115,6 +137,14 @@ class Assembler:
         self.gap_count = 0
         self.placed_bytes = 0
         self._reset_to: int | None = None
+        #: Newest iteration any valid datagram was seen for (window drops included), when it
+        #: last grew, and the newest iteration the trainers said they finished.
+        self.newest_seen = 0
+        self.newest_seen_at = 0.0
+        self.known_done = 0
+        self.repair: Any = None  # checkmate.shadow.repair.RepairRequester, set by the node
+        #: Why this partition cannot be repaired and must be re-seeded ("" while it can).
+        self.reseed_wanted = ""
 
     # ----- buffers ----------------------------------------------------------------------
     def release(self, staging: np.ndarray) -> None:
@@ -126,21 +156,29 @@ class Assembler:
             stg = self.free.pop()
         except IndexError:
             stg = np.empty(self.size, dtype=np.float32)
-        st = _Iter(stg, stg.view(np.uint32), memoryview(stg).cast("B"), time.monotonic())
+        now = time.monotonic()
+        st = _Iter(stg, stg.view(np.uint32), memoryview(stg).cast("B"), now, last_progress=now)
         self.open[it] = st
         return st
+
+    def _seen(self, it: int) -> None:
+        if it > self.newest_seen:
+            self.newest_seen = it
+            self.newest_seen_at = time.monotonic()
 
     def request_reset(self, committed: int) -> None:
         """From another thread: drop everything open and continue after ``committed``."""
         self._reset_to = committed
 
     def _apply_reset(self) -> None:
+        # Iterations after the new state are still the right gradients: keep what arrived.
         it, self._reset_to = self._reset_to, None
-        for st in self.open.values():
-            self.free.append(st.staging)
-        self.open.clear()
+        for i in [i for i in self.open if i <= it]:
+            self.free.append(self.open.pop(i).staging)
         self.committed = it
         self.next_dispatch = it + 1
+        self.reseed_wanted = ""
+        self._dispatch()
 
     # ----- placement --------------------------------------------------------------------
     def _admit(self, it: int) -> _Iter | None:
@@ -149,6 +187,8 @@ class Assembler:
         if it < self.next_dispatch:
             self.drops["stale"] += 1
             return None
+        if it > self.newest_seen:
+            self._seen(it)
         if it > self.committed + self.window:
             self.drops["window"] += 1
             return None
@@ -215,7 +255,9 @@ class Assembler:
             try:
                 st.control = parse_control(bytes(st.ctrl_buf), it, self.groups)
             except ValueError as e:
+                # Forget the bad bytes so a correct copy (a resend or a repair) is taken in.
                 st.ctrl_error = str(e)
+                st.ctrl_len, st.ctrl_buf, st.ctrl_cov = -1, None, IntervalSet()
                 self.drops["control_invalid"] += 1
                 log.warning("iteration %d: bad control message: %s", it, e)
                 return
@@ -232,6 +274,73 @@ class Assembler:
             del self.open[it]
             self.next_dispatch = it + 1
             self.on_complete(it, st.staging, st.control)
+
+    # ----- repair -----------------------------------------------------------------------
+    def note_done(self, iteration: int) -> None:
+        """The trainers finished ``iteration`` (from their status polls): evidence for repair.
+
+        Also counts as seen: a shadow that received nothing of an iteration still asks.
+        """
+        if iteration > self.known_done:
+            self.known_done = iteration
+        if iteration > self.newest_seen:
+            self._seen(iteration)
+
+    def on_gone(self, it: int) -> None:
+        """A trainer no longer retains ``it``: this partition needs a re-seed."""
+        if it >= self.next_dispatch and not self.reseed_wanted:
+            self.reseed_wanted = (f"iteration {it} is missing and no longer retained by the "
+                                  "trainers")
+            log.error("partition needs a re-seed: %s", self.reseed_wanted)
+
+    def tick(self, now: float | None = None) -> float:
+        """Gap reports and repair requests; returns seconds until the next tick is useful."""
+        if self._reset_to is not None:
+            self._apply_reset()
+        now = time.monotonic() if now is None else now
+        wait = 0.1
+        if self.repair is not None:
+            wait = min(wait, self._request_repairs(now))
+        self.check_gaps(now)
+        return wait
+
+    def _request_repairs(self, now: float) -> float:
+        horizon = max(self.newest_seen, self.known_done)
+        wait = 0.1
+        for it in range(self.next_dispatch, min(self.next_dispatch + REPAIR_SCAN,
+                                                self.committed + self.window + 1)):
+            if it > horizon:
+                break
+            st = self.open.get(it)
+            if st is None:
+                # Nothing of it arrived although newer iterations did: a whole hole.
+                if now - self.newest_seen_at < REPAIR_DELAY:
+                    wait = min(wait, REPAIR_DELAY)
+                    continue
+                st = self._open(it)
+                st.last_progress = self.newest_seen_at
+            if st.control is not None and st.cov.total == self.size:
+                continue
+            seen = st.cov.total + st.ctrl_cov.total
+            if seen != st.seen:
+                st.seen, st.last_progress = seen, now
+            evidence = horizon > it or st.control is not None
+            idle = now - st.last_progress
+            due = REPAIR_DELAY if evidence else REPAIR_IDLE
+            if idle < due:
+                wait = min(wait, due - idle)
+                continue
+            if now < st.repair_next:
+                wait = min(wait, st.repair_next - now)
+                continue
+            missing = [(self.start + a, self.start + b)
+                       for a, b in st.cov.missing(0, self.size)]
+            self.repair.request(it, missing, st.control is None, st.repair_tries)
+            st.repair_tries += 1
+            backoff = min(REPAIR_MAX_BACKOFF, REPAIR_DELAY * 2 ** st.repair_tries)
+            st.repair_next = now + backoff
+            wait = min(wait, backoff)
+        return max(wait, 0.001)
 
     # ----- gaps -------------------------------------------------------------------------
     def check_gaps(self, now: float | None = None) -> None:

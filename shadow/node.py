@@ -17,6 +17,7 @@ from checkmate.shadow import persist
 from checkmate.shadow.assembler import Assembler
 from checkmate.shadow.receiver import Receiver, open_socket
 from checkmate.shadow.register import register
+from checkmate.shadow.repair import RepairRequester
 from checkmate.shadow.service import Service
 from checkmate.shadow.state import ShadowState, Version
 
@@ -61,18 +62,38 @@ class ShadowNode:
         self.udp_port = self.sock.getsockname()[1]
         try:
             self.service = Service(self.state, self.status, opts.restore_bind,
-                                   opts.restore_port)
+                                   opts.restore_port, self._on_peers, self._on_progress)
         except Exception:
             self.sock.close()
             raise
         self.tcp_port = self.service.port
         self.receiver = Receiver(self.sock, opts.job, opts.partition, self.drops,
                                  opts.epoch, opts.token)
+        self.repair = RepairRequester(self.sock, opts.job, opts.partition,
+                                      lambda: (self.receiver.epoch, self.receiver.token),
+                                      self.receiver.repair_stats)
         self.restored_from: str | None = None
+        self._peers: dict[str, Any] | None = None  # validated when the spec is known
 
     def _on_assembler(self, asm: Assembler) -> None:
         assert self.state.spec is not None
+        asm.repair = self.repair
+        if self._peers is not None and not self.repair.known:
+            self.repair.set_peers(self._peers, self.state.start, self.state.end)
         self.receiver.attach(asm, self.state.spec.grad_dtype)
+
+    def _on_peers(self, body: dict[str, Any]) -> None:
+        st = self.state
+        if st.spec is None:  # ranges are checked once the partition's bounds are known
+            self._peers = dict(body)
+            return
+        self.repair.set_peers(body, st.start, st.end)
+        self._peers = dict(body)
+
+    def _on_progress(self, done: int) -> None:
+        asm = self.state.asm
+        if asm is not None:
+            asm.note_done(done)
 
     def _on_commit(self, v: Version) -> None:
         p = self.persister
@@ -138,6 +159,16 @@ class ShadowNode:
             "partitions": self.opts.partitions,
             "job": self.opts.job,
             "seeded": st.seeded_iteration is not None,
+            "newest_seen": asm.newest_seen if asm else None,
+            "peers": self.repair.known,
+            "repair": self.receiver.repair_status(),
+            "reseed": {
+                "wanted": (asm.reseed_wanted if asm else "") if st.reseed is None else "",
+                "active": st.reseed is not None,
+                "count": st.reseeds_done,
+                "reason": st.reseed_reason,
+                **({"progress": st.reseed.status()} if st.reseed is not None else {}),
+            },
             "seeded_iteration": st.seeded_iteration,
             "latest": st.latest,
             "retained": st.retained(),

@@ -6,6 +6,11 @@ optimizer step and persistence run in other threads, so receive never waits on t
 datagram that is not accepted is counted under one reason: short, magic, version, flags,
 job, epoch, token, length, crc, not_ready, dtype, partition, range, stale, window,
 duplicate, control_range, control_invalid.
+
+Repair answers from trainers (flag ACK, checkmate.repair) are checked exactly like copies
+from the switch and counted in ``repair["answers"]``; a "gone" answer (ACK | NACK) marks the
+partition as needing a re-seed. The same thread sends the repair requests (Assembler.tick)
+whenever the socket is idle or the next request falls due.
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ _GRAD_DTYPE = {"float32": wire.DType.FLOAT32, "bfloat16": wire.DType.BFLOAT16,
                "float16": wire.DType.FLOAT16}
 _DATA_FLAGS_OK = wire.Flags.REPLICATE | wire.Flags.LAST
 _CTRL = int(wire.Flags.CONTROL)
-_BAD_FLAGS = int(wire.Flags.PARITY | wire.Flags.HANDSHAKE | wire.Flags.SEED
-                 | wire.Flags.ACK | wire.Flags.NACK)
+_ACK, _NACK = int(wire.Flags.ACK), int(wire.Flags.NACK)
+_BAD_FLAGS = int(wire.Flags.PARITY | wire.Flags.HANDSHAKE | wire.Flags.SEED)
 
 
 def open_socket(bind: str, port: int, rcvbuf: int = RCVBUF) -> tuple[socket.socket, int]:
@@ -83,6 +88,8 @@ class Receiver:
         self.asm: Assembler | None = None  # set once the spec is known and state seeded
         self.grad_dtype = int(wire.DType.FLOAT32)
         self.received = 0
+        #: Repair traffic: requests sent (by the assembler), answers and "gone" received.
+        self.repair_stats: Counter = Counter()
         self.batch = batch
         granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         self.linger = LINGER if granted >= LINGER_MIN_RCVBUF else 0.0
@@ -148,17 +155,18 @@ class Receiver:
                     sleep(linger)
                     continue
                 taken = 0
+                wait = 0.1
                 if self.asm is not None:
-                    self.asm.check_gaps()
+                    wait = self.asm.tick()
                 last_tick = time.monotonic()
-                poll(100)
+                poll(max(1, int(wait * 1000)))
                 continue
             taken += len(lens)
             self.received += len(lens)
             now = time.monotonic()
-            if now - last_tick > 0.1:
+            if now - last_tick > 0.02:
                 if self.asm is not None:
-                    self.asm.check_gaps(now)
+                    self.asm.tick(now)
                 last_tick = now
             job_ok, epoch_ok, token_ok = self.job, self.epoch, self.token
             base = -slot
@@ -178,6 +186,25 @@ class Receiver:
                 if flags & _BAD_FLAGS:
                     drops["flags"] += 1
                     continue
+                if flags & _NACK:
+                    # Only a trainer's "gone" answer may carry NACK here; requests go to
+                    # trainers, never to a shadow.
+                    if not flags & _ACK or count or n != hl:
+                        drops["flags"] += 1
+                        continue
+                if flags & _ACK:
+                    if job != self.job:
+                        drops["job"] += 1
+                        continue
+                    if flags & _NACK:
+                        if epoch != self.epoch or token != self.token:
+                            drops["epoch" if epoch != self.epoch else "token"] += 1
+                            continue
+                        self.repair_stats["gone"] += 1
+                        if self.asm is not None:
+                            self.asm.on_gone(it)
+                        continue
+                    self.repair_stats["answers"] += 1
                 if job != job_ok:
                     drops["job"] += 1
                     continue
@@ -235,3 +262,8 @@ class Receiver:
 
     def stats(self) -> dict[str, Any]:
         return {"received": self.received, "wakeups": self.wakeups}
+
+    def repair_status(self) -> dict[str, int]:
+        r = self.repair_stats
+        return {k: int(r[k]) for k in ("requests", "ranges", "control_requests", "answers",
+                                       "gone", "no_peers", "send_errors")}

@@ -1,4 +1,6 @@
-"""The shadow's TCP service (docs/protocol.md, "Shadow TCP service"): spec, seed, status, fetch.
+"""The shadow's TCP service (docs/protocol.md, "Shadow TCP service"): spec, seed, status,
+fetch, and the reliability ops: peers (who to ask for repairs), reseed and reseed_piece (a
+live re-seed, checkmate.shadow.reseed).
 
 One thread per connection; requests on a connection are answered in order. A bad request
 gets ``{"ok": false, "error": ...}`` and the connection stays usable; a malformed frame
@@ -28,9 +30,13 @@ MAX_REQUEST = 256 << 20
 
 class Service:
     def __init__(self, state: ShadowState, status: Callable[[], dict[str, Any]],
-                 bind: str, port: int) -> None:
+                 bind: str, port: int,
+                 on_peers: Callable[[dict[str, Any]], None] | None = None,
+                 on_progress: Callable[[int], None] | None = None) -> None:
         self.state = state
         self.status = status
+        self.on_peers = on_peers
+        self.on_progress = on_progress
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -110,7 +116,42 @@ class Service:
         op = h.get("op")
         st = self.state
         if op == "status":
+            done = h.get("progress")
+            if done is not None:
+                if not isinstance(done, int) or isinstance(done, bool) or done < 0:
+                    raise CheckmateError("status 'progress' must be a non-negative integer")
+                if self.on_progress is not None:
+                    self.on_progress(done)
             return {"ok": True, **self.status()}, b""
+        if op == "peers":
+            if self.on_peers is None:
+                raise CheckmateError("this shadow takes no peers")
+            self.on_peers(h)
+            return {"ok": True}, b""
+        if op == "reseed":
+            it = _int(h, "iteration")
+            if "spec" in h:
+                st.set_spec(ModelSpec.from_json(h["spec"]))
+            reason = h.get("reason", "")
+            st.begin_reseed(it, str(reason)[:200])
+            return {"ok": True}, b""
+        if op == "reseed_piece":
+            it, step, off, cnt = (_int(h, k) for k in ("iteration", "step", "offset", "count"))
+            spec = st.spec
+            if spec is None:
+                raise CheckmateError("no spec yet: send the reseed op first")
+            slots = h.get("slots")
+            if slots != list(spec.slots):
+                raise CheckmateError(f"reseed_piece slots must be {list(spec.slots)}")
+            if len(payload) != 4 * cnt * len(slots):
+                raise CheckmateError(f"reseed_piece carries {len(payload)} bytes for {cnt} "
+                                     f"elements x {len(slots)} slots")
+            import numpy as np
+
+            flat = np.frombuffer(payload, dtype="<f4")
+            arrays = {s: flat[i * cnt:(i + 1) * cnt] for i, s in enumerate(slots)}
+            done = st.reseed_piece(it, step, off, cnt, arrays)
+            return {"ok": True, "committed": done}, b""
         if op == "spec":
             if "spec" not in h:
                 if st.spec is None:
@@ -137,4 +178,12 @@ class Service:
                      "buffers": v.buffers, "extra": v.extra, "lrs": v.lrs,
                      "_release": lambda: st.unpin(v)}
             return reply, [v.slots[s] for s in spec.slots]
-        raise CheckmateError(f"unknown op {op!r} (ops: spec, seed, status, fetch)")
+        raise CheckmateError(f"unknown op {op!r} (ops: spec, seed, status, fetch, peers, "
+                             "reseed, reseed_piece)")
+
+
+def _int(h: dict[str, Any], key: str) -> int:
+    v = h.get(key)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise CheckmateError(f"{h.get('op')} needs an integer {key!r}")
+    return v

@@ -115,6 +115,11 @@ class ShadowState:
         self.committed_count = 0
         self.step_seconds = 0.0
         self.last_error = ""
+        #: A live re-seed in progress (checkmate.shadow.reseed), completed re-seeds, and why
+        #: the last one started.
+        self.reseed: Any = None
+        self.reseeds_done = 0
+        self.reseed_reason = ""
 
     # ----- spec -------------------------------------------------------------------------
     def set_spec(self, spec: ModelSpec) -> None:
@@ -178,8 +183,9 @@ class ShadowState:
 
     def install(self, iteration: int, step: int, arrays: dict[str, np.ndarray],
                 buffers: dict | None = None, extra: dict | None = None,
-                lrs: list[float] | None = None) -> None:
-        """Make ``arrays`` the partition's state at ``iteration`` (seed or disk restore)."""
+                lrs: list[float] | None = None, reset_assembler: bool = True) -> None:
+        """Make ``arrays`` the partition's state at ``iteration`` (seed, disk restore, or
+        the end of a live re-seed, where the assembler is already past ``iteration``)."""
         with self.lock:
             spec = self.spec
             assert spec is not None
@@ -187,23 +193,78 @@ class ShadowState:
             opt = make_optimizer(spec, self.start, self.end)
             opt.load({s: arrays[s] for s in spec.slots}, step)
             self.opt = opt
+            self.reseed = None
             for v in self.versions:
                 v.evicted = True
             self.versions.clear()
             self.seeded_iteration = iteration
             self._commit(iteration, buffers or {}, extra or {}, lrs)
-            if self.asm is None:
-                self.asm = Assembler(self.start, self.end, len(spec.groups), self._enqueue,
-                                     self.drops, self.window, self.gap_timeout)
-                self.asm.committed = iteration
-                self.asm.next_dispatch = iteration + 1
-                self._start_stepper()
-                if self.on_assembler is not None:
-                    self.on_assembler(self.asm)
-            else:
+            if not self._ensure_assembler(iteration) and reset_assembler:
+                assert self.asm is not None
                 self.asm.request_reset(iteration)
             log.info("partition %d state installed at iteration %d (step %d)",
                      self.partition, iteration, step)
+
+    def _ensure_assembler(self, iteration: int) -> bool:
+        """Create the assembler (and stepper) expecting ``iteration`` + 1; False if one exists."""
+        if self.asm is not None:
+            return False
+        spec = self.spec
+        assert spec is not None
+        self.asm = Assembler(self.start, self.end, len(spec.groups), self._enqueue,
+                             self.drops, self.window, self.gap_timeout)
+        self.asm.committed = iteration
+        self.asm.next_dispatch = iteration + 1
+        self._start_stepper()
+        if self.on_assembler is not None:
+            self.on_assembler(self.asm)
+        return True
+
+    # ----- live re-seed -----------------------------------------------------------------
+    def begin_reseed(self, t0: int, reason: str) -> None:
+        """Start collecting re-seed pieces from iteration ``t0`` on (checkmate.shadow.reseed).
+
+        Gradients from ``t0`` + 1 on are assembled as usual (holes repaired) and roll the
+        pieces forward; retained versions stay restorable until the re-seed commits.
+        """
+        from checkmate.shadow.reseed import Reseed
+
+        with self.lock:
+            if self.spec is None:
+                raise CheckmateError("no spec yet: send it with the reseed op")
+            if t0 < 0:
+                raise CheckmateError("reseed iteration must be >= 0")
+            warm_up(self.spec)
+            self.reseed = Reseed(self.spec, self.start, self.end, t0, reason,
+                                 limit=max(self.window, 8))
+            self.reseed_reason = reason
+            if not self._ensure_assembler(t0):
+                assert self.asm is not None
+                self.asm.request_reset(t0)
+            log.warning("partition %d: live re-seed from iteration %d (%s)", self.partition,
+                        t0, reason)
+
+    def reseed_piece(self, iteration: int, step: int, offset: int, count: int,
+                     arrays: dict[str, np.ndarray]) -> bool:
+        """Take one piece; True once the re-seed committed."""
+        with self.lock:
+            if self.reseed is None:
+                raise CheckmateError("no re-seed in progress (send the reseed op first)")
+            if step < 0:
+                raise CheckmateError("reseed step must be >= 0")
+            self.reseed.add_piece(iteration, step, offset, count, arrays)
+            return self._maybe_finish_reseed()
+
+    def _maybe_finish_reseed(self) -> bool:
+        rs = self.reseed
+        if rs is None or not rs.done():
+            return False
+        it, step, arrays, ctl = rs.result()
+        self.install(it, step, arrays, ctl.buffers, ctl.extra, ctl.lrs, reset_assembler=False)
+        self.reseeds_done += 1
+        log.warning("partition %d: re-seed complete, committed iteration %d (pieces from "
+                    "iteration %d on)", self.partition, it, rs.t0)
+        return True
 
     # ----- stepping ---------------------------------------------------------------------
     def _enqueue(self, it: int, staging: np.ndarray, control: Control) -> None:
@@ -238,6 +299,19 @@ class ShadowState:
     def apply(self, it: int, grad: np.ndarray, control: Control) -> None:
         """Step with iteration ``it``'s gradient and control message, then commit."""
         with self.lock:
+            if self.reseed is not None:
+                try:
+                    self.reseed.on_iteration(it, grad, control)
+                    if self.asm is not None:
+                        self.asm.committed = max(self.asm.committed, it)  # window moves on
+                    self._maybe_finish_reseed()
+                except CheckmateError as e:  # start over: the trainers see reseed_wanted
+                    self.reseed = None
+                    self.last_error = f"re-seed failed: {e}"
+                    if self.asm is not None:
+                        self.asm.reseed_wanted = self.last_error
+                    log.error("partition %d: %s", self.partition, self.last_error)
+                return
             latest = self.versions[-1].iteration if self.versions else None
             if latest is None or it != latest + 1:
                 return  # a reset raced with this iteration; it is stale now

@@ -80,12 +80,13 @@ class ShadowSender:
             self._send(t, _F.REPLICATE, iteration, offset, len(payload) // 4, bucket,
                        wire.DType.FLOAT32, payload)
 
-    def control(self, iteration: int, body: dict[str, Any]) -> int:
-        """Send the control message of ``iteration`` to every shadow; returns its length."""
+    def control(self, iteration: int, body: dict[str, Any]) -> bytes:
+        """Send the control message of ``iteration`` to every shadow; returns its bytes
+        (retained for repairs)."""
         data = json.dumps(body, separators=(",", ":")).encode()
         for t in self.targets.values():
             for off in range(0, max(len(data), 1), CONTROL_FRAGMENT):
                 frag = data[off:off + CONTROL_FRAGMENT]
                 self._send(t, _F.CONTROL, iteration, off, len(frag), 0, wire.DType.BYTES,
                            frag, fec_group=len(data))
-        return len(data)
+        return data

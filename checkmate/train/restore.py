@@ -31,6 +31,7 @@ from checkmate.shadow_client import (
     ShadowClient,
     consistent_point,
     parse_addr,
+    restore_point,
     restore_state_dicts,
 )
 
@@ -94,10 +95,12 @@ def restore_session(sess: Any) -> int:
         settle(addrs)
         point[0] = consistent_point(addrs)
     dist.broadcast_object_list(point, src=0, group=sess.group)
-    model_sd, optim_sd, it, _, extra = restore_state_dicts(addrs, sess.spec, point[0])
-    load_trainer_state(sess.module, sess.optimizer, sess.scheduler, model_sd, optim_sd, extra)
-    sess.restored_extra = extra.get("user", {})
-    return it
+    r = restore_point(addrs, sess.spec, point[0])
+    load_trainer_state(sess.module, sess.optimizer, sess.scheduler, r.model_sd, r.optim_sd,
+                       r.extra)
+    sess.restored_extra = r.extra.get("user", {})
+    sess.opt_step = r.step
+    return r.iteration
 
 
 @cli_guard("checkmate.train.restore")

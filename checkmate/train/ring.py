@@ -68,6 +68,24 @@ _NACK_MAX = 256  # gaps listed in one ACK datagram
 ReducedCallback = Callable[[int, int, int, int, bytes], None]
 
 
+def replica_owners(buckets: list[tuple[int, int]], world: int, start: int, end: int
+                   ) -> list[tuple[int, int, int]]:
+    """Which rank sends which flat ranges of [start, end) as REPLICATE pieces.
+
+    Segment ``g`` of a bucket completes at rank ``g - 1``, which replicates it (see the
+    module docstring); the cut is the one ``RingAllreduce._layout`` makes. Returns sorted
+    ``(lo, hi, rank)`` triples. A shadow uses them to ask the right trainer for a hole.
+    """
+    out = []
+    for bs, be in buckets:
+        n = be - bs
+        for g in range(world):
+            lo, hi = max(start, bs + g * n // world), min(end, bs + (g + 1) * n // world)
+            if lo < hi:
+                out.append((lo, hi, (g - 1) % world))
+    return sorted(out)
+
+
 class RingError(CheckmateError):
     """The ring stalled (a peer is gone) or was closed with work in flight."""
 

@@ -31,12 +31,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkmate import handshake, wire
+from checkmate import config, handshake, wire
 from checkmate.errors import CheckmateError
 from checkmate.spec import ModelSpec
-from checkmate.train.ddp import BUCKET_ELEMS, CheckmateDDP
+from checkmate.train.ddp import BUCKET_ELEMS, CheckmateDDP, bucket_ranges
+from checkmate.train.protection import LAG_WARN, POLL_SECONDS, ProtectionMonitor
+from checkmate.train.repair import REPAIR_RATE, RepairServer, owners_body
+from checkmate.train.replica_log import DEFAULT_KEEP, ReplicaLog
 from checkmate.train.replicate import ShadowSender, ShadowTarget
-from checkmate.train.ring import BIG_CHUNK, RingAllreduce
+from checkmate.train.reseed import RESEED_SLICES, ReseedSender
+from checkmate.train.ring import BIG_CHUNK, RingAllreduce, replica_owners
 from checkmate.train.transport import LossyLink, open_socket
 
 #: switch: the switch copies REPLICATE datagrams; host: trainers send the copies; off: no
@@ -59,6 +63,11 @@ class JobLayout:
             the copies themselves).
         controller: ``(ip, port)`` of the handshake service, asked for the shadows' current
             sessions (switch mode).
+        repair: keep the last ``repair_keep`` iterations of what this trainer replicated and
+            answer shadows' repair requests on ``repair_port`` (default config.REPAIR_PORT),
+            paced to ``repair_rate`` bytes/s. Off: a lost copy is never repaired.
+        reseed_slices: slices a live re-seed sends a partition in (one per iteration).
+        monitor_poll, lag_warn: status poll period (s) and the lag that logs a warning.
     """
 
     job_id: int
@@ -73,6 +82,13 @@ class JobLayout:
     bucket_elems: int = BUCKET_ELEMS
     seed: int = 0
     link: LossyLink | None = field(default=None, repr=False)
+    repair: bool = True
+    repair_keep: int = DEFAULT_KEEP
+    repair_rate: float = REPAIR_RATE
+    repair_port: int = config.REPAIR_PORT
+    reseed_slices: int = RESEED_SLICES
+    monitor_poll: float = POLL_SECONDS
+    lag_warn: int = LAG_WARN
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -140,6 +156,14 @@ class CheckmateSession:
         self.injector: Any = None
         self._refresh_stop = threading.Event()
         self._refresher: threading.Thread | None = None
+        #: Last iteration whose step (and control message) is done; optimizer steps taken.
+        self.done_iteration = 0
+        self.opt_step = 0
+        self.replica_log: ReplicaLog | None = None
+        self.repair: RepairServer | None = None
+        self.monitor: ProtectionMonitor | None = None
+        self.buckets = [(a, b) for a, b, _ in bucket_ranges(
+            [p.numel for p in self.spec.params], layout.bucket_elems)]
 
     # ------------------------------------------------------------------ setup
     def start(self, resume: bool = False, seed_timeout: float = 60.0) -> int:
@@ -172,10 +196,13 @@ class CheckmateSession:
             seed_share(lay.shadow_tcp, self.spec, flat, lay.rank, lay.world)
             wait_seeded(lay.shadow_tcp, timeout=seed_timeout)
             self.iteration = 0
+        self.done_iteration = self.iteration
+        if lay.mode != "off":
+            self._start_reliability()
         dist.barrier(group=self.group)
         ip, port = lay.trainers[lay.rank]
         sock = open_socket(ip, port)
-        on_reduced = self.sender.copy if lay.mode == "host" else None
+        on_reduced = self._on_reduced if lay.mode != "off" else None
         self.ring = RingAllreduce(
             lay.rank, lay.world, sock, lay.trainers[(lay.rank + 1) % lay.world],
             lay.trainers[(lay.rank - 1) % lay.world], lay.job_id, nonce[0], self.spec.total,
@@ -186,6 +213,53 @@ class CheckmateSession:
         # Every ring socket must be bound before anyone sends.
         dist.barrier(group=self.group)
         return self.iteration
+
+    def _start_reliability(self) -> None:
+        """Replica log, repair service, peers at every shadow, protection monitor."""
+        lay = self.layout
+        if lay.repair:
+            self.replica_log = ReplicaLog(lay.repair_keep)
+            self.repair = RepairServer((lay.trainers[lay.rank][0], lay.repair_port),
+                                       lay.job_id, self.replica_log, self.sender.targets,
+                                       lay.repair_rate)
+        if lay.rank == 0:
+            from checkmate.shadow_client import ShadowClient
+
+            for p, a in enumerate(lay.shadow_tcp):
+                with ShadowClient(a) as c:
+                    c.request(self.peers_body(p))
+        self.monitor = ProtectionMonitor(self, lay.monitor_poll, lay.lag_warn).start()
+
+    def peers_body(self, partition: int) -> dict[str, Any]:
+        """The ``peers`` request for one shadow: trainers' repair addresses and owners."""
+        lay = self.layout
+        start, end = self.spec.bounds(partition)
+        trainers = [(ip, lay.repair_port) for ip, _ in lay.trainers]
+        return owners_body(trainers, replica_owners(self.buckets, lay.world, start, end)
+                           if lay.repair else [], 0)
+
+    def new_reseed(self, partition: int, reason: str) -> ReseedSender:
+        """A live re-seed of ``partition`` (the protection monitor starts it)."""
+        return ReseedSender(self.spec, dict(self.module.named_parameters()), self.optimizer,
+                            partition, self.layout.shadow_tcp[partition],
+                            self.layout.reseed_slices, reason)
+
+    def _on_reduced(self, iteration: int, bucket: int, offset: int, partition: int,
+                    payload: bytes) -> None:
+        if self.replica_log is not None:
+            self.replica_log.add_piece(iteration, bucket, offset, partition, payload)
+        if self.layout.mode == "host":
+            self.sender.copy(iteration, bucket, offset, partition, payload)
+
+    def protection(self) -> dict[str, Any]:
+        """The protection state: newest iteration every shadow committed, lag per shadow,
+        re-seeds, repairs answered (see checkmate.train.protection)."""
+        if self.monitor is None:
+            return {"iteration": self.done_iteration, "newest_consistent": None,
+                    "shadows": {}, "reseeds": 0, "repair": None}
+        out = self.monitor.protection()
+        out["repair"] = self.repair.status() if self.repair is not None else None
+        return out
 
     def _refresh_sessions(self) -> None:
         lay = self.layout
@@ -237,7 +311,14 @@ class CheckmateSession:
                     "user": extra or {},
                 },
             }
-            self.control_bytes = self.sender.control(self.iteration, body)
+            data = self.sender.control(self.iteration, body)
+            self.control_bytes = len(data)
+            if self.replica_log is not None:
+                self.replica_log.add_control(self.iteration, data)
+        self.opt_step += 1
+        self.done_iteration = self.iteration
+        if self.monitor is not None:
+            self.monitor.capture(self.iteration, self.opt_step)
         return coef
 
     def _sync_buffers(self) -> None:
@@ -258,19 +339,49 @@ class CheckmateSession:
 
     def close(self) -> None:
         self._refresh_stop.set()
+        if self.monitor is not None:
+            self.monitor.close()
         if self.ring is not None:
             self.ring.close()
+        if self.repair is not None:
+            self.repair.close()
         self.sender.close()
+
+    def finish(self, timeout: float = 30.0) -> dict[str, Any]:
+        """End of training, on every rank: wait (at most ``timeout`` s) until every shadow
+        committed the last iteration, then return the protection state, the same on every
+        rank. A shadow that did not get there is one warning line on rank 0, never a hang
+        or an exception; ``result["protected"]`` says whether the last iteration is
+        restorable. Repairs keep being answered meanwhile.
+        """
+        ok = [True]
+        if self.layout.mode == "off":
+            return {**self.protection(), "protected": False}
+        if self.layout.rank == 0:
+            try:
+                self.wait_shadows(self.done_iteration, timeout)
+            except CheckmateError as e:
+                ok[0] = False
+                import logging
+
+                logging.getLogger("checkmate.train").warning(
+                    "checkmate: training finished at iteration %d but it is not protected: "
+                    "%s", self.done_iteration, e)
+        dist.broadcast_object_list(ok, src=0, group=self.group)
+        if self.monitor is not None:
+            self.monitor.poll_once()
+        return {**self.protection(), "protected": bool(ok[0])}
 
     def wait_shadows(self, iteration: int, timeout: float = 30.0) -> None:
         """Block until every shadow committed ``iteration`` (for tests and clean shutdown)."""
         from checkmate.shadow_client import ShadowClient
 
         deadline = time.monotonic() + timeout
-        for a in self.layout.shadow_tcp:
+        for p, a in enumerate(self.layout.shadow_tcp):
             with ShadowClient(a) as c:
-                while (c.status().get("latest") or 0) < iteration:
+                while (latest := c.status().get("latest") or 0) < iteration:
                     if time.monotonic() > deadline:
-                        raise CheckmateError(f"shadow {a[0]}:{a[1]} did not commit "
-                                             f"iteration {iteration}")
+                        raise CheckmateError(f"the shadow of partition {p} ({a[0]}:{a[1]}) "
+                                             f"committed up to iteration {latest}, not "
+                                             f"{iteration}")
                     time.sleep(0.02)

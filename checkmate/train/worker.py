@@ -154,17 +154,23 @@ def main(argv: list[str] | None = None) -> int:
         _emit(event="iter", rank=rank, iteration=it, loss=round(float(loss.detach()), 5),
               t=time.time())
     ckpt.finish()
-    if rank == 0 and sess.layout.mode != "off":
-        sess.wait_shadows(steps)
+    prot = sess.finish() if sess.layout.mode != "off" else {"protected": True}
     out = Path(job["out"])
     torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
                 "scheduler": w.scheduler.state_dict() if w.scheduler else None,
                 "iteration": steps}, out / f"final-rank{rank}.pt")
     _emit(event="done", rank=rank, iteration=steps, stats=sess.ring.stats,
-          control_bytes=sess.control_bytes, copy_bytes=sess.sender.copy_bytes)
+          control_bytes=sess.control_bytes, copy_bytes=sess.sender.copy_bytes,
+          protected=prot["protected"], repair=prot.get("repair"),
+          reseeds=prot.get("reseeds", 0))
     dist.barrier()
     sess.close()
     dist.destroy_process_group()
+    if not prot["protected"]:
+        if rank == 0:
+            print(f"checkmate.train.worker: error: iteration {steps} finished but is not "
+                  "protected by every shadow (see the warning above)", file=sys.stderr)
+        return 3
     return 0
 
 
