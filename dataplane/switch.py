@@ -9,8 +9,9 @@ so any process (the controller service, tests, ``testbed demo``) reads and write
 tables through the bpf(2) syscall.
 
 Fault knobs act on frames *leaving* the switch through a port (towards its host), shadow
-copies included, and only on UDP datagrams to ckm ports: ARP, TCP and other traffic is never
-dropped or corrupted.
+copies included, and only on ckm traffic: UDP datagrams to ckm ports and IPv4/UDP fragments
+(later fragments carry no port; the testbed carries no other fragmented UDP). ARP, TCP and
+other traffic is never dropped or corrupted. A knob can be limited to an iteration window.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import shutil
+import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,21 @@ from checkmate.errors import CheckmateError
 
 BPFFS = Path("/sys/fs/bpf")
 NETNS_DIR = Path("/run/netns")
+
+# Maps of the fault window, mirroring bpf/ckm_switch.c (kept here, next to their only user).
+#: struct fault_win: from/until iteration (inclusive, 0 = unbounded), per-setting seed
+FAULT_WIN = struct.Struct("<QQQ")
+#: struct fault_state, in this order; written by the BPF program only
+FAULT_STATE_FIELDS = ("last_iteration", "seed", "frag_dropped", "frag_corrupted")
+FAULT_STATE = struct.Struct("<" + "Q" * len(FAULT_STATE_FIELDS))
+#: every pinned map of the switch: name -> (key size, value size)
+MAP_LAYOUT = {
+    **maps.MAP_LAYOUT,
+    "ckm_fault_win": (maps.U32.size, FAULT_WIN.size),
+    "ckm_fault_st": (maps.U32.size, FAULT_STATE.size),
+}
+#: fault_state counters that counters() reports with the port's own
+FRAG_COUNTERS = ("frag_dropped", "frag_corrupted")
 
 
 class SwitchUnreachable(CheckmateError):
@@ -74,6 +91,22 @@ def _check_u(name: str, v: int, bits: int) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < (1 << bits):
         raise CheckmateError(f"replication entry: {name} must be an integer in "
                              f"0..{(1 << bits) - 1}, got {v!r}")
+
+
+def _check_prob(name: str, p: float) -> None:
+    if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+        raise CheckmateError(f"fault {name} must be a probability in 0..1, got {p!r}")
+
+
+def _check_window(from_iteration: int, until_iteration: int) -> None:
+    """One line per mistake: the window is compared with a u64 on the wire, 0 = unbounded."""
+    for name, v in (("from_iteration", from_iteration), ("until_iteration", until_iteration)):
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 64:
+            raise CheckmateError(f"fault {name} must be an iteration in 0..2**64-1 "
+                                 f"(0: unbounded), got {v!r}")
+    if from_iteration and until_iteration and from_iteration > until_iteration:
+        raise CheckmateError(f"fault window is empty: from_iteration {from_iteration} > "
+                             f"until_iteration {until_iteration}")
 
 
 def _check_ip(name: str, v: str) -> None:
@@ -124,7 +157,7 @@ class KernelSwitch:
             raise SwitchUnreachable(f"switch tables are not loaded ({path} missing; "
                                     "run `testbed up`)")
         try:
-            return PinnedMap(str(path), *maps.MAP_LAYOUT[name])
+            return PinnedMap(str(path), *MAP_LAYOUT[name])
         except BpfError as e:
             raise SwitchUnreachable(str(e)) from None
 
@@ -133,7 +166,7 @@ class KernelSwitch:
         if not netns_exists(self.netns):
             return False
         need = [self.prog_dir / "ckm_ingress", self.prog_dir / "ckm_egress"]
-        need += [self.map_dir / m for m in maps.MAP_LAYOUT]
+        need += [self.map_dir / m for m in MAP_LAYOUT]
         return all(p.exists() for p in need)
 
     # -- life cycle ----------------------------------------------------------------------
@@ -164,10 +197,13 @@ class KernelSwitch:
             raise CheckmateError(f"loading {obj.name} failed: {tail}")
         with self._map("ckm_cfg") as m:
             m.update(maps.U32.pack(0), maps.SW_CFG.pack(maps.mac_bytes(self.cfg.switch.mac), 0))
-        with self._map("ckm_ports") as pm, self._map("ckm_fault") as fm:
+        with (self._map("ckm_ports") as pm, self._map("ckm_fault") as fm,
+              self._map("ckm_fault_win") as wm, self._map("ckm_fault_st") as sm):
             for idx in ports.values():
                 pm.update(maps.U32.pack(idx), bytes(maps.PORT_STATS.size))
                 fm.update(maps.U32.pack(idx), bytes(maps.FAULT.size))
+                wm.update(maps.U32.pack(idx), bytes(FAULT_WIN.size))
+                sm.update(maps.U32.pack(idx), bytes(FAULT_STATE.size))
         lines = []
         for p in ports:
             lines.append(f"qdisc add dev {p} clsact")
@@ -235,18 +271,34 @@ class KernelSwitch:
 
     # -- counters and faults -------------------------------------------------------------
     def counters(self) -> dict:
-        """{"ports": {ifname: {rx, tx, replicated, ...}}, "faults": {ifname: {drop, corrupt}},
-        "entries": [{job_id, src_ip, dst_ip, partition, shadow_ifname, packets, bytes}]}"""
+        """{"ports": {ifname: {rx, tx, replicated, ..., frag_dropped, frag_corrupted}},
+        "faults": {ifname: {drop, corrupt, from_iteration, until_iteration, last_iteration}},
+        "entries": [{job_id, src_ip, dst_ip, partition, shadow_ifname, packets, bytes}]}
+
+        ``last_iteration`` is the iteration the port's knobs give frames without one (later
+        IP fragments, ACKs); it is tracked only while a knob is set and restarts at 0 with
+        every set_fault()."""
         ports = self._port_ifindexes()
         out: dict = {"ports": {}, "faults": {}, "entries": []}
-        with self._map("ckm_ports") as pm, self._map("ckm_fault") as fm:
+        with (self._map("ckm_ports") as pm, self._map("ckm_fault") as fm,
+              self._map("ckm_fault_win") as wm, self._map("ckm_fault_st") as sm):
             for name, idx in ports.items():
-                raw = pm.lookup(maps.U32.pack(idx))
+                key = maps.U32.pack(idx)
+                raw = pm.lookup(key)
                 vals = maps.PORT_STATS.unpack(raw) if raw else (0,) * len(maps.PORT_FIELDS)
                 out["ports"][name] = dict(zip(maps.PORT_FIELDS, vals, strict=True))
-                f = fm.lookup(maps.U32.pack(idx))
+                raw = sm.lookup(key)
+                st = dict(zip(FAULT_STATE_FIELDS, FAULT_STATE.unpack(raw) if raw
+                              else (0,) * len(FAULT_STATE_FIELDS), strict=True))
+                out["ports"][name].update({k: st[k] for k in FRAG_COUNTERS})
+                f = fm.lookup(key)
                 d, c = maps.FAULT.unpack(f) if f else (0, 0)
-                out["faults"][name] = {"drop": d / 2**32, "corrupt": c / 2**32}
+                raw = wm.lookup(key)
+                lo, hi, seed = FAULT_WIN.unpack(raw) if raw else (0, 0, 0)
+                last = st["last_iteration"] if st["seed"] == seed else 0  # stale: not seen yet
+                out["faults"][name] = {"drop": d / 2**32, "corrupt": c / 2**32,
+                                       "from_iteration": lo, "until_iteration": hi,
+                                       "last_iteration": last}
         names = {v: k for k, v in ports.items()}
         with self._map("ckm_repl") as m:
             for k, v in m.items():
@@ -260,15 +312,28 @@ class KernelSwitch:
                                            d["partition"]))
         return out
 
-    def set_fault(self, ifname: str, drop: float = 0.0, corrupt: float = 0.0) -> None:
-        """Drop / corrupt probabilities for ckm UDP leaving the switch through ``ifname``."""
-        for name, p in (("drop", drop), ("corrupt", corrupt)):
-            if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
-                raise CheckmateError(f"fault {name} must be a probability in 0..1, got {p!r}")
+    def set_fault(self, ifname: str, drop: float = 0.0, corrupt: float = 0.0,
+                  from_iteration: int = 0, until_iteration: int = 0) -> None:
+        """Drop / corrupt probabilities for ckm traffic leaving the switch through ``ifname``,
+        limited to ckm iterations ``from_iteration .. until_iteration`` (inclusive; 0 leaves
+        that end open), so a scenario can say "drop 5% on port X from iteration 10 to 20".
+
+        Probabilities are per datagram: the fragments of one IP-fragmented datagram share
+        one draw, so the knob loses ``drop`` of the datagrams whatever their size. Frames
+        without an iteration (later fragments, ring ACKs, iteration 0) are judged by the
+        latest iteration that left the port since this call (0 before any)."""
+        _check_prob("drop", drop)
+        _check_prob("corrupt", corrupt)
+        _check_window(from_iteration, until_iteration)
         ports = self._port_ifindexes()
         if ifname not in ports:
             raise CheckmateError(f"{ifname!r} is not a port of switch {self.cfg.switch.name} "
                                  f"(ports: {', '.join(ports)})")
-        with self._map("ckm_fault") as m:
-            m.update(maps.U32.pack(ports[ifname]),
-                     maps.FAULT.pack(maps.prob_scaled(drop), maps.prob_scaled(corrupt)))
+        key = maps.U32.pack(ports[ifname])
+        # A fresh seed re-draws the fragments' fates and tells the program to forget the
+        # port's last iteration. The window goes in first: while both maps change, the old
+        # probabilities meet the new window rather than new probabilities the old window.
+        seed = int.from_bytes(os.urandom(8), "little") or 1
+        with self._map("ckm_fault_win") as wm, self._map("ckm_fault") as fm:
+            wm.update(key, FAULT_WIN.pack(from_iteration, until_iteration, seed))
+            fm.update(key, maps.FAULT.pack(maps.prob_scaled(drop), maps.prob_scaled(corrupt)))

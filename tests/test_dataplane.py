@@ -7,6 +7,7 @@ needs and clears them at the end.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import struct
 
@@ -64,11 +65,36 @@ def entry(cfg, src: str, dst: str, partition: int, epoch: int = 11, token: int =
 
 
 def datagram(cfg, seq: int, partition: int = 0, flags: int = wire.Flags.REPLICATE,
-             n: int = 64) -> bytes:
+             n: int = 64, iteration: int = 3) -> bytes:
     payload = struct.pack(f"<{n}f", *(float(seq * 1000 + i) for i in range(n)))
-    h = wire.Header(flags=flags, job_id=cfg.job_id, epoch=1, token=2, iteration=3,
+    h = wire.Header(flags=flags, job_id=cfg.job_id, epoch=1, token=2, iteration=iteration,
                     offset=seq * n, count=n, seq=seq, partition=partition)
     return wire.encode(h, payload)
+
+
+BIG = 64_000  # payload bytes of a ring-sized datagram: IP-fragmented on the 9000-byte MTU
+
+
+def big_datagram(cfg, seq: int, iteration: int = 3) -> bytes:
+    """A 64 KB ckm datagram, as the ring sends them (opaque bytes, distinct per seq)."""
+    payload = random.Random(seq).randbytes(BIG)
+    h = wire.Header(job_id=cfg.job_id, epoch=1, token=2, iteration=iteration, offset=seq * BIG,
+                    count=BIG, seq=seq, dtype=wire.DType.BYTES)
+    return wire.encode(h, payload)
+
+
+def ack_datagram(cfg, seq: int) -> bytes:
+    """A ring ACK: a ckm header with iteration 0 and no payload."""
+    return wire.encode(wire.Header(flags=wire.Flags.ACK, job_id=cfg.job_id, seq=seq))
+
+
+def udp_per_fragment(cfg) -> int:
+    """Bytes of the UDP datagram (header included) one IPv4 fragment carries on the path."""
+    return (cfg.network.mtu - 20) // 8 * 8
+
+
+def fragments(cfg, d: bytes) -> int:
+    return -(-(8 + len(d)) // udp_per_fragment(cfg))
 
 
 def received(sock: socket.socket, quiet: float = 0.3) -> list[bytes]:
@@ -313,6 +339,195 @@ def test_faults_on_the_shadow_port_hit_only_copies(net):
     assert len(copies) == 20 and not any(_crc_ok(d) for d in copies)
 
 
+def _send_big(cfg, tx, rx_sock, data: list[bytes], per_round: int = 16) -> list[bytes]:
+    """Send to t1 in rounds whose reassembled datagrams fit the receive buffer."""
+    t1 = cfg.host("t1")
+    out = []
+    for start in range(0, len(data), per_round):
+        for d in data[start:start + per_round]:
+            tx.sendto(d, (t1.ip, t1.port))
+        out += received(rx_sock, 0.1)
+    return out + received(rx_sock, 0.3)
+
+
+def test_drop_hits_every_fragment_of_big_datagrams(net):
+    cfg, sw, rx, tx = net
+    sent = [big_datagram(cfg, i) for i in range(20)]
+    frags = fragments(cfg, sent[0])
+    assert frags == 8  # the 9000-byte MTU path really fragments them
+    sw.set_fault("tap-t1", drop=1.0)
+    before = sw.counters()
+    assert _send_big(cfg, tx, rx["t1"], sent) == []
+    after = sw.counters()
+    assert port_delta(after, before, "tap-t1", "frag_dropped") == 20 * frags
+    assert port_delta(after, before, "tap-t1", "dropped") == 20 * frags
+    sw.set_fault("tap-t1", drop=0.0)
+    assert sorted(_send_big(cfg, tx, rx["t1"], sent)) == sorted(sent)
+
+
+def test_drop_rate_is_per_datagram_for_fragmented_datagrams(net):
+    """All fragments of a datagram share one draw, so drop=0.3 loses ~30% of the 64 KB
+    datagrams, not 1 - 0.7**8 (94%) as independent per-fragment drops would. The number lost
+    is Binomial(n, p) when the draws are independent across datagrams: 5 standard deviations
+    (sd = sqrt(n p (1-p)) = 7.9 for n = 300) fail a correct switch with probability < 1e-6,
+    while per-fragment drops would lose ~283, 29 sd away."""
+    cfg, sw, rx, tx = net
+    n, p = 300, 0.3
+    sent = [big_datagram(cfg, i) for i in range(n)]
+    frags = fragments(cfg, sent[0])
+    sw.set_fault("tap-t1", drop=p)
+    before = sw.counters()
+    got = _send_big(cfg, tx, rx["t1"], sent)
+    after = sw.counters()
+    assert set(got) <= set(sent) and len(set(got)) == len(got)
+    lost = n - len(got)
+    # a lost datagram lost all of its fragments, an arrived one none of them
+    assert port_delta(after, before, "tap-t1", "frag_dropped") == lost * frags
+    sd = (n * p * (1 - p)) ** 0.5
+    assert abs(lost - n * p) < 5 * sd, lost
+
+
+def _ones_sum(b: bytes) -> int:
+    if len(b) % 2:
+        b += b"\0"
+    s = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    while s > 0xFFFF:
+        s = (s & 0xFFFF) + (s >> 16)
+    return s
+
+
+def _reassembled_udp_ok(frames: list[bytes]) -> list[bool]:
+    """Reassemble captured IPv4 fragments by IP id and verify each UDP checksum by hand
+    (veth may mark frames checksum-unnecessary, so delivery alone proves nothing)."""
+    parts: dict[int, list[tuple[int, bytes, bytes]]] = {}
+    for f in frames:
+        ip = f[14:]
+        if f[12:14] != b"\x08\x00" or ip[9] != 17:
+            continue
+        ihl, tot = (ip[0] & 15) * 4, struct.unpack("!H", ip[2:4])[0]
+        ident, frag = struct.unpack("!HH", ip[4:8])
+        if frag & 0x3FFF:
+            parts.setdefault(ident, []).append(((frag & 0x1FFF) * 8, ip[12:20], ip[ihl:tot]))
+    out = []
+    for pieces in parts.values():
+        pieces.sort()
+        udp = b"".join(p for _, _, p in pieces)
+        addrs = pieces[0][1]
+        pseudo = addrs + struct.pack("!BBH", 0, 17, len(udp))
+        out.append(udp[6:8] != b"\0\0" and _ones_sum(pseudo + udp) == 0xFFFF)
+    return out
+
+
+def test_corrupt_fragmented_datagram_arrives_with_bad_crc(net):
+    """The flip lands in the first fragment's payload and its UDP checksum is fixed up (it
+    covers the whole datagram), so reassembly delivers a datagram whose CRC32C fails."""
+    from checkmate.testbed.netsock import PACKET_OUTGOING, drain, packet_socket_in
+
+    cfg, sw, rx, tx = net
+    sent = {wire.decode(d)[0].seq: d for d in (big_datagram(cfg, i) for i in range(20))}
+    first_end = udp_per_fragment(cfg) - 8  # ckm bytes the first fragment carries
+    sw.set_fault("tap-t1", corrupt=1.0)
+    cap = packet_socket_in(cfg.netns("t1"), cfg.host_ifname("t1"))
+    try:
+        cap.setsockopt(socket.SOL_SOCKET, 33, 32 << 20)  # SO_RCVBUFFORCE: hold every frame
+        before = sw.counters()
+        got = _send_big(cfg, tx, rx["t1"], list(sent.values()))
+        after = sw.counters()
+        frames = [f for f, a in drain(cap, 0.05) if a[2] != PACKET_OUTGOING]
+    finally:
+        cap.close()
+    assert len(got) == len(sent) and not any(_crc_ok(d) for d in got)
+    assert _reassembled_udp_ok(frames) == [True] * len(sent)  # valid UDP checksum on the wire
+    for d in got:
+        orig = sent[wire.decode_header(d).seq]
+        diff = [i for i in range(len(d)) if d[i] != orig[i]]
+        assert diff and diff[0] % 2 == 0 and diff[-1] <= diff[0] + 1, diff
+        w = diff[0]
+        assert wire.HEADER_LEN <= w < first_end  # payload of the first fragment
+        assert d[w:w + 2] == bytes(b ^ 0xFF for b in orig[w:w + 2])
+    assert port_delta(after, before, "tap-t1", "corrupted") == len(sent)
+    assert port_delta(after, before, "tap-t1", "frag_corrupted") == len(sent)
+    assert port_delta(after, before, "tap-t1", "dropped") == 0
+
+
+def test_corrupt_rate_is_per_datagram_for_fragmented_datagrams(net):
+    cfg, sw, rx, tx = net
+    n, p = 200, 0.3
+    sent = [big_datagram(cfg, i) for i in range(n)]
+    sw.set_fault("tap-t1", corrupt=p)
+    before = sw.counters()
+    got = _send_big(cfg, tx, rx["t1"], sent)
+    after = sw.counters()
+    assert len(got) == n
+    bad = sum(not _crc_ok(d) for d in got)
+    assert bad == port_delta(after, before, "tap-t1", "frag_corrupted")
+    sd = (n * p * (1 - p)) ** 0.5  # binomial, as for the drop rate
+    assert abs(bad - n * p) < 5 * sd, bad
+
+
+def test_fault_window_hits_only_its_iterations(net):
+    """drop=1.0 from iteration 5 to 7: small and fragmented datagrams of iterations 4 and 8
+    arrive, those of 5..7 never do. Frames without an iteration (later fragments, ACKs) go
+    by the latest iteration that left the port; an ACK before any counts as iteration 0."""
+    cfg, sw, rx, tx = net
+    sw.set_fault("tap-t1", drop=1.0, from_iteration=5, until_iteration=7)
+    faults = sw.counters()["faults"]["tap-t1"]
+    assert faults == {"drop": 1.0, "corrupt": 0.0, "from_iteration": 5, "until_iteration": 7,
+                      "last_iteration": 0}
+    ack = ack_datagram(cfg, 999)
+    assert _send_big(cfg, tx, rx["t1"], [ack]) == [ack]
+    before = sw.counters()
+    big_frags = 0
+    for it in (4, 5, 6, 7, 8):
+        group = [datagram(cfg, 10 * it + k, flags=0, iteration=it) for k in range(3)]
+        group += [big_datagram(cfg, 10 * it + k, iteration=it) for k in range(3)]
+        group.append(ack_datagram(cfg, it))
+        got = _send_big(cfg, tx, rx["t1"], group)  # drained before the next iteration
+        if 5 <= it <= 7:
+            assert got == [], it
+            big_frags += sum(fragments(cfg, d) for d in group[3:6])
+        else:
+            assert sorted(got) == sorted(group), it
+        assert sw.counters()["faults"]["tap-t1"]["last_iteration"] == it
+    after = sw.counters()
+    assert port_delta(after, before, "tap-t1", "frag_dropped") == big_frags
+    assert port_delta(after, before, "tap-t1", "dropped") == big_frags + 3 * (3 + 1)
+
+
+def test_fault_window_open_ends(net):
+    cfg, sw, rx, tx = net
+    sw.set_fault("tap-t1", drop=1.0, until_iteration=2)  # from the start up to 2
+    got = _send_big(cfg, tx, rx["t1"], [datagram(cfg, it, flags=0, iteration=it)
+                                        for it in (1, 2, 3)])
+    assert [wire.decode(d)[0].iteration for d in got] == [3]
+    sw.set_fault("tap-t1", drop=1.0, from_iteration=3)  # from 3 on
+    got = _send_big(cfg, tx, rx["t1"], [datagram(cfg, it, flags=0, iteration=it)
+                                        for it in (2, 3, 1000)])
+    assert [wire.decode(d)[0].iteration for d in got] == [2]
+
+
+def test_drop_knob_spares_non_ckm_udp(net):
+    from checkmate.testbed.netsock import udp_socket_in
+
+    cfg, sw, rx, tx = net
+    t1 = cfg.host("t1")
+    plain = udp_socket_in(cfg.netns("t1"), ("0.0.0.0", 40123), RCVBUF)
+    try:
+        sw.set_fault("tap-t1", drop=1.0)
+        tx.sendto(b"not ckm", (t1.ip, 40123))
+        assert received(plain) == [b"not ckm"]
+    finally:
+        plain.close()
+
+
+def test_set_fault_keeps_its_positional_form(net):
+    cfg, sw, rx, tx = net
+    sw.set_fault("tap-t2", 0.5, 0.25)
+    f = sw.counters()["faults"]["tap-t2"]
+    assert (f["drop"], f["corrupt"], f["from_iteration"], f["until_iteration"]) == (
+        0.5, 0.25, 0, 0)
+
+
 def test_entries_insert_overwrite_remove(net):
     cfg, sw, rx, tx = net
     e = entry(cfg, "t0", "t1", 0, epoch=1)
@@ -344,6 +559,18 @@ def test_bad_fault_arguments(net):
         sw.set_fault("tap-t1", drop=1.5)
     with pytest.raises(CheckmateError):
         sw.set_fault("eth9", drop=0.1)
+
+
+@pytest.mark.parametrize("window", [
+    {"from_iteration": -1}, {"until_iteration": 1 << 64}, {"from_iteration": True},
+    {"until_iteration": 2.0}, {"from_iteration": "5"}, {"from_iteration": 8, "until_iteration": 5},
+])
+def test_bad_fault_window_is_one_clear_error(net, window):
+    cfg, sw, rx, tx = net
+    with pytest.raises(CheckmateError) as exc:
+        sw.set_fault("tap-t1", drop=0.1, **window)
+    assert "\n" not in str(exc.value) and "iteration" in str(exc.value)
+    assert sw.counters()["faults"]["tap-t1"]["drop"] == 0.0  # nothing was written
 
 
 def test_absent_switch_is_unreachable():

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: GPL-2.0 */
 /* The Checkmate switch as tc (clsact, direct-action) eBPF programs.
  *
  * A Linux bridge in the switch namespace does plain L2 forwarding between the veth ports.
@@ -8,11 +9,14 @@
  *     exactly one copy to the entry's shadow port with the addressing rewritten, then
  *     restores the original, which the bridge forwards unchanged.
  *   ckm_egress (frames leaving the switch towards a host): counts tx and applies the port's
- *     fault knobs (drop / corrupt probability) to ckm-port UDP datagrams, shadow copies
- *     included.
+ *     fault knobs (drop / corrupt probability, optionally only inside an iteration window)
+ *     to ckm-port UDP datagrams, shadow copies included, and to IPv4/UDP fragments: the
+ *     first fragment is checked for a ckm port, later ones carry no UDP header and count
+ *     as ckm traffic (the testbed carries no other fragmented UDP). All fragments of one
+ *     datagram share one fate, so a knob's probability is a per-datagram loss rate.
  *
  * Maps are pinned by the loader under /sys/fs/bpf/<prefix>-<switch>/maps/; layouts are
- * mirrored in dataplane/maps.py.
+ * mirrored in dataplane/maps.py (ckm_fault_win and ckm_fault_st: dataplane/switch.py).
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -51,8 +55,9 @@ struct port_stats {
 	__u64 rx;
 	__u64 tx;
 	__u64 replicated; /* copies made from frames that entered here */
-	__u64 dropped;    /* fault drops on egress, and copies the kernel refused */
-	__u64 corrupted;
+	__u64 dropped;    /* fault drops on egress (frames: each IP fragment counts), and copies
+			   * the kernel refused */
+	__u64 corrupted;  /* datagrams corrupted on egress */
 	__u64 malformed;  /* ckm-port UDP whose ckm header is short or has bad magic/version */
 	__u64 no_entry;   /* REPLICATE without a matching replication entry */
 };
@@ -60,6 +65,23 @@ struct port_stats {
 struct fault {
 	__u64 drop;       /* probability * 2^32; compared with bpf_get_prandom_u32() */
 	__u64 corrupt;
+};
+
+/* Which iterations a port's knobs hit; written by the control plane with every knob. */
+struct fault_win {
+	__u64 from_iter;  /* first iteration hit; 0: no lower bound */
+	__u64 until_iter; /* last iteration hit (inclusive); 0: no upper bound */
+	__u64 seed;       /* fresh per setting: salts the per-datagram fragment draw and tells
+			   * ckm_egress that last_iter predates this setting */
+};
+
+/* Per-port fault state, written by ckm_egress only. */
+struct fault_state {
+	__u64 last_iter;      /* latest nonzero ckm iteration seen leaving the port while a knob
+			       * was set: the iteration of frames that carry none */
+	__u64 seed;           /* fault_win.seed that last_iter belongs to */
+	__u64 frag_dropped;   /* the IPv4 fragments among ckm_ports.dropped */
+	__u64 frag_corrupted; /* fragmented datagrams among ckm_ports.corrupted */
 };
 
 struct sw_cfg {
@@ -89,24 +111,42 @@ struct {
 } ckm_fault SEC(".maps");
 
 struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_PORTS);
+	__type(key, __u32);
+	__type(value, struct fault_win);
+} ckm_fault_win SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_PORTS);
+	__type(key, __u32);
+	__type(value, struct fault_state);
+} ckm_fault_st SEC(".maps");
+
+struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
 	__type(key, __u32);
 	__type(value, struct sw_cfg);
 } ckm_cfg SEC(".maps");
 
-/* Offsets of a ckm-port IPv4/UDP datagram; filled by parse_udp(). */
+/* Offsets of a ckm-port IPv4/UDP datagram; filled by parse_ip() and parse_ckm_udp(). */
 struct pkt {
 	__u32 ip_off;
 	__u32 udp_off;
 	__u32 ckm_off;
-	__u32 udp_len;    /* UDP header + payload, from the UDP header */
+	__u32 udp_len;    /* UDP header + payload, from the UDP header; 0 when inconsistent
+			   * (always for a first fragment, whose datagram is longer than it) */
 	struct iphdr ip;
 	struct udphdr udp;
 };
 
-/* 0: an unfragmented IPv4/UDP datagram to a ckm port; -1: anything else. */
-static __always_inline int parse_udp(struct __sk_buff *skb, struct pkt *p)
+#define IP_MF_OFFSET 0x3fff /* frag_off bits: more fragments, fragment offset */
+#define IP_OFFSET 0x1fff
+
+/* 0: an IPv4/UDP frame (a fragment, too) with p->ip and p->udp_off set; -1: anything else. */
+static __always_inline int parse_ip(struct __sk_buff *skb, struct pkt *p)
 {
 	struct ethhdr eth;
 
@@ -119,9 +159,14 @@ static __always_inline int parse_udp(struct __sk_buff *skb, struct pkt *p)
 		return -1;
 	if (p->ip.ihl < 5 || p->ip.protocol != IPPROTO_UDP)
 		return -1;
-	if (p->ip.frag_off & bpf_htons(0x3fff)) /* MF or a fragment offset */
-		return -1;
 	p->udp_off = p->ip_off + p->ip.ihl * 4;
+	return 0;
+}
+
+/* After parse_ip() of a frame that starts a datagram: 0 when its UDP destination is a ckm
+ * port (p->udp, ckm_off, udp_len set), -1 otherwise. */
+static __always_inline int parse_ckm_udp(struct __sk_buff *skb, struct pkt *p)
+{
 	if (bpf_skb_load_bytes(skb, p->udp_off, &p->udp, sizeof(p->udp)) < 0)
 		return -1;
 	__u16 dport = bpf_ntohs(p->udp.dest);
@@ -132,6 +177,16 @@ static __always_inline int parse_udp(struct __sk_buff *skb, struct pkt *p)
 	if (p->udp_len < sizeof(struct udphdr) || p->udp_off + p->udp_len > skb->len)
 		p->udp_len = 0; /* inconsistent length: treated as too short below */
 	return 0;
+}
+
+/* 0: an unfragmented IPv4/UDP datagram to a ckm port; -1: anything else. */
+static __always_inline int parse_udp(struct __sk_buff *skb, struct pkt *p)
+{
+	if (parse_ip(skb, p) < 0)
+		return -1;
+	if (p->ip.frag_off & bpf_htons(IP_MF_OFFSET))
+		return -1;
+	return parse_ckm_udp(skb, p);
 }
 
 static __always_inline void count(__u64 *field)
@@ -231,16 +286,66 @@ int ckm_ingress(struct __sk_buff *skb)
 	return TC_ACT_OK;
 }
 
-/* Flip one 16-bit word of the UDP payload (past the ckm header when there is payload, so the
- * CRC32C fails) and fix the UDP checksum, so the receiver's kernel still delivers it. */
-static __always_inline int corrupt(struct __sk_buff *skb, struct pkt *p)
+/* The ckm iteration (host order) of the datagram parsed into p, 0 when it carries none:
+ * ring ACKs, handshakes, and ckm-port datagrams whose header is short or not ckm. A first
+ * fragment's UDP length is the whole datagram's, so there only the frame bounds the load. */
+static __always_inline __u64 ckm_iteration(struct __sk_buff *skb, struct pkt *p, int frag)
 {
-	__u32 plen, start = p->ckm_off, words;
+	struct ckm_hdr h;
+
+	if (!frag && p->udp_len < sizeof(struct udphdr) + CKM_HEADER_LEN)
+		return 0;
+	if (bpf_skb_load_bytes(skb, p->ckm_off, &h, sizeof(h)) < 0)
+		return 0;
+	if (h.magic != bpf_htons(CKM_MAGIC) || h.version != CKM_VERSION)
+		return 0;
+	return bpf_be64_to_cpu(h.iteration);
+}
+
+/* A 64-bit finalizer (xor-shift / multiply rounds) that spreads every input bit over the
+ * output: consecutive IP ids must give independent-looking draws. */
+static __always_inline __u64 mix64(__u64 x)
+{
+	x ^= x >> 33;
+	x *= 0xff51afd7ed558ccdULL;
+	x ^= x >> 33;
+	x *= 0xc4ceb9fe1a85ec53ULL;
+	x ^= x >> 33;
+	return x;
+}
+
+/* One draw shared by every fragment of a datagram (same source, destination and IP id), so
+ * its fragments are dropped together: a 30% knob loses 30% of the datagrams, not 1 - 0.7^8
+ * of 8-fragment ones. High half: the drop draw; low half: the corrupt draw. */
+static __always_inline __u64 frag_draw(const struct iphdr *ip, __u64 seed)
+{
+	__u64 x = mix64(seed ^ (((__u64)ip->saddr << 32) | ip->daddr));
+
+	return mix64(x ^ ip->id);
+}
+
+/* Flip one 16-bit word of the UDP payload (past the ckm header when there is payload, so the
+ * CRC32C fails) and fix the UDP checksum, so the receiver's kernel still delivers it. For a
+ * first fragment the payload ends with the fragment; the word sits at an even offset from
+ * the UDP header and the checksum covers the whole reassembled datagram, so the same
+ * incremental fix-up holds and the reassembled datagram passes the UDP checksum too. */
+static __always_inline int corrupt(struct __sk_buff *skb, struct pkt *p, int frag)
+{
+	__u32 end, plen, start = p->ckm_off, words;
 	__be16 w, nw;
 
-	if (p->udp_len < sizeof(struct udphdr))
-		return -1; /* inconsistent UDP length: leave it alone */
-	plen = p->udp_len - sizeof(struct udphdr);
+	if (frag) {
+		end = p->ip_off + bpf_ntohs(p->ip.tot_len);
+		if (end > skb->len)
+			end = skb->len;
+	} else {
+		if (p->udp_len < sizeof(struct udphdr))
+			return -1; /* inconsistent UDP length: leave it alone */
+		end = p->udp_off + p->udp_len;
+	}
+	if (end < start)
+		return -1;
+	plen = end - start;
 	if (plen >= CKM_HEADER_LEN + 2) {
 		start += CKM_HEADER_LEN;
 		plen -= CKM_HEADER_LEN;
@@ -259,25 +364,87 @@ static __always_inline int corrupt(struct __sk_buff *skb, struct pkt *p)
 	return bpf_skb_store_bytes(skb, start, &nw, 2, STORE_F);
 }
 
+/* 0 (no bound) or from_iter <= it <= until_iter. */
+static __always_inline int in_window(const struct fault_win *w, __u64 it)
+{
+	if (!w)
+		return 1;
+	if (w->from_iter && it < w->from_iter)
+		return 0;
+	if (w->until_iter && it > w->until_iter)
+		return 0;
+	return 1;
+}
+
+/* The port's knobs on one egress frame: TC_ACT_SHOT to drop it, TC_ACT_OK otherwise (maybe
+ * corrupted). Frames the knobs hit: unfragmented UDP to a ckm port, the first fragment of
+ * a datagram to a ckm port, and every later IPv4/UDP fragment (no port to check). */
+static __always_inline int apply_faults(struct __sk_buff *skb, __u32 ifindex,
+					struct port_stats *ps, const struct fault *f)
+{
+	struct fault_win *w = bpf_map_lookup_elem(&ckm_fault_win, &ifindex);
+	struct fault_state *st = bpf_map_lookup_elem(&ckm_fault_st, &ifindex);
+	__u64 it = 0, seed = w ? w->seed : 0, draw_drop, draw_corrupt;
+	int frag, first;
+	struct pkt p;
+
+	if (parse_ip(skb, &p) < 0)
+		return TC_ACT_OK;
+	frag = (p.ip.frag_off & bpf_htons(IP_MF_OFFSET)) != 0;
+	first = (p.ip.frag_off & bpf_htons(IP_OFFSET)) == 0;
+	if (first) {
+		if (parse_ckm_udp(skb, &p) < 0)
+			return TC_ACT_OK; /* not to a ckm port */
+		it = ckm_iteration(skb, &p, frag);
+	}
+	if (st) {
+		if (st->seed != seed) { /* knobs were set anew: forget the old iteration */
+			st->seed = seed;
+			st->last_iter = 0;
+		}
+		if (it)
+			st->last_iter = it;
+		else
+			it = st->last_iter; /* later fragments, ACKs: the port's latest iteration */
+	}
+	if (!in_window(w, it))
+		return TC_ACT_OK;
+	if (frag) {
+		__u64 d = frag_draw(&p.ip, seed);
+
+		draw_drop = d >> 32;
+		draw_corrupt = d & 0xffffffff;
+	} else {
+		draw_drop = bpf_get_prandom_u32();
+		draw_corrupt = bpf_get_prandom_u32();
+	}
+	if (f->drop && draw_drop < f->drop) {
+		count(&ps->dropped);
+		if (frag && st)
+			count(&st->frag_dropped);
+		return TC_ACT_SHOT;
+	}
+	/* a fragmented datagram is corrupted once, in its first fragment (see corrupt()) */
+	if (f->corrupt && draw_corrupt < f->corrupt && first && corrupt(skb, &p, frag) == 0) {
+		count(&ps->corrupted);
+		if (frag && st)
+			count(&st->frag_corrupted);
+	}
+	return TC_ACT_OK;
+}
+
 SEC("tc")
 int ckm_egress(struct __sk_buff *skb)
 {
 	__u32 ifindex = skb->ifindex;
 	struct port_stats *ps = bpf_map_lookup_elem(&ckm_ports, &ifindex);
 	struct fault *f;
-	struct pkt p;
 
 	if (!ps)
 		return TC_ACT_OK;
 	f = bpf_map_lookup_elem(&ckm_fault, &ifindex);
-	if (f && (f->drop || f->corrupt) && parse_udp(skb, &p) == 0) {
-		if (f->drop && bpf_get_prandom_u32() < f->drop) {
-			count(&ps->dropped);
-			return TC_ACT_SHOT;
-		}
-		if (f->corrupt && bpf_get_prandom_u32() < f->corrupt && corrupt(skb, &p) == 0)
-			count(&ps->corrupted);
-	}
+	if (f && (f->drop || f->corrupt) && apply_faults(skb, ifindex, ps, f) == TC_ACT_SHOT)
+		return TC_ACT_SHOT;
 	count(&ps->tx);
 	return TC_ACT_OK;
 }
