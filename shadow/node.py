@@ -185,4 +185,5 @@ class ShadowNode:
             "restored_from": self.restored_from,
             "rcvbuf": self.rcvbuf,
             "range": [st.start, st.end] if st.spec else None,
+            "commit_times": [[i, round(t, 4)] for i, t in list(st.commit_times)[-256:]],
         }

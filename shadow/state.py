@@ -120,6 +120,8 @@ class ShadowState:
         self.reseed: Any = None
         self.reseeds_done = 0
         self.reseed_reason = ""
+        #: (iteration, wall-clock time) of recent commits: commit lag is measured from them.
+        self.commit_times: deque[tuple[int, float]] = deque(maxlen=4096)
 
     # ----- spec -------------------------------------------------------------------------
     def set_spec(self, spec: ModelSpec) -> None:
@@ -336,6 +338,7 @@ class ShadowState:
             if old.pins == 0:
                 self._free.append(old.slots)
         self.committed_count += 1
+        self.commit_times.append((it, time.time()))
         if self.asm is not None:
             self.asm.committed = it
         if self.on_commit is not None:

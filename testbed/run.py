@@ -38,78 +38,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from checkmate import config as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.testbed.scenario import (  # noqa: F401 - re-exported for the benches
+    KILL_PHASES,
+    SCENARIO_DIR,
+    Scenario,
+    load_scenario,
+    scenario_names,
+)
 
-SCENARIO_DIR = Path(__file__).with_name("scenarios")
 MODES = ("switch", "host")
 #: Loopback /24 (first three octets) used in host mode unless --loopback-net says otherwise.
 LOOPBACK_NET = "127.77.0"
 #: Iterations a shadow accepts beyond its last commit (shadow serve --window).
 SHADOW_WINDOW = 64
-
-
-# ----------------------------------------------------------------------------- scenario
-@dataclass
-class Scenario:
-    name: str
-    model: str
-    steps: int
-    seed: int = 0
-    kill_at: int | None = None
-    description: str = ""
-    kill_phase: str = "after-step"
-
-
-KILL_PHASES = ("after-step", "before-control")
-
-
-def scenario_names() -> list[str]:
-    return sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
-
-
-def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:
-    """A scenario by name (testbed/scenarios/NAME.yaml) or by path; CheckmateError if bad."""
-    path = Path(ref)
-    if not path.suffix:
-        path = SCENARIO_DIR / f"{ref}.yaml"
-    if not path.is_file():
-        raise CheckmateError(f"no scenario {ref!r} (known: {', '.join(scenario_names())}, "
-                             "or a path to a YAML file)")
-    try:
-        d = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        raise CheckmateError(f"scenario {path} is not readable YAML") from None
-    if not isinstance(d, dict):
-        raise CheckmateError(f"scenario {path} must be a mapping")
-    unknown = set(d) - {"name", "model", "steps", "seed", "kill_at", "kill_phase",
-                        "description"}
-    if unknown:
-        raise CheckmateError(f"scenario {path}: unknown key(s) {', '.join(sorted(unknown))}")
-    from checkmate.testbed.models import MODELS
-
-    model = d.get("model", "gpt")
-    if model not in MODELS:
-        raise CheckmateError(f"scenario {path}: model must be one of {', '.join(MODELS)}")
-    steps, seed = d.get("steps", 40), d.get("seed", 0)
-    for k, v, lo in (("steps", steps, 2), ("seed", seed, 0)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise CheckmateError(f"scenario {path}: {k} must be an integer >= {lo}, got {v!r}")
-    kill = d.get("kill_at")
-    if kill == "random":
-        kill = (rng or random.Random()).randint(max(1, steps // 4), max(1, 3 * steps // 4))
-    elif kill is not None and (not isinstance(kill, int) or isinstance(kill, bool)
-                               or not 1 <= kill < steps):
-        raise CheckmateError(f"scenario {path}: kill_at must be 1..{steps - 1} or 'random', "
-                             f"got {kill!r}")
-    phase = d.get("kill_phase", "after-step")
-    if phase not in KILL_PHASES:
-        raise CheckmateError(f"scenario {path}: kill_phase must be one of "
-                             f"{', '.join(KILL_PHASES)}, got {phase!r}")
-    return Scenario(str(d.get("name", path.stem)), model, steps, seed, kill,
-                    str(d.get("description", "")), phase)
 
 
 # ----------------------------------------------------------------------------- cluster
@@ -200,12 +143,17 @@ class RunResult:
     finals: list[Path] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # rank 0's wall clock after each step
+    iter_times: list[tuple[int, float]] = field(default_factory=list)  # (iteration, time)
     killed_at: int | None = None
     max_done_before_kill: int | None = None
     restored_from: int | None = None
     seconds: float = 0.0
     stats: list[dict] = field(default_factory=list)
     shadow_matches_trainer: bool | None = None
+    shadow_restarts: int = 0
+    restarts: list[dict] = field(default_factory=list)
+    protected: bool | None = None
+    shadow_status: list[dict] = field(default_factory=list)
 
 
 class Run:
@@ -221,38 +169,89 @@ class Run:
         self.trainers: list[subprocess.Popen] = []
         self.result = RunResult(label)
         self.extra_job: dict[str, Any] = {}  # merged into the job file (benchmarks)
+        self.actions: dict[int, list[Any]] = {}
+        self.last_reported = 0  # newest iteration rank 0 reported
+        self.action_errors: list[str] = []
+        self.by_partition: dict[int, int] = {}
 
     # -- processes -----------------------------------------------------------------------
-    def start_shadows(self) -> None:
-        cfg, cl = self.cl.cfg, self.cl
-        n = cfg.num_partitions
-        for h in cfg.shadows:
-            argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve",
-                    "--partition", f"{h.partition}/{n}", "--config", str(cl.config_path),
-                    "--host", h.name, "--bind", cl.ip[h.name],
-                    # Trainers may run ahead while a shadow JIT-compiles its first step.
-                    "--window", str(SHADOW_WINDOW)]
-            if cl.mode == "host":
-                argv.append("--no-register")
-            log = open(self.dir / f"shadow-{h.name}.log", "wb")  # noqa: SIM115
-            # One kernel thread per shadow: on a small testbed machine the shadows share the
-            # trainers' cores (results do not depend on the thread count).
-            env = {"NUMBA_NUM_THREADS": "1"}
-            self.shadows.append(cl.popen(h.name, argv, env, stdout=log, stderr=log,
-                                         stdin=subprocess.DEVNULL, start_new_session=True))
+    def _shadow_argv(self, h: Any, disk: bool) -> list[str]:
+        cl, sc = self.cl, self.sc
+        argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve",
+                "--partition", f"{h.partition}/{cl.cfg.num_partitions}",
+                "--config", str(cl.config_path), "--host", h.name, "--bind", cl.ip[h.name],
+                # Trainers may run ahead while a shadow JIT-compiles its first step.
+                "--window", str(SHADOW_WINDOW)]
+        if cl.mode == "host":
+            argv.append("--no-register")
+        if sc.persist_every:
+            # A restart "without disk" gets a fresh directory: it comes back empty.
+            d = self.dir / "ckpt" if disk else self.dir / f"ckpt-{len(self.shadows)}"
+            argv += ["--dir", str(d), "--persist-every", str(sc.persist_every),
+                     "--keep", str(sc.keep)]
+        return argv
+
+    def _spawn_shadow(self, h: Any, disk: bool = True) -> subprocess.Popen:
+        log = open(self.dir / f"shadow-{h.name}.log", "ab")  # noqa: SIM115
+        # One kernel thread per shadow: on a small testbed machine the shadows share the
+        # trainers' cores (results do not depend on the thread count).
+        env = {"NUMBA_NUM_THREADS": "1"}
+        try:
+            return self.cl.popen(h.name, self._shadow_argv(h, disk), env, stdout=log,
+                                 stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
             log.close()
+
+    def start_shadows(self) -> None:
+        cfg = self.cl.cfg
+        self.by_partition: dict[int, int] = {}
+        for h in cfg.shadows:
+            self.by_partition[h.partition] = len(self.shadows)
+            self.shadows.append(self._spawn_shadow(h))
         deadline = time.monotonic() + 60
-        for h, p in zip(cfg.shadows, self.shadows, strict=True):
-            while True:
-                if p.poll() is not None:
-                    raise CheckmateError(f"shadow {h.name} exited ({p.returncode}); see "
-                                         f"{self.dir / f'shadow-{h.name}.log'}")
-                r = self._probe(h.name)
-                if r:
-                    break
-                if time.monotonic() > deadline:
-                    raise CheckmateError(f"shadow {h.name} did not come up")
-                time.sleep(0.2)
+        for h in cfg.shadows:
+            self._wait_shadow(h, deadline)
+
+    def _wait_shadow(self, h: Any, deadline: float) -> None:
+        p = self.shadows[self.by_partition[h.partition]]
+        while True:
+            if p.poll() is not None:
+                raise CheckmateError(f"shadow {h.name} exited ({p.returncode}); see "
+                                     f"{self.dir / f'shadow-{h.name}.log'}")
+            if self._probe(h.name):
+                return
+            if time.monotonic() > deadline:
+                raise CheckmateError(f"shadow {h.name} did not come up")
+            time.sleep(0.2)
+
+    def kill_restart_shadow(self, partition: int, disk: bool) -> None:
+        """SIGKILL the shadow of ``partition`` and start it again while training runs."""
+        h = self.cl.cfg.shadow_for(partition)
+        if h is None:
+            raise CheckmateError(f"no shadow serves partition {partition}")
+        i = self.by_partition[partition]
+        old = self.shadows[i]
+        if old.poll() is None:
+            os.kill(old.pid, signal.SIGKILL)
+        old.wait()
+        self.shadows[i] = self._spawn_shadow(h, disk)
+        self.result.shadow_restarts += 1
+        self.result.restarts.append({"partition": partition, "at": self.last_reported,
+                                     "disk": disk})
+
+    def at_iteration(self, it: int, action: Any) -> None:
+        """Run ``action()`` (in a thread) when rank 0 reports iteration ``it``."""
+        self.actions.setdefault(it, []).append(action)
+
+    def _fire(self, it: int) -> None:
+        for a in self.actions.pop(it, []):
+            threading.Thread(target=self._guarded, args=(a,), daemon=True).start()
+
+    def _guarded(self, action: Any) -> None:
+        try:
+            action()
+        except Exception as e:  # noqa: BLE001 - reported with the run's problems
+            self.action_errors.append(f"{self.label}: injected action failed: {e}")
 
     def _probe(self, host: str) -> bool:
         if self.cl.mode == "host":
@@ -394,7 +393,10 @@ class Run:
                 if ev["rank"] == 0:
                     self.result.losses.append(ev["loss"])
                     self.result.times.append(ev["t"])
+                    self.result.iter_times.append((ev["iteration"], ev["t"]))
                     self.progress(self.label, ev["iteration"], ev["loss"])
+                    self.last_reported = ev["iteration"]
+                    self._fire(ev["iteration"])
                     if kill_at is not None and ev["iteration"] >= kill_at:
                         return self._killed(ev["iteration"], max_done, pids)
             elif kind == "started":
@@ -404,7 +406,11 @@ class Run:
                 done.add(ev["rank"])
                 self.result.stats.append({"rank": ev["rank"], **ev.get("stats", {}),
                                           "control_bytes": ev.get("control_bytes"),
-                                          "copy_bytes": ev.get("copy_bytes")})
+                                          "copy_bytes": ev.get("copy_bytes"),
+                                          "repair": ev.get("repair"),
+                                          "reseeds": ev.get("reseeds", 0)})
+                if ev["rank"] == 0:
+                    self.result.protected = ev.get("protected")
             elif kind == "exit":
                 exited.add(ev["rank"])
                 if fail_at is not None and ev["rank"] == 0 and 0 not in done:
@@ -417,6 +423,18 @@ class Run:
             p.wait()
         self.result.finals = [self.dir / f"final-rank{r}.pt" for r in range(world)]
         return "done"
+
+    def shadow_statuses(self) -> list[dict]:
+        """Every shadow's status op, asked from inside the cluster."""
+        argv = [sys.executable, "-m", "checkmate.shadow.cli", "status", "--config",
+                str(self.cl.config_path)]
+        for h in self.cl.cfg.shadows:
+            argv += ["--addr", f"{self.cl.ip[h.name]}:{cfgmod.RESTORE_PORT}"]
+        r = self.cl.run(self.cl.cfg.trainers[0].name, argv)
+        if r.returncode != 0:
+            raise CheckmateError(f"shadow status failed: {(r.stderr or r.stdout)[-300:]}")
+        out = json.loads(r.stdout)
+        return out if isinstance(out, list) else [out]
 
     def shadow_state(self) -> Path:
         """The shadows' state at the last iteration, fetched from inside the cluster."""
@@ -486,6 +504,79 @@ def check_run(run: Run) -> list[str]:
     return problems
 
 
+# ----------------------------------------------------------------------------- chaos
+def _inject(run: Run) -> None:
+    """Set the scenario's switch faults and schedule its shadow kills / controller restart."""
+    sc, cl = run.sc, run.cl
+    if sc.faults:
+        from checkmate.dataplane.switch import KernelSwitch
+
+        sw = KernelSwitch(cl.cfg)
+        for f in sc.faults:
+            cl.cfg.host(f.port)  # ConfigError names an unknown host
+            sw.set_fault(cl.cfg.switch_ifname(f.port), f.drop, f.corrupt,
+                         from_iteration=f.start, until_iteration=f.until)
+    for k in sc.shadow_kills:
+        run.at_iteration(k.at, lambda k=k: run.kill_restart_shadow(k.partition, k.disk))
+    if sc.controller_restart_at is not None:
+        if cl.testbed is None:
+            raise CheckmateError("controller_restart_at needs --mode switch")
+        run.at_iteration(sc.controller_restart_at, cl.testbed.restart_controller)
+
+
+def _clear_faults(run: Run) -> None:
+    if run.sc.faults and run.cl.mode == "switch":
+        from checkmate.dataplane.switch import KernelSwitch
+
+        sw = KernelSwitch(run.cl.cfg)
+        for f in run.sc.faults:
+            sw.set_fault(run.cl.cfg.switch_ifname(f.port), 0.0, 0.0)
+
+
+def reliability_summary(r: RunResult) -> dict[str, Any]:
+    """Commit lag (iterations the trainers were ahead when a shadow committed), repairs,
+    re-seeds and drops, from the shadows' statuses and rank 0's step times."""
+    import bisect
+
+    first_done: dict[int, float] = {}
+    for it, t in r.iter_times:  # a restore repeats iterations: the first time counts
+        first_done.setdefault(it, t)
+    its = sorted(first_done)
+    times = [first_done[i] for i in its]
+    lags = []
+    for st in r.shadow_status:
+        for i, c in st.get("commit_times") or []:
+            k = bisect.bisect_right(times, c)
+            if i >= 1 and k:
+                lags.append(max(0, its[k - 1] - i))
+    lags.sort()
+    rejoins = []
+    for rs in r.restarts:  # the restarted shadow's first commit: where it rejoined
+        st = next((s for s in r.shadow_status if s.get("partition") == rs["partition"]), {})
+        first = min((i for i, _ in st.get("commit_times") or [] if i > rs["at"]),
+                    default=None)
+        rejoins.append({**rs, "rejoined_at": first,
+                        "iterations": None if first is None else first - rs["at"]})
+    repair = [s.get("repair") or {} for s in r.shadow_status]
+    reps = [s.get("repair") or {} for s in r.stats if s.get("repair")]
+    total = max(((s.get("range") or [0, 0])[1] for s in r.shadow_status), default=0)
+    replica = 4 * total * len(first_done)
+    repair_bytes = sum(x.get("answered_bytes", 0) for x in reps)
+    return {
+        "rejoins": rejoins,
+        "commit_lag_max": lags[-1] if lags else None,
+        "commit_lag_median": lags[len(lags) // 2] if lags else None,
+        "repair_requests": sum(x.get("requests", 0) for x in repair),
+        "repair_answers": sum(x.get("answers", 0) for x in repair),
+        "repair_gone": sum(x.get("gone", 0) for x in repair),
+        "repair_bytes": repair_bytes,
+        "replica_bytes": replica,
+        "repair_overhead": round(repair_bytes / replica, 5) if replica else None,
+        "reseeds": sum((s.get("reseed") or {}).get("count", 0) for s in r.shadow_status),
+        "shadow_drops": [s.get("drops", {}) for s in r.shadow_status],
+    }
+
+
 # ----------------------------------------------------------------------------- main
 def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str, Any]:
     """Run the scenario; returns the report (``ok`` False with ``problems`` on failure)."""
@@ -497,13 +588,19 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
                               "kill_phase": sc.kill_phase,
                               "runs": {}}
     problems: list[str] = []
-    runs = [("failure-free", None)] + ([("kill-restore", sc.kill_at)] if sc.kill_at else [])
+    if sc.faults and cl.mode != "switch":
+        raise CheckmateError("scenario faults act on the switch's ports: use --mode switch")
+    second = "chaos" if sc.chaos else "kill-restore"
+    runs = [("failure-free", None)] + ([(second, sc.kill_at)] if sc.kill_at or sc.chaos
+                                       else [])
     finished: dict[str, Run] = {}
     for label, kill in runs:
         run = Run(cl, sc, workdir, label, progress)
         t0 = time.perf_counter()
         try:
             run.start_shadows()
+            if label == "chaos":
+                _inject(run)
             self_kill = kill is not None and sc.kill_phase == "before-control"
             run.start_trainers(resume=False, fail_at=kill if self_kill else None)
             outcome = (run.follow(None, fail_at=kill) if self_kill else run.follow(kill))
@@ -511,16 +608,24 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
                 run.start_trainers(resume=True)
                 run.follow(None)
             problems += check_run(run)
+            run.result.shadow_status = run.shadow_statuses()
         finally:
+            if label == "chaos":
+                _clear_faults(run)
             run.stop()
+        problems += run.action_errors
         run.result.seconds = round(time.perf_counter() - t0, 2)
         finished[label] = run
         r = run.result
+        if r.protected is False:
+            problems.append(f"{label}: the last iteration was not protected by every shadow")
         report["runs"][label] = {
             "seconds": r.seconds, "first_loss": r.losses[0] if r.losses else None,
             "last_loss": r.losses[-1] if r.losses else None, "killed_at": r.killed_at,
             "max_done_before_kill": r.max_done_before_kill, "restored_from": r.restored_from,
             "shadows_match_trainers": r.shadow_matches_trainer, "ring": r.stats,
+            "protected": r.protected, "shadow_restarts": r.shadow_restarts,
+            **reliability_summary(r),
         }
     if cl.mode == "switch":
         from checkmate.dataplane.switch import KernelSwitch
@@ -530,8 +635,8 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
     ff = finished["failure-free"].result
     if ff.losses and not ff.losses[-1] < ff.losses[0]:
         problems.append(f"loss did not fall ({ff.losses[0]} -> {ff.losses[-1]})")
-    if "kill-restore" in finished:
-        kr = finished["kill-restore"].result
+    if second in finished:
+        kr = finished[second].result
         a = torch.load(ff.finals[0], weights_only=False)
         b = torch.load(kr.finals[0], weights_only=False)
         diffs = compare_states(a, b, ("model", "optimizer", "scheduler"))
@@ -539,12 +644,12 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
         if diffs:
             problems.append(f"kill-restore final state differs from failure-free at "
                             f"{diffs[:5]}")
-        if kr.restored_from is None:
+        if kr.restored_from is None and kr.killed_at is not None:
             problems.append("the restarted trainers did not report a restore point")
-        else:
-            repeated = kr.max_done_before_kill - kr.restored_from
+        elif kr.restored_from is not None:
+            repeated = (kr.max_done_before_kill or 0) - kr.restored_from
             report["repeated_iterations"] = repeated
-            if repeated > 1:
+            if repeated > 1 and kr.killed_at is not None:
                 problems.append(f"{repeated} iterations repeated (at most 1 allowed)")
     report["ok"] = not problems
     report["problems"] = problems

@@ -348,6 +348,21 @@ class Testbed:
         self._write_state(state)
         return proc
 
+    def restart_controller(self) -> int | None:
+        """SIGKILL the running controller (by its recorded PID and start time) and start a new
+        one; for failure scenarios. Returns the new PID."""
+        state = self._read_state()
+        for p in [p for p in state.get("procs", []) if p.get("name") == "controller"]:
+            if _alive(p["pid"], p.get("start")):
+                os.kill(p["pid"], signal.SIGKILL)
+                deadline = time.monotonic() + 2.0
+                while _alive(p["pid"], p.get("start")) and time.monotonic() < deadline:
+                    _reap(p["pid"])
+                    time.sleep(0.02)
+        state["procs"] = [p for p in state.get("procs", []) if p.get("name") != "controller"]
+        self._write_state(state)
+        return self._start_controller()
+
     # -- inventory -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         cfg = self.cfg
