@@ -40,7 +40,7 @@ MAX_CONTROL = 64 << 20
 REPAIR_DELAY = 0.02
 #: Seconds without progress before asking even without evidence that the senders are done
 #: (the last iteration of a job has no newer one behind it).
-REPAIR_IDLE = 0.25
+REPAIR_IDLE = 1.0
 #: Longest wait between two requests for the same iteration.
 REPAIR_MAX_BACKOFF = 0.5
 #: Oldest pending iterations looked at per tick.

@@ -20,6 +20,7 @@ COMMANDS = {
     "exec": ("checkmate.testbed.commands", "run a command in a host's namespace"),
     "demo": ("checkmate.testbed.demo", "send replicated and plain ckm traffic, print counters"),
     "run": ("checkmate.testbed.run", "run a training scenario (failure-free, kill-restore)"),
+    "chaos": ("checkmate.testbed.chaos", "the reliability suite: every fault case, bit-exact"),
     "bench": ("checkmate.testbed.bench", "run a benchmark: testbed bench NAME"),
 }
 

@@ -143,3 +143,28 @@ def test_kill_restore_switch_mode(cfg_path, tmp_path):
     prefix = cfgmod.load(cfg_path).network.prefix
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(line.startswith(f"{prefix}-") for line in ns.splitlines())
+
+
+@pytest.mark.slow
+def test_chaos_replica_loss_trainer_loss_shadow_restart_and_kill(cfg_path, tmp_path):
+    """The fast chaos case: 5% of one shadow's copies dropped, 1% of one trainer's frames
+    (fragments included) dropped, the other shadow SIGKILLed and restarted empty, and every
+    trainer killed near the end. Every hole is repaired, the restarted shadow is re-seeded
+    live, and the restored job finishes bit-identical to failure-free."""
+    sc = tmp_path / "chaos.yaml"
+    sc.write_text("name: chaos\nmodel: gpt\nsteps: 30\nseed: 1\nkill_at: 26\n"
+                  "faults: [{port: s1, drop: 0.05}, {port: t2, drop: 0.01}]\n"
+                  "shadow_kills: [{partition: 0, at: 3}]\n")
+    out = tmp_path / "report.json"
+    p = subprocess.run([sys.executable, "-m", "checkmate.testbed.cli", "run", "--scenario",
+                        str(sc), "--config", str(cfg_path), "--mode", "switch", "--json",
+                        str(out)], capture_output=True, text=True, timeout=500)
+    assert p.returncode == 0, (p.stderr + p.stdout)[-3000:]
+    report = json.loads(out.read_text())
+    chaos = report["runs"]["chaos"]
+    assert report["ok"] and report["bit_identical"] is True
+    assert chaos["shadows_match_trainers"] is True and chaos["protected"] is True
+    assert chaos["repair_answers"] > 0 and chaos["reseeds"] >= 1
+    assert chaos["rejoins"][0]["rejoined_at"] is not None
+    # the faults were really there: the lossy shadow and trainer ports dropped frames
+    assert report["faults_dropped"]["s1"] > 0 and report["faults_dropped"]["t2"] > 0
