@@ -143,8 +143,10 @@ class Assembler:
         self.newest_seen_at = 0.0
         self.known_done = 0
         self.repair: Any = None  # checkmate.shadow.repair.RepairRequester, set by the node
-        #: Why this partition cannot be repaired and must be re-seeded ("" while it can).
+        #: Why this partition cannot be repaired and must be re-seeded ("" while it can), and
+        #: who to tell (the state cancels a live re-seed that can no longer complete).
         self.reseed_wanted = ""
+        self.on_wanted: Callable[[str], None] | None = None
 
     # ----- buffers ----------------------------------------------------------------------
     def release(self, staging: np.ndarray) -> None:
@@ -292,6 +294,8 @@ class Assembler:
             self.reseed_wanted = (f"iteration {it} is missing and no longer retained by the "
                                   "trainers")
             log.error("partition needs a re-seed: %s", self.reseed_wanted)
+            if self.on_wanted is not None:
+                self.on_wanted(self.reseed_wanted)
 
     def tick(self, now: float | None = None) -> float:
         """Gap reports and repair requests; returns seconds until the next tick is useful."""

@@ -129,11 +129,13 @@ class Service:
             self.on_peers(h)
             return {"ok": True}, b""
         if op == "reseed":
-            it = _int(h, "iteration")
             if "spec" in h:
                 st.set_spec(ModelSpec.from_json(h["spec"]))
-            reason = h.get("reason", "")
-            st.begin_reseed(it, str(reason)[:200])
+            reason = str(h.get("reason", ""))[:200]
+            if "iteration" in h:
+                st.begin_reseed(_int(h, "iteration"), reason)
+            else:
+                st.prepare_reseed(reason)
             return {"ok": True}, b""
         if op == "reseed_piece":
             it, step, off, cnt = (_int(h, k) for k in ("iteration", "step", "offset", "count"))

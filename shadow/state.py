@@ -120,6 +120,7 @@ class ShadowState:
         self.reseed: Any = None
         self.reseeds_done = 0
         self.reseed_reason = ""
+        self._reseed_pending: str | None = None
         #: (iteration, wall-clock time) of recent commits: commit lag is measured from them.
         self.commit_times: deque[tuple[int, float]] = deque(maxlen=4096)
 
@@ -217,12 +218,33 @@ class ShadowState:
                              self.drops, self.window, self.gap_timeout)
         self.asm.committed = iteration
         self.asm.next_dispatch = iteration + 1
+        self.asm.on_wanted = self._reseed_failed
         self._start_stepper()
         if self.on_assembler is not None:
             self.on_assembler(self.asm)
         return True
 
     # ----- live re-seed -----------------------------------------------------------------
+    def prepare_reseed(self, reason: str) -> None:
+        """Get ready for a live re-seed (the spec is set): compile the optimizer kernels now,
+        before the first piece fixes the start iteration, so no gradient is dropped while
+        compiling. The re-seed begins at the first piece's iteration."""
+        if self.spec is None:
+            raise CheckmateError("no spec yet: send it with the reseed op")
+        warm_up(self.spec)
+        with self.lock:
+            self.reseed = None
+            self._reseed_pending = reason
+
+    def _reseed_failed(self, reason: str) -> None:
+        """A hole the trainers no longer hold: a running re-seed cannot finish; drop it so
+        the trainers see ``reseed.wanted`` and start over."""
+        with self.lock:
+            if self.reseed is not None:
+                log.error("partition %d: re-seed from iteration %d abandoned: %s",
+                          self.partition, self.reseed.t0, reason)
+                self.reseed = None
+
     def begin_reseed(self, t0: int, reason: str) -> None:
         """Start collecting re-seed pieces from iteration ``t0`` on (checkmate.shadow.reseed).
 
@@ -248,8 +270,12 @@ class ShadowState:
 
     def reseed_piece(self, iteration: int, step: int, offset: int, count: int,
                      arrays: dict[str, np.ndarray]) -> bool:
-        """Take one piece; True once the re-seed committed."""
+        """Take one piece; True once the re-seed committed. The first piece after
+        ``prepare_reseed`` begins the re-seed at its iteration."""
         with self.lock:
+            if self.reseed is None and self._reseed_pending is not None:
+                reason, self._reseed_pending = self._reseed_pending, None
+                self.begin_reseed(iteration, reason)
             if self.reseed is None:
                 raise CheckmateError("no re-seed in progress (send the reseed op first)")
             if step < 0:

@@ -41,9 +41,11 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     for p in (0.01, 0.05):
         out[f"trainer-drop-{p * 100:g}%-t1"] = {"faults": [{"port": "t1", "drop": p}],
                                                 "kill_at": late}
-    out["shadow-restart-empty"] = {"shadow_kills": [{"partition": "R", "at": "random"}]}
-    out["shadow-restart-disk"] = {"shadow_kills": [{"partition": "R", "at": "random",
-                                                    "disk": True}], "persist_every": 2}
+    # "R": a random partition; "E": a random iteration in the first third, so a shadow
+    # restarted mid-run (seconds to start) rejoins before the job ends.
+    out["shadow-restart-empty"] = {"shadow_kills": [{"partition": "R", "at": "E"}]}
+    out["shadow-restart-disk"] = {"shadow_kills": [{"partition": "R", "at": "E",
+                                                    "disk": True}], "persist_every": 5}
     out["trainer-kill-after-step"] = {"kill_at": "random"}
     out["trainer-kill-before-control"] = {"kill_at": "random", "kill_phase": "before-control"}
     out["controller-restart"] = {"controller_restart_at": "random", "kill_at": late}
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each random case")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=40)
+    # The GPT's iterations take tens of ms here; a restarted shadow takes seconds to start.
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--config", help="cluster config (default: the embedded default)")
     ap.add_argument("--out", help="write the Markdown report here (docs/reliability.md)")
     ap.add_argument("--list", action="store_true", help="print the case names and exit")
@@ -114,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in names if n not in known]
     if bad:
         raise CheckmateError(f"unknown case(s) {', '.join(bad)} (known: {', '.join(known)})")
-    if args.repeat < 1 or args.steps < 8:
-        raise CheckmateError("--repeat must be >= 1 and --steps >= 8")
+    if args.repeat < 1 or args.steps < 30:
+        raise CheckmateError("--repeat must be >= 1 and --steps >= 30")
     from checkmate.testbed.run import Cluster, execute
 
     rng = random.Random(args.seed)
@@ -132,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             for rep_i in range(args.repeat if name in RANDOM else 1):
                 body = dict(known[name])
-                # "R": a random partition, drawn from the seed like the random iterations.
-                body["shadow_kills"] = [{**k, "partition": rng.randrange(cfg.num_partitions)}
-                                        for k in body.get("shadow_kills", [])]
+                body["shadow_kills"] = [
+                    {**k, "partition": rng.randrange(cfg.num_partitions),
+                     "at": rng.randint(max(1, args.steps // 10), args.steps // 3)}
+                    for k in body.get("shadow_kills", [])]
                 sc = parse_scenario({"name": name, "model": "gpt", "steps": args.steps,
                                      "seed": args.seed, **body}, name, rng)
                 t0 = time.perf_counter()

@@ -152,7 +152,9 @@ def test_chaos_replica_loss_trainer_loss_shadow_restart_and_kill(cfg_path, tmp_p
     trainer killed near the end. Every hole is repaired, the restarted shadow is re-seeded
     live, and the restored job finishes bit-identical to failure-free."""
     sc = tmp_path / "chaos.yaml"
-    sc.write_text("name: chaos\nmodel: gpt\nsteps: 30\nseed: 1\nkill_at: 26\n"
+    # A restarted shadow needs a few seconds (process start, registration) before it can be
+    # re-seeded; this model's iterations take tens of milliseconds, hence the many steps.
+    sc.write_text("name: chaos\nmodel: gpt\nsteps: 150\nseed: 1\nkill_at: 140\n"
                   "faults: [{port: s1, drop: 0.05}, {port: t2, drop: 0.01}]\n"
                   "shadow_kills: [{partition: 0, at: 3}]\n")
     out = tmp_path / "report.json"

@@ -5,7 +5,9 @@ copies one slice of the partition's state (parameters and optimizer slots) out o
 tensors -- a memcpy of ``partition size / slices`` elements per slot on the training thread,
 the only cost training sees -- and a background thread sends it to the shadow over the TCP
 service. The first slice is preceded by the ``reseed`` op with the spec, so an empty,
-restarted shadow learns the job from it. Training never waits for the transfer.
+restarted shadow learns the job from it. The shadow compiles its kernels before answering,
+and only then is the first slice captured: its iteration starts the re-seed, so no gradient
+after it is dropped while the shadow compiles. Training never waits for the transfer.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ReseedSender:
         self.cuts = [(start + (end - start) * i // n, start + (end - start) * (i + 1) // n)
                      for i in range(n)]
         self.next = 0
+        self.ready = threading.Event()  # the shadow is prepared: capturing may start
         self.t0: int | None = None
         self.error = ""
         self.committed = False
@@ -72,7 +75,7 @@ class ReseedSender:
 
     @property
     def capturing(self) -> bool:
-        return self.next < len(self.cuts) and not self.error
+        return self.next < len(self.cuts) and not self.error and self.ready.is_set()
 
     @property
     def finished(self) -> bool:
@@ -84,7 +87,6 @@ class ReseedSender:
             return
         if self.next == 0:
             self.t0 = iteration
-            self._q.put(("begin", iteration))
         a, b = self.cuts[self.next]
         self.next += 1
         self._q.put(("piece", iteration, step, a, b,
@@ -99,14 +101,15 @@ class ReseedSender:
     def _run(self) -> None:
         try:
             with ShadowClient(self.addr, timeout=30.0) as c:
+                # Prepare first (spec, kernel compilation at the shadow); the first slice,
+                # captured after this returns, fixes the start iteration.
+                c.request({"op": "reseed", "spec": self.spec.to_json(),
+                           "reason": self.reason})
+                self.ready.set()
                 while True:
                     item = self._q.get()
                     if item is None or self.error:
                         return
-                    if item[0] == "begin":
-                        c.request({"op": "reseed", "iteration": item[1],
-                                   "spec": self.spec.to_json(), "reason": self.reason})
-                        continue
                     _, it, step, a, b, arrays = item
                     parts = [arrays[s] for s in self.spec.slots]
                     reply, _ = c.request({"op": "reseed_piece", "iteration": it, "step": step,
