@@ -10,11 +10,13 @@ Layout under a root directory (one per cluster, or one per shadow host)::
 
 A checkpoint is written into a hidden temp directory, fsynced, renamed into place, and only
 then is ``latest`` replaced atomically, so a crash mid-write leaves the previous checkpoint
-loadable (leftover temp directories are removed at the next start). DCP keys are the
+loadable (leftover temp directories are removed at the next start; a write that fails, e.g.
+on a full disk, removes its own temp directory at once). DCP keys are the
 partition's slices: ``model.<param>`` and ``optim.<slot>.<param>`` (1-D, the part of the
 flattened parameter inside the partition; the bounds are in ckm.json). :func:`load_full`
 reads every partition at their newest common iteration with ``dcp.load`` and assembles a
-full model state_dict and a torch.optim state_dict.
+full model state_dict and a torch.optim state_dict, so pruning (:func:`prune`) always keeps
+the newest iteration that every partition holds.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -76,6 +79,61 @@ def part_dir(root: str | Path, partition: int) -> Path:
     return Path(root) / f"part{partition}"
 
 
+def _fatal(e: BaseException) -> bool:
+    """Exceptions that must stop the process, not be counted as a failed write."""
+    return isinstance(e, (KeyboardInterrupt, SystemExit))
+
+
+def describe_error(e: BaseException) -> str:
+    """One line naming the root cause of a failed read or write.
+
+    torch.distributed.checkpoint wraps the real error of each rank in a CheckpointException
+    (a BaseException, not an Exception) whose str() is a multi-line traceback; status and
+    logs want just the cause.
+    """
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        if isinstance(inner, BaseException) and inner is not e:
+            return describe_error(inner)
+    if isinstance(e, OSError) and e.strerror:
+        text = e.strerror
+    else:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        text = f"{type(e).__name__}: {lines[0] if lines else repr(e)}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _space_hint(pdir: Path, need: int, text: str) -> str:
+    """' (disk full: ...)' when the filesystem cannot hold the checkpoint.
+
+    A full disk often surfaces from torch.save as an opaque RuntimeError ("unexpected pos"),
+    so the free space, measured after the partial write was removed, tells the operator why.
+    """
+    if "No space left" in text:
+        return ""
+    try:
+        free = shutil.disk_usage(pdir).free
+    except OSError:
+        return ""
+    if free >= need:
+        return ""
+    return f" (disk full: {free} bytes free, the checkpoint needs about {need})"
+
+
+def _discard(*paths: Path) -> None:
+    """Remove what a failed write left behind (temp dir, temp ``latest``), best effort."""
+    for p in paths:
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot remove %s after a failed write: %s", p, e)
+
+
 def _keys(spec: ModelSpec, start: int, end: int) -> list[tuple[str, int, int, int, int]]:
     """(param, lo, hi, a, b): param slice [lo, hi) is partition-local [a, b)."""
     return [(p.name, lo, hi, p.offset + lo - start, p.offset + hi - start)
@@ -85,7 +143,13 @@ def _keys(spec: ModelSpec, start: int, end: int) -> list[tuple[str, int, int, in
 def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step: int,
          slots: dict[str, np.ndarray], buffers: dict | None = None, extra: dict | None = None,
          lrs: list[float] | None = None, keep: int = 3) -> Path:
-    """Write one checkpoint atomically and point ``latest`` at it; returns its directory."""
+    """Write one checkpoint atomically and point ``latest`` at it; returns its directory.
+
+    Any failure (OSError, torch's CheckpointException, ...) removes the hidden temp dir and
+    the temp ``latest`` before it is raised as one-line PersistError, so a full disk leaves
+    nothing behind and the previous checkpoint stays ``latest``. KeyboardInterrupt and
+    SystemExit are re-raised as they are (after the same cleanup).
+    """
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -98,6 +162,7 @@ def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step
                            f"{e.strerror or e}") from None
     name = f"{_ITER_PREFIX}{iteration:012d}"
     tmp = pdir / f"{_TMP_PREFIX}{name}-{os.getpid()}-{threading.get_ident()}"
+    latest_tmp = pdir / f"{_TMP_PREFIX}latest-{os.getpid()}"
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -125,28 +190,68 @@ def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        latest_tmp = pdir / f"{_TMP_PREFIX}latest-{os.getpid()}"
         latest_tmp.write_text(name + "\n")
         with open(latest_tmp) as f:
             os.fsync(f.fileno())
         os.replace(latest_tmp, pdir / "latest")
         _fsync_path(pdir)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise PersistError(f"cannot write checkpoint {pdir / name}: "
-                           f"{e.strerror or e}") from None
-    prune(pdir, keep)
+    except BaseException as e:  # CheckpointException is a BaseException
+        _discard(tmp, latest_tmp)
+        if _fatal(e):
+            raise
+        text = describe_error(e)
+        need = 4 * (end - start) * len(spec.slots)
+        raise PersistError(f"cannot write checkpoint {pdir / name}: {text}"
+                           f"{_space_hint(pdir, need, text)}") from None
+    try:
+        prune(pdir, keep, spec.partitions)
+    except OSError as e:  # the checkpoint is written; a failed prune is retried next time
+        log.warning("cannot prune %s: %s", pdir, e)
     return pdir / name
 
 
-def prune(pdir: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` checkpoints (never the one ``latest`` names)."""
-    latest = _read_latest(pdir)
+def newest_common(root: str | Path, partitions: int) -> int | None:
+    """Newest iteration that every partition dir ``root/part0..part<n-1>`` holds complete.
+
+    Complete means the manifest is there (it is written before the rename), as in
+    :func:`list_iterations`; None if a partition dir is missing or nothing is shared.
+    """
+    common: set[int] | None = None
+    for q in range(partitions):
+        d = part_dir(root, q)
+        if not d.is_dir():
+            return None
+        its = set(list_iterations(d))
+        common = its if common is None else common & its
+        if not common:
+            return None
+    return max(common) if common else None
+
+
+def prune(pdir: Path, keep: int, partitions: int | None = None) -> list[int]:
+    """Remove all but the newest ``keep`` checkpoints; returns the iterations removed.
+
+    Never removed: the one ``latest`` names, and -- with ``partitions`` given -- the newest
+    iteration that every sibling partition dir under ``pdir.parent`` holds
+    (:func:`newest_common`), because that is what :func:`load_full` restores from. A healthy
+    partition that runs ahead of a stalled one thus keeps ``keep`` + 1 checkpoints until the
+    stalled one catches up. If some sibling dir does not exist yet nothing is held by all
+    and only the keep rule applies. ``keep`` <= 0 prunes nothing.
+    """
     its = list_iterations(pdir)
-    for it in its[:-keep] if keep > 0 else []:
+    if keep <= 0 or len(its) <= keep:
+        return []
+    protected = {_read_latest(pdir)}
+    held = newest_common(pdir.parent, partitions) if partitions else None
+    if held is not None:
+        protected.add(f"{_ITER_PREFIX}{held:012d}")
+    removed = []
+    for it in its[:-keep]:
         name = f"{_ITER_PREFIX}{it:012d}"
-        if name != latest:
+        if name not in protected:
             shutil.rmtree(pdir / name, ignore_errors=True)
+            removed.append(it)
+    return removed
 
 
 def clean_temp(pdir: Path) -> list[str]:
@@ -232,8 +337,11 @@ def load_partition(ckpt: Path) -> PartitionCheckpoint:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
-        except Exception as e:  # DCP raises assorted types for damaged files
-            raise PersistError(f"checkpoint {ckpt} cannot be loaded: {e}") from None
+        except BaseException as e:  # DCP raises assorted types, CheckpointException too
+            if _fatal(e):
+                raise
+            raise PersistError(f"checkpoint {ckpt} cannot be loaded: "
+                               f"{describe_error(e)}") from None
     return PartitionCheckpoint(meta, spec, slots)
 
 
@@ -339,6 +447,12 @@ class Persister:
     A version is due every ``every`` iterations (iteration % every == 0, so all shadows pick
     the same iterations) or when ``seconds`` have passed since the last write. If a write is
     still running, the newest due version waits and older waiting ones are dropped.
+
+    A failed write (full disk, I/O error, CheckpointException, anything but KeyboardInterrupt
+    and SystemExit) never ends the writer thread: it is counted in ``status()``, logged once
+    per distinct error (numbers such as the iteration ignored), and the version is dropped,
+    not retried -- the next due version is the retry, so writing resumes by itself once space
+    returns, at the pace of ``every``/``seconds`` instead of a tight loop.
     """
 
     def __init__(self, root: str | Path, partition: int, state: Any, every: int = 0,
@@ -349,7 +463,11 @@ class Persister:
         self.last_iteration: int | None = None
         self.written = 0
         self.errors = 0
-        self.error = ""
+        self.error = ""  # the current failure; "" once a write succeeds again
+        self.last_error = ""  # the most recent failure, kept after recovery
+        self.last_failed_iteration: int | None = None
+        self.failing = 0  # failed writes since the last success
+        self._logged = ""  # key of the error last logged
         self.seconds_spent = 0.0
         self._pending: Any = None
         self._cv = threading.Condition()
@@ -387,21 +505,42 @@ class Persister:
                     return
                 v, self._pending = self._pending, None
             try:
-                t0 = time.perf_counter()
-                save(self.root, self.state.spec, self.partition, v.iteration, v.step, v.slots,
-                     v.buffers, v.extra, v.lrs, self.keep)
-                self.seconds_spent += time.perf_counter() - t0
-                self.last_iteration = v.iteration
-                self.written += 1
-                self.error = ""
-            except Exception as e:  # any failure: keep receiving, keep the old checkpoint
-                self.errors += 1
-                msg = str(e)
-                if msg != self.error:
-                    log.error("persist: %s (previous checkpoint kept)", msg)
-                self.error = msg
+                self._write(v)
+            except BaseException as e:  # CheckpointException is not an Exception
+                if _fatal(e):
+                    raise
+                self._failed(v.iteration, e)
             finally:
                 self.state.unpin(v)
+
+    def _write(self, v: Any) -> None:
+        t0 = time.perf_counter()
+        save(self.root, self.state.spec, self.partition, v.iteration, v.step, v.slots,
+             v.buffers, v.extra, v.lrs, self.keep)
+        self.seconds_spent += time.perf_counter() - t0
+        self.last_iteration = v.iteration
+        self.written += 1
+        if self.failing:
+            log.warning("persist: writing again, iteration %d written after %d failed "
+                        "write(s)", v.iteration, self.failing)
+        self.failing = 0
+        self.error = ""
+        self._logged = ""
+
+    def _failed(self, iteration: int, e: BaseException) -> None:
+        """Count a failed write; log it only if it differs from the error last logged."""
+        msg = str(e) if isinstance(e, PersistError) else \
+            f"cannot write checkpoint of iteration {iteration}: {describe_error(e)}"
+        msg = " ".join(msg.split())
+        self.errors += 1
+        self.failing += 1
+        self.error = self.last_error = msg
+        self.last_failed_iteration = iteration
+        key = re.sub(r"\d+", "#", msg)  # the same error at another iteration is not new
+        if key != self._logged:
+            self._logged = key
+            log.error("persist: %s (previous checkpoint kept; retrying at the next due "
+                      "iteration)", msg)
 
     def stop(self, flush: bool = True) -> None:
         with self._cv:
@@ -413,6 +552,14 @@ class Persister:
         self._thread.join(60)
 
     def status(self) -> dict[str, Any]:
+        """What the shadow's status shows under ``persist``.
+
+        ``error`` is the current failure ("" once a write succeeds again); ``last_error`` is
+        the most recent failure even after recovery, ``last_failed_iteration`` its iteration;
+        ``alive`` says the writer thread is running.
+        """
         return {"dir": str(part_dir(self.root, self.partition)),
                 "last_iteration": self.last_iteration, "written": self.written,
-                "errors": self.errors, "error": self.error}
+                "errors": self.errors, "error": self.error, "last_error": self.last_error,
+                "last_failed_iteration": self.last_failed_iteration,
+                "failing": self.failing, "alive": self._thread.is_alive()}

@@ -58,6 +58,49 @@ def test_keep_prunes_old_checkpoints(tmp_path):
     assert persist.list_iterations(tmp_path / "part0") == [4, 5]
 
 
+def test_prune_keeps_newest_iteration_every_partition_holds(tmp_path):
+    spec = make_spec()  # two partitions
+    saved = {p: {} for p in (0, 1)}
+    for it in range(1, 6):
+        for p in (0, 1):
+            saved[p][it] = _slots(spec, p, 100 * p + it)
+            persist.save(tmp_path, spec, p, it, it, saved[p][it], keep=3)
+    # partition 1 stalls at 5; partition 0 goes on to 20 with keep=3
+    for it in range(6, 21):
+        saved[0][it] = _slots(spec, 0, it)
+        persist.save(tmp_path, spec, 0, it, it, saved[0][it], keep=3)
+    assert persist.list_iterations(tmp_path / "part0") == [5, 18, 19, 20]
+    assert persist.list_iterations(tmp_path / "part1") == [3, 4, 5]
+    assert persist.newest_common(tmp_path, 2) == 5
+    # three steps: partition 0's newest differs from its iteration 5; load; equal to it
+    assert not np.array_equal(saved[0][20]["param"], saved[0][5]["param"])
+    full = persist.load_full_state(tmp_path)
+    assert full.iteration == 5 and full.step == 5
+    for p in (0, 1):
+        a, b = spec.bounds(p)
+        for s in spec.slots:
+            assert np.array_equal(full.slots[s][a:b], saved[p][5][s]), (p, s)
+    _m, _o, it = persist.load_full(tmp_path)
+    assert it == 5
+    # partition 1 catches up at 20: 20 becomes the shared point and 5 may go
+    persist.save(tmp_path, spec, 1, 20, 20, _slots(spec, 1, 120), keep=3)
+    assert persist.list_iterations(tmp_path / "part1") == [4, 5, 20]
+    persist.save(tmp_path, spec, 0, 21, 21, _slots(spec, 0, 21), keep=3)
+    assert persist.list_iterations(tmp_path / "part0") == [19, 20, 21]
+    assert persist.load_full(tmp_path)[2] == 20
+
+
+def test_prune_without_all_sibling_dirs_applies_keep_only(tmp_path):
+    spec = make_spec(partitions=3)
+    for it in range(1, 6):
+        for p in (0, 1):  # part2 does not exist yet: nothing is held by all
+            persist.save(tmp_path, spec, p, it, it, _slots(spec, p, it), keep=2)
+    assert persist.newest_common(tmp_path, 3) is None
+    assert persist.list_iterations(tmp_path / "part0") == [4, 5]
+    assert persist.prune(tmp_path / "part0", 1, 3) == [4]
+    assert persist.list_iterations(tmp_path / "part0") == [5]
+
+
 def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
