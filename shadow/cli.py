@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--epoch", type=_nonneg_int, default=0, help="epoch with --no-register")
     s.add_argument("--token", type=_nonneg_int, default=0, help="token with --no-register")
     s.add_argument("--register-timeout", type=_nonneg_float, default=30.0)
+    s.add_argument("--metrics-port", type=_port, default=None,
+                   help="serve Prometheus metrics on --bind:PORT (0: any free port; "
+                        "CHECKMATE_METRICS_PORT overrides)")
     s.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -157,7 +160,18 @@ def _serve(args: argparse.Namespace) -> int:
         controller=controller, host=host.name if host else "", ip=host.ip if host else "",
         mac=host.mac if host else "", register_deadline=args.register_timeout,
     )
+    from checkmate import metrics
+
+    mport = metrics.port_from_env(args.metrics_port)
     node = ShadowNode(opts).start()
+    exporter = None
+    if mport is not None:
+        try:
+            exporter = metrics.serve(metrics.ShadowCollector(node.status), mport, opts.bind)
+        except CheckmateError:
+            node.stop()
+            raise
+        print(f"shadow: metrics on http://{opts.bind}:{exporter.port}/metrics", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -168,6 +182,8 @@ def _serve(args: argparse.Namespace) -> int:
             pass
     finally:
         node.stop()
+        if exporter is not None:
+            exporter.close()
     return 0
 
 

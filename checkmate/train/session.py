@@ -162,6 +162,7 @@ class CheckmateSession:
         self.replica_log: ReplicaLog | None = None
         self.repair: RepairServer | None = None
         self.monitor: ProtectionMonitor | None = None
+        self.metrics: Any = None  # Prometheus exporter (CHECKMATE_METRICS_PORT)
         self.buckets = [(a, b) for a, b, _ in bucket_ranges(
             [p.numel for p in self.spec.params], layout.bucket_elems)]
 
@@ -229,6 +230,13 @@ class CheckmateSession:
                 with ShadowClient(a) as c:
                     c.request(self.peers_body(p))
         self.monitor = ProtectionMonitor(self, lay.monitor_poll, lay.lag_warn).start()
+        from checkmate import metrics
+
+        port = metrics.port_from_env(None)
+        if port is not None:  # one port per rank on a shared host: PORT + rank (0: any)
+            self.metrics = metrics.serve(metrics.TrainerCollector(self.protection, lay.rank),
+                                         port + lay.rank if port else 0,
+                                         lay.trainers[lay.rank][0])
 
     def peers_body(self, partition: int) -> dict[str, Any]:
         """The ``peers`` request for one shadow: trainers' repair addresses and owners."""
@@ -345,6 +353,8 @@ class CheckmateSession:
             self.ring.close()
         if self.repair is not None:
             self.repair.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self.sender.close()
 
     def finish(self, timeout: float = 30.0) -> dict[str, Any]:
