@@ -105,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("status", help="print each shadow's status as JSON")
     t.add_argument("--config", required=True)
     t.add_argument("--addr", action="append", default=[], metavar="HOST:PORT")
+    t.add_argument("--commit-times", action="store_true",
+                   help="include every recent commit's (iteration, time)")
     return p
 
 
@@ -234,7 +236,7 @@ def _status(args: argparse.Namespace) -> int:
     out = []
     for a in _addrs(args, cfg):
         with ShadowClient(a, 10.0) as c:
-            out.append(c.status())
+            out.append(c.request({"op": "status", "commit_times": args.commit_times})[0])
     print(json.dumps(out, indent=1, sort_keys=True))
     return 0
 

@@ -151,7 +151,9 @@ class ShadowNode:
             self.persister.stop()
         self.sock.close()
 
-    def status(self) -> dict[str, Any]:
+    def status(self, commit_times: bool = False) -> dict[str, Any]:
+        """The ``status`` op's answer; ``commit_times`` adds every recent commit's
+        (iteration, wall time), up to 4096 (for measuring commit lag, not for polling)."""
         st = self.state
         asm = st.asm
         return {
@@ -185,5 +187,6 @@ class ShadowNode:
             "restored_from": self.restored_from,
             "rcvbuf": self.rcvbuf,
             "range": [st.start, st.end] if st.spec else None,
-            "commit_times": [[i, round(t, 4)] for i, t in list(st.commit_times)[-256:]],
+            **({"commit_times": [[i, round(t, 4)] for i, t in list(st.commit_times)]}
+               if commit_times else {}),
         }

@@ -29,7 +29,7 @@ MAX_REQUEST = 256 << 20
 
 
 class Service:
-    def __init__(self, state: ShadowState, status: Callable[[], dict[str, Any]],
+    def __init__(self, state: ShadowState, status: Callable[[bool], dict[str, Any]],
                  bind: str, port: int,
                  on_peers: Callable[[dict[str, Any]], None] | None = None,
                  on_progress: Callable[[int], None] | None = None) -> None:
@@ -122,7 +122,7 @@ class Service:
                     raise CheckmateError("status 'progress' must be a non-negative integer")
                 if self.on_progress is not None:
                     self.on_progress(done)
-            return {"ok": True, **self.status()}, b""
+            return {"ok": True, **self.status(h.get("commit_times") is True)}, b""
         if op == "peers":
             if self.on_peers is None:
                 raise CheckmateError("this shadow takes no peers")

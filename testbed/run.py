@@ -224,8 +224,9 @@ class Run:
                 raise CheckmateError(f"shadow {h.name} did not come up")
             time.sleep(0.2)
 
-    def kill_restart_shadow(self, partition: int, disk: bool) -> None:
-        """SIGKILL the shadow of ``partition`` and start it again while training runs."""
+    def kill_restart_shadow(self, partition: int, disk: bool, restart: bool = True) -> None:
+        """SIGKILL the shadow of ``partition`` and (unless ``restart`` is False) start it
+        again while training runs."""
         h = self.cl.cfg.shadow_for(partition)
         if h is None:
             raise CheckmateError(f"no shadow serves partition {partition}")
@@ -234,6 +235,8 @@ class Run:
         if old.poll() is None:
             os.kill(old.pid, signal.SIGKILL)
         old.wait()
+        if not restart:
+            return
         self.shadows[i] = self._spawn_shadow(h, disk)
         self.result.shadow_restarts += 1
         self.result.restarts.append({"partition": partition, "at": self.last_reported,
@@ -276,6 +279,7 @@ class Run:
             "shadows": [{"partition": h.partition, "ip": cl.ip[h.name],
                          "port": cfgmod.SHADOW_PORT} for h in cfg.shadows],
             "shadow_tcp": [[cl.ip[h.name], cfgmod.RESTORE_PORT] for h in cfg.shadows],
+            "finish_timeout": self.sc.finish_timeout,
             "controller": ([cfg.switch.ip, cfgmod.CONTROLLER_PORT] if cl.mode == "switch"
                            else None),
         }
@@ -426,8 +430,8 @@ class Run:
 
     def shadow_statuses(self) -> list[dict]:
         """Every shadow's status op, asked from inside the cluster."""
-        argv = [sys.executable, "-m", "checkmate.shadow.cli", "status", "--config",
-                str(self.cl.config_path)]
+        argv = [sys.executable, "-m", "checkmate.shadow.cli", "status", "--commit-times",
+                "--config", str(self.cl.config_path)]
         for h in self.cl.cfg.shadows:
             argv += ["--addr", f"{self.cl.ip[h.name]}:{cfgmod.RESTORE_PORT}"]
         r = self.cl.run(self.cl.cfg.trainers[0].name, argv)
@@ -517,7 +521,8 @@ def _inject(run: Run) -> None:
             sw.set_fault(cl.cfg.switch_ifname(f.port), f.drop, f.corrupt,
                          from_iteration=f.start, until_iteration=f.until)
     for k in sc.shadow_kills:
-        run.at_iteration(k.at, lambda k=k: run.kill_restart_shadow(k.partition, k.disk))
+        run.at_iteration(k.at, lambda k=k: run.kill_restart_shadow(k.partition, k.disk,
+                                                                   k.restart))
     if sc.controller_restart_at is not None:
         if cl.testbed is None:
             raise CheckmateError("controller_restart_at needs --mode switch")
@@ -565,11 +570,22 @@ def reliability_summary(r: RunResult) -> dict[str, Any]:
                         "iterations": None if first is None else first - rs["at"]})
     repair = [s.get("repair") or {} for s in r.shadow_status]
     reps = [s.get("repair") or {} for s in r.stats if s.get("repair")]
+    # Every iteration must be committed by every shadow that was never restarted.
+    restarted = {rs["partition"] for rs in r.restarts}
+    missing = {}
+    for st in r.shadow_status:
+        if st.get("partition") in restarted:
+            continue
+        done = {i for i, _ in st.get("commit_times") or []}
+        gone = sorted(set(first_done) - done)
+        if gone:
+            missing[st.get("partition")] = gone[:20]
     total = max(((s.get("range") or [0, 0])[1] for s in r.shadow_status), default=0)
     replica = 4 * total * len(first_done)
     repair_bytes = sum(x.get("answered_bytes", 0) for x in reps)
     return {
         "rejoins": rejoins,
+        "commits_missing": missing,
         "commit_lag_max": lags[-1] if lags else None,
         "commit_lag_median": lags[len(lags) // 2] if lags else None,
         "repair_requests": sum(x.get("requests", 0) for x in repair),
@@ -623,15 +639,17 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
         run.result.seconds = round(time.perf_counter() - t0, 2)
         finished[label] = run
         r = run.result
+        summary = reliability_summary(r)
         if r.protected is False:
             problems.append(f"{label}: the last iteration was not protected by every shadow")
+        if summary["commits_missing"]:
+            problems.append(f"{label}: shadows skipped iterations {summary['commits_missing']}")
         report["runs"][label] = {
             "seconds": r.seconds, "first_loss": r.losses[0] if r.losses else None,
             "last_loss": r.losses[-1] if r.losses else None, "killed_at": r.killed_at,
             "max_done_before_kill": r.max_done_before_kill, "restored_from": r.restored_from,
             "shadows_match_trainers": r.shadow_matches_trainer, "ring": r.stats,
-            "protected": r.protected, "shadow_restarts": r.shadow_restarts,
-            **reliability_summary(r),
+            "protected": r.protected, "shadow_restarts": r.shadow_restarts, **summary,
         }
     if cl.mode == "switch":
         from checkmate.dataplane.switch import KernelSwitch

@@ -11,7 +11,8 @@ A scenario is a YAML file (testbed/scenarios/NAME.yaml, found by name, or any pa
     faults:               # switch fault knobs (switch mode), per port
       - {port: s1, drop: 0.05, corrupt: 0.0, from: 1, until: 40}
     shadow_kills:         # SIGKILL a shadow when rank 0 reports an iteration, restart it
-      - {partition: 0, at: random, disk: false}
+      - {partition: 0, at: random, disk: false}   # restart: false leaves it dead
+    finish_timeout: 30    # seconds the trainers wait at the end for every shadow
     persist_every: 5      # shadows persist every K iterations (needed for disk: true)
     keep: 3
     controller_restart_at: 12   # switch mode: SIGKILL the controller there, start it again
@@ -34,7 +35,7 @@ from checkmate.errors import CheckmateError
 SCENARIO_DIR = Path(__file__).with_name("scenarios")
 KILL_PHASES = ("after-step", "before-control")
 _KEYS = {"name", "model", "steps", "seed", "kill_at", "kill_phase", "description", "faults",
-         "shadow_kills", "persist_every", "keep", "controller_restart_at"}
+         "shadow_kills", "persist_every", "keep", "controller_restart_at", "finish_timeout"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ShadowKill:
     partition: int
     at: int
     disk: bool = False
+    restart: bool = True
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Scenario:
     persist_every: int = 0
     keep: int = 3
     controller_restart_at: int | None = None
+    finish_timeout: float = 30.0
 
     @property
     def chaos(self) -> bool:
@@ -140,21 +143,25 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
     kills = []
     for i, k in enumerate(d.get("shadow_kills") or []):
         w = f"scenario {where}: shadow_kills[{i}]"
-        if not isinstance(k, dict) or set(k) - {"partition", "at", "disk"}:
-            raise CheckmateError(f"{w} must be a mapping of partition, at, disk")
-        disk = k.get("disk", False)
-        if not isinstance(disk, bool):
-            raise CheckmateError(f"{w}: disk must be true or false")
+        if not isinstance(k, dict) or set(k) - {"partition", "at", "disk", "restart"}:
+            raise CheckmateError(f"{w} must be a mapping of partition, at, disk, restart")
+        disk, restart = k.get("disk", False), k.get("restart", True)
+        if not isinstance(disk, bool) or not isinstance(restart, bool):
+            raise CheckmateError(f"{w}: disk and restart must be true or false")
         if disk and not persist:
             raise CheckmateError(f"{w}: disk: true needs persist_every")
         kills.append(ShadowKill(_int(k.get("partition"), f"{w}: partition", 0),
-                                _iteration(k.get("at"), f"{w}: at", steps, rng), disk))
+                                _iteration(k.get("at"), f"{w}: at", steps, rng), disk,
+                                restart))
     ctl = d.get("controller_restart_at")
     if ctl is not None:
         ctl = _iteration(ctl, f"scenario {where}: controller_restart_at", steps, rng)
+    fin = d.get("finish_timeout", 30)
+    if isinstance(fin, bool) or not isinstance(fin, int | float) or not 0 < fin <= 3600:
+        raise CheckmateError(f"scenario {where}: finish_timeout must be seconds in (0, 3600]")
     return Scenario(str(d.get("name", where)), model, steps, seed, kill,
                     str(d.get("description", "")), phase, faults, kills, persist,
-                    _int(d.get("keep", 3), f"scenario {where}: keep", 1), ctl)
+                    _int(d.get("keep", 3), f"scenario {where}: keep", 1), ctl, float(fin))
 
 
 def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:

@@ -89,3 +89,20 @@ def test_shadow_killed_and_restarted_empty_is_reseeded_live(tmp_path):
     assert chaos["protected"] is True and chaos["shadows_match_trainers"] is True
     (rejoin,) = chaos["rejoins"]
     assert rejoin["rejoined_at"] is not None and rejoin["rejoined_at"] <= 150, rejoin
+
+
+def test_job_ending_with_a_dead_shadow_says_so_in_one_line(tmp_path):
+    """A shadow killed and never restarted: every rank finishes its training, rank 0 says in
+    one line that the last iteration is not protected, the ranks exit 3 together -- no hang,
+    no gloo traceback -- and `testbed run` fails."""
+    sc = tmp_path / "dead.yaml"
+    sc.write_text("name: dead\nmodel: gpt\nsteps: 12\nseed: 2\nfinish_timeout: 3\n"
+                  "shadow_kills: [{partition: 0, at: 4, restart: false}]\n")
+    rc, report, text = _run(tmp_path, str(sc), _net(), ["--workdir", str(tmp_path / "w")])
+    assert rc != 0
+    logs = {p.name: p.read_text() for p in (tmp_path / "w").glob("run-*/chaos/trainer-*.log")}
+    assert len(logs) == 4, sorted(logs)
+    assert not any("Traceback" in t for t in logs.values()), logs
+    rank0 = logs["trainer-t0.log"]
+    assert rank0.count("is not protected") == 2  # the warning and the worker's error line
+    assert "iteration 12 finished but is not protected" in rank0

@@ -97,6 +97,7 @@ def layout_from_job(job: dict, rank: int, world: int) -> JobLayout:
         mode=job["mode"] if job.get("ckpt", "checkmate") == "checkmate" else "off",
         controller=tuple(job["controller"]) if job.get("controller") else None,
         seed=int(job.get("seed", 0)),
+        repair=bool(job.get("repair", True)),
     )
 
 
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         _emit(event="iter", rank=rank, iteration=it, loss=round(float(loss.detach()), 5),
               t=time.time())
     ckpt.finish()
-    prot = sess.finish() if sess.layout.mode != "off" else {"protected": True}
+    prot = (sess.finish(float(job.get("finish_timeout", 30.0)))
+            if sess.layout.mode != "off" else {"protected": True})
     out = Path(job["out"])
     torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
                 "scheduler": w.scheduler.state_dict() if w.scheduler else None,

@@ -1,10 +1,13 @@
 """`testbed bench training`: training throughput with and without per-iteration checkpoints.
 
-One run, same model, same trainers, same ckm ring transport, four ways:
+One run, same model, same trainers, same ckm ring transport, five ways, alternated in
+``--rounds`` rounds (medians reported; the machine is shared and noisy):
 
   (a) none        no checkpoint at all (ring without REPLICATE tags, no shadows);
   (b) checkmate   per-iteration Checkmate (switch copies the gradients in switch mode; the
-                  trainers send 1/N copies themselves in host mode) + rank 0's control message;
+                  trainers send 1/N copies themselves in host mode) + rank 0's control message,
+                  with repair (replica log, repair thread, protection monitor);
+  (b') no-repair  the same without repair (what repair costs a loss-free job);
   (c) dcp-async   torch.distributed.checkpoint.async_save of model + optimizer every iteration;
   (d) torch.save  rank 0 torch.save of model + optimizer every iteration.
 
@@ -30,6 +33,7 @@ from checkmate import config as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 
 VARIANTS = (("none", "(a) no checkpoint"), ("checkmate", "(b) checkmate"),
+            ("norepair", "(b') checkmate, no repair"),
             ("dcp", "(c) dcp async_save"), ("torchsave", "(d) torch.save"))
 
 
@@ -92,6 +96,8 @@ def _throughput(times: list[float], warmup: int) -> float:
 
 @cli_guard("testbed bench training")
 def main(argv: list[str] | None = None) -> int:
+    import statistics
+
     from checkmate.testbed.run import LOOPBACK_NET, Cluster, Run, Scenario
     from checkmate.testbed.topology import config_to_dict
 
@@ -103,75 +109,91 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=256, help="model width")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds (medians)")
+    ap.add_argument("--variants", default=",".join(k for k, _ in VARIANTS),
+                    help="comma-separated subset of " + ", ".join(k for k, _ in VARIANTS)
+                    + " (none and checkmate are always run)")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args(argv)
     if args.steps < args.warmup + 3:
         raise CheckmateError("--steps must exceed --warmup by at least 3")
+    if args.rounds < 1:
+        raise CheckmateError("--rounds must be >= 1")
+    labels = dict(VARIANTS)
+    chosen = set(args.variants.split(",")) | {"none", "checkmate"}
+    if chosen - set(labels):
+        raise CheckmateError(f"unknown variant(s) {', '.join(sorted(chosen - set(labels)))} "
+                             f"(known: {', '.join(labels)})")
+    kinds = [k for k, _ in VARIANTS if k in chosen]
     cfg = cfgmod.load(args.config) if args.config else cfgmod.with_prefix(
         cfgmod.load(cfgmod.default_path()), "tebt")
     sc = Scenario("bench", args.model, args.steps, 0)
-    results: dict[str, float] = {}
-    trainer_ms: dict[str, float] = {}
+    its: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
+    shadow_ms: list[float] = []
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckm-bench-")))
         cfg_path = work / "cluster.yaml"
         cfg_path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         cl = Cluster(cfg, args.mode, cfg_path, "127.77.9" if args.mode == "host"
                      else LOOPBACK_NET, stack)
-        for kind, label in VARIANTS:
-            win = _Window(args.warmup + 1, args.steps)
-            run = Run(cl, sc, work, kind, win.progress)
-            win.run = run
-            ckdir = work / f"ckpt-{kind}"
-            ckdir.mkdir()
-            run.extra_job = {"ckpt": kind, "ckpt_dir": str(ckdir),
-                             "model_kw": {"width": args.width}}
-            try:
+        for rnd in range(args.rounds):
+            # Alternate the order each round so no variant always runs first (warm caches)
+            # or last (a machine that got busier).
+            for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
+                win = _Window(args.warmup + 1, args.steps)
+                run = Run(cl, sc, work, f"{kind}-{rnd}", win.progress)
+                win.run = run
+                ckdir = work / f"ckpt-{kind}-{rnd}"
+                ckdir.mkdir()
+                ckpt = "checkmate" if kind == "norepair" else kind
+                run.extra_job = {"ckpt": ckpt, "ckpt_dir": str(ckdir),
+                                 "model_kw": {"width": args.width},
+                                 "repair": kind != "norepair"}
+                try:
+                    if ckpt == "checkmate":
+                        run.start_shadows()
+                    run.start_trainers(resume=False)
+                    run.follow(None)
+                finally:
+                    run.stop()
+                its[kind].append(_throughput(run.result.times, args.warmup))
+                cpu[kind].append(win.per_iter_ms("trainers"))
                 if kind == "checkmate":
-                    run.start_shadows()
-                run.start_trainers(resume=False)
-                run.follow(None)
-                shadow_cpu = run.shadow_cpu_seconds()
-            finally:
-                run.stop()
-            results[kind] = _throughput(run.result.times, args.warmup)
-            trainer_ms[kind] = win.per_iter_ms("trainers")
-            print(f"{label:<22} {results[kind]:8.3f} it/s   trainers "
-                  f"{trainer_ms[kind]:6.1f} CPU ms/iteration", flush=True)
-            if kind == "checkmate":
-                # On this testbed the shadows share the trainers' cores; in a deployment they
-                # are separate machines. Report what they took, in the timed window.
-                results["shadow_cpu_s"] = shadow_cpu
-                results["shadow_ms_per_iter"] = win.per_iter_ms("shadows")
-                threads = ", ".join(f"{k} {1000 * v / (win.last - win.first):.1f}"
-                                    for k, v in sorted(win.used.get("shadows", {}).items(),
-                                                       key=lambda kv: -kv[1]))
-                print(f"    shadows: {shadow_cpu:.1f} CPU s in all (start-up included), "
-                      f"{results['shadow_ms_per_iter']:.1f} CPU ms per timed iteration "
-                      f"(per thread: {threads})", flush=True)
+                    shadow_ms.append(win.per_iter_ms("shadows"))
+                print(f"round {rnd + 1} {labels[kind]:<26} {its[kind][-1]:8.3f} it/s   "
+                      f"trainers {cpu[kind][-1]:6.1f} CPU ms/iteration", flush=True)
+    med = {k: statistics.median(v) for k, v in its.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"training throughput, {args.model} width {args.width}, "
                     f"{len(cfg.trainers)} trainers, {args.mode} mode, iterations "
-                    f"{args.warmup + 1}..{args.steps}")
+                    f"{args.warmup + 1}..{args.steps}, median of {args.rounds} rounds")
     t.add_column("variant")
     t.add_column("it/s", justify="right")
     t.add_column("vs (a)", justify="right")
     t.add_column("trainer CPU ms/it", justify="right")
-    for kind, label in VARIANTS:
-        t.add_row(label, f"{results[kind]:.3f}", f"{results[kind] / results['none']:.3f}",
-                  f"{trainer_ms[kind]:.1f}")
+    for kind in kinds:
+        t.add_row(labels[kind], f"{med[kind]:.3f}", f"{med[kind] / med['none']:.3f}",
+                  f"{med_cpu[kind]:.1f}")
     Console().print(t)
+    print(f"shadows: {statistics.median(shadow_ms):.1f} CPU ms per timed iteration (median)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"mode": args.mode, "width": args.width,
-                                               "steps": args.steps, "its": results,
-                                               "trainer_cpu_ms_per_iter": trainer_ms}, indent=1))
+        Path(args.json).write_text(json.dumps({
+            "mode": args.mode, "width": args.width, "steps": args.steps,
+            "rounds": args.rounds, "its": its, "median_its": med,
+            "trainer_cpu_ms_per_iter": med_cpu, "shadow_ms_per_iter": shadow_ms}, indent=1))
     # Only the headline line may match "ratio: " (the bench convention: exactly one).
-    print(f"(b)/(c) checkmate vs dcp async_save throughput: "
-          f"{results['checkmate'] / results['dcp']:.3f}")
-    print(f"(b)/(d) checkmate vs torch.save throughput: "
-          f"{results['checkmate'] / results['torchsave']:.3f}")
+    for kind, label in (("dcp", "(b)/(c) checkmate vs dcp async_save"),
+                        ("torchsave", "(b)/(d) checkmate vs torch.save"),
+                        ("norepair", "(b)/(b') checkmate with vs without repair")):
+        if kind in med:
+            print(f"{label} throughput: {med['checkmate'] / med[kind]:.3f}")
+    if "norepair" in med:
+        print(f"(b')/(a) checkmate without repair vs no checkpoint throughput: "
+              f"{med['norepair'] / med['none']:.3f}")
     print(f"checkmate vs no-checkpoint throughput ratio: "
-          f"{results['checkmate'] / results['none']:.3f}")
+          f"{med['checkmate'] / med['none']:.3f}")
     return 0
