@@ -49,6 +49,9 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     out["trainer-kill-after-step"] = {"kill_at": "random"}
     out["trainer-kill-before-control"] = {"kill_at": "random", "kill_phase": "before-control"}
     out["controller-restart"] = {"controller_restart_at": "random", "kill_at": late}
+    # Partition 1's checkpoints go to a 1500 KiB tmpfs: two fit, then the disk is full.
+    out["disk-full-s1"] = {"persist_every": 10, "keep": 2, "kill_at": late,
+                           "disk_limit": {"partition": 1, "kib": 1500}}
     return out
 
 
@@ -64,12 +67,13 @@ def _row(name: str, rep: dict[str, Any], seconds: float) -> dict[str, Any]:
             "lag_max": run.get("commit_lag_max"), "repair_overhead": run.get(
                 "repair_overhead"), "repairs": run.get("repair_answers"),
             "reseeds": run.get("reseeds"), "rejoin": rj[0].get("iterations") if rj else None,
+            "persist_errors": sum(p.get("errors") or 0 for p in run.get("persist") or []),
             "restart_at": rj[0].get("at") if rj else None,
             "problems": "; ".join(rep.get("problems", []))[:200], "seconds": round(seconds, 1)}
 
 
 _COLS = ("case", "ok", "bit_identical", "kill_at", "repeated", "lag_max", "repair_overhead",
-         "repairs", "reseeds", "restart_at", "rejoin", "seconds")
+         "repairs", "reseeds", "restart_at", "rejoin", "persist_errors", "seconds")
 
 
 def markdown(rows: list[dict[str, Any]], argv: list[str], seed: int) -> str:

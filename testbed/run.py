@@ -172,6 +172,7 @@ class Run:
         self.actions: dict[int, list[Any]] = {}
         self.last_reported = 0  # newest iteration rank 0 reported
         self.action_errors: list[str] = []
+        self.mounts: list[Path] = []
         self.by_partition: dict[int, int] = {}
 
     # -- processes -----------------------------------------------------------------------
@@ -241,6 +242,21 @@ class Run:
         self.result.shadow_restarts += 1
         self.result.restarts.append({"partition": partition, "at": self.last_reported,
                                      "disk": disk})
+
+    def limit_disk(self, partition: int, kib: int) -> None:
+        """Put the checkpoint directory of ``partition``'s shadow on a tmpfs of ``kib`` KiB
+        (root): a disk that fills up mid-run. Unmounted by ``stop``."""
+        from checkmate.shadow.persist import part_dir
+
+        if os.geteuid() != 0:
+            raise CheckmateError("disk_limit mounts a tmpfs: run as root")
+        d = part_dir(self.dir / "ckpt", partition)
+        d.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k",
+                            f"ckm-disk-{partition}", str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise CheckmateError(f"cannot mount a tmpfs on {d}: {r.stderr.strip()}")
+        self.mounts.append(d)
 
     def at_iteration(self, it: int, action: Any) -> None:
         """Run ``action()`` (in a thread) when rank 0 reports iteration ``it``."""
@@ -356,6 +372,8 @@ class Run:
             except subprocess.TimeoutExpired:
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait()
+        while self.mounts:
+            subprocess.run(["umount", str(self.mounts.pop())], capture_output=True)
 
     # -- following -----------------------------------------------------------------------
     def _killed(self, at: int, max_done: int, pids: set[int]) -> str:
@@ -523,6 +541,8 @@ def _inject(run: Run) -> None:
     for k in sc.shadow_kills:
         run.at_iteration(k.at, lambda k=k: run.kill_restart_shadow(k.partition, k.disk,
                                                                    k.restart))
+    if sc.disk_limit is not None:
+        run.limit_disk(*sc.disk_limit)
     if sc.controller_restart_at is not None:
         if cl.testbed is None:
             raise CheckmateError("controller_restart_at needs --mode switch")
@@ -595,6 +615,9 @@ def reliability_summary(r: RunResult) -> dict[str, Any]:
         "replica_bytes": replica,
         "repair_overhead": round(repair_bytes / replica, 5) if replica else None,
         "reseeds": sum((s.get("reseed") or {}).get("count", 0) for s in r.shadow_status),
+        "persist": [{k: (s.get("persist") or {}).get(k) for k in
+                     ("written", "errors", "last_error", "alive", "last_iteration")}
+                    for s in r.shadow_status if s.get("persist")],
         "shadow_drops": [s.get("drops", {}) for s in r.shadow_status],
     }
 

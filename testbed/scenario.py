@@ -16,6 +16,7 @@ A scenario is a YAML file (testbed/scenarios/NAME.yaml, found by name, or any pa
     persist_every: 5      # shadows persist every K iterations (needed for disk: true)
     keep: 3
     controller_restart_at: 12   # switch mode: SIGKILL the controller there, start it again
+    disk_limit: {partition: 1, kib: 1500}   # that shadow persists to a tmpfs this small
 
 Without faults, shadow kills or a controller restart, ``kill_at`` makes the second run
 "kill-restore"; with any of them the second run is "chaos" (the faults and kills, plus the
@@ -35,7 +36,8 @@ from checkmate.errors import CheckmateError
 SCENARIO_DIR = Path(__file__).with_name("scenarios")
 KILL_PHASES = ("after-step", "before-control")
 _KEYS = {"name", "model", "steps", "seed", "kill_at", "kill_phase", "description", "faults",
-         "shadow_kills", "persist_every", "keep", "controller_restart_at", "finish_timeout"}
+         "shadow_kills", "persist_every", "keep", "controller_restart_at", "finish_timeout",
+         "disk_limit"}
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,12 @@ class Scenario:
     keep: int = 3
     controller_restart_at: int | None = None
     finish_timeout: float = 30.0
+    disk_limit: tuple[int, int] | None = None  # (partition, KiB of its checkpoint disk)
 
     @property
     def chaos(self) -> bool:
-        return bool(self.faults or self.shadow_kills or self.controller_restart_at)
+        return bool(self.faults or self.shadow_kills or self.controller_restart_at
+                    or self.disk_limit)
 
 
 def scenario_names() -> list[str]:
@@ -156,12 +160,21 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
     ctl = d.get("controller_restart_at")
     if ctl is not None:
         ctl = _iteration(ctl, f"scenario {where}: controller_restart_at", steps, rng)
+    disk = d.get("disk_limit")
+    if disk is not None:
+        if not isinstance(disk, dict) or set(disk) != {"partition", "kib"}:
+            raise CheckmateError(f"scenario {where}: disk_limit must be {{partition, kib}}")
+        if not persist:
+            raise CheckmateError(f"scenario {where}: disk_limit needs persist_every")
+        disk = (_int(disk["partition"], f"scenario {where}: disk_limit.partition", 0),
+                _int(disk["kib"], f"scenario {where}: disk_limit.kib", 64))
     fin = d.get("finish_timeout", 30)
     if isinstance(fin, bool) or not isinstance(fin, int | float) or not 0 < fin <= 3600:
         raise CheckmateError(f"scenario {where}: finish_timeout must be seconds in (0, 3600]")
     return Scenario(str(d.get("name", where)), model, steps, seed, kill,
                     str(d.get("description", "")), phase, faults, kills, persist,
-                    _int(d.get("keep", 3), f"scenario {where}: keep", 1), ctl, float(fin))
+                    _int(d.get("keep", 3), f"scenario {where}: keep", 1), ctl, float(fin),
+                    disk)
 
 
 def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:
