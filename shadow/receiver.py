@@ -164,7 +164,7 @@ class Receiver:
             taken += len(lens)
             self.received += len(lens)
             now = time.monotonic()
-            if now - last_tick > 0.02:
+            if now - last_tick > 0.1:
                 if self.asm is not None:
                     self.asm.tick(now)
                 last_tick = now
