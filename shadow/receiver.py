@@ -7,7 +7,9 @@ datagram that is not accepted is counted under one reason: short, magic, version
 job, epoch, token, length, crc, not_ready, dtype, partition, range, stale, window,
 duplicate, control_range, control_invalid.
 
-Repair answers from trainers (flag ACK, checkmate.repair) are checked exactly like copies
+FEC parity datagrams (flag PARITY, checkmate.fec) go to Assembler.place_parity, which
+rebuilds lost pieces of their group from it. Repair answers from trainers (flag ACK,
+checkmate.repair) are checked exactly like copies
 from the switch and counted in ``repair["answers"]``; a "gone" answer (ACK | NACK) marks the
 partition as needing a re-seed. The same thread sends the repair requests (Assembler.tick)
 whenever the socket is idle or the next request falls due.
@@ -49,7 +51,8 @@ _GRAD_DTYPE = {"float32": wire.DType.FLOAT32, "bfloat16": wire.DType.BFLOAT16,
 _DATA_FLAGS_OK = wire.Flags.REPLICATE | wire.Flags.LAST
 _CTRL = int(wire.Flags.CONTROL)
 _ACK, _NACK = int(wire.Flags.ACK), int(wire.Flags.NACK)
-_BAD_FLAGS = int(wire.Flags.PARITY | wire.Flags.HANDSHAKE | wire.Flags.SEED)
+_PARITY = int(wire.Flags.PARITY)
+_BAD_FLAGS = int(wire.Flags.HANDSHAKE | wire.Flags.SEED)
 
 
 def open_socket(bind: str, port: int, rcvbuf: int = RCVBUF) -> tuple[socket.socket, int]:
@@ -231,6 +234,12 @@ class Receiver:
                         drops["dtype"] += 1
                         continue
                     asm.place_control(it, offset, count, group, payload)
+                    continue
+                if flags & _PARITY:
+                    if dtype != bytes_dt or part != self.partition:
+                        drops["dtype" if dtype != bytes_dt else "partition"] += 1
+                        continue
+                    asm.place_parity(it, _fi, payload)
                     continue
                 if dtype != self.grad_dtype:
                     drops["dtype"] += 1

@@ -46,6 +46,7 @@ class ShadowSender:
         self.sent_bytes = 0
         self.sent_datagrams = 0
         self.copy_bytes = 0  # host replication only (the extra traffic of host mode)
+        self.parity_bytes = 0  # FEC parity sent (checkmate.train.fec_sender)
 
     def close(self) -> None:
         self.sock.close()
@@ -57,12 +58,13 @@ class ShadowSender:
                 self.targets[p].epoch, self.targets[p].token = epoch, token
 
     def _send(self, t: ShadowTarget, flags: int, iteration: int, offset: int, count: int,
-              bucket: int, dtype: int, payload: bytes, fec_group: int = 0) -> None:
+              bucket: int, dtype: int, payload: bytes, fec_group: int = 0,
+              fec: tuple[int, int, int] = (0, 0, 0)) -> None:
         with self._lock:
             seq = self._seq
             self._seq = (self._seq + 1) & 0xFFFFFFFF
         hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, t.epoch, t.token, iteration,
-                    offset, count, seq, bucket, t.partition, dtype, 0, 0, 0, fec_group,
+                    offset, count, seq, bucket, t.partition, dtype, *fec, fec_group,
                     wire.crc(payload))
         try:
             self.sock.sendto(hdr + payload, (t.ip, t.port))
@@ -79,6 +81,15 @@ class ShadowSender:
             self.copy_bytes += len(payload)
             self._send(t, _F.REPLICATE, iteration, offset, len(payload) // 4, bucket,
                        wire.DType.FLOAT32, payload)
+
+    def parity(self, iteration: int, partition: int, group: int, index: int, k: int, m: int,
+               first_offset: int, payload: bytes) -> None:
+        """One FEC parity datagram of a group of this trainer's pieces (checkmate.fec)."""
+        t = self.targets.get(partition)
+        if t is not None:
+            self.parity_bytes += len(payload)
+            self._send(t, _F.PARITY, iteration, first_offset, len(payload), 0,
+                       wire.DType.BYTES, payload, fec_group=group, fec=(index, k, m))
 
     def control(self, iteration: int, body: dict[str, Any]) -> bytes:
         """Send the control message of ``iteration`` to every shadow; returns its bytes

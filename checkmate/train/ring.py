@@ -127,6 +127,8 @@ class RingAllreduce:
         link: a ``LossyLink`` test double applied to outgoing datagrams (loopback tests).
         rto: seconds without acknowledgement before resending.
         tag: set REPLICATE on first all-gather hops (off: a plain allreduce, no copies).
+        piece: largest REPLICATE piece in elements (smaller with FEC, so a parity payload
+            with its piece table still fits one frame).
         stall_timeout: seconds without progress before an operation fails.
     """
 
@@ -148,6 +150,7 @@ class RingAllreduce:
         stall_timeout: float = 60.0,
         window: int | None = None,
         tag: bool = True,
+        piece: int = MAX_CHUNK,
     ) -> None:
         if not 0 <= rank < world:
             raise CheckmateError(f"rank {rank} outside 0..{world - 1}")
@@ -160,7 +163,7 @@ class RingAllreduce:
         self._bounds = [(p, a, b) for p, (a, b) in enumerate(partition_bounds(total, partitions))
                         if a < b]
         self.chunk = chunk
-        self.piece = min(chunk, MAX_CHUNK)
+        self.piece = min(chunk, MAX_CHUNK, max(1, piece))
         self.on_reduced = on_reduced
         self.tag = tag
         self.link = link

@@ -40,7 +40,7 @@ from checkmate.train.repair import REPAIR_RATE, RepairServer, owners_body
 from checkmate.train.replica_log import DEFAULT_KEEP, ReplicaLog
 from checkmate.train.replicate import ShadowSender, ShadowTarget
 from checkmate.train.reseed import RESEED_SLICES, ReseedSender
-from checkmate.train.ring import BIG_CHUNK, RingAllreduce, replica_owners
+from checkmate.train.ring import BIG_CHUNK, MAX_CHUNK, RingAllreduce, replica_owners
 from checkmate.train.transport import LossyLink, open_socket
 
 #: switch: the switch copies REPLICATE datagrams; host: trainers send the copies; off: no
@@ -68,6 +68,8 @@ class JobLayout:
             paced to ``repair_rate`` bytes/s. Off: a lost copy is never repaired.
         reseed_slices: slices a live re-seed sends a partition in (one per iteration).
         monitor_poll, lag_warn: status poll period (s) and the lag that logs a warning.
+        fec: ``(k, m)`` to add m FEC parity datagrams to every k replicated pieces
+            (checkmate.train.fec_sender); None (default): repair alone.
     """
 
     job_id: int
@@ -89,6 +91,7 @@ class JobLayout:
     reseed_slices: int = RESEED_SLICES
     monitor_poll: float = POLL_SECONDS
     lag_warn: int = LAG_WARN
+    fec: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -163,6 +166,7 @@ class CheckmateSession:
         self.repair: RepairServer | None = None
         self.monitor: ProtectionMonitor | None = None
         self.metrics: Any = None  # Prometheus exporter (CHECKMATE_METRICS_PORT)
+        self.parity: Any = None  # checkmate.train.fec_sender.ParitySender with layout.fec
         self.buckets = [(a, b) for a, b, _ in bucket_ranges(
             [p.numel for p in self.spec.params], layout.bucket_elems)]
 
@@ -204,11 +208,18 @@ class CheckmateSession:
         ip, port = lay.trainers[lay.rank]
         sock = open_socket(ip, port)
         on_reduced = self._on_reduced if lay.mode != "off" else None
+        piece = MAX_CHUNK
+        if lay.fec is not None and lay.mode != "off":
+            from checkmate.fec import max_piece_bytes
+            from checkmate.train.fec_sender import ParitySender
+
+            self.parity = ParitySender(lay.fec[0], lay.fec[1], self.sender)
+            piece = max_piece_bytes(lay.fec[0]) // 4
         self.ring = RingAllreduce(
             lay.rank, lay.world, sock, lay.trainers[(lay.rank + 1) % lay.world],
             lay.trainers[(lay.rank - 1) % lay.world], lay.job_id, nonce[0], self.spec.total,
             self.spec.partitions, chunk=lay.chunk, on_reduced=on_reduced, link=lay.link,
-            tag=lay.mode != "off")
+            tag=lay.mode != "off", piece=piece)
         order = [p.name for p in self.spec.params]
         self.model = CheckmateDDP(self.module, self.ring, order, lay.bucket_elems)
         # Every ring socket must be bound before anyone sends.
@@ -256,6 +267,8 @@ class CheckmateSession:
                     payload: bytes) -> None:
         if self.replica_log is not None:
             self.replica_log.add_piece(iteration, bucket, offset, partition, payload)
+        if self.parity is not None:
+            self.parity.piece(iteration, partition, offset, payload)
         if self.layout.mode == "host":
             self.sender.copy(iteration, bucket, offset, partition, payload)
 
@@ -323,6 +336,8 @@ class CheckmateSession:
             self.control_bytes = len(data)
             if self.replica_log is not None:
                 self.replica_log.add_control(self.iteration, data)
+        if self.parity is not None:
+            self.parity.flush(self.iteration)
         self.opt_step += 1
         self.done_iteration = self.iteration
         if self.monitor is not None:
@@ -353,6 +368,8 @@ class CheckmateSession:
             self.ring.close()
         if self.repair is not None:
             self.repair.close()
+        if self.parity is not None:
+            self.parity.close()
         if self.metrics is not None:
             self.metrics.close()
         self.sender.close()

@@ -98,6 +98,7 @@ def layout_from_job(job: dict, rank: int, world: int) -> JobLayout:
         controller=tuple(job["controller"]) if job.get("controller") else None,
         seed=int(job.get("seed", 0)),
         repair=bool(job.get("repair", True)),
+        fec=tuple(job["fec"]) if job.get("fec") else None,
     )
 
 
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 "iteration": steps}, out / f"final-rank{rank}.pt")
     _emit(event="done", rank=rank, iteration=steps, stats=sess.ring.stats,
           control_bytes=sess.control_bytes, copy_bytes=sess.sender.copy_bytes,
+          parity_bytes=sess.sender.parity_bytes,
           protected=prot["protected"], repair=prot.get("repair"),
           reseeds=prot.get("reseeds", 0))
     dist.barrier()
