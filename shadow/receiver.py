@@ -208,6 +208,7 @@ class Receiver:
                             self.asm.on_gone(it)
                         continue
                     self.repair_stats["answers"] += 1
+                    self.repair_stats["answer_bytes"] += n - hl
                 if job != job_ok:
                     drops["job"] += 1
                     continue
@@ -275,4 +276,4 @@ class Receiver:
     def repair_status(self) -> dict[str, int]:
         r = self.repair_stats
         return {k: int(r[k]) for k in ("requests", "ranges", "control_requests", "answers",
-                                       "gone", "no_peers", "send_errors")}
+                                       "answer_bytes", "gone", "no_peers", "send_errors")}

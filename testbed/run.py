@@ -429,6 +429,7 @@ class Run:
                 self.result.stats.append({"rank": ev["rank"], **ev.get("stats", {}),
                                           "control_bytes": ev.get("control_bytes"),
                                           "copy_bytes": ev.get("copy_bytes"),
+                                          "parity_bytes": ev.get("parity_bytes"),
                                           "repair": ev.get("repair"),
                                           "reseeds": ev.get("reseeds", 0)})
                 if ev["rank"] == 0:
@@ -589,7 +590,9 @@ def reliability_summary(r: RunResult) -> dict[str, Any]:
         rejoins.append({**rs, "rejoined_at": first,
                         "iterations": None if first is None else first - rs["at"]})
     repair = [s.get("repair") or {} for s in r.shadow_status]
-    reps = [s.get("repair") or {} for s in r.stats if s.get("repair")]
+    # What the shadows received as repair answers (payload bytes): complete even when a
+    # trainer incarnation was killed before reporting what it sent.
+    received = sum(x.get("answer_bytes", 0) for x in repair)
     # Every iteration must be committed by every shadow that was never restarted.
     restarted = {rs["partition"] for rs in r.restarts}
     missing = {}
@@ -602,7 +605,7 @@ def reliability_summary(r: RunResult) -> dict[str, Any]:
             missing[st.get("partition")] = gone[:20]
     total = max(((s.get("range") or [0, 0])[1] for s in r.shadow_status), default=0)
     replica = 4 * total * len(first_done)
-    repair_bytes = sum(x.get("answered_bytes", 0) for x in reps)
+    repair_bytes = received
     return {
         "rejoins": rejoins,
         "commits_missing": missing,

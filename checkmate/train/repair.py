@@ -174,7 +174,7 @@ class RepairServer:
         except OSError:
             self.stats["send_errors"] += 1
             return
-        self.stats["bytes"] += n
+        self.stats["bytes"] += n - len(parts[0])  # payload bytes, as replica bytes count
 
 
 def owners_body(trainers: list[tuple[str, int]], owners: list[tuple[int, int, int]],
