@@ -72,13 +72,20 @@ class RepairServer:
 
             raise CheckmateError(f"cannot bind repair socket {bind[0]}:{bind[1]}: "
                                  f"{e.strerror or e}") from None
-        self.sock.settimeout(0.2)
+        # Block without a timeout: a thread that woke periodically would take the GIL from
+        # the ring's thread each time. close() wakes it with a datagram to itself.
+        self.sock.settimeout(None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckm-repair", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.sendto(b"", self.sock.getsockname())
+        except OSError:
+            pass
         self._thread.join(2.0)
         self.sock.close()
 
@@ -92,12 +99,12 @@ class RepairServer:
         while not self._stop.is_set():
             try:
                 data = self.sock.recv(65536)
-            except TimeoutError:
-                continue
             except OSError:
                 if self._stop.is_set():
                     return
                 continue
+            if self._stop.is_set():
+                return
             try:
                 self.handle(data)
             except Exception as e:  # noqa: BLE001 - one bad request must not end the service
