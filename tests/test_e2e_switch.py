@@ -81,9 +81,9 @@ def _ring_order_sum(xs, world):
 
 @pytest.mark.parametrize("chunk", [2229, 16_000])
 def test_ring_exact_through_switch_with_drop_and_corrupt(cfg_path, tmp_path, chunk):
-    """chunk 2229: every ring datagram is one frame the fault knobs see; 16000: plain hops
-    are IP-fragmented (the switch forwards fragments as plain traffic) and only the
-    REPLICATE pieces and ACKs meet the knobs."""
+    """chunk 2229: every ring datagram is one frame; 16000: plain hops are IP-fragmented,
+    and the fault knobs hit the fragments too (one draw per datagram), so every kind of
+    ring datagram meets the knobs either way."""
     from checkmate.testbed.topology import Testbed
 
     cfg = cfgmod.load(cfg_path)
