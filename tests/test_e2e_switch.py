@@ -122,16 +122,22 @@ def test_ring_exact_through_switch_with_drop_and_corrupt(cfg_path, tmp_path, chu
     assert sum(g["stats"]["corrupt"] for g in got) > 0
 
 
-@pytest.mark.slow
-def test_kill_restore_switch_mode(cfg_path, tmp_path):
-    sc = tmp_path / "short.yaml"
-    sc.write_text("name: short\nmodel: gpt\nsteps: 14\nseed: 2\nkill_at: 7\n")
+def _run_scenario(cfg_path: Path, tmp_path: Path, text: str) -> dict:
+    """`testbed run` of a scenario given as YAML text in switch mode; its JSON report."""
+    sc = tmp_path / "scenario.yaml"
+    sc.write_text(text)
     out = tmp_path / "report.json"
     p = subprocess.run([sys.executable, "-m", "checkmate.testbed.cli", "run", "--scenario",
                         str(sc), "--config", str(cfg_path), "--mode", "switch", "--json",
                         str(out)], capture_output=True, text=True, timeout=500)
     assert p.returncode == 0, (p.stderr + p.stdout)[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_kill_restore_switch_mode(cfg_path, tmp_path):
+    report = _run_scenario(cfg_path, tmp_path,
+                           "name: short\nmodel: gpt\nsteps: 14\nseed: 2\nkill_at: 7\n")
     assert report["ok"] and report["bit_identical"] is True
     assert 0 <= report["repeated_iterations"] <= 1
     assert report["switch_replicated_packets"] > 0
@@ -151,18 +157,12 @@ def test_chaos_replica_loss_trainer_loss_shadow_restart_and_kill(cfg_path, tmp_p
     (fragments included) dropped, the other shadow SIGKILLed and restarted empty, and every
     trainer killed near the end. Every hole is repaired, the restarted shadow is re-seeded
     live, and the restored job finishes bit-identical to failure-free."""
-    sc = tmp_path / "chaos.yaml"
     # A restarted shadow needs a few seconds (process start, registration) before it can be
     # re-seeded; this model's iterations take tens of milliseconds, hence the many steps.
-    sc.write_text("name: chaos\nmodel: gpt\nsteps: 150\nseed: 1\nkill_at: 140\n"
-                  "faults: [{port: s1, drop: 0.05}, {port: t2, drop: 0.01}]\n"
-                  "shadow_kills: [{partition: 0, at: 3}]\n")
-    out = tmp_path / "report.json"
-    p = subprocess.run([sys.executable, "-m", "checkmate.testbed.cli", "run", "--scenario",
-                        str(sc), "--config", str(cfg_path), "--mode", "switch", "--json",
-                        str(out)], capture_output=True, text=True, timeout=500)
-    assert p.returncode == 0, (p.stderr + p.stdout)[-3000:]
-    report = json.loads(out.read_text())
+    report = _run_scenario(cfg_path, tmp_path,
+                           "name: chaos\nmodel: gpt\nsteps: 150\nseed: 1\nkill_at: 140\n"
+                           "faults: [{port: s1, drop: 0.05}, {port: t2, drop: 0.01}]\n"
+                           "shadow_kills: [{partition: 0, at: 3}]\n")
     chaos = report["runs"]["chaos"]
     assert report["ok"] and report["bit_identical"] is True
     assert chaos["shadows_match_trainers"] is True and chaos["protected"] is True
