@@ -86,7 +86,11 @@ def test_train_then_restore_trainer_round_trip(shadows):
             w.optimizer.zero_grad()
             w.loss(sess.model(x), y).backward()
             sess.step(extra={"data": {"iteration": it}})
-        sess.wait_shadows(steps)
+        prot = sess.finish(timeout=30)
+        assert prot["protected"] is True and prot["iteration"] == steps
+        assert prot["newest_consistent"] == steps
+        assert all(v["lag"] == 0 and v["reachable"] for v in prot["shadows"].values())
+        assert prot["repair"] is not None and prot["reseeds"] == 0
         sess.close()
 
         fresh = build("cnn", 6, steps)  # another seed: differs before the restore
