@@ -72,15 +72,16 @@ Which data pieces belong to group g
 The sender stamps them: a REPLICATE data datagram carries ``fec_group`` = the id of the
 group it belongs to, ``fec_index`` = its position, ``fec_k``/``fec_m`` = the encoder's k and
 m (read :attr:`GroupEncoder.group_id` and :attr:`GroupEncoder.next_index` before
-:meth:`GroupEncoder.add`). ``fec_k = 0`` keeps meaning "no FEC". Parity datagrams: flags
-``REPLICATE | PARITY``, dtype BYTES, ``count`` = payload length, ``fec_group``/``fec_index``
-as above, ``fec_k`` = the group's k (k' for a short group), ``fec_m`` = m, ``offset`` = the
-first piece's offset, ``partition``/``iteration``/``bucket`` as the data. Group ids count
-from 0 per encoder, and a sender uses one encoder per (iteration, partition), so the
-receiver's group key is (sender address, iteration, partition, fec_group); the
-:class:`GroupDecoder` takes any hashable key. The table in every parity datagram names all
-the group's pieces, so pieces whose datagram never arrived are recovered with their offset
-and count, and a data piece that disagrees with the table is not used.
+:meth:`GroupEncoder.add`). ``fec_k = 0`` keeps meaning "no FEC". Parity datagrams: flag
+``PARITY`` alone (sent straight to the shadow, never copied by a switch), dtype BYTES,
+``count`` = payload length, ``fec_group``/``fec_index`` as above, ``fec_k`` = the group's k
+(k' for a short group), ``fec_m`` = m, ``offset`` = the first piece's offset,
+``partition``/``iteration``/``bucket`` as the data. Group ids count from 0 per encoder, and
+a sender uses one encoder per (iteration, partition), so the receiver's group key is (sender
+address, iteration, partition, fec_group); the :class:`GroupDecoder` takes any hashable key.
+The table in every parity datagram names all the group's pieces, so pieces whose datagram
+never arrived are recovered with their offset and count, and a data piece that disagrees
+with the table is not used.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def test_foreign_and_damaged_datagrams_are_dropped_by_reason(cluster_factory):
         "short": b"\xc4\xec\x01",
         "magic": b"\x00" * 60,
         "length": wire.encode(good, payload)[:-4],
-        "flags": wire.encode(good.with_(flags=wire.Flags.PARITY), payload),
+        "flags": wire.encode(good.with_(flags=wire.Flags.REPLICATE | wire.Flags.SEED), payload),
     }
     crc_bad = bytearray(wire.encode(good, payload))
     crc_bad[-1] ^= 0xFF
