@@ -37,7 +37,7 @@ log = logging.getLogger("checkmate.shadow")
 MAX_CONTROL = 64 << 20
 #: Seconds without progress on an iteration, once the senders are known to be done with it,
 #: before its holes are asked for (the receive thread lingers 5 ms between batches).
-REPAIR_DELAY = 0.02
+REPAIR_DELAY = 0.01
 #: Seconds without progress before asking even without evidence that the senders are done
 #: (the last iteration of a job has no newer one behind it).
 REPAIR_IDLE = 1.0

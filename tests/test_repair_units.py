@@ -14,7 +14,7 @@ import pytest
 
 from checkmate import repair, wire
 from checkmate.errors import CheckmateError
-from checkmate.shadow.assembler import Assembler
+from checkmate.shadow.assembler import REPAIR_DELAY, Assembler
 from checkmate.shadow.feed import control_body
 from checkmate.shadow.state import ShadowState, make_optimizer
 from checkmate.spec import ModelSpec
@@ -171,9 +171,9 @@ def test_assembler_asks_for_exactly_the_hole_once_a_newer_iteration_arrives():
     _control(asm, 1)
     t = time.monotonic()
     asm.tick(t)
-    asm.tick(t + 0.01)
+    asm.tick(t + REPAIR_DELAY / 2)
     assert asm.repair.calls == []  # too early: the rest may still be in the socket queue
-    asm.tick(t + 0.05)
+    asm.tick(t + 3 * REPAIR_DELAY)
     assert asm.repair.calls == [(1, [(150, 160)], False)]
     _grad(asm, 1, 150, 160)  # the answer
     assert done == [1]
