@@ -1,0 +1,39 @@
+"""The chaos report: per-case summary over repeats, and the generated block of
+docs/reliability.md replaced without touching the prose around it."""
+
+from __future__ import annotations
+
+from checkmate.testbed import chaos
+
+
+def _row(case: str, ok: bool, lag: int | None, over: float | None, rejoin: int | None,
+         repeated: int = 1) -> dict:
+    return {"case": case, "ok": ok, "bit_identical": ok, "kill_at": 30, "repeated": repeated,
+            "lag_max": lag, "repair_overhead": over, "repairs": 3, "reseeds": 0,
+            "restart_at": None, "rejoin": rejoin, "persist_errors": 0, "problems":
+            "" if ok else "final state differs", "seconds": 1.0}
+
+
+def test_summary_aggregates_repeats_of_a_case():
+    rows = [_row("a", True, 1, 0.01, 70), _row("a", False, 4, 0.03, 90, 2),
+            _row("a", True, 2, 0.02, 80), _row("b", True, None, None, None)]
+    a, b = chaos.summary(rows)
+    assert a == {"case": "a", "passed": "2/3", "lag_max": 4,
+                 "repair_overhead_median": "2.00%", "rejoin_min/median/max": "70/80/90",
+                 "repeated_max": 2, "persist_errors": 0}
+    assert b["passed"] == "1/1" and b["lag_max"] is None and b["rejoin_min/median/max"] is None
+
+
+def test_report_block_replaces_only_the_generated_part(tmp_path):
+    rows = [_row("a", True, 1, 0.01, None), _row("a", False, 3, 0.02, None)]
+    block = chaos.markdown(rows, ["--repeat", "2"], 7)
+    assert "testbed chaos --repeat 2" in block and "Seed 7." in block
+    assert "1 of 2 runs passed." in block and "- a: final state differs" in block
+    doc = tmp_path / "reliability.md"
+    chaos.write_report(doc, block)  # a new file: only the block under a title
+    assert doc.read_text().startswith("# Reliability") and chaos.BEGIN in doc.read_text()
+    doc.write_text("# Prose\n\nbefore\n\n" + block + "\nafter\n")
+    chaos.write_report(doc, chaos.markdown(rows[:1], [], 8))
+    text = doc.read_text()
+    assert text.startswith("# Prose\n\nbefore\n\n") and text.endswith("\nafter\n")
+    assert "Seed 8." in text and "Seed 7." not in text and text.count(chaos.BEGIN) == 1
