@@ -205,26 +205,38 @@ class CheckmateSession:
         if lay.mode != "off":
             self._start_reliability()
         dist.barrier(group=self.group)
+        self._start_comm(nonce[0])
+        # Every ring socket must be bound before anyone sends.
+        dist.barrier(group=self.group)
+        return self.iteration
+
+    def _start_comm(self, nonce: int) -> None:
+        """The gradient path: our ring and CheckmateDDP (checkmate.train.ddp_hook replaces
+        it with a comm hook on the user's own DistributedDataParallel)."""
+        lay = self.layout
         ip, port = lay.trainers[lay.rank]
         sock = open_socket(ip, port)
         on_reduced = self._on_reduced if lay.mode != "off" else None
-        piece = MAX_CHUNK
-        if lay.fec is not None and lay.mode != "off":
-            from checkmate.fec import max_piece_bytes
-            from checkmate.train.fec_sender import ParitySender
-
-            self.parity = ParitySender(lay.fec[0], lay.fec[1], self.sender)
-            piece = max_piece_bytes(lay.fec[0]) // 4
+        piece = self._start_parity()
         self.ring = RingAllreduce(
             lay.rank, lay.world, sock, lay.trainers[(lay.rank + 1) % lay.world],
-            lay.trainers[(lay.rank - 1) % lay.world], lay.job_id, nonce[0], self.spec.total,
+            lay.trainers[(lay.rank - 1) % lay.world], lay.job_id, nonce, self.spec.total,
             self.spec.partitions, chunk=lay.chunk, on_reduced=on_reduced, link=lay.link,
             tag=lay.mode != "off", piece=piece)
         order = [p.name for p in self.spec.params]
         self.model = CheckmateDDP(self.module, self.ring, order, lay.bucket_elems)
-        # Every ring socket must be bound before anyone sends.
-        dist.barrier(group=self.group)
-        return self.iteration
+
+    def _start_parity(self) -> int:
+        """FEC parity sender with ``layout.fec``; returns the largest replicated piece in
+        elements (smaller with FEC, so a parity payload with its piece table fits a frame)."""
+        lay = self.layout
+        if lay.fec is None or lay.mode == "off":
+            return MAX_CHUNK
+        from checkmate.fec import max_piece_bytes
+        from checkmate.train.fec_sender import ParitySender
+
+        self.parity = ParitySender(lay.fec[0], lay.fec[1], self.sender)
+        return max_piece_bytes(lay.fec[0]) // 4
 
     def _start_reliability(self) -> None:
         """Replica log, repair service, peers at every shadow, protection monitor."""
@@ -301,7 +313,8 @@ class CheckmateSession:
         if self.model is None:
             raise CheckmateError("call start() first")
         self.iteration = iteration
-        self.model.iteration = iteration
+        if isinstance(self.model, CheckmateDDP):  # a user's own DDP reads sess.iteration
+            self.model.iteration = iteration
         torch.manual_seed(rng_seed(self.layout.seed, self.layout.rank, iteration))
 
     def step(self, extra: dict[str, Any] | None = None) -> float | None:

@@ -1,0 +1,226 @@
+"""Checkmate for an unmodified ``torch.nn.parallel.DistributedDataParallel``.
+
+``DDPSession`` is a ``CheckmateSession`` whose gradient path is the user's own DDP (any
+backend: gloo on CPUs, NCCL on GPUs) instead of our ring. ``start()`` registers a DDP
+communication hook that
+
+1. divides the bucket by the world size and allreduces it (sum) with the backend, exactly as
+   torch's default ``allreduce_hook`` does, so the trainer's gradient is stock DDP's;
+2. when the allreduce completes, copies this rank's share of the reduced bucket to the host
+   and sends it to the owning shadows (host replication, the replica log and FEC parity go
+   through the session's ``_on_reduced``, as the ring's pieces do).
+
+Shares are fixed by the model spec, not by DDP's buckets (which DDP rebuilds after
+iteration 1 in autograd's ready order): a flat element belongs to the rank that
+``ring.replica_owners`` names for the session's spec buckets, so each element is sent by one
+rank once per iteration (about 1/world of the gradient per rank), and a shadow's repair
+requests go to the trainer that holds the range. Every datagram carries the flat offset
+from the spec and the iteration of ``begin()``.
+
+``step()`` first checks that every parameter was reduced exactly once in this iteration
+(two backward passes outside ``ddp.no_sync()``, a step without backward, or a frozen
+parameter would make the shadows differ from the trainers) and raises a CheckmateError on
+every rank otherwise. Gradient accumulation with ``ddp.no_sync()`` works as in stock DDP:
+only the last backward reduces, and that sum is what trainers and shadows apply. A parameter
+DDP left without a gradient (``find_unused_parameters=True`` and unused on every rank) was
+reduced as zeros; its ``grad`` is set to zeros, as the shadows apply them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from checkmate.errors import CheckmateError
+from checkmate.train.ring import replica_owners
+from checkmate.train.session import CheckmateSession, JobLayout
+
+#: (element offset in the parameter, count, flat offset, partition) of one owned segment.
+Segment = tuple[int, int, int, int]
+
+
+def owned_segments(spec: Any, buckets: list[tuple[int, int]], world: int, rank: int
+                   ) -> dict[str, list[Segment]]:
+    """Per parameter name, the segments ``rank`` sends: its share of the flat space (see
+    ``ring.replica_owners``) cut at parameter and partition boundaries."""
+    mine = [(lo, hi) for lo, hi, r in replica_owners(buckets, world, 0, spec.total)
+            if r == rank]
+    cuts: list[tuple[int, int, int]] = []  # (lo, hi, partition)
+    for part in range(spec.partitions):
+        a, b = spec.bounds(part)
+        for lo, hi in mine:
+            lo2, hi2 = max(a, lo), min(b, hi)
+            if lo2 < hi2:
+                cuts.append((lo2, hi2, part))
+    out: dict[str, list[Segment]] = {}
+    for p in spec.params:
+        segs = []
+        for lo, hi, part in cuts:
+            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+            if a < b:
+                segs.append((a - p.offset, b - a, a, part))
+        out[p.name] = sorted(segs, key=lambda s: s[2])
+    return out
+
+
+class DDPSession(CheckmateSession):
+    """A CheckmateSession over the user's own ``DistributedDataParallel`` model.
+
+    Args:
+        ddp: the user's DDP, already constructed (its process group does the allreduce);
+            it must have no communication hook yet and float32 parameters that all require
+            gradients.
+        optimizer, scheduler, layout, max_grad_norm, group: as for CheckmateSession; the
+            layout's mode must be ``host`` (trainers send the copies; there is no ckm ring
+            for a switch to copy).
+
+    ``sess.model`` is ``ddp``; the loop is the same as with CheckmateSession.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
+                 group: Any = None) -> None:
+        if not isinstance(ddp, DistributedDataParallel):
+            raise CheckmateError(f"DDPSession needs a torch DistributedDataParallel model, "
+                                 f"got {type(ddp).__name__}")
+        if layout.mode != "host":
+            raise CheckmateError(f"a stock DDP job feeds the shadows in host mode only, "
+                                 f"got mode {layout.mode!r}")
+        module = ddp.module
+        for name, p in module.named_parameters():
+            if p.dtype != torch.float32:
+                raise CheckmateError(f"parameter {name} is {p.dtype}: the shadows keep "
+                                     "float32 parameters")
+            if not p.requires_grad:
+                raise CheckmateError(f"parameter {name} is frozen (requires_grad=False): "
+                                     "DDP does not reduce it, so the shadows would step it "
+                                     "on no gradient; leave it out of the optimizer and "
+                                     "the module, or unfreeze it")
+        pg = ddp.process_group
+        if pg is not None and dist.get_world_size(pg) != layout.world:
+            raise CheckmateError(f"the DDP process group has {dist.get_world_size(pg)} "
+                                 f"ranks, the layout says world {layout.world}")
+        super().__init__(module, optimizer, scheduler, layout, max_grad_norm, group)
+        self.ddp = ddp
+        self._pg = pg
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self._segments: dict[str, list[Segment]] = {}
+        self._piece = 0
+        self._lock = threading.Lock()
+        # Per iteration: parameter names reduced, and names reduced more than once.
+        self._reduced: dict[int, set[str]] = defaultdict(set)
+        self._twice: dict[int, list[str]] = defaultdict(list)
+        self.hook_stats = {"buckets": 0, "pieces": 0, "bytes": 0}
+
+    # ------------------------------------------------------------------ setup
+    def _start_comm(self, nonce: int) -> None:
+        lay = self.layout
+        self._piece = self._start_parity()
+        self._segments = owned_segments(self.spec, self.buckets, lay.world, lay.rank)
+        try:
+            self.ddp.register_comm_hook(self, _hook)
+        except (RuntimeError, ValueError) as e:
+            raise CheckmateError(f"cannot register Checkmate's DDP comm hook: "
+                                 f"{str(e).splitlines()[0]}") from None
+        self.model = self.ddp
+
+    # ------------------------------------------------------------------ the hook
+    def _bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """The comm hook body (see the module docstring)."""
+        it = self.iteration
+        params = bucket.parameters()
+        names = [self._names[id(p)] for p in params]
+        with self._lock:
+            seen = self._reduced[it]
+            self._twice[it].extend(n for n in names if n in seen)
+            seen.update(names)
+        buf = bucket.buffer()
+        pg = self._pg
+        buf.div_(dist.get_world_size(pg))
+        fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
+        grads = bucket.gradients()
+        index = bucket.index()
+
+        def replicate(f: torch.futures.Future) -> torch.Tensor:
+            out = f.value()[0]
+            self._replicate(it, index, names, grads)
+            return out
+
+        return fut.then(replicate)
+
+    def _replicate(self, it: int, index: int, names: list[str],
+                   grads: list[torch.Tensor]) -> None:
+        """Send this rank's segments of one reduced bucket, merged where they touch."""
+        runs: list[tuple[int, int, np.ndarray]] = []  # (flat offset, partition, values)
+        for name, g in zip(names, grads, strict=True):
+            segs = self._segments.get(name)
+            if not segs:
+                continue
+            flat = g.detach().reshape(-1)
+            if flat.device.type != "cpu":  # NCCL on GPUs: the device-to-host copy
+                flat = flat.to("cpu")
+            arr = flat.numpy()
+            for lo, n, off, part in segs:
+                runs.append((off, part, arr[lo:lo + n]))
+        if not runs:
+            return
+        runs.sort(key=lambda r: r[0])
+        merged: list[tuple[int, int, list[np.ndarray]]] = []
+        end = -1
+        for off, part, a in runs:
+            if merged and merged[-1][1] == part and end == off:
+                merged[-1][2].append(a)
+            else:
+                merged.append((off, part, [a]))
+            end = off + len(a)
+        piece = self._piece
+        with self._lock:
+            if self._twice.get(it):
+                return  # step() raises; sending a second gradient would only mislead
+            for off, part, parts in merged:
+                data = (np.concatenate(parts) if len(parts) > 1 else parts[0]).tobytes()
+                for a in range(0, len(data), 4 * piece):
+                    payload = data[a:a + 4 * piece]
+                    self._on_reduced(it, index, off + a // 4, part, payload)
+                    self.hook_stats["pieces"] += 1
+                    self.hook_stats["bytes"] += len(payload)
+            self.hook_stats["buckets"] += 1
+
+    # ------------------------------------------------------------------ per iteration
+    def step(self, extra: dict[str, Any] | None = None) -> float | None:
+        """Check that this iteration's gradient reached the shadows once, then step as
+        CheckmateSession does (clip, optimizer, scheduler, control message)."""
+        it = self.iteration
+        with self._lock:
+            reduced = self._reduced.pop(it, set())
+            twice = self._twice.pop(it, [])
+            for old in [i for i in self._reduced if i < it]:
+                del self._reduced[old]
+                self._twice.pop(old, None)
+        if twice:
+            raise CheckmateError(
+                f"iteration {it}: DDP reduced {twice[0]} twice (a second backward outside "
+                f"ddp.no_sync() before the step, or no begin() between iterations); the "
+                f"shadows hold the first gradient only -- accumulate with ddp.no_sync()")
+        missing = [p.name for p in self.spec.params if p.name not in reduced]
+        if missing:
+            raise CheckmateError(
+                f"iteration {it}: DDP reduced no gradient for {len(missing)} of "
+                f"{len(self.spec.params)} parameters (first {missing[0]}): call backward() "
+                f"on the DDP model's output between begin() and step()")
+        for p in self.module.parameters():
+            if p.grad is None:  # unused on every rank: reduced (and replicated) as zeros
+                p.grad = torch.zeros_like(p)
+        return super().step(extra)
+
+
+def _hook(state, bucket):  # noqa: ANN001, ANN202 -- DDP rejects string annotations here
+    """The registered comm hook (DDP checks its annotations, and this module's are strings
+    under ``from __future__ import annotations``, so it has none)."""
+    return state._bucket(bucket)
