@@ -439,6 +439,59 @@ class ModelSpec:
         return flat
 
 
+def difference(shadows: ModelSpec, mine: ModelSpec) -> str | None:
+    """The first way ``mine`` (this trainer's model and optimizer) differs from the spec the
+    shadows hold, in words; None when a resume may load the shadows' state.
+
+    Why everything is compared: the shadows' flat arrays are cut by *their* spec, so a
+    reordered, reshaped or added parameter would load scrambled weights, and a changed
+    optimizer setting would silently continue a different run than the one resumed.
+    """
+    if shadows.job != mine.job:
+        return f"job id: shadows {shadows.job}, this job {mine.job}"
+    if shadows.partitions != mine.partitions:
+        return f"partitions: shadows {shadows.partitions}, this job {mine.partitions}"
+    have, want = [p.name for p in shadows.params], [p.name for p in mine.params]
+    extra = [n for n in want if n not in set(have)]
+    if extra:
+        return f"this model has parameters the shadows do not: {', '.join(extra[:4])}"
+    missing = [n for n in have if n not in set(want)]
+    if missing:
+        return f"the shadows have parameters this model lacks: {', '.join(missing[:4])}"
+    for i, (a, b) in enumerate(zip(have, want, strict=True)):
+        if a != b:
+            return f"parameter order differs at index {i}: shadows have {a!r}, this model {b!r}"
+    for a, b in zip(shadows.params, mine.params, strict=True):
+        if a.shape != b.shape:
+            return f"parameter {a.name!r} shape: shadows {list(a.shape)}, this model " \
+                   f"{list(b.shape)}"
+    if shadows.grad_dtype != mine.grad_dtype:
+        return f"gradient dtype: shadows {shadows.grad_dtype}, this job {mine.grad_dtype}"
+    hb = {b.name: b for b in shadows.buffers}
+    mb = {b.name: b for b in mine.buffers}
+    if list(hb) != list(mb):
+        return f"buffers: shadows {list(hb)[:4]}, this model {list(mb)[:4]}"
+    for name, a in hb.items():
+        b = mb[name]
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            return f"buffer {name!r}: shadows {list(a.shape)} {a.dtype}, this model " \
+                   f"{list(b.shape)} {b.dtype}"
+    if shadows.kind != mine.kind:
+        return f"optimizer: shadows {shadows.kind}, this optimizer {mine.kind}"
+    if len(shadows.groups) != len(mine.groups):
+        return f"param groups: shadows {len(shadows.groups)}, this optimizer " \
+               f"{len(mine.groups)}"
+    for gi, (a, b) in enumerate(zip(shadows.groups, mine.groups, strict=True)):
+        if a.params != b.params:
+            diff = sorted(set(a.params) ^ set(b.params)) or ["(their order)"]
+            return f"param group {gi} parameters differ: {', '.join(diff[:4])}"
+        ha, hm = a.hyper(shadows.kind), b.hyper(mine.kind)
+        for k in ha:
+            if ha[k] != hm[k]:
+                return f"param group {gi} {k}: shadows {ha[k]}, this optimizer {hm[k]}"
+    return None
+
+
 def _np(t: Any) -> np.ndarray:
     if hasattr(t, "detach"):
         return t.detach().to("cpu").float().numpy()

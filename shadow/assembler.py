@@ -57,6 +57,34 @@ class Control:
     skip: bool
     buffers: dict[str, str]
     extra: dict[str, Any]
+    #: Per group, the hyperparameters other than lr this step used (None: unchanged).
+    hyper: list[dict[str, Any]] | None = None
+
+
+#: Keys a control message's ``hyper`` entry may carry (checkmate.optim.hyper names).
+HYPER_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening",
+              "nesterov", "maximize")
+
+
+def _parse_hyper(hyper: Any, groups: int) -> list[dict[str, Any]] | None:
+    """Shape check of ``hyper``; the optimizer validates the values against its kind."""
+    if hyper is None:
+        return None
+    if not isinstance(hyper, list) or len(hyper) != groups or not all(
+            isinstance(h, dict) for h in hyper):
+        raise ValueError(f"control hyper must be {groups} objects, got {hyper!r}")
+    for h in hyper:
+        for k, v in h.items():
+            ok = k in HYPER_KEYS and (
+                isinstance(v, list) and len(v) == 2 and all(_finite(x) for x in v)
+                if k == "betas" else isinstance(v, bool) or _finite(v))
+            if not ok:
+                raise ValueError(f"control hyper has a bad entry {k!r}: {v!r}")
+    return [dict(h) for h in hyper]
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -107,7 +135,8 @@ def parse_control(data: bytes, iteration: int, groups: int) -> Control:
     if not isinstance(buffers, dict) or not isinstance(extra, dict):
         raise ValueError("control buffers and extra must be objects")
     return Control(iteration, [float(x) for x in lrs],
-                   None if clip is None else float(clip), skip, buffers, extra)
+                   None if clip is None else float(clip), skip, buffers, extra,
+                   _parse_hyper(body.get("hyper"), groups))
 
 
 class Assembler:

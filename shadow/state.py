@@ -345,7 +345,7 @@ class ShadowState:
                 return  # a reset raced with this iteration; it is stale now
             t0 = time.perf_counter()
             if not control.skip:
-                self.opt.step(grad, control.lrs, control.clip_coef)
+                self.opt.step(grad, control.lrs, control.clip_coef, control.hyper)
             self.step_seconds += time.perf_counter() - t0
             self._commit(it, control.buffers, control.extra, control.lrs)
 

@@ -137,8 +137,26 @@ class FlatOptimizer:
 
     # -------------------------------------------------------------------------- step
 
+    def set_hyper(self, hyper: Sequence[Mapping[str, Any]]) -> None:
+        """Take the per-group hyperparameters of this step (control message ``hyper``), so a
+        change the trainer made mid-run (weight decay, betas, momentum...) is followed.
+
+        Raises:
+            CheckmateError: too few groups, a bad value, or a change the slots cannot follow
+                (:func:`checkmate.optim.hyper.check_change`).
+        """
+        if len(hyper) < self.groups:
+            raise CheckmateError(f"need hyperparameters for {self.groups} groups, got "
+                                 f"{len(hyper)}")
+        for n, (start, end, gi, hp) in enumerate(self.ranges):
+            new = H.resolve(self.kind, {**hp, **hyper[gi], "lr": hp["lr"]})
+            if new != hp:
+                H.check_change(self.kind, hp, new, f"param group {gi}")
+                self.ranges[n] = (start, end, gi, new)
+
     def step(self, grad: np.ndarray, lrs: Sequence[float],
-             clip_coef: float | None = None) -> None:
+             clip_coef: float | None = None,
+             hyper: Sequence[Mapping[str, Any]] | None = None) -> None:
         """Apply one step to every range.
 
         Args:
@@ -146,7 +164,11 @@ class FlatOptimizer:
                 :func:`checkmate.optim.grads.as_kernel_grad`).
             lrs: learning rate per param group for this step (control message ``lrs``).
             clip_coef: factor the trainer's clip_grad_norm_ applied (None: no clipping).
+            hyper: the other hyperparameters per group for this step (control message
+                ``hyper``); None keeps the current ones.
         """
+        if hyper is not None:
+            self.set_hyper(hyper)
         g = as_kernel_grad(grad)
         if g.shape[0] != self.size:
             raise CheckmateError(f"gradient has {g.shape[0]} elements, expected {self.size}")

@@ -71,3 +71,27 @@ def slots(kind: str, groups: list[Mapping[str, Any]]) -> tuple[str, ...]:
         return ("param", "momentum_buffer") if has_buf else ("param",)
     ams = any(bool(g.get("amsgrad")) for g in groups)
     return ("param", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
+
+
+def control_hyper(kind: str, group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters other than ``lr`` (which travels in ``lrs``), resolved
+    as the optimizer steps with them: the control message's ``hyper`` entry of the group."""
+    out = {k: v for k, v in resolve(kind, group).items() if k != "lr"}
+    if "betas" in out:
+        out["betas"] = list(out["betas"])
+    return out
+
+
+def check_change(kind: str, old: Mapping[str, Any], new: Mapping[str, Any], where: str) -> None:
+    """Refuse a mid-run change the flat state cannot follow: ``amsgrad`` (adds or drops the
+    max_exp_avg_sq slot) and SGD momentum between zero and non-zero (the momentum buffer
+    exists from the start or never). Every other setting may change at any step."""
+    if kind != "sgd" and bool(old["amsgrad"]) != bool(new["amsgrad"]):
+        raise CheckmateError(f"{where} amsgrad changed from {old['amsgrad']} to "
+                             f"{new['amsgrad']} mid-run; Checkmate's shadows keep the slots "
+                             "fixed at the start (restart the job with resume=False)")
+    if kind == "sgd" and (float(old["momentum"]) == 0) != (float(new["momentum"]) == 0):
+        raise CheckmateError(f"{where} momentum changed from {old['momentum']} to "
+                             f"{new['momentum']} mid-run; between zero and non-zero it adds or "
+                             "drops the momentum buffer, which Checkmate's shadows keep fixed "
+                             "(restart the job with resume=False)")

@@ -15,11 +15,18 @@ bucket is divided by the world size and handed to the ring's communication threa
 returns a ``torch.futures.Future``. Backward is never blocked per bucket: one callback queued
 on the autograd engine waits for all futures when backward ends, as DDP's reducer does.
 
-Gradient accumulation over several backward passes per step is not supported (every backward
-allreduces).
+Gradient accumulation: backward passes inside ``with model.no_sync():`` only accumulate into
+the local gradient (no allreduce, nothing replicated); the next backward outside it reduces
+the sum, so each iteration is reduced exactly once and the shadows see exactly the gradient
+the optimizer uses. Reducing a second time in one iteration (another backward outside
+``no_sync`` before the next ``iteration``) would send the shadows two different gradients
+for one step: it is a CheckmateError, raised as that backward begins.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -63,7 +70,8 @@ class CheckmateDDP(nn.Module):
         bucket_elems: minimum bucket size in elements.
 
     Set ``iteration`` before each backward (``CheckmateSession.begin`` does); datagrams of
-    the step carry it so the shadows know which step a gradient belongs to.
+    the step carry it so the shadows know which step a gradient belongs to. Each iteration
+    is reduced once; accumulate over several backward passes with :meth:`no_sync`.
     """
 
     def __init__(self, module: nn.Module, ring: RingAllreduce, order: list[str] | None = None,
@@ -97,12 +105,28 @@ class CheckmateDDP(nn.Module):
         self._futures: list[torch.futures.Future | None] = [None] * len(self.buckets)
         self._callback_queued = False
         self.iteration = 0
+        #: The iteration whose gradient was last reduced (None: none yet).
+        self.reduced_iteration: int | None = None
+        self._sync = True
+        self._in_backward_sync = True
+        #: Parameters whose gradient backward passes inside no_sync() accumulated.
+        self._accumulated: set[int] = set()
         for i, p in enumerate(params):
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes run inside accumulate locally, with no allreduce and nothing
+        sent to the shadows; the first backward after it reduces the accumulated sum."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
 
     # ------------------------------------------------------------------ hooks
     def _make_hook(self, i: int):
@@ -118,6 +142,9 @@ class CheckmateDDP(nn.Module):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
             p.grad = view
+        if not self._in_backward_sync:
+            self._accumulated.add(i)
+            return
         self._fired.add(i)
         b = self._bucket_of[i]
         self._pending[b] -= 1
@@ -125,6 +152,23 @@ class CheckmateDDP(nn.Module):
             self._launch(b)
 
     def _start_backward(self) -> None:
+        if not self._sync:
+            if self.reduced_iteration == self.iteration:
+                raise CheckmateError(
+                    f"iteration {self.iteration}: backward() inside no_sync() after this "
+                    "iteration's gradient was reduced would change it behind the shadows' "
+                    "back; accumulate before the one backward outside no_sync()")
+            self._in_backward_sync = False
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            return
+        if self.reduced_iteration == self.iteration:
+            raise CheckmateError(
+                f"iteration {self.iteration}: a second backward() outside no_sync() would "
+                "reduce this iteration's gradient twice and the shadows would drift; run the "
+                "accumulation passes inside `with model.no_sync():` (the last one outside)")
+        self.reduced_iteration = self.iteration
+        self._in_backward_sync = True
         self._callback_queued = True
         self._fired: set[int] = set()
         for b, (_, _, idx) in enumerate(self.buckets):
@@ -139,14 +183,20 @@ class CheckmateDDP(nn.Module):
         self._futures[b] = self.ring.submit(t, start, self.iteration, b)
 
     def _finish_backward(self) -> None:
-        # Parameters that got no gradient in this backward count as zero, on every rank.
+        if not self._in_backward_sync:
+            self._callback_queued = False
+            return
+        # Parameters that got no gradient in this iteration count as zero, on every rank;
+        # a gradient that only no_sync() passes accumulated is kept.
         for b, (_, _, idx) in enumerate(self.buckets):
             if self._futures[b] is None:
                 for i in idx:
-                    if i not in self._fired:
+                    kept = i in self._accumulated and self._params[i].grad is self._views[i]
+                    if i not in self._fired and not kept:
                         self._views[i].zero_()
                         self._params[i].grad = self._views[i]
                 self._launch(b)
+        self._accumulated.clear()
         try:
             torch.futures.wait_all([f for f in self._futures if f is not None])
         finally:

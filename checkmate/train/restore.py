@@ -63,6 +63,13 @@ def load_trainer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     for g, old in zip(optimizer.param_groups, kept, strict=True):
         for k, v in old.items():
             g.setdefault(k, v)
+    hyper = extra.get("hyper")  # the groups' settings of the restored step (mid-run changes)
+    if hyper is not None:
+        if len(hyper) != len(optimizer.param_groups):
+            raise CheckmateError(f"restore: the shadows hold {len(hyper)} param groups' "
+                                 f"settings, this optimizer has {len(optimizer.param_groups)}")
+        for g, h in zip(optimizer.param_groups, hyper, strict=True):
+            g.update({k: tuple(v) if k == "betas" else v for k, v in h.items()})
     sched = extra.get("scheduler")
     if scheduler is not None and sched is not None:
         scheduler.load_state_dict(sched)
@@ -80,22 +87,59 @@ def restore_trainer(addrs: list[tuple[str, int]], model: torch.nn.Module,
     job at once. Returns ``(iteration, user extra)``; training continues at iteration + 1,
     with torch's RNG reseeded per iteration (``CheckmateSession.begin``).
     """
-    model_sd, optim_sd, it, _, extra = restore_state_dicts(addrs, None, iteration)
+    from checkmate.spec import ModelSpec, difference
+
+    with ShadowClient(addrs[0]) as c:
+        theirs = c.get_spec()
+    why = difference(theirs, ModelSpec.from_torch(theirs.job, model, optimizer,
+                                                  theirs.partitions))
+    if why is not None:
+        raise CheckmateError(f"restore: {why}")
+    model_sd, optim_sd, it, _, extra = restore_state_dicts(addrs, theirs, iteration)
     load_trainer_state(model, optimizer, scheduler, model_sd, optim_sd, extra)
     return it, extra.get("user", {})
 
 
+def check_resume(addrs: list[tuple[str, int]], spec: Any) -> int:
+    """The iteration to resume from, after checking that every shadow holds state of a job
+    whose spec equals ``spec`` (this trainer's model and optimizer); CheckmateError with
+    one line naming the first difference, or saying that there is nothing to resume."""
+    from checkmate.spec import difference
+
+    for p, a in enumerate(addrs):
+        with ShadowClient(a) as c:
+            st = c.status()
+            if not st.get("seeded") and not st.get("retained"):
+                raise CheckmateError(
+                    f"resume=True but the shadow of partition {p} ({a[0]}:{a[1]}) holds no "
+                    "state to restore (never seeded); start the job with resume=False")
+            why = difference(c.get_spec(), spec)
+        if why is not None:
+            raise CheckmateError(f"resume: {why} (resume with the model and optimizer the "
+                                 "job started with, or start it anew with resume=False)")
+    settle(addrs)
+    return consistent_point(addrs)
+
+
 def restore_session(sess: Any) -> int:
-    """Restore ``sess`` (a CheckmateSession) in place; returns the restored iteration."""
+    """Restore ``sess`` (a CheckmateSession) in place; returns the restored iteration.
+
+    Rank 0 checks the shadows and broadcasts its verdict, so a refusal is the same one-line
+    CheckmateError on every rank (never a rank left waiting or dying in gloo).
+    """
     import torch.distributed as dist
 
     addrs = sess.layout.shadow_tcp
-    point = [None]
+    verdict: list[Any] = [None, None]
     if sess.layout.rank == 0:
-        settle(addrs)
-        point[0] = consistent_point(addrs)
-    dist.broadcast_object_list(point, src=0, group=sess.group)
-    r = restore_point(addrs, sess.spec, point[0])
+        try:
+            verdict[0] = check_resume(addrs, sess.spec)
+        except CheckmateError as e:
+            verdict[1] = str(e)
+    dist.broadcast_object_list(verdict, src=0, group=sess.group)
+    if verdict[1] is not None:
+        raise CheckmateError(verdict[1])
+    r = restore_point(addrs, sess.spec, verdict[0])
     load_trainer_state(sess.module, sess.optimizer, sess.scheduler, r.model_sd, r.optim_sd,
                        r.extra)
     sess.restored_extra = r.extra.get("user", {})

@@ -324,6 +324,7 @@ class CheckmateSession:
         """
         from checkmate.optim.clip import clip_grad_norm_
 
+        hyper = self._step_hyper()  # before anything changes: a refused step leaves no trace
         coef = None
         if self.max_grad_norm is not None:
             _, coef = clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
@@ -338,10 +339,12 @@ class CheckmateSession:
         if self.layout.rank == 0 and self.layout.mode != "off":
             body = {
                 "iteration": self.iteration, "lrs": lrs, "clip_coef": coef, "skip": False,
+                "hyper": hyper,
                 "buffers": self.spec.encode_buffers(dict(self.module.named_buffers())),
                 "extra": {
                     "scheduler": (self.scheduler.state_dict()
                                   if self.scheduler is not None else None),
+                    "hyper": hyper,  # for a restore's param groups (extra is persisted)
                     "user": extra or {},
                 },
             }
@@ -356,6 +359,29 @@ class CheckmateSession:
         if self.monitor is not None:
             self.monitor.capture(self.iteration, self.opt_step)
         return coef
+
+    def _step_hyper(self) -> list[dict[str, Any]]:
+        """Check that this step may be taken and return the control message's ``hyper``:
+        every group's hyperparameters now, so a mid-run change reaches the shadows."""
+        from checkmate.optim import hyper as H
+
+        it, kind = self.iteration, self.spec.kind
+        # A user's own DDP (checkmate.train.ddp_hook) is checked by DDPSession.step.
+        if isinstance(self.model, CheckmateDDP) and self.model.reduced_iteration != it:
+            raise CheckmateError(
+                f"iteration {it}: step() without a reduced gradient (the last backward() ran "
+                "inside no_sync(), or none ran); run the last accumulation pass outside it")
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self.spec.groups):
+            raise CheckmateError(f"iteration {it}: the optimizer has {len(groups)} param "
+                                 f"groups, the job started with {len(self.spec.groups)}")
+        out = []
+        for gi, (g, sg) in enumerate(zip(groups, self.spec.groups, strict=True)):
+            now = H.control_hyper(kind, g)
+            H.check_change(kind, H.resolve(kind, sg.hyper(kind)), now,
+                           f"iteration {it}: param group {gi}")
+            out.append(now)
+        return out
 
     def _sync_buffers(self) -> None:
         # Every rank takes rank 0's buffers (BatchNorm statistics) after each step, as DDP's
