@@ -1,10 +1,11 @@
 """Training side: ckm ring allreduce, DDP wrapper, replication, bootstrap, restore.
 
 Entry points: :class:`CheckmateSession` (one per trainer process; see its module for the
-training loop), :class:`JobLayout` (addresses of a job), :class:`CheckmateDDP` and
-:class:`RingAllreduce` (usable on their own), :func:`restore_trainer` (one process) and
-:func:`restore_session` (every rank of a job; ``python -m checkmate.train.restore`` on the
-command line).
+training loop), :class:`DDPSession` (the same over a user's own torch
+DistributedDataParallel, through its comm hook), :class:`JobLayout` (addresses of a job),
+:class:`CheckmateDDP` and :class:`RingAllreduce` (usable on their own),
+:func:`restore_trainer` (one process) and :func:`restore_session` (every rank of a job;
+``python -m checkmate.train.restore`` on the command line).
 
 Names are resolved lazily so that ``python -m checkmate.train.restore`` (and the worker) do
 not find their own module imported before they run.
@@ -18,6 +19,7 @@ from typing import Any
 _WHERE = {
     "CheckmateDDP": "checkmate.train.ddp",
     "CheckmateSession": "checkmate.train.session",
+    "DDPSession": "checkmate.train.ddp_hook",
     "JobLayout": "checkmate.train.session",
     "RingAllreduce": "checkmate.train.ring",
     "ShadowTarget": "checkmate.train.replicate",
