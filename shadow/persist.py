@@ -2,21 +2,24 @@
 
 Layout under a root directory (one per cluster, or one per shadow host)::
 
-    root/part<p>/iter-<iteration:012d>/   one committed checkpoint
+    root/part<p>/iter-<iteration:012d>/   one committed partition checkpoint
         .metadata, __0_0.distcp           written by dcp.save (FileSystemWriter)
         ckm.json                          iteration, step, spec, slice bounds, buffers, extra
         manifest.json                     sha256 of every other file
     root/part<p>/latest                   name of the newest complete checkpoint
+    root/iter-<iteration:012d>/           all partitions joined: what plain dcp.load reads
+    root/latest                           name of the newest joined checkpoint
 
 A checkpoint is written into a hidden temp directory, fsynced, renamed into place, and only
 then is ``latest`` replaced atomically, so a crash mid-write leaves the previous checkpoint
 loadable (leftover temp directories are removed at the next start; a write that fails, e.g.
-on a full disk, removes its own temp directory at once). DCP keys are the
-partition's slices: ``model.<param>`` and ``optim.<slot>.<param>`` (1-D, the part of the
-flattened parameter inside the partition; the bounds are in ckm.json). :func:`load_full`
-reads every partition at their newest common iteration with ``dcp.load`` and assembles a
-full model state_dict and a torch.optim state_dict, so pruning (:func:`prune`) always keeps
-the newest iteration that every partition holds.
+on a full disk, removes its own temp directory at once). The DCP keys are torch's own
+(:mod:`checkmate.shadow.torch_layout`): ``model.<param>`` and ``optim.state.<i>.<slot>`` are
+the full tensors, of which the partition stores its elements as chunks at their offsets.
+Once every partition dir under the root holds an iteration, :mod:`checkmate.shadow.merge`
+joins them into ``root/iter-N``. :func:`load_full` reads every partition at their newest
+common iteration and assembles a full model state_dict and a torch.optim state_dict, so
+pruning (:func:`prune`) always keeps the newest iteration that every partition holds.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import re
 import shutil
 import threading
 import time
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +40,13 @@ from typing import Any
 import numpy as np
 
 from checkmate.errors import CheckmateError
+from checkmate.shadow import merge, torch_layout
 from checkmate.shadow.osname import name_thread
 from checkmate.spec import ModelSpec
 
 log = logging.getLogger("checkmate.shadow")
 
-FORMAT = "checkmate-shadow-dcp/1"
+FORMAT = "checkmate-shadow-dcp/2"
 _TMP_PREFIX = ".tmp-"
 _ITER_PREFIX = "iter-"
 
@@ -150,9 +153,6 @@ def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step
     nothing behind and the previous checkpoint stays ``latest``. KeyboardInterrupt and
     SystemExit are re-raised as they are (after the same cleanup).
     """
-    import torch
-    import torch.distributed.checkpoint as dcp
-
     start, end = spec.bounds(partition)
     pdir = part_dir(root, partition)
     try:
@@ -166,16 +166,11 @@ def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
-        sd: dict[str, Any] = {}
         keys = _keys(spec, start, end)
-        for pname, _lo, _hi, a, b in keys:
-            sd[f"model.{pname}"] = torch.from_numpy(slots["param"][a:b])
-            for s in spec.slots[1:]:
-                sd[f"optim.{s}.{pname}"] = torch.from_numpy(slots[s][a:b])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                     no_dist=True)
+        bufs = spec.decode_buffers(buffers or {})
+        sd = torch_layout.partition_state_dict(spec, partition, iteration, step, slots, bufs,
+                                               extra, lrs)
+        torch_layout.save(sd, tmp)
         _write_json(tmp / "ckm.json", {
             "format": FORMAT, "partition": partition, "partitions": spec.partitions,
             "iteration": iteration, "step": step, "start": start, "end": end,
@@ -207,6 +202,11 @@ def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step
         prune(pdir, keep, spec.partitions)
     except OSError as e:  # the checkpoint is written; a failed prune is retried next time
         log.warning("cannot prune %s: %s", pdir, e)
+    try:
+        merge.publish(Path(root), spec.partitions, iteration, keep)
+    except (OSError, CheckmateError) as e:  # the partition is written; say why no join
+        log.warning("cannot publish the joined checkpoint of iteration %d under %s: %s",
+                    iteration, root, describe_error(e))
     return pdir / name
 
 
@@ -314,34 +314,19 @@ class PartitionCheckpoint:
 
 
 def load_partition(ckpt: Path) -> PartitionCheckpoint:
-    """One verified partition checkpoint, read with dcp.load into preallocated tensors."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
+    """One verified partition checkpoint, read with dcp.load into views of its arrays."""
     meta = verify(ckpt)
     spec = ModelSpec.from_json(meta["spec"])
-    size = meta["end"] - meta["start"]
-    slots = {s: np.zeros(size, np.float32) for s in meta["slots"]}
-    sd: dict[str, Any] = {}
-    pos = 0
-    for pname, lo, hi in meta["pieces"]:
-        n = hi - lo
-        sd[f"model.{pname}"] = torch.from_numpy(slots["param"][pos:pos + n])
-        for s in meta["slots"][1:]:
-            sd[f"optim.{s}.{pname}"] = torch.from_numpy(slots[s][pos:pos + n])
-        pos += n
-    if pos != size:
-        raise PersistError(f"checkpoint {ckpt}: pieces cover {pos} of {size} elements")
-    if sd:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(sd, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
-        except BaseException as e:  # DCP raises assorted types, CheckpointException too
-            if _fatal(e):
-                raise
-            raise PersistError(f"checkpoint {ckpt} cannot be loaded: "
-                               f"{describe_error(e)}") from None
+    if [meta["start"], meta["end"]] != list(spec.bounds(meta["partition"])):
+        raise PersistError(f"checkpoint {ckpt}: bounds [{meta['start']}, {meta['end']}) are "
+                           f"not partition {meta['partition']}'s")
+    try:
+        slots = torch_layout.read_slots(ckpt, spec, meta["partition"], meta["step"])
+    except BaseException as e:  # DCP raises assorted types, CheckpointException too
+        if _fatal(e):
+            raise
+        raise PersistError(f"checkpoint {ckpt} cannot be loaded: "
+                           f"{describe_error(e)}") from None
     return PartitionCheckpoint(meta, spec, slots)
 
 

@@ -1,0 +1,269 @@
+"""One loadable torch checkpoint per iteration, joined from the partitions' DCP checkpoints.
+
+Why: each shadow writes only its partition (``DIR/part<p>/iter-N/``, chunks of full tensors
+in DCP's sharded-save layout), and a plain ``dcp.load`` needs one directory whose
+``.metadata`` lists every chunk. Joining is cheap: the partitions' data files are hard-linked
+(copied where a link is impossible) into ``DIR/iter-N/`` as ``part<p>-<file>`` and DCP's own
+FileSystemWriter writes the merged ``.metadata`` (the union of the partitions' entries, data
+paths renamed). A join never produces a checkpoint with a gap: every tensor must be covered
+exactly once by the chunks of the partitions, all for the same iteration, step and spec.
+
+Shadows sharing ``DIR`` (one host, or a shared filesystem): whichever shadow completes the
+last partition of an iteration publishes ``DIR/iter-N`` and points ``DIR/latest`` at the
+newest (:func:`publish`, serialized by a lock file). Shadows with separate disks: copy their
+``part<p>`` dirs anywhere and run ``shadow export --out OUT DIR...`` (:func:`export`), which
+verifies every partition against its manifest before joining.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from checkmate.errors import CheckmateError
+
+log = logging.getLogger("checkmate.shadow")
+
+MERGED_FORMAT = "checkmate-dcp-merged/1"
+_TMP = ".tmp-"
+_ITER = "iter-"
+
+
+class MergeError(CheckmateError):
+    """Partition checkpoints that cannot be joined into one; the message says why."""
+
+
+def _name(iteration: int) -> str:
+    return f"{_ITER}{iteration:012d}"
+
+
+def _fsync(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _coverage(fqn: str, md: Any) -> None:
+    """Every element of the tensor in exactly one chunk, else MergeError."""
+    size = tuple(md.size)
+    hit = np.zeros(size, np.uint8)
+    for c in md.chunks:
+        sl = tuple(slice(o, o + z) for o, z in zip(c.offsets, c.sizes, strict=True))
+        if any(o < 0 or o + z > n for o, z, n in zip(c.offsets, c.sizes, size, strict=True)):
+            raise MergeError(f"{fqn}: chunk at {list(c.offsets)} lies outside {list(size)}")
+        hit[sl] += 1
+    if hit.size and (hit.min() != 1 or hit.max() != 1):
+        missing, double = int((hit == 0).sum()), int((hit > 1).sum())
+        raise MergeError(f"{fqn}: {missing} of {math.prod(size)} elements are in no "
+                         f"partition's chunk, {double} in more than one")
+
+
+def _place(src: Path, dst: Path, link: bool) -> None:
+    if link:
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass  # another filesystem, or links not allowed: copy
+    shutil.copyfile(src, dst)
+    with open(dst, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def merge(parts: list[Path], out: Path, link: bool = True) -> Path:
+    """Join partition checkpoint dirs of one iteration into the loadable checkpoint ``out``.
+
+    ``out`` is created atomically (temp dir, fsync, rename); if it exists already (another
+    shadow published it first) it is left as it is. Data files are verified against the
+    partitions' manifests when copied; linked files are the very files the manifests cover.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from checkmate.shadow.persist import _sha256
+
+    metas = []
+    for d in parts:
+        try:
+            metas.append((d, json.loads((d / "ckm.json").read_text()),
+                          json.loads((d / "manifest.json").read_text()),
+                          dcp.FileSystemReader(d).read_metadata()))
+        except (OSError, ValueError) as e:
+            raise MergeError(f"cannot read partition checkpoint {d}: {e}") from None
+    metas.sort(key=lambda m: m[1]["partition"])
+    first = metas[0][1]
+    n = first["partitions"]
+    if [m[1]["partition"] for m in metas] != list(range(n)):
+        raise MergeError(f"need partitions 0..{n - 1} once each, got "
+                         f"{[m[1]['partition'] for m in metas]}")
+    for key in ("iteration", "step", "spec"):
+        if any(m[1][key] != first[key] for m in metas):
+            raise MergeError(f"partition checkpoints disagree on {key}: "
+                             f"{[str(m[0]) for m in metas]}")
+    sdm: dict[str, Any] = {}
+    planner: dict[str, Any] = {}
+    results = []
+    files: dict[str, tuple[Path, str]] = {}
+    for d, meta, manifest, md in metas:
+        p = meta["partition"]
+        for fqn, m in md.state_dict_metadata.items():
+            have = sdm.get(fqn)
+            if isinstance(m, BytesStorageMetadata) or isinstance(have, BytesStorageMetadata):
+                if have is not None:
+                    raise MergeError(f"{fqn} is written by more than one partition")
+                sdm[fqn] = m
+            elif have is None:
+                sdm[fqn] = dataclasses.replace(m, chunks=list(m.chunks))
+            elif have.size != m.size or have.properties != m.properties:
+                raise MergeError(f"{fqn}: partitions disagree on its size or dtype")
+            else:
+                have.chunks.extend(m.chunks)
+        planner.update(md.planner_data or {})
+        for idx, info in md.storage_data.items():
+            rel = f"part{p}-{info.relative_path}"
+            if info.relative_path not in manifest:
+                raise MergeError(f"{d}: data file {info.relative_path} is not in its manifest")
+            files[rel] = (d / info.relative_path, manifest[info.relative_path])
+            results.append(WriteResult(index=idx, size_in_bytes=info.length,
+                                       storage_data=dataclasses.replace(info,
+                                                                        relative_path=rel)))
+    for fqn, m in sdm.items():
+        if not isinstance(m, BytesStorageMetadata):
+            _coverage(fqn, m)
+    if out.exists():
+        return out
+    tmp = out.parent / f"{_TMP}{out.name}-{os.getpid()}-{threading.get_ident()}"
+    try:
+        tmp.mkdir(parents=True)
+        digests = {}
+        for rel, (src, digest) in files.items():
+            _place(src, tmp / rel, link)
+            if not link and _sha256(tmp / rel) != digest:
+                raise MergeError(f"{src} fails its sha256 check")
+            digests[rel] = digest
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        writer.finish(Metadata(state_dict_metadata=sdm, planner_data=planner), [results])
+        digests[".metadata"] = _sha256(tmp / ".metadata")
+        info = {"format": MERGED_FORMAT, "iteration": first["iteration"],
+                "step": first["step"], "partitions": n, "spec": first["spec"],
+                "manifest": digests}
+        with open(tmp / "checkmate.json", "w") as f:
+            json.dump(info, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not out.exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # published by another shadow meanwhile
+        _fsync(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def list_merged(root: Path) -> list[int]:
+    """Iterations with a published checkpoint under ``root``, ascending."""
+    out = []
+    if root.is_dir():
+        for e in root.iterdir():
+            if e.name.startswith(_ITER) and (e / "checkmate.json").is_file():
+                try:
+                    out.append(int(e.name[len(_ITER):]))
+                except ValueError:
+                    continue
+    return sorted(out)
+
+
+def publish(root: Path, partitions: int, iteration: int, keep: int) -> Path | None:
+    """Join iteration ``iteration`` under ``root`` once every partition dir holds it.
+
+    Returns the published dir, or None while some partition is missing. Under an exclusive
+    lock on ``root/.publish.lock``: leftovers of interrupted joins are removed, ``latest``
+    never moves back, and only the newest ``keep`` joined checkpoints stay (``keep`` <= 0:
+    all).
+    """
+    name = _name(iteration)
+    parts = [root / f"part{q}" / name for q in range(partitions)]
+    if not all((d / "manifest.json").is_file() for d in parts):
+        return None
+    with open(root / ".publish.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for e in root.iterdir():
+            if e.name.startswith(_TMP) and e.is_dir():
+                shutil.rmtree(e, ignore_errors=True)
+            elif e.name.startswith(_TMP):
+                e.unlink(missing_ok=True)
+        out = merge(parts, root / name, link=True)
+        latest = root / "latest"
+        try:
+            cur = int(latest.read_text().strip()[len(_ITER):])
+        except (OSError, ValueError):
+            cur = -1
+        if iteration > cur:
+            tmp = root / f"{_TMP}latest-{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(name + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, latest)
+            _fsync(root)
+        its = list_merged(root)
+        if keep > 0:
+            newest = max(its[-1], cur)
+            for it in its[:-keep]:
+                if it != newest:
+                    shutil.rmtree(root / _name(it), ignore_errors=True)
+    return out
+
+
+def export(paths: str | Path | Iterable[str | Path], out: str | Path,
+           iteration: int | None = None) -> Path:
+    """Verify and join partition dirs (e.g. copied from shadows with separate disks) into one
+    loadable checkpoint ``out`` at ``iteration`` (default: the newest every partition holds
+    and that verifies). ``out`` must not exist or be an empty directory."""
+    from checkmate.shadow.persist import PersistError, _part_dirs, list_iterations, verify
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MergeError(f"{out} exists and is not an empty directory")
+    dirs = _part_dirs(paths)
+    common = set.intersection(*(set(list_iterations(d)) for d in dirs)) if dirs else set()
+    if iteration is not None:
+        common &= {iteration}
+    if not common:
+        what = f"iteration {iteration}" if iteration is not None else "an iteration"
+        raise MergeError(f"no partition dir set in {[str(d) for d in dirs]} holds {what} "
+                         f"in every partition")
+    skipped: list[str] = []
+    for it in sorted(common, reverse=True):
+        parts = [d / _name(it) for d in dirs]
+        try:
+            for d in parts:
+                verify(d)
+        except PersistError as e:
+            skipped.append(f"iteration {it} not exported: {e}")
+            continue
+        if out.exists():
+            out.rmdir()
+        for text in skipped:  # said only beside a success; a failure is one line
+            log.warning("%s", text)
+        return merge(parts, out, link=False)
+    raise MergeError(f"no common iteration verifies: {skipped[-1].split(': ', 1)[1]}")

@@ -1,0 +1,223 @@
+"""The torch layout of the shadows' checkpoints, without processes: rectangular chunks of a
+flat range, the per-iteration join under a shared dir (published once every partition has
+written, ``latest`` never moving back), ``export`` of partition dirs from separate disks,
+and the refusals (gaps, mixed iterations, a corrupt copy, optimizer state at step 0)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from checkmate.shadow import merge, persist, torch_layout
+from checkmate.shadow.cli import main as shadow_main
+from checkmate.spec import ModelSpec
+
+LRS = [0.01, 0.002]
+EXTRA = {"scheduler": {"base_lrs": [0.02, 0.004], "last_epoch": 6,
+                       "_last_lr": [0.011, 0.0021]},
+         "hyper": [{"weight_decay": 0.2, "betas": [0.8, 0.9]}, {"eps": 1e-6}],
+         "user": {"data_pos": 42}}
+
+
+def _spec(partitions: int = 3) -> ModelSpec:
+    """Boundaries of 3 partitions fall inside the 2-D and the 4-D tensor, off their rows."""
+    return ModelSpec.build(
+        5, [("emb", (10, 6)), ("conv", (4, 3, 2, 2)), ("empty", (0, 3)), ("b", (5,)),
+            ("scale", ())], "adamw",
+        [{"params": ["emb", "conv", "empty"], "lr": 0.02, "weight_decay": 0.1},
+         {"params": ["b", "scale"], "lr": 0.004, "weight_decay": 0.0}],
+        partitions, buffers=[("bn.mean", (3,), "float32"), ("bn.n", (), "int64")])
+
+
+def _full(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {s: rng.standard_normal(spec.total).astype(np.float32) for s in spec.slots}
+
+
+def _buffers(spec: ModelSpec) -> dict[str, str]:
+    return spec.encode_buffers({"bn.mean": torch.tensor([0.5, -1.0, 2.0]),
+                                "bn.n": torch.tensor(7)})
+
+
+def _save_all(root: Path | list[Path], spec: ModelSpec, it: int, full: dict, keep: int = 3
+              ) -> None:
+    for p in range(spec.partitions):
+        a, b = spec.bounds(p)
+        r = root[p] if isinstance(root, list) else root
+        persist.save(r, spec, p, it, it - 1, {s: v[a:b] for s, v in full.items()},
+                     _buffers(spec), EXTRA, LRS, keep)
+
+
+def _expected(spec: ModelSpec, full: dict, step: int) -> tuple[dict, dict]:
+    return spec.state_dicts(full, step, spec.decode_buffers(_buffers(spec)), LRS)
+
+
+def _load(ckpt: Path, spec: ModelSpec) -> dict:
+    """dcp.load into zero-filled destinations shaped like a fresh model and optimizer."""
+    m, o = _expected(spec, _full(spec, 0), 1)
+    sd = {"model": {k: torch.zeros_like(v) for k, v in m.items()},
+          "optim": {"state": {i: {k: torch.zeros_like(v) for k, v in st.items()}
+                              for i, st in o["state"].items()},
+                    "param_groups": [{**g, "initial_lr": 0.0} for g in o["param_groups"]]},
+          "scheduler": {"base_lrs": [0.0, 0.0], "last_epoch": 0, "_last_lr": [0.0, 0.0]},
+          "extra": {"data_pos": 0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=ckpt, no_dist=True)
+    return sd
+
+
+def test_boxes_tile_every_flat_range_with_contiguous_blocks():
+    for shape in [(), (7,), (3, 4), (2, 3, 4), (3, 1, 5, 2), (1, 1, 3)]:
+        n = math.prod(shape)
+        ref = np.arange(n).reshape(shape)
+        for lo in range(n):
+            for hi in range(lo + 1, n + 1):
+                bs = torch_layout.boxes(shape, lo, hi)
+                assert 1 <= len(bs) <= max(1, 2 * len(shape) - 1), (shape, lo, hi)
+                pos = lo
+                for off, size, s, e in bs:
+                    assert s == pos and e > s
+                    block = ref[tuple(slice(o, o + z) for o, z in zip(off, size, strict=True))]
+                    assert np.array_equal(block.reshape(-1), np.arange(s, e)), (shape, lo, hi)
+                    pos = e
+                assert pos == hi
+    assert torch_layout.boxes((4, 5), 3, 3) == []
+
+
+def test_joined_checkpoint_loads_with_dcp_and_equals_the_state_dicts(tmp_path):
+    spec = _spec()
+    full = _full(spec, 1)
+    _save_all(tmp_path, spec, 6, full)
+    name = "iter-000000000006"
+    assert (tmp_path / "latest").read_text().strip() == name
+    md = dcp.FileSystemReader(tmp_path / name).read_metadata()
+    assert len(md.state_dict_metadata["model.conv"].chunks) >= 3  # cut off its rows
+    # the partition dirs are untouched by the join: each still restores on its own
+    assert persist.load_full(tmp_path)[2] == 6
+
+    sd = _load(tmp_path / name, spec)
+    m, o = _expected(spec, full, 5)
+    for k, v in m.items():
+        assert v.dtype == sd["model"][k].dtype and torch.equal(v, sd["model"][k]), k
+    assert sd["optim"]["state"].keys() == o["state"].keys()
+    for i, st in o["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, sd["optim"]["state"][i][k]), (i, k)
+    g0, g1 = sd["optim"]["param_groups"]
+    # the scheduler's next rate (as torch's groups hold it after sched.step()), its
+    # initial_lr, and the hyperparameters of the last step
+    assert (g0["lr"], g0["initial_lr"], g0["weight_decay"], tuple(g0["betas"])) == (
+        0.011, 0.02, 0.2, (0.8, 0.9))
+    assert (g1["lr"], g1["eps"], g0["params"], g1["params"]) == (0.0021, 1e-6, [0, 1, 2],
+                                                                 [3, 4])
+    assert sd["scheduler"]["last_epoch"] == 6 and sd["extra"] == {"data_pos": 42}
+
+    # DCP's own converter reads it whole, with nothing to provide
+    dcp_to_torch_save(tmp_path / name, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt")
+    assert whole["checkmate"] == {"iteration": 6, "step": 5, "lrs": LRS, "partitions": 3}
+    assert torch.equal(whole["model"]["conv"], m["conv"])
+    assert whole["model"]["empty"].shape == (0, 3)
+
+
+def test_publish_waits_for_every_partition_and_latest_never_moves_back(tmp_path):
+    spec = _spec(partitions=2)
+    a, b = spec.bounds(0)
+    full2, full4 = _full(spec, 2), _full(spec, 4)
+    persist.save(tmp_path, spec, 0, 2, 1, {s: v[a:b] for s, v in full2.items()})
+    assert merge.list_merged(tmp_path) == [] and not (tmp_path / "latest").exists()
+    persist.save(tmp_path, spec, 1, 2, 1, {s: v[b:] for s, v in full2.items()})
+    assert merge.list_merged(tmp_path) == [2]
+    _save_all(tmp_path, spec, 4, full4, keep=1)
+    assert merge.list_merged(tmp_path) == [4]  # keep=1 pruned the join of 2 as well
+    # a late publish of an older iteration (a slow shadow) does not move latest back
+    _save_all(tmp_path, spec, 3, _full(spec, 3), keep=2)
+    assert merge.list_merged(tmp_path) == [3, 4]
+    assert (tmp_path / "latest").read_text().strip() == "iter-000000000004"
+    # the joined files are links to the partitions' files, not copies
+    data = [f for f in (tmp_path / "iter-000000000004").iterdir() if f.suffix == ".distcp"]
+    assert len(data) == 2 and all(os.stat(f).st_nlink == 2 for f in data)
+    sd = _load(tmp_path / "iter-000000000004", spec)
+    assert torch.equal(sd["model"]["emb"], _expected(spec, full4, 3)[0]["emb"])
+    assert not [e for e in tmp_path.iterdir() if e.name.startswith(".tmp")]
+
+
+def test_merge_refuses_mixed_iterations_missing_partitions_and_gaps(tmp_path):
+    spec = _spec(partitions=2)
+    _save_all(tmp_path, spec, 2, _full(spec, 2))
+    _save_all(tmp_path, spec, 4, _full(spec, 4))
+    p0, p1 = tmp_path / "part0", tmp_path / "part1"
+    with pytest.raises(merge.MergeError, match="disagree on iteration"):
+        merge.merge([p0 / "iter-000000000002", p1 / "iter-000000000004"], tmp_path / "x")
+    with pytest.raises(merge.MergeError, match=r"need partitions 0..1 once each, got \[0\]"):
+        merge.merge([p0 / "iter-000000000002"], tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    props = TensorProperties.create_from_tensor(torch.zeros(1))
+    gap = TensorStorageMetadata(props, torch.Size([4, 3]), [
+        ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
+        ChunkStorageMetadata(torch.Size([2, 1]), torch.Size([2, 2]))])
+    with pytest.raises(merge.MergeError, match="2 of 12 elements are in no partition"):
+        merge._coverage("model.w", gap)
+    gap.chunks.append(ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([3, 1])))
+    with pytest.raises(merge.MergeError, match="1 in more than one"):
+        merge._coverage("model.w", gap)
+
+
+def test_export_joins_separate_disks_and_skips_a_corrupt_iteration(tmp_path, capsys):
+    spec = _spec(partitions=2)
+    roots = [tmp_path / "hostA", tmp_path / "hostB"]  # each shadow's own disk
+    full2, full4 = _full(spec, 2), _full(spec, 4)
+    _save_all(roots, spec, 2, full2)
+    _save_all(roots, spec, 4, full4)
+    assert merge.list_merged(roots[0]) == [] == merge.list_merged(roots[1])
+    bad = next((roots[1] / "part1" / "iter-000000000004").glob("*.distcp"))
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    bad.write_bytes(raw)
+
+    out = tmp_path / "exported"
+    assert shadow_main(["export", "--out", str(out), str(roots[0]), str(roots[1])]) == 0
+    cap = capsys.readouterr()
+    assert "exported iteration 2 of 2 partitions" in cap.out
+    assert "iteration 4 not exported" in cap.err and "sha256" in cap.err
+    info = json.loads((out / "checkmate.json").read_text())
+    assert info["iteration"] == 2 and info["partitions"] == 2
+    assert all(os.stat(f).st_nlink == 1 for f in out.iterdir())  # copies, not links
+    sd = _load(out, spec)
+    m, _o = _expected(spec, full2, 1)
+    assert all(torch.equal(v, sd["model"][k]) for k, v in m.items())
+
+    with pytest.raises(merge.MergeError, match="not an empty directory"):
+        merge.export(roots, out)
+    assert shadow_main(["export", "--out", str(tmp_path / "e2"), "--iteration", "4",
+                        str(roots[0]), str(roots[1])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no common iteration verifies" in err and "sha256" in err and "\n" not in err
+
+
+def test_optimizer_state_at_step_zero_is_refused_not_dropped(tmp_path):
+    spec = _spec(partitions=1)
+    full = _full(spec, 5)
+    with pytest.raises(persist.PersistError, match="not zero at step 0"):
+        persist.save(tmp_path, spec, 0, 0, 0, full)
+    zero = {s: (v if s == "param" else np.zeros_like(v)) for s, v in full.items()}
+    d = persist.save(tmp_path, spec, 0, 0, 0, zero)
+    ck = persist.load_partition(d)
+    assert all(np.array_equal(ck.slots[s], zero[s]) for s in spec.slots)
+    md = dcp.FileSystemReader(tmp_path / "iter-000000000000").read_metadata()
+    assert not [k for k in md.state_dict_metadata if k.startswith("optim.state")]
