@@ -1,10 +1,13 @@
 """`shadow`: run a shadow node, or restore the consistent point from shadows or disk.
 
-    shadow serve --partition I/N --config FILE [--host NAME] [--dir DIR]
+    shadow serve --partition I/N [--config FILE] [--host NAME] [--dir DIR]
                  [--persist-every K] [--persist-seconds T] [--bind IP] [--no-register] ...
     shadow restore --config FILE [--out FILE] [--from-disk DIR] [--addr HOST:PORT ...]
     shadow status --config FILE [--addr HOST:PORT ...]
-    shadow export --out DIR [--iteration N] DIR ...
+
+Without --config, ``serve`` runs on the documented defaults (docs/usage.md): UDP 47001 and
+TCP 47100 on --bind (0.0.0.0), no controller registration (host replication: trainers send
+the copies), and the job id is learned from the first seed the trainers send.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ import logging
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from checkmate import config as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+
+if TYPE_CHECKING:
+    from checkmate.shadow.node import NodeOptions
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", parser_class=_Parser)
     s = sub.add_parser("serve", help="receive replicated gradients for one partition")
     s.add_argument("--partition", required=True, help="I/N: partition I (0-based) of N")
-    s.add_argument("--config", required=True, help="cluster config YAML")
+    s.add_argument("--config", help="cluster config YAML (default: none; host replication, "
+                   "the job id learned from the seed)")
     s.add_argument("--host", help="this shadow's host name in the config")
     s.add_argument("--dir", help="persist checkpoints under DIR/part<I>; restore from it")
     s.add_argument("--persist-every", type=_nonneg_int, default=0, metavar="K",
@@ -108,14 +116,6 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--addr", action="append", default=[], metavar="HOST:PORT")
     t.add_argument("--commit-times", action="store_true",
                    help="include every recent commit's (iteration, time)")
-
-    e = sub.add_parser("export", help="join persisted partition dirs (e.g. copied from "
-                       "shadows with separate disks) into one checkpoint torch's dcp.load reads")
-    e.add_argument("--out", required=True, help="new directory for the joined checkpoint")
-    e.add_argument("--iteration", type=_nonneg_int, default=None,
-                   help="this iteration (default: the newest every partition holds)")
-    e.add_argument("dirs", nargs="+", metavar="DIR",
-                   help="a --dir of shadows (holding part<I>/) or part<I> dirs themselves")
     return p
 
 
@@ -128,18 +128,18 @@ def main(argv: list[str] | None = None) -> int:
         return _restore(args)
     if args.cmd == "status":
         return _status(args)
-    if args.cmd == "export":
-        return _export(args)
-    print("usage: shadow {serve,restore,status,export} ... (shadow -h for help)", file=sys.stderr)
+    print("usage: shadow {serve,restore,status} ... (shadow -h for help)", file=sys.stderr)
     return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
     from checkmate.partition import parse_partition_arg
-    from checkmate.shadow.node import NodeOptions, ShadowNode
+    from checkmate.shadow.node import NodeOptions
     from checkmate.shadow_client import parse_addr
 
     index, count = parse_partition_arg(args.partition)
+    if args.config is None:
+        return _serve_without_config(args, index, count)
     cfg = cfgmod.load(args.config)
     if cfg.num_partitions and count != cfg.num_partitions:
         raise CheckmateError(f"--partition says {count} partitions, the config has "
@@ -162,8 +162,6 @@ def _serve(args: argparse.Namespace) -> int:
     if args.epoch or args.token:
         if not args.no_register:
             raise CheckmateError("--epoch/--token only apply with --no-register")
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s shadow[%(threadName)s] %(levelname)s %(message)s")
     opts = NodeOptions(
         partition=index, partitions=count, job=cfg.job_id, bind=args.bind, port=args.port,
         restore_bind=args.restore_bind or args.bind, restore_port=args.restore_port,
@@ -173,8 +171,38 @@ def _serve(args: argparse.Namespace) -> int:
         controller=controller, host=host.name if host else "", ip=host.ip if host else "",
         mac=host.mac if host else "", register_deadline=args.register_timeout,
     )
-    from checkmate import metrics
+    return _run_node(args, opts)
 
+
+def _serve_without_config(args: argparse.Namespace, index: int, count: int) -> int:
+    """``serve`` on defaults: no registration, the job id taken from the seed."""
+    from checkmate.shadow.node import NodeOptions
+    from checkmate.shadow.state import ANY_JOB
+
+    if args.host:
+        raise CheckmateError("--host names a host of the config: give --config too")
+    if args.controller and not args.no_register:
+        raise CheckmateError("registering with a controller needs --config (this shadow's "
+                             "address and MAC come from it); use --no-register or --config")
+    if (args.epoch or args.token) and not args.no_register:
+        raise CheckmateError("--epoch/--token only apply with --no-register")
+    opts = NodeOptions(
+        partition=index, partitions=count, job=ANY_JOB, bind=args.bind, port=args.port,
+        restore_bind=args.restore_bind or args.bind, restore_port=args.restore_port,
+        dir=args.dir, persist_every=args.persist_every, persist_seconds=args.persist_seconds,
+        keep=max(args.keep, 1), retain=max(args.retain, 1), window=max(args.window, 1),
+        gap_timeout=args.gap_timeout, epoch=args.epoch, token=args.token, controller=None,
+    )
+    return _run_node(args, opts)
+
+
+def _run_node(args: argparse.Namespace, opts: NodeOptions) -> int:
+    """Start the node, serve until SIGTERM/SIGINT, stop it."""
+    from checkmate import metrics
+    from checkmate.shadow.node import ShadowNode
+
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s shadow[%(threadName)s] %(levelname)s %(message)s")
     mport = metrics.port_from_env(args.metrics_port)
     node = ShadowNode(opts).start()
     exporter = None
@@ -188,6 +216,7 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    index, count = opts.partition, opts.partitions
     print(f"shadow: partition {index}/{count} serving udp {opts.bind}:{node.udp_port} "
           f"tcp {opts.restore_bind}:{node.tcp_port}", flush=True)
     try:
@@ -249,18 +278,6 @@ def _status(args: argparse.Namespace) -> int:
         with ShadowClient(a, 10.0) as c:
             out.append(c.request({"op": "status", "commit_times": args.commit_times})[0])
     print(json.dumps(out, indent=1, sort_keys=True))
-    return 0
-
-
-
-def _export(args: argparse.Namespace) -> int:
-    from checkmate.shadow.merge import export
-
-    logging.basicConfig(level="WARNING", stream=sys.stderr, format="shadow: %(message)s")
-    out = export(args.dirs, args.out, args.iteration)
-    info = json.loads((out / "checkmate.json").read_text())
-    print(f"exported iteration {info['iteration']} of {info['partitions']} partitions to "
-          f"{out} (load it with torch.distributed.checkpoint.load)")
     return 0
 
 

@@ -77,6 +77,8 @@ class ShadowNode:
 
     def _on_assembler(self, asm: Assembler) -> None:
         assert self.state.spec is not None
+        # A shadow started without a job id learned it from the spec (ShadowState.set_spec).
+        self.receiver.job = self.repair.job = self.state.job
         asm.repair = self.repair
         if self._peers is not None and not self.repair.known:
             self.repair.set_peers(self._peers, self.state.start, self.state.end)
@@ -159,7 +161,7 @@ class ShadowNode:
         return {
             "partition": self.opts.partition,
             "partitions": self.opts.partitions,
-            "job": self.opts.job,
+            "job": self.state.job,
             "seeded": st.seeded_iteration is not None,
             "newest_seen": asm.newest_seen if asm else None,
             "peers": self.repair.known,

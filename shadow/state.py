@@ -88,6 +88,11 @@ def make_optimizer(spec: ModelSpec, start: int, end: int) -> Any:
     return FlatOptimizer(spec.kind, runs, end - start)
 
 
+#: The job id of a shadow started without one (no --config): it serves the job of the
+#: first spec it is seeded with (or restores from disk).
+ANY_JOB = 0
+
+
 class ShadowState:
     """Everything the shadow knows about its partition, shared by its threads."""
 
@@ -132,7 +137,9 @@ class ShadowState:
                 if self.spec.dumps() != spec.dumps():
                     raise CheckmateError("a different spec is already set for this job")
                 return
-            if spec.job != self.job:
+            if self.job == ANY_JOB:  # started without a config: the seed names the job
+                self.job = spec.job
+            elif spec.job != self.job:
                 raise CheckmateError(f"spec is for job {spec.job}, this shadow serves "
                                      f"job {self.job}")
             if spec.partitions != self.partitions:

@@ -130,6 +130,18 @@ def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.
     raise CheckmateError(f"controller {controller[0]}:{controller[1]} did not answer")
 
 
+def _kill_hook(iteration: int) -> Any:
+    """Test-only failure (CHECKMATE_KILL_AT): SIGKILL this process after ``iteration``'s
+    optimizer step, before its control message."""
+    def hook(phase: str, it: int) -> None:
+        if phase == "before-control" and it == iteration:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
 def rng_seed(seed: int, rank: int, iteration: int) -> int:
     """The torch seed of (rank, iteration): a fixed function, so restores redraw the same."""
     return (seed * 1_000_003 + rank * 7_919 + iteration * 104_729) % (2**63 - 1)
@@ -141,6 +153,15 @@ class CheckmateSession:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
                  group: Any = None) -> None:
+        from checkmate.optim import SGD, Adam
+
+        if layout.mode != "off" and not isinstance(optimizer, (SGD, Adam)):
+            # torch.optim's own arithmetic differs from the shadows' in the last bits: the
+            # shadows would drift from the trainers silently.
+            raise CheckmateError(
+                f"the optimizer is {type(optimizer).__module__}.{type(optimizer).__name__}; "
+                "Checkmate needs checkmate.optim.SGD, Adam or AdamW (drop-ins for torch.optim's) "
+                "so that the shadows repeat its steps bit for bit")
         self.layout = layout
         self.module = model
         self.optimizer = optimizer
@@ -169,6 +190,101 @@ class CheckmateSession:
         self.parity: Any = None  # checkmate.train.fec_sender.ParitySender with layout.fec
         self.buckets = [(a, b) for a, b, _ in bucket_ranges(
             [p.numel for p in self.spec.params], layout.bucket_elems)]
+
+    # ------------------------------------------------------------------ launcher
+    @classmethod
+    def from_env(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any = None, max_grad_norm: float | None = None,
+                 resume: bool | None = None, **layout: Any) -> CheckmateSession:
+        """A started session for a script run by ``checkmate launch`` (or by hand with the
+        variables of checkmate.train.env): the job's addresses come from the environment,
+        the gloo process group is initialized if the script has not done it (a script on
+        another backend, e.g. NCCL, gets a gloo group beside it for Checkmate's own
+        messages), and the session is started, fresh or restored.
+
+        ``resume`` None decides by itself: a worker group restarted by the launcher
+        (TORCHELASTIC_RESTART_COUNT > 0) resumes from the shadows, unless no shadow was
+        ever seeded (the previous attempt died before training began); ``checkmate launch
+        --resume`` resumes in the first attempt too. Training continues at
+        ``sess.done_iteration + 1``; ``sess.restored_extra`` is the user ``extra`` of the
+        restored iteration ({} on a fresh start). ``layout`` overrides JobLayout fields.
+        """
+        from checkmate.train import env as envmod
+
+        job = envmod.read()
+        group = None
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=job.rank, world_size=job.world)
+        elif dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")
+        lay = JobLayout(job_id=job.job_id, rank=job.rank, world=job.world,
+                        trainers=job.trainers, shadows=job.shadows, shadow_tcp=job.shadow_tcp,
+                        mode=job.mode, seed=job.seed, **layout)
+        sess = cls(model, optimizer, scheduler, lay, max_grad_norm, group)
+        sess.progress_every = job.progress_every
+        if job.kill_at is not None and job.kill_at[0] == job.rank and not job.restart_count:
+            sess.injector = _kill_hook(job.kill_at[1])
+        if resume is None:
+            resume = sess._resume_wanted(job)
+        done = sess.start(resume=resume)
+        if not hasattr(sess, "restored_extra"):
+            sess.restored_extra = {}
+        if job.rank == 0:
+            how = (f"resumed from the shadows at iteration {done}" if resume
+                   else f"seeded {len(lay.shadows)} shadow(s)" if lay.mode != "off"
+                   else "no shadows (mode off)")
+            print(f"checkmate: rank 0 of {job.world}, attempt {job.restart_count}: {how}",
+                  flush=True)
+        return sess
+
+    def _resume_wanted(self, job: Any) -> bool:
+        """The same resume decision on every rank (rank 0 asks the shadows, see from_env)."""
+        if self.layout.mode == "off" or not (job.restart_count or job.resume):
+            return False
+        if job.resume:
+            return True
+        answer: list[Any] = [True]
+        if self.layout.rank == 0:
+            from checkmate.shadow_client import ShadowClient
+
+            try:
+                seeded = []
+                for a in self.layout.shadow_tcp:
+                    with ShadowClient(a, 10.0) as c:
+                        st = c.status()
+                    seeded.append(bool(st.get("seeded")) or st.get("latest") is not None)
+                answer[0] = any(seeded)
+            except (CheckmateError, OSError) as e:
+                answer[0] = f"cannot ask the shadows whether to resume: {e}"
+            if answer[0] is False:
+                print("checkmate: no shadow was seeded before the restart: starting fresh",
+                      flush=True)
+        dist.broadcast_object_list(answer, src=0, group=self.group)
+        if isinstance(answer[0], str):
+            raise CheckmateError(answer[0])
+        return bool(answer[0])
+
+    def report(self, loss: float | torch.Tensor | None = None) -> None:
+        """Progress for the console: on rank 0, every ``progress_every`` iterations
+        (CHECKMATE_PROGRESS_EVERY; ``checkmate launch --progress-every``), one line with the
+        iteration, ``loss`` and the protection state. Call it after ``step``."""
+        every = getattr(self, "progress_every", 0)
+        it = self.done_iteration
+        if self.layout.rank != 0 or not every or it % every:
+            return
+        text = f"checkmate: iteration {it}"
+        if loss is not None:
+            text += f" loss {float(loss.detach() if torch.is_tensor(loss) else loss):.4f}"
+        if self.monitor is not None:
+            self.monitor.poll_once()  # the shadows' state now, not at the last poll
+        prot = self.protection()
+        if self.layout.mode == "off":
+            text += " | not protected (mode off)"
+        else:
+            lags = " ".join(str(v["lag"]) for v in prot["shadows"].values())
+            text += (f" | shadows hold iteration {prot['newest_consistent']} "
+                     f"(lag per shadow: {lags})")
+        print(text, flush=True)
 
     # ------------------------------------------------------------------ setup
     def start(self, resume: bool = False, seed_timeout: float = 60.0) -> int:

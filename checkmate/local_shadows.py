@@ -1,0 +1,179 @@
+"""The shadows of one ``checkmate launch``: started here on loopback, or found elsewhere.
+
+Host mode on one machine gives every trainer rank and every shadow its own loopback address
+in one 127.X.Y.0/24 (trainers .10+rank, shadows .100+partition): the ports are the fixed
+ckm ports (trainer ring 47000, shadow UDP 47001, trainer repair 47002, shadow TCP 47100)
+and a job's layout has one repair port for all ranks, so two ranks cannot share an IP.
+Linux answers every 127.0.0.0/8 address on ``lo`` without configuration. The /24 is picked
+at random among those whose ports are all free, so concurrent jobs do not collide.
+
+Shadows started here run ``shadow serve`` without a config (the job id comes from the
+seed) and are stopped by PID: at exit, on Ctrl-C or an error, and -- through the kernel's
+parent-death signal -- even when the launcher itself is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from checkmate import config
+from checkmate.errors import CheckmateError
+from checkmate.shadow_client import Addr, ShadowClient
+
+#: Host numbers inside the /24: trainers from .10, shadows from .100.
+TRAINER_BASE, SHADOW_BASE = 10, 100
+MAX_TRAINERS, MAX_SHADOWS = SHADOW_BASE - TRAINER_BASE, 254 - SHADOW_BASE
+#: Iterations a shadow accepts ahead of its last commit (trainers may run ahead while a
+#: fresh shadow compiles its first optimizer step).
+SHADOW_WINDOW = 64
+#: Seconds shadows get to come up.
+START_TIMEOUT = 60.0
+
+
+def _bindable(ip: str, port: int, kind: int) -> bool:
+    with socket.socket(socket.AF_INET, kind) as s:
+        if kind == socket.SOCK_STREAM:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_loopback_net(world: int, shadows: int, tries: int = 50) -> str:
+    """A random ``127.X.Y`` whose trainer and shadow addresses have all their ports free."""
+    rng = random.Random()
+    for _ in range(tries):
+        net = f"127.{rng.randrange(90, 200)}.{rng.randrange(1, 255)}"
+        ok = all(_bindable(f"{net}.{TRAINER_BASE + r}", p, socket.SOCK_DGRAM)
+                 for r in range(world) for p in (config.TRAINER_PORT, config.REPAIR_PORT))
+        ok = ok and all(
+            _bindable(f"{net}.{SHADOW_BASE + p}", config.SHADOW_PORT, socket.SOCK_DGRAM)
+            and _bindable(f"{net}.{SHADOW_BASE + p}", config.RESTORE_PORT, socket.SOCK_STREAM)
+            for p in range(shadows))
+        if ok:
+            return net
+    raise CheckmateError("found no loopback /24 with free ckm ports (47000-47002, 47100)")
+
+
+def trainer_addrs(net: str, world: int) -> list[Addr]:
+    """Each rank's ring address on ``net``."""
+    return [(f"{net}.{TRAINER_BASE + r}", config.TRAINER_PORT) for r in range(world)]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class LocalShadows:
+    """``count`` shadow processes on ``net`` (.100, .101, ...), logs under ``logdir``."""
+
+    def __init__(self, net: str, count: int, logdir: Path, persist_dir: Path | None = None,
+                 persist_every: int = 0) -> None:
+        self.net, self.count, self.logdir = net, count, logdir
+        self.persist_dir, self.persist_every = persist_dir, persist_every
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def tcp(self) -> list[Addr]:
+        return [(f"{self.net}.{SHADOW_BASE + p}", config.RESTORE_PORT)
+                for p in range(self.count)]
+
+    def log(self, partition: int) -> Path:
+        return self.logdir / f"shadow-{partition}.log"
+
+    def start(self) -> LocalShadows:
+        """Start every shadow and wait until each answers on its TCP port."""
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        for p, (ip, _) in enumerate(self.tcp):
+            argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
+                    f"{p}/{self.count}", "--bind", ip, "--no-register",
+                    "--window", str(SHADOW_WINDOW)]
+            if self.persist_dir is not None:
+                argv += ["--dir", str(self.persist_dir)]
+                if self.persist_every:
+                    argv += ["--persist-every", str(self.persist_every)]
+            with open(self.log(p), "ab") as log:
+                self.procs.append(subprocess.Popen(
+                    argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=_die_with_parent))
+        deadline = time.monotonic() + START_TIMEOUT
+        for p, (proc, addr) in enumerate(zip(self.procs, self.tcp, strict=True)):
+            while True:
+                if proc.poll() is not None:
+                    raise CheckmateError(f"shadow {p} exited ({proc.returncode}): "
+                                         f"{_last_line(self.log(p))} (log: {self.log(p)})")
+                try:
+                    socket.create_connection(addr, 0.5).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise CheckmateError(
+                            f"shadow {p} did not come up in {START_TIMEOUT:.0f} s "
+                            f"(log: {self.log(p)})") from None
+                    time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM every shadow this object started, by PID; SIGKILL what outlives 10 s."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return lines[-1] if lines else "no output"
+
+
+def check_shadows(addrs: list[Addr]) -> int:
+    """Shadows started elsewhere (``--shadow``): each must answer and serve its partition
+    of ``len(addrs)``; returns the job id they serve (0: none yet, learned from the seed)."""
+    jobs = set()
+    for p, a in enumerate(addrs):
+        try:
+            with ShadowClient(a, 10.0) as c:
+                st = c.status()
+        except (CheckmateError, OSError) as e:
+            raise CheckmateError(f"shadow {a[0]}:{a[1]} does not answer: {e}") from None
+        if st.get("partition") != p or st.get("partitions") != len(addrs):
+            raise CheckmateError(
+                f"shadow {a[0]}:{a[1]} serves partition {st.get('partition')}/"
+                f"{st.get('partitions')}, --shadow number {p + 1} must serve {p}/{len(addrs)}")
+        if st.get("job"):
+            jobs.add(int(st["job"]))
+    if len(jobs) > 1:
+        raise CheckmateError(f"the shadows serve different jobs: {sorted(jobs)}")
+    return jobs.pop() if jobs else 0
+
+
+def shadows_latest(addrs: list[Addr]) -> list[int | None]:
+    """Each shadow's newest committed iteration (None: unreachable or empty)."""
+    out: list[int | None] = []
+    for a in addrs:
+        try:
+            with ShadowClient(a, 5.0) as c:
+                out.append(c.status().get("latest"))
+        except (CheckmateError, OSError):
+            out.append(None)
+    return out

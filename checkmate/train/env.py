@@ -1,0 +1,129 @@
+"""The environment contract between ``checkmate launch`` and a training script.
+
+The launcher (checkmate.launch) sets these variables, torch's elastic agent passes them to
+every worker next to its own (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+TORCHELASTIC_RESTART_COUNT), and ``CheckmateSession.from_env`` reads them back. Names and
+formats live here only, so the two sides cannot disagree. Anyone may set them by hand to run
+a script without the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from checkmate import config
+from checkmate.errors import CheckmateError
+from checkmate.train.replicate import ShadowTarget
+
+#: ckm job id (default 1).
+JOB_ID = "CHECKMATE_JOB_ID"
+#: host (trainers send the shadow copies) or off (no shadows: the no-checkpoint baseline).
+MODE = "CHECKMATE_MODE"
+#: every rank's ring address ``IP:PORT``, comma separated, in rank order.
+TRAINERS = "CHECKMATE_TRAINERS"
+#: every shadow's TCP service address ``IP:PORT``, comma separated, in partition order.
+SHADOWS = "CHECKMATE_SHADOWS"
+#: every shadow's UDP address ``IP:PORT`` (default: the TCP address's IP, port 47001).
+SHADOWS_UDP = "CHECKMATE_SHADOWS_UDP"
+#: seed of the per-(rank, iteration) RNG reseeding (CheckmateSession.begin; default 0).
+SEED = "CHECKMATE_SEED"
+#: rank 0 prints a progress line every N iterations (CheckmateSession.report; 0: never).
+PROGRESS_EVERY = "CHECKMATE_PROGRESS_EVERY"
+#: ``1``: the first attempt resumes from the shadows too (``checkmate launch --resume``).
+RESUME = "CHECKMATE_RESUME"
+#: Test only: ``RANK:ITERATION`` makes that rank SIGKILL itself after that iteration's
+#: optimizer step, before the control message, in the launcher's first attempt only.
+KILL_AT = "CHECKMATE_KILL_AT"
+#: Set by torch's elastic agent: how many times the worker group was restarted.
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+ENV_MODES = ("host", "off")
+
+
+@dataclass(frozen=True)
+class EnvJob:
+    """What the environment says about this process's job."""
+
+    job_id: int
+    mode: str
+    rank: int
+    world: int
+    trainers: list[tuple[str, int]]
+    shadow_tcp: list[tuple[str, int]]
+    shadows: list[ShadowTarget]
+    seed: int
+    progress_every: int
+    restart_count: int
+    resume: bool
+    kill_at: tuple[int, int] | None
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    v = env.get(name)
+    if v is None or v == "":
+        if default is None:
+            raise CheckmateError(f"environment variable {name} is not set: start the script "
+                                 "with `checkmate launch` (or set it by hand)")
+        return default
+    if not v.isdigit():
+        raise CheckmateError(f"environment variable {name} must be a non-negative integer, "
+                             f"got {v!r}")
+    return int(v)
+
+
+def _addrs(env: Mapping[str, str], name: str) -> list[tuple[str, int]]:
+    out = []
+    for item in env.get(name, "").split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise CheckmateError(f"environment variable {name} must be IP:PORT[,IP:PORT...], "
+                                 f"got {env.get(name, '')!r}")
+        out.append((host, int(port)))
+    return out
+
+
+def format_addrs(addrs: list[tuple[str, int]]) -> str:
+    """The inverse of the address-list parsing: ``IP:PORT,IP:PORT``."""
+    return ",".join(f"{h}:{p}" for h, p in addrs)
+
+
+def read(env: Mapping[str, str] | None = None) -> EnvJob:
+    """Parse the environment; every problem is one CheckmateError naming the variable."""
+    env = os.environ if env is None else env
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    if world < 1 or rank >= world:
+        raise CheckmateError(f"RANK {rank} is not below WORLD_SIZE {world}")
+    mode = env.get(MODE, "host")
+    if mode not in ENV_MODES:
+        raise CheckmateError(f"environment variable {MODE} must be one of "
+                             f"{', '.join(ENV_MODES)}, got {mode!r}")
+    trainers = _addrs(env, TRAINERS)
+    if len(trainers) != world:
+        raise CheckmateError(f"{TRAINERS} lists {len(trainers)} addresses for WORLD_SIZE "
+                             f"{world}")
+    tcp: list[tuple[str, int]] = []
+    udp: list[tuple[str, int]] = []
+    if mode != "off":
+        tcp = _addrs(env, SHADOWS)
+        udp = (_addrs(env, SHADOWS_UDP) if env.get(SHADOWS_UDP)
+               else [(h, config.SHADOW_PORT) for h, _ in tcp])
+        if len(udp) != len(tcp):
+            raise CheckmateError(f"{SHADOWS_UDP} lists {len(udp)} addresses, {SHADOWS} "
+                                 f"{len(tcp)}")
+    kill = env.get(KILL_AT)
+    kill_at = None
+    if kill:
+        r, _, it = kill.partition(":")
+        if not r.isdigit() or not it.isdigit():
+            raise CheckmateError(f"{KILL_AT} must look like RANK:ITERATION, got {kill!r}")
+        kill_at = (int(r), int(it))
+    resume = env.get(RESUME, "0")
+    if resume not in ("0", "1"):
+        raise CheckmateError(f"environment variable {RESUME} must be 0 or 1, got {resume!r}")
+    return EnvJob(
+        job_id=_int(env, JOB_ID, 1), mode=mode, rank=rank, world=world, trainers=trainers,
+        shadow_tcp=tcp, shadows=[ShadowTarget(p, h, port) for p, (h, port) in enumerate(udp)],
+        seed=_int(env, SEED, 0), progress_every=_int(env, PROGRESS_EVERY, 0),
+        restart_count=_int(env, RESTART_COUNT, 0), resume=resume == "1", kill_at=kill_at)

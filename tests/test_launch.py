@@ -1,0 +1,208 @@
+"""`checkmate launch`: real shadows, real trainers under torch's elastic agent, on loopback.
+
+The main test launches examples/train.py twice with 4 trainers and 2 shadows: once without
+failures, once with one trainer SIGKILLing itself at a random iteration (CHECKMATE_KILL_AT,
+a test-only knob). The agent restarts the group, ``from_env`` resumes it from the shadows,
+and rank 0's final model, optimizer and scheduler state must equal the failure-free run's
+bit for bit. The other tests cover the command line, the worker's environment and
+``shadow serve`` without a config.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkmate import config as cfgmod
+from checkmate.launch import main as launch_main
+from checkmate.shadow_client import ShadowClient
+from checkmate.spec import ModelSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train.py"
+
+
+def _launch(tmp_path: Path, name: str, steps: int, env: dict[str, str] | None = None
+            ) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / f"{name}.pt"
+    argv = [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "4",
+            "--shadows", "2", "--max-restarts", "1", "--progress-every", "4",
+            "--dir", str(tmp_path / name), str(EXAMPLE), "--steps", str(steps),
+            "--out", str(out)]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=400,
+                       env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return p, torch.load(out, weights_only=False)
+
+
+def _assert_same(a: object, b: object, where: str = "") -> None:
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+def _shadows_gone(output: str) -> None:
+    """The launcher's shadows (it prints their /24) no longer answer: stopped at exit."""
+    net = re.search(r"shadow\(s\) on (127\.\d+\.\d+)\.100\+", output).group(1)
+    for p in range(2):
+        with pytest.raises(OSError):
+            socket.create_connection((f"{net}.{100 + p}", cfgmod.RESTORE_PORT), 1).close()
+
+
+@pytest.mark.slow
+def test_launch_restarts_a_killed_trainer_bit_identical(tmp_path):
+    steps = 12
+    rank, at = random.randrange(4), random.randrange(3, 10)
+    why = f"rank {rank} killed at iteration {at}"
+    clean, ref = _launch(tmp_path, "clean", steps)
+    assert "restarting the worker group" not in clean.stdout, why
+    killed, got = _launch(tmp_path, "killed", steps, {"CHECKMATE_KILL_AT": f"{rank}:{at}"})
+    out = killed.stdout + killed.stderr
+    assert "restarting the worker group" in out, (why, out[-3000:])
+    m = re.search(r"attempt 1: resumed from the shadows at iteration (\d+)", out)
+    assert m and at - 1 <= int(m.group(1)) <= at, (why, out[-3000:])
+    assert "Traceback" not in out, (why, out[-3000:])
+    # progress lines: iteration, loss and the shadows' state, every 4 iterations
+    assert re.search(r"checkmate: iteration 12 loss \d+\.\d+ \| shadows hold iteration",
+                     killed.stdout), killed.stdout
+    assert f"the shadows hold iteration {steps} " in killed.stdout, killed.stdout
+    _assert_same(ref["model"], got["model"], f"model ({why})")
+    _assert_same(ref["optimizer"], got["optimizer"], f"optimizer ({why})")
+    _assert_same(ref["scheduler"], got["scheduler"], f"scheduler ({why})")
+    assert ref["scheduler"]["last_epoch"] == steps
+    for p in (clean, killed):
+        _shadows_gone(p.stdout)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    ([], "--nproc-per-node"),
+    (["--nproc-per-node", "0", "x.py"], "expected an integer 1.."),
+    (["--nproc-per-node", "two", "x.py"], "expected an integer 1.."),
+    (["--nproc-per-node", "2", "--shadows", "2", "--shadow", "127.0.0.1", "EX"],
+     "not allowed with argument"),
+    (["--nproc-per-node", "2", "--mode", "switch", "EX"], "invalid choice"),
+    (["--nproc-per-node", "2", "no/such/script.py"], "no such script"),
+    (["--nproc-per-node", "2", "--persist-every", "5", "EX"], "give --dir"),
+    (["--nproc-per-node", "2", "--mode", "off", "--shadows", "2", "EX"], "without shadows"),
+    (["--nproc-per-node", "2", "--shadow", "nohost:x", "EX"], "bad shadow address"),
+    (["--nproc-per-node", "2", "--shadow", "127.0.0.1:1", "EX"], "does not answer"),
+])
+def test_bad_command_lines_are_one_line_errors(capsys, argv, needle):
+    argv = [str(EXAMPLE) if a == "EX" else a for a in argv]
+    assert launch_main(["launch", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("checkmate launch: error: ")
+
+
+def test_unknown_command_is_one_line_error(capsys):
+    assert launch_main(["run", "--nproc-per-node", "2", str(EXAMPLE)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'run'" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_console_script_and_worker_errors_are_one_line(tmp_path):
+    """The `checkmate` entry point answers; a script run outside the launcher learns in one
+    line (exit 2, no traceback) what the environment lacks."""
+    exe = Path(sys.executable).with_name("checkmate")
+    p = subprocess.run([str(exe), "launch", "--nproc-per-node", "1", "--mode", "sideways",
+                        "x.py"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "invalid choice" in p.stderr and "Traceback" not in p.stderr
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE") and not k.startswith("CHECKMATE_")}
+    tiny = tmp_path / "tiny.py"  # from_env reads the environment before anything else
+    tiny.write_text("from checkmate.train import CheckmateSession\n"
+                    "CheckmateSession.from_env(None, None)\n")
+    for script, extra, needle in (
+            (EXAMPLE, {}, "RANK is not set"),
+            (tiny, {"RANK": "0", "WORLD_SIZE": "1"}, "CHECKMATE_TRAINERS must be"),
+            (tiny, {"RANK": "0", "WORLD_SIZE": "1", "CHECKMATE_MODE": "switch",
+                    "CHECKMATE_TRAINERS": "127.0.0.1:47000"}, "CHECKMATE_MODE must")):
+        p = subprocess.run([sys.executable, "-m", "checkmate.train.run_script", str(script),
+                            "--steps", "1"], capture_output=True, text=True, timeout=120,
+                           env={**env, **extra})
+        assert p.returncode == 2, p.stderr
+        assert needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_stock_torch_optimizer_is_refused():
+    """torch.optim.AdamW's arithmetic differs from the shadows' in the last bits: refused,
+    never silent drift."""
+    from checkmate.errors import CheckmateError
+    from checkmate.optim import AdamW
+    from checkmate.train import CheckmateSession, JobLayout, ShadowTarget
+
+    model = torch.nn.Linear(4, 2)
+    lay = JobLayout(job_id=3, rank=0, world=1, trainers=[("127.0.0.1", 1)],
+                    shadows=[ShadowTarget(0, "127.0.0.1", 1)], shadow_tcp=[("127.0.0.1", 1)],
+                    mode="host")
+    with pytest.raises(CheckmateError, match="checkmate.optim.SGD, Adam or AdamW"):
+        CheckmateSession(model, torch.optim.AdamW(model.parameters()), None, lay)
+    sess = CheckmateSession(model, AdamW(model.parameters()), None, lay)  # the drop-in is fine
+    sess.close()
+
+
+def test_shadow_serve_without_config_learns_the_job_from_the_spec(tmp_path):
+    ip = f"127.82.{random.randrange(1, 255)}.100"
+    log = tmp_path / "shadow.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "checkmate.shadow.cli", "serve",
+                                 "--partition", "0/2", "--bind", ip], stdout=f, stderr=f)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                socket.create_connection((ip, cfgmod.RESTORE_PORT), 0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()[-2000:]
+                time.sleep(0.2)
+        model = torch.nn.Linear(8, 4)
+        from checkmate.optim import SGD
+
+        spec = ModelSpec.from_torch(5, model, SGD(model.parameters(), lr=0.1), 2)
+        with ShadowClient((ip, cfgmod.RESTORE_PORT)) as c:
+            st = c.status()
+            assert (st["partition"], st["partitions"], st["job"], st["seeded"]) == (0, 2, 0,
+                                                                                   False)
+            c.send_spec(spec)
+            assert c.status()["job"] == 5 and c.status()["range"] == list(spec.bounds(0))
+            other = ModelSpec.from_torch(6, model, SGD(model.parameters(), lr=0.1), 2)
+            from checkmate.errors import CheckmateError
+
+            with pytest.raises(CheckmateError, match="different spec"):
+                c.send_spec(other)
+        assert "serving udp" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_shadow_serve_without_config_rejects_what_needs_one(capsys):
+    from checkmate.shadow.cli import main as shadow_main
+
+    for argv, needle in ((["--host", "s0"], "--host names a host"),
+                         (["--controller", "127.0.0.1:47999"], "needs --config")):
+        assert shadow_main(["serve", "--partition", "0/2", *argv]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
