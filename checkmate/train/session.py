@@ -168,6 +168,9 @@ class CheckmateSession:
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
         self.group = group
+        from checkmate.train.sharded import refuse_sharded
+
+        refuse_sharded(model)  # FSDP2 / tensor-parallel DTensors: one line, not a crash
         self.spec = ModelSpec.from_torch(layout.job_id, model, optimizer,
                                          max(1, len(layout.shadows)))
         self.iteration = 0

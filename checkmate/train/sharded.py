@@ -1,0 +1,29 @@
+"""Sharded parameters (FSDP2 ``fully_shard``, tensor parallel): refused, not supported yet.
+
+Under FSDP2 every parameter is a ``DTensor`` sharded on dim 0 and each rank's optimizer
+steps only its shard, so neither Checkmate's ring (CheckmateDDP) nor the DDP comm hook
+(DDPSession) sees the gradient the optimizer uses, seeding and restore would need full
+state dicts, and checkmate.optim's kernels crash on DTensor storage. A session over such a
+model would be wrong or crash mid-run, so it is refused up front in one line. The design
+for FSDP2 support is in docs/architecture.md ("FSDP2").
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from checkmate.errors import CheckmateError
+
+
+def refuse_sharded(model: nn.Module) -> None:
+    """CheckmateError if any parameter of ``model`` is a DTensor (FSDP2, tensor parallel)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor cannot shard this way
+        return
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise CheckmateError(
+                f"parameter {name} is a DTensor sharded as {tuple(p.placements)} (FSDP2 "
+                "fully_shard or tensor parallel): Checkmate supports whole parameters only "
+                "(its own CheckmateDDP, or torch DistributedDataParallel via DDPSession)")
