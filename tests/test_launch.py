@@ -144,6 +144,26 @@ def test_console_script_and_worker_errors_are_one_line(tmp_path):
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+def test_failed_group_without_restarts_is_one_line_per_process(tmp_path):
+    """Rank 1 exits after the rendezvous; rank 0's collective fails in gloo: one line from
+    rank 0 (not a traceback), and one from the launcher naming both ranks, exit 2."""
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import os\nimport torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 1:\n    os._exit(3)\n"
+        "dist.barrier()\ndist.barrier()\n")
+    p = subprocess.run([sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node",
+                        "2", "--mode", "off", str(script)], capture_output=True, text=True,
+                       timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in out, out
+    assert "checkmate: rank 0: a peer of the process group is gone" in out, out
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("checkmate launch: error: the trainers failed after 0 restart(s)")
+    assert "rank 1 (exit code 3)" in last, last
+
+
 def test_stock_torch_optimizer_is_refused():
     """torch.optim.AdamW's arithmetic differs from the shadows' in the last bits: refused,
     never silent drift."""
