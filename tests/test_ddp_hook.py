@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +26,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 STEPS, KILL_AT, SEED = 8, 5, 11
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 BUCKET_MB = 0.05  # small: DDP's rebuild after iteration 1 reorders several buckets
 
 
@@ -158,16 +161,15 @@ def _assert_optim_equal(a: dict, b: dict, what: str, lrs: bool = True) -> None:
 
 
 # ----------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("model,accumulate", [("gpt", False), ("cnn", True)])
-def test_stock_ddp_kill_restore_bit_identical(loopback_shadows, tmp_path, model, accumulate):
-    """gpt: AdamW with two groups, clipping, dropout, warm-up + cosine; cnn: SGD momentum,
-    BatchNorm buffers, two micro-batches per step (the first under ``ddp.no_sync()``).
-    Small DDP buckets, so DDP's rebuild after iteration 1 reorders several buckets while the
-    shadows' offsets stay the spec's."""
+def test_stock_ddp_kill_restore_bit_identical(loopback_shadows, tmp_path):
+    """gpt: AdamW with two groups, clipping, dropout, warm-up + cosine, two micro-batches
+    per step (the first under ``ddp.no_sync()``). Small DDP buckets, so DDP's rebuild after
+    iteration 1 reorders several buckets while the shadows' offsets stay the spec's.
+    (BatchNorm buffers through the hook: the launcher test's example.)"""
     net, ips = loopback_shadows
     ref = tmp_path / "plain.pt"
-    base = {"model": model, "net": net, "ips": ips, "out": str(tmp_path / "x"),
-            "accumulate": accumulate}
+    base = {"model": "gpt", "net": net, "ips": ips, "out": str(tmp_path / "x"),
+            "accumulate": True}
     res = _run({**base, "resume": False, "kill_at": KILL_AT, "reference": str(ref)})
     assert [r.returncode for r in res] == [-signal.SIGKILL] * 2, [r.stderr[-2000:] for r in res]
     out = tmp_path / "hook.pt"
@@ -179,6 +181,7 @@ def test_stock_ddp_kill_restore_bit_identical(loopback_shadows, tmp_path, model,
     assert KILL_AT - 1 <= got["start"] <= KILL_AT  # restored, not started over
     assert got["protected"] is True and got["shadow_iteration"] == STEPS
     assert got["hook_stats"]["pieces"] > 0 and got["copy_bytes"] > 0
+    assert got["hook_stats"]["buckets"] >= 4 * (STEPS - got["start"])  # several DDP buckets
     # the trainers after kill + restore equal stock DDP that never saw Checkmate
     _assert_equal(got["model"], plain["model"], "restored run vs stock DDP")
     _assert_optim_equal(got["optimizer"], plain["optimizer"], "restored run vs stock DDP")
@@ -200,6 +203,35 @@ def test_second_backward_without_no_sync_is_one_error_line_on_every_rank(loopbac
         assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert "iteration 2: DDP reduced" in lines[0] and "twice" in lines[0]
         assert "no_sync" in lines[0]
+
+
+def _launch(tmp_path: Path, name: str, env: dict[str, str] | None = None
+            ) -> tuple[str, dict]:
+    """``checkmate launch`` of examples/train_ddp.py, 2 ranks, 2 shadows, one restart."""
+    out = tmp_path / f"{name}.pt"
+    p = subprocess.run(
+        [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
+         "--shadows", "2", "--max-restarts", "1", str(EXAMPLE), "--steps", str(STEPS + 4),
+         "--out", str(out)], capture_output=True, text=True, timeout=400,
+        env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return p.stdout + p.stderr, torch.load(out, weights_only=False)
+
+
+def test_launch_restarts_a_killed_stock_ddp_trainer_bit_identical(tmp_path):
+    """The issue's bar for stock DDP: the launcher restarts the group after a SIGKILL at a
+    random rank and iteration, it resumes from the shadows, and ends as a clean run."""
+    rank, at = random.randrange(2), random.randrange(3, STEPS)
+    why = f"rank {rank} killed at iteration {at}"
+    clean, ref = _launch(tmp_path, "clean")
+    assert "restarting the worker group" not in clean, why
+    killed, got = _launch(tmp_path, "killed", {"CHECKMATE_KILL_AT": f"{rank}:{at}"})
+    assert "restarting the worker group" in killed, (why, killed[-3000:])
+    m = re.search(r"attempt 1: resumed from the shadows at iteration (\d+)", killed)
+    assert m and at - 1 <= int(m.group(1)) <= at, (why, killed[-3000:])
+    _assert_equal(got["model"], ref["model"], f"model ({why})")
+    _assert_optim_equal(got["optimizer"], ref["optimizer"], f"optimizer ({why})")
+    assert got["scheduler"] == ref["scheduler"], why
 
 
 @pytest.mark.parametrize("world,partitions,bucket_elems", [(2, 2, 4096), (3, 2, 1000),
@@ -264,6 +296,10 @@ def test_bad_setup_is_one_clear_error():
         try:
             with pytest.raises(CheckmateError, match="cannot register Checkmate's DDP comm"):
                 sess._start_comm(0)
+            # iteration 0 is the seeded state: a step with no begin() never reaches shadows
+            with pytest.raises(CheckmateError, match=r"step\(\) again for iteration 0: call "
+                                                     r"begin\(iteration\)"):
+                sess.step()
         finally:
             sess.close()
         f = build("cnn", 1, 2)

@@ -78,7 +78,7 @@ class DDPSession(CheckmateSession):
             gradients.
         optimizer, scheduler, layout, max_grad_norm, group: as for CheckmateSession; the
             layout's mode must be ``host`` (trainers send the copies; there is no ckm ring
-            for a switch to copy).
+            for a switch to copy) or ``off`` (no hook, no shadows: the baseline).
 
     ``sess.model`` is ``ddp``; the loop is the same as with CheckmateSession.
     """
@@ -89,9 +89,9 @@ class DDPSession(CheckmateSession):
         if not isinstance(ddp, DistributedDataParallel):
             raise CheckmateError(f"DDPSession needs a torch DistributedDataParallel model, "
                                  f"got {type(ddp).__name__}")
-        if layout.mode != "host":
-            raise CheckmateError(f"a stock DDP job feeds the shadows in host mode only, "
-                                 f"got mode {layout.mode!r}")
+        if layout.mode not in ("host", "off"):
+            raise CheckmateError(f"a stock DDP job feeds the shadows in host mode only "
+                                 f"(or runs without them: off), got mode {layout.mode!r}")
         module = ddp.module
         for name, p in module.named_parameters():
             if p.dtype != torch.float32:
@@ -121,6 +121,9 @@ class DDPSession(CheckmateSession):
     # ------------------------------------------------------------------ setup
     def _start_comm(self, nonce: int) -> None:
         lay = self.layout
+        self.model = self.ddp
+        if lay.mode == "off":  # the no-checkpoint baseline: stock DDP as it is
+            return
         self._piece = self._start_parity()
         self._segments = owned_segments(self.spec, self.buckets, lay.world, lay.rank)
         try:
@@ -128,7 +131,6 @@ class DDPSession(CheckmateSession):
         except (RuntimeError, ValueError) as e:
             raise CheckmateError(f"cannot register Checkmate's DDP comm hook: "
                                  f"{str(e).splitlines()[0]}") from None
-        self.model = self.ddp
 
     # ------------------------------------------------------------------ the hook
     def _bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -197,6 +199,11 @@ class DDPSession(CheckmateSession):
         """Check that this iteration's gradient reached the shadows once, then step as
         CheckmateSession does (clip, optimizer, scheduler, control message)."""
         it = self.iteration
+        if self.layout.mode == "off":
+            return super().step(extra)
+        if it <= self.done_iteration:
+            raise CheckmateError(f"step() again for iteration {it}: call begin(iteration) "
+                                 "before each iteration's forward and backward")
         with self._lock:
             reduced = self._reduced.pop(it, set())
             twice = self._twice.pop(it, [])

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.warmup <= args.rounds * args.iters - 2:
         raise CheckmateError("--warmup must leave at least 2 timed iterations per variant")
     load = os.getloadavg()[0]
-    net = f"127.82.{random.randrange(1, 255)}"
+    net = f"127.83.{random.randrange(1, 255)}"
     with tempfile.TemporaryDirectory(prefix="ckm-bench-ddp-") as tmp:
         work = Path(tmp)
         shadows, ips = _start_shadows(net, work)
