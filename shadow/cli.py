@@ -4,6 +4,7 @@
                  [--persist-every K] [--persist-seconds T] [--bind IP] [--no-register] ...
     shadow restore --config FILE [--out FILE] [--from-disk DIR] [--addr HOST:PORT ...]
     shadow status --config FILE [--addr HOST:PORT ...]
+    shadow export --out DIR [--iteration N] DIR ...
 
 Without --config, ``serve`` runs on the documented defaults (docs/usage.md): UDP 47001 and
 TCP 47100 on --bind (0.0.0.0), no controller registration (host replication: trainers send
@@ -116,6 +117,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--addr", action="append", default=[], metavar="HOST:PORT")
     t.add_argument("--commit-times", action="store_true",
                    help="include every recent commit's (iteration, time)")
+
+    e = sub.add_parser("export", help="join persisted partition dirs (e.g. copied from "
+                       "shadows with separate disks) into one checkpoint torch's dcp.load reads")
+    e.add_argument("--out", required=True, help="new directory for the joined checkpoint")
+    e.add_argument("--iteration", type=_nonneg_int, default=None,
+                   help="this iteration (default: the newest every partition holds)")
+    e.add_argument("dirs", nargs="+", metavar="DIR",
+                   help="a --dir of shadows (holding part<I>/) or part<I> dirs themselves")
     return p
 
 
@@ -128,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         return _restore(args)
     if args.cmd == "status":
         return _status(args)
-    print("usage: shadow {serve,restore,status} ... (shadow -h for help)", file=sys.stderr)
+    if args.cmd == "export":
+        return _export(args)
+    print("usage: shadow {serve,restore,status,export} ... (shadow -h for help)", file=sys.stderr)
     return 2
 
 
@@ -278,6 +289,17 @@ def _status(args: argparse.Namespace) -> int:
         with ShadowClient(a, 10.0) as c:
             out.append(c.request({"op": "status", "commit_times": args.commit_times})[0])
     print(json.dumps(out, indent=1, sort_keys=True))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from checkmate.shadow.merge import export
+
+    out = export(args.dirs, args.out, args.iteration,
+                 on_skip=lambda text: print(f"shadow: {text}", file=sys.stderr))
+    info = json.loads((out / "checkmate.json").read_text())
+    print(f"exported iteration {info['iteration']} of {info['partitions']} partitions to "
+          f"{out} (load it with torch.distributed.checkpoint.load)")
     return 0
 
 

@@ -25,7 +25,8 @@ import math
 import os
 import shutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,15 @@ _ITER = "iter-"
 
 class MergeError(CheckmateError):
     """Partition checkpoints that cannot be joined into one; the message says why."""
+
+
+class SeedPoint(MergeError):
+    """An iteration at which some partition was (re)seeded: never joined.
+
+    A shadow seeded by a new run removes its own checkpoints from the seed iteration on,
+    but until every shadow is seeded a sibling dir may still hold that iteration from the
+    run before; the seed state is the trainers' own anyway.
+    """
 
 
 def _name(iteration: int) -> str:
@@ -110,6 +120,10 @@ def merge(parts: list[Path], out: Path, link: bool = True) -> Path:
     if [m[1]["partition"] for m in metas] != list(range(n)):
         raise MergeError(f"need partitions 0..{n - 1} once each, got "
                          f"{[m[1]['partition'] for m in metas]}")
+    seeded = [m[1]["partition"] for m in metas if m[1].get("seeded")]
+    if seeded:
+        raise SeedPoint(f"iteration {first['iteration']} is where partition(s) {seeded} "
+                        "were seeded: not joined (it may meet another run's partitions)")
     for key in ("iteration", "step", "spec"):
         if any(m[1][key] != first[key] for m in metas):
             raise MergeError(f"partition checkpoints disagree on {key}: "
@@ -192,53 +206,93 @@ def list_merged(root: Path) -> list[int]:
     return sorted(out)
 
 
+@contextmanager
+def root_lock(root: Path) -> Iterator[None]:
+    """Exclusive flock on ``root/.publish.lock``: joins, ``latest`` moves, purges and the
+    renames of partition checkpoints into place happen one at a time per root."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".publish.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def set_latest(root: Path, iteration: int | None) -> None:
+    """Point ``root/latest`` at a join (atomically), or remove it (None)."""
+    latest = root / "latest"
+    if iteration is None:
+        latest.unlink(missing_ok=True)
+    else:
+        tmp = root / f"{_TMP}latest-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "w") as f:
+            f.write(_name(iteration) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, latest)
+    _fsync(root)
+
+
+def read_latest(root: Path) -> int | None:
+    try:
+        return int((root / "latest").read_text().strip()[len(_ITER):])
+    except (OSError, ValueError):
+        return None
+
+
 def publish(root: Path, partitions: int, iteration: int, keep: int) -> Path | None:
     """Join iteration ``iteration`` under ``root`` once every partition dir holds it.
 
-    Returns the published dir, or None while some partition is missing. Under an exclusive
-    lock on ``root/.publish.lock``: leftovers of interrupted joins are removed, ``latest``
-    never moves back, and only the newest ``keep`` joined checkpoints stay (``keep`` <= 0:
-    all).
+    Returns the published dir, or None while some partition is missing or when the
+    iteration is a seed point (:class:`SeedPoint`). Under :func:`root_lock`: leftovers of
+    interrupted joins are removed, ``latest`` never moves back, and only the newest ``keep``
+    joined checkpoints stay (``keep`` <= 0: all).
     """
     name = _name(iteration)
     parts = [root / f"part{q}" / name for q in range(partitions)]
-    if not all((d / "manifest.json").is_file() for d in parts):
-        return None
-    with open(root / ".publish.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with root_lock(root):
+        if not all((d / "manifest.json").is_file() for d in parts):
+            return None
         for e in root.iterdir():
             if e.name.startswith(_TMP) and e.is_dir():
                 shutil.rmtree(e, ignore_errors=True)
             elif e.name.startswith(_TMP):
                 e.unlink(missing_ok=True)
-        out = merge(parts, root / name, link=True)
-        latest = root / "latest"
         try:
-            cur = int(latest.read_text().strip()[len(_ITER):])
-        except (OSError, ValueError):
-            cur = -1
-        if iteration > cur:
-            tmp = root / f"{_TMP}latest-{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(name + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, latest)
-            _fsync(root)
+            out = merge(parts, root / name, link=True)
+        except SeedPoint:
+            return None
+        cur = read_latest(root)
+        if cur is None or iteration > cur:
+            set_latest(root, iteration)
         its = list_merged(root)
         if keep > 0:
-            newest = max(its[-1], cur)
+            newest = max(its[-1], cur if cur is not None else -1)
             for it in its[:-keep]:
                 if it != newest:
                     shutil.rmtree(root / _name(it), ignore_errors=True)
     return out
 
 
+def drop_joins(root: Path, since: int) -> list[int]:
+    """Remove the joins of iterations >= ``since`` (caller holds :func:`root_lock`) and point
+    ``latest`` at the newest one left; returns the iterations removed."""
+    gone = [it for it in list_merged(root) if it >= since]
+    for it in gone:
+        shutil.rmtree(root / _name(it), ignore_errors=True)
+    cur = read_latest(root)
+    if gone or (cur is not None and cur >= since):
+        left = list_merged(root)
+        set_latest(root, left[-1] if left else None)
+    return gone
+
+
 def export(paths: str | Path | Iterable[str | Path], out: str | Path,
-           iteration: int | None = None) -> Path:
+           iteration: int | None = None,
+           on_skip: Callable[[str], None] | None = None) -> Path:
     """Verify and join partition dirs (e.g. copied from shadows with separate disks) into one
-    loadable checkpoint ``out`` at ``iteration`` (default: the newest every partition holds
-    and that verifies). ``out`` must not exist or be an empty directory."""
+    loadable checkpoint ``out`` at ``iteration`` (default: the newest every partition holds,
+    that verifies and is no seed point). ``out`` must not exist or be an empty directory.
+    ``on_skip`` hears why newer iterations were passed over (default: logged), only when
+    one is exported; a failure is the one error line."""
     from checkmate.shadow.persist import PersistError, _part_dirs, list_iterations, verify
 
     out = Path(out)
@@ -263,7 +317,12 @@ def export(paths: str | Path | Iterable[str | Path], out: str | Path,
             continue
         if out.exists():
             out.rmdir()
+        try:
+            done = merge(parts, out, link=False)
+        except SeedPoint as e:
+            skipped.append(f"iteration {it} not exported: {e}")
+            continue
         for text in skipped:  # said only beside a success; a failure is one line
-            log.warning("%s", text)
-        return merge(parts, out, link=False)
+            (on_skip or log.warning)(text)
+        return done
     raise MergeError(f"no common iteration verifies: {skipped[-1].split(': ', 1)[1]}")

@@ -99,8 +99,8 @@ class ShadowNode:
 
     def _on_commit(self, v: Version) -> None:
         p = self.persister
-        if p is not None and (p.last_iteration is None or v.iteration > p.last_iteration):
-            p.offer(v)
+        if p is not None:
+            p.on_commit(v)  # a seed also purges the lineage it replaces (persist.py)
 
     def start(self) -> ShadowNode:
         o = self.opts

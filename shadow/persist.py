@@ -32,7 +32,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,8 +145,14 @@ def _keys(spec: ModelSpec, start: int, end: int) -> list[tuple[str, int, int, in
 
 def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step: int,
          slots: dict[str, np.ndarray], buffers: dict | None = None, extra: dict | None = None,
-         lrs: list[float] | None = None, keep: int = 3) -> Path:
+         lrs: list[float] | None = None, keep: int = 3, seeded: bool = False,
+         current: Callable[[], bool] | None = None) -> Path | None:
     """Write one checkpoint atomically and point ``latest`` at it; returns its directory.
+
+    ``seeded`` marks the version a seed installed (never joined, see merge.SeedPoint).
+    ``current`` is asked under the root lock just before the rename: False (the shadow was
+    re-seeded meanwhile, so this version belongs to a lineage that was purged) discards the
+    write and returns None.
 
     Any failure (OSError, torch's CheckpointException, ...) removes the hidden temp dir and
     the temp ``latest`` before it is raised as one-line PersistError, so a full disk leaves
@@ -176,20 +182,24 @@ def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step
             "iteration": iteration, "step": step, "start": start, "end": end,
             "pieces": [[k[0], k[1], k[2]] for k in keys], "slots": list(spec.slots),
             "spec": spec.to_json(), "buffers": buffers or {}, "extra": extra or {},
-            "lrs": lrs, "written_at": time.time(),
+            "lrs": lrs, "written_at": time.time(), "seeded": seeded,
         })
         files = sorted(f for f in os.listdir(tmp) if f != "manifest.json")
         _write_json(tmp / "manifest.json", {f: _sha256(tmp / f) for f in files})
         _fsync_path(tmp)
-        final = pdir / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        latest_tmp.write_text(name + "\n")
-        with open(latest_tmp) as f:
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, pdir / "latest")
-        _fsync_path(pdir)
+        with merge.root_lock(Path(root)):
+            if current is not None and not current():
+                _discard(tmp)
+                return None
+            final = pdir / name
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            latest_tmp.write_text(name + "\n")
+            with open(latest_tmp) as f:
+                os.fsync(f.fileno())
+            os.replace(latest_tmp, pdir / "latest")
+            _fsync_path(pdir)
     except BaseException as e:  # CheckpointException is a BaseException
         _discard(tmp, latest_tmp)
         if _fatal(e):
@@ -208,6 +218,42 @@ def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step
         log.warning("cannot publish the joined checkpoint of iteration %d under %s: %s",
                     iteration, root, describe_error(e))
     return pdir / name
+
+
+def purge(root: str | Path, partition: int, since: int) -> tuple[list[int], list[int]]:
+    """Forget a lineage: remove this partition's checkpoints of iterations >= ``since`` and
+    the joins of those iterations (they hold this partition's old state); ``latest`` files
+    point at the newest left. Returns (partition iterations, joins) removed.
+
+    A shadow calls it when it is seeded at ``since``: what it wrote from there on belongs to
+    a run the trainers no longer continue, and must neither be joined with the new run's
+    partitions nor be served by a later restore from disk.
+    """
+    root = Path(root)
+    pdir = part_dir(root, partition)
+    if not pdir.is_dir():
+        return [], []
+    with merge.root_lock(root):
+        gone = []
+        for e in pdir.iterdir():
+            if e.name.startswith(_ITER_PREFIX):
+                try:
+                    it = int(e.name[len(_ITER_PREFIX):])
+                except ValueError:
+                    continue
+                if it >= since:
+                    shutil.rmtree(e, ignore_errors=True)
+                    gone.append(it)
+        if gone:
+            left = list_iterations(pdir)
+            if left:
+                (pdir / f"{_TMP_PREFIX}latest").write_text(f"{_ITER_PREFIX}{left[-1]:012d}\n")
+                os.replace(pdir / f"{_TMP_PREFIX}latest", pdir / "latest")
+            else:
+                (pdir / "latest").unlink(missing_ok=True)
+            _fsync_path(pdir)
+        joins = merge.drop_joins(root, since)
+    return sorted(gone), joins
 
 
 def newest_common(root: str | Path, partitions: int) -> int | None:
@@ -454,7 +500,10 @@ class Persister:
         self.failing = 0  # failed writes since the last success
         self._logged = ""  # key of the error last logged
         self.seconds_spent = 0.0
-        self._pending: Any = None
+        self.purged: list[int] = []  # iterations the last re-seed removed from this partition
+        self._pending: tuple[Any, int, bool] | None = None  # version, generation, seeded
+        self._generation = 0  # +1 at every (re)seed: older versions are of a purged lineage
+        self._installs = getattr(state, "installs", 0)
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="shadow-persist", daemon=True)
@@ -468,17 +517,53 @@ class Persister:
             return True
         return self.seconds > 0 and time.monotonic() - self.last_time >= self.seconds
 
-    def offer(self, version: Any) -> None:
-        """Called on every commit (under the state lock): pin and queue if due."""
+    def on_commit(self, v: Any) -> None:
+        """Every commit of the state (under its lock), as ShadowNode wires it.
+
+        A commit made by a (re)seed (``state.installs`` moved) starts a new lineage at its
+        iteration: this partition's checkpoints from there on and their joins are purged
+        before the shadow reports seeded, a write still running for the old lineage is
+        discarded, and the seed version is written marked ``seeded`` (never joined).
+        """
+        installs = getattr(self.state, "installs", 0)
+        seeded = installs != self._installs
+        if seeded:
+            self._installs = installs
+            self._new_lineage(v.iteration)
+        if self.last_iteration is None or v.iteration > self.last_iteration:
+            self.offer(v, seeded)
+
+    def _new_lineage(self, since: int) -> None:
+        with self._cv:
+            self._generation += 1
+            self.last_iteration = None
+            old, self._pending = self._pending, None
+        if old is not None:
+            self.state.unpin(old[0])
+        try:
+            parts, joins = purge(self.root, self.partition, since)
+        except OSError as e:
+            self._failed(since, PersistError(
+                f"cannot remove the checkpoints of iterations >= {since} after a re-seed: "
+                f"{describe_error(e)}"))
+            return
+        self.purged = parts
+        if parts or joins:
+            log.warning("persist: partition %d seeded at iteration %d: removed its "
+                        "checkpoints of iterations %s and the joins %s (a run not continued)",
+                        self.partition, since, parts, joins)
+
+    def offer(self, version: Any, seeded: bool = False) -> None:
+        """Pin and queue ``version`` if due (under the state lock)."""
         if not self.due(version.iteration):
             return
         self.last_time = time.monotonic()
         self.state.pin(version.iteration)
         with self._cv:
-            old, self._pending = self._pending, version
+            old, self._pending = self._pending, (version, self._generation, seeded)
             self._cv.notify()
         if old is not None:
-            self.state.unpin(old)
+            self.state.unpin(old[0])
 
     def _loop(self) -> None:
         name_thread()
@@ -488,9 +573,9 @@ class Persister:
                     self._cv.wait()
                 if self._pending is None:
                     return
-                v, self._pending = self._pending, None
+                (v, gen, seeded), self._pending = self._pending, None
             try:
-                self._write(v)
+                self._write(v, gen, seeded)
             except BaseException as e:  # CheckpointException is not an Exception
                 if _fatal(e):
                     raise
@@ -498,12 +583,16 @@ class Persister:
             finally:
                 self.state.unpin(v)
 
-    def _write(self, v: Any) -> None:
+    def _write(self, v: Any, gen: int = 0, seeded: bool = False) -> None:
         t0 = time.perf_counter()
-        save(self.root, self.state.spec, self.partition, v.iteration, v.step, v.slots,
-             v.buffers, v.extra, v.lrs, self.keep)
+        done = save(self.root, self.state.spec, self.partition, v.iteration, v.step, v.slots,
+                    v.buffers, v.extra, v.lrs, self.keep, seeded,
+                    current=lambda: gen == self._generation)
         self.seconds_spent += time.perf_counter() - t0
-        self.last_iteration = v.iteration
+        with self._cv:
+            if done is None or gen != self._generation:
+                return  # re-seeded meanwhile: not written (or purged right after)
+            self.last_iteration = v.iteration
         self.written += 1
         if self.failing:
             log.warning("persist: writing again, iteration %d written after %d failed "
@@ -530,7 +619,7 @@ class Persister:
     def stop(self, flush: bool = True) -> None:
         with self._cv:
             if not flush and self._pending is not None:
-                self.state.unpin(self._pending)
+                self.state.unpin(self._pending[0])
                 self._pending = None
             self._stop = True
             self._cv.notify()

@@ -114,6 +114,7 @@ class ShadowState:
         self.versions: deque[Version] = deque()
         self._free: list[dict[str, np.ndarray]] = []
         self.seeded_iteration: int | None = None
+        self.installs = 0  # states installed (seed, disk restore, re-seed): lineage changes
         self._seed: dict[str, Any] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._stepper: threading.Thread | None = None
@@ -208,6 +209,7 @@ class ShadowState:
                 v.evicted = True
             self.versions.clear()
             self.seeded_iteration = iteration
+            self.installs += 1
             self._commit(iteration, buffers or {}, extra or {}, lrs)
             if not self._ensure_assembler(iteration) and reset_assembler:
                 assert self.asm is not None

@@ -1,13 +1,16 @@
 """The torch layout of the shadows' checkpoints, without processes: rectangular chunks of a
 flat range, the per-iteration join under a shared dir (published once every partition has
 written, ``latest`` never moving back), ``export`` of partition dirs from separate disks,
-and the refusals (gaps, mixed iterations, a corrupt copy, optimizer state at step 0)."""
+the refusals (gaps, mixed iterations, a corrupt copy, optimizer state at step 0), and a
+re-seed purging the lineage it replaces so that no join mixes two runs."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -23,7 +26,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from checkmate.shadow import merge, persist, torch_layout
+from checkmate.shadow.assembler import Control
 from checkmate.shadow.cli import main as shadow_main
+from checkmate.shadow.state import ShadowState
 from checkmate.spec import ModelSpec
 
 LRS = [0.01, 0.002]
@@ -221,3 +226,127 @@ def test_optimizer_state_at_step_zero_is_refused_not_dropped(tmp_path):
     assert all(np.array_equal(ck.slots[s], zero[s]) for s in spec.slots)
     md = dcp.FileSystemReader(tmp_path / "iter-000000000000").read_metadata()
     assert not [k for k in md.state_dict_metadata if k.startswith("optim.state")]
+
+
+class _Shadow:
+    """A real ShadowState stepping a real optimizer, its Persister wired as ShadowNode does
+    (every commit goes to ``Persister.on_commit``)."""
+
+    def __init__(self, root: Path, spec: ModelSpec, partition: int) -> None:
+        self.spec, self.partition = spec, partition
+        self.state = ShadowState(partition, spec.partitions, spec.job, retain=8)
+        self.state.set_spec(spec)
+        self.per = persist.Persister(root, partition, self.state, every=2, keep=5)
+        self.state.on_commit = self.per.on_commit
+        self.a, self.b = spec.bounds(partition)
+
+    def _settle(self, fn, writes: int = 1) -> None:
+        before = self.per.written + self.per.errors
+        fn()
+        end = time.monotonic() + 30
+        while self.per.written + self.per.errors < before + writes:
+            assert time.monotonic() < end, "the write did not finish"
+            time.sleep(0.01)
+
+    def seed(self, seed: int) -> None:
+        arrays = {s: np.zeros(self.b - self.a, np.float32) for s in self.spec.slots}
+        arrays["param"][:] = _full(self.spec, seed)["param"][self.a:self.b]
+        self._settle(lambda: self.state.install(0, 0, arrays))
+
+    def step(self, it: int, seed: int) -> None:
+        g = np.random.default_rng(seed * 100 + it).standard_normal(self.b - self.a)
+        ctl = Control(it, LRS, None, False, {}, {})
+        self._settle(lambda: self.state.apply(it, g.astype(np.float32), ctl),
+                     writes=int(it % 2 == 0))
+
+    def slots(self, it: int) -> dict[str, np.ndarray]:
+        with self.state.pinned(it) as v:
+            return {s: a.copy() for s, a in v.slots.items()}
+
+    def close(self) -> None:
+        self.per.stop()
+        self.state.stop()
+
+
+def test_a_new_run_purges_the_old_lineage_before_it_can_be_joined(tmp_path):
+    spec = _spec(partitions=2)
+    old = [_Shadow(tmp_path, spec, p) for p in (0, 1)]
+    try:
+        for sh in old:
+            sh.seed(1)
+        for it in range(1, 5):
+            for sh in old:
+                sh.step(it, 1)
+    finally:
+        for sh in old:
+            sh.close()
+    # the seed iteration 0 is written but never joined; 2 and 4 are
+    assert persist.list_iterations(tmp_path / "part1") == [0, 2, 4]
+    assert merge.list_merged(tmp_path) == [2, 4]
+
+    new = [_Shadow(tmp_path, spec, p) for p in (0, 1)]  # a new run in the same dir
+    try:
+        new[0].seed(2)
+        # partition 0's old iterations and every join holding them are gone; iteration 0
+        # is in both dirs (new and old run) but a seed point is never joined
+        assert persist.list_iterations(tmp_path / "part0") == [0]
+        assert persist.list_iterations(tmp_path / "part1") == [0, 2, 4]
+        assert merge.list_merged(tmp_path) == [] and not (tmp_path / "latest").exists()
+        assert new[0].per.purged == [0, 2, 4]
+        new[1].seed(2)
+        assert persist.list_iterations(tmp_path / "part1") == [0]
+        for it in (1, 2):
+            for sh in new:
+                sh.step(it, 2)
+        assert merge.list_merged(tmp_path) == [2]
+        full = {s: np.concatenate([sh.slots(2)[s] for sh in new]) for s in spec.slots}
+        m, o = spec.state_dicts(full, 2, None, LRS)
+        sd = {"model": {k: torch.zeros_like(v) for k, v in m.items()},
+              "optim": {"state": {i: {k: torch.zeros_like(v) for k, v in st.items()}
+                                  for i, st in o["state"].items()}}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(sd, checkpoint_id=tmp_path / "iter-000000000002", no_dist=True)
+        assert all(torch.equal(v, sd["model"][k]) for k, v in m.items())
+        assert all(torch.equal(v, sd["optim"]["state"][i][k])
+                   for i, st in o["state"].items() for k, v in st.items())
+    finally:
+        for sh in new:
+            sh.close()
+
+
+def test_a_write_in_flight_when_the_shadow_is_reseeded_is_discarded(tmp_path, monkeypatch):
+    spec = _spec(partitions=1)
+    sh = _Shadow(tmp_path, spec, 0)
+    real_save, gate, entered = torch_layout.save, threading.Event(), threading.Event()
+
+    def slow_save(sd, path):  # iteration 4's files are written only when the gate opens
+        if "iter-000000000004" in str(path):
+            entered.set()
+            assert gate.wait(30)
+        real_save(sd, path)
+
+    monkeypatch.setattr(torch_layout, "save", slow_save)
+    try:
+        sh.seed(1)
+        for it in (1, 2, 3):
+            sh.step(it, 1)
+        sh.state.apply(4, np.ones(spec.total, np.float32), Control(4, LRS, None, False, {}, {}))
+        assert entered.wait(30)  # the writer is inside iteration 4's save
+        arrays = {s: np.zeros(spec.total, np.float32) for s in spec.slots}
+        sh.state.install(0, 0, arrays)  # re-seeded meanwhile: a new lineage from 0
+        assert persist.list_iterations(tmp_path / "part0") == []  # 0 and 2 purged
+        gate.set()
+        end = time.monotonic() + 30
+        while persist.list_iterations(tmp_path / "part0") != [0]:  # the new seed version
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert persist.list_iterations(tmp_path / "part0") == [0]  # iteration 4 discarded
+        meta = json.loads((tmp_path / "part0" / "iter-000000000000" / "ckm.json").read_text())
+        assert meta["seeded"] is True and sh.per.status()["errors"] == 0
+        ck = persist.latest_valid(tmp_path / "part0")
+        assert not np.any(ck.slots["param"])  # the new lineage's state, not the old one's
+    finally:
+        gate.set()
+        sh.close()
