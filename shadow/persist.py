@@ -437,6 +437,11 @@ def load_full_state(paths: str | Path | Iterable[str | Path]) -> FullCheckpoint:
             last_err = e
             log.warning("iteration %d unusable: %s", it, e)
             continue
+        seeded = [p.meta["partition"] for p in parts if p.meta.get("seeded")]
+        if seeded:  # as merge.SeedPoint: a sibling may still hold another run's iteration
+            last_err = PersistError(f"iteration {it} is where partition(s) {seeded} were "
+                                    "seeded, not restored from")
+            continue
         return _join(parts, it)
     raise PersistError(f"no common iteration verifies: {last_err}")
 

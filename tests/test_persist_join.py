@@ -293,6 +293,8 @@ def test_a_new_run_purges_the_old_lineage_before_it_can_be_joined(tmp_path):
         assert persist.list_iterations(tmp_path / "part1") == [0, 2, 4]
         assert merge.list_merged(tmp_path) == [] and not (tmp_path / "latest").exists()
         assert new[0].per.purged == [0, 2, 4]
+        with pytest.raises(persist.PersistError, match="iteration 0 is where partition"):
+            persist.load_full_state(tmp_path)  # nor does a restore from disk mix them
         new[1].seed(2)
         assert persist.list_iterations(tmp_path / "part1") == [0]
         for it in (1, 2):
