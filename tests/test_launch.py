@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -162,6 +163,66 @@ def test_failed_group_without_restarts_is_one_line_per_process(tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("checkmate launch: error: the trainers failed after 0 restart(s)")
     assert "rank 1 (exit code 3)" in last, last
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_launcher_stopped_or_killed_leaves_no_process(tmp_path, sig):
+    """Ctrl-C stops workers and shadows and exits 130; a SIGKILLed launcher takes its
+    shadows (parent-death signal) and its workers (they watch their parent) with it."""
+    log = tmp_path / "out.log"
+    with open(log, "wb") as f:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
+             "--shadows", "2", "--progress-every", "5", str(EXAMPLE), "--steps", "100000"],
+            stdout=f, stderr=subprocess.STDOUT)
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while "checkmate: iteration 5 " not in log.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        kids = _children(launcher.pid)
+        assert len(kids) == 4, kids  # 2 shadows, 2 workers
+        launcher.send_signal(sig)
+        rc = launcher.wait(120)
+        assert rc == (130 if sig == signal.SIGINT else -signal.SIGKILL), log.read_text()
+        deadline = time.monotonic() + 60
+        while any(_alive(k) for k in kids):
+            assert time.monotonic() < deadline, [k for k in kids if _alive(k)]
+            time.sleep(0.2)
+        text = log.read_text()
+        assert "Traceback" not in text, text[-3000:]
+        if sig == signal.SIGINT:
+            assert "checkmate launch: stopped by SIGINT" in text, text[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
 
 
 def test_stock_torch_optimizer_is_refused():

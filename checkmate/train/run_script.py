@@ -6,16 +6,57 @@ environment, shadows that cannot be restored from -- is one line on stderr with 
 status 2, never a traceback. When another rank dies, the survivors' next collective fails
 in gloo ("Connection reset by peer"): that is one line too (exit 1), since the launcher is
 already restarting the group. Any other exception is the script's own and keeps its
-traceback.
+traceback. On these paths the process ends at once (``os._exit``): threads still blocked on
+a dead peer must not hold it.
+
+Ctrl-C (the agent forwards SIGINT) is one line and exit 130, at once: SIGINT is blocked in
+every thread and taken by one that waits for it, so it is answered even while the main
+thread sits in a gloo call (where a KeyboardInterrupt would wait until the call returns).
+Processes the script starts inherit the blocked SIGINT; they end with their parent.
+
+A worker also ends when its launcher is gone (SIGKILLed: no agent is left to stop it),
+instead of training on alone.
 """
 
 from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
+import threading
+import time
 
 from checkmate.errors import CheckmateError
+
+
+def _exit_now(code: int, line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _watch_parent(rank: str) -> None:
+    """End this worker when the launcher (its parent) is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        _exit_now(1, f"checkmate: rank {rank}: the launcher is gone; exiting")
+
+    threading.Thread(target=watch, daemon=True, name="ckm-parent").start()
+
+
+def _take_sigint(rank: str) -> None:
+    """Answer SIGINT from a thread of its own (see the module docstring)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # before any other thread
+
+    def wait() -> None:
+        signal.sigwait({signal.SIGINT})
+        _exit_now(130, f"checkmate: rank {rank}: interrupted")
+
+    threading.Thread(target=wait, daemon=True, name="ckm-sigint").start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,19 +68,21 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "?")
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    _take_sigint(rank)
+    _watch_parent(rank)
     try:
         runpy.run_path(script, run_name="__main__")
     except CheckmateError as e:
-        print(f"checkmate: rank {rank}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        _exit_now(2, f"checkmate: rank {rank}: error: {e}")
+    except KeyboardInterrupt:
+        _exit_now(130, f"checkmate: rank {rank}: interrupted")
     except RuntimeError as e:
         text = str(e)
         if "/gloo/" not in text:
             raise
         why = text.split("] ", 1)[-1].split(". ")[0]
-        print(f"checkmate: rank {rank}: a peer of the process group is gone ({why}); "
-              "exiting for the launcher to restart the group", file=sys.stderr, flush=True)
-        return 1
+        _exit_now(1, f"checkmate: rank {rank}: a peer of the process group is gone ({why}); "
+                  "exiting for the launcher to restart the group")
     except FileNotFoundError as e:
         if e.filename == script:
             print(f"checkmate: rank {rank}: error: no such script {script}", file=sys.stderr)
