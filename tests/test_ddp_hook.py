@@ -103,6 +103,10 @@ def _worker(cfg: dict) -> int:
             if cfg.get("misuse") == "second-backward" and it == 2:
                 x, y = w.batch(rank, it)
                 w.loss(sess.model(x), y).backward()
+            if cfg.get("misuse") == "no_sync-after-reduce" and it == 2:
+                x, y = w.batch(rank, it)
+                with sess.model.no_sync():
+                    w.loss(sess.model(x), y).backward()
             sess.step(extra={"data": {"iteration": it}})
             if it == cfg.get("kill_at"):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -192,17 +196,23 @@ def test_stock_ddp_kill_restore_bit_identical(loopback_shadows, tmp_path):
                         lrs=False)
 
 
-def test_second_backward_without_no_sync_is_one_error_line_on_every_rank(loopback_shadows,
-                                                                         tmp_path):
+@pytest.mark.parametrize("misuse,needle", [
+    ("second-backward", "twice (a second backward outside ddp.no_sync()"),
+    ("no_sync-after-reduce", "iteration 2: a backward after DDP reduced")])
+def test_a_reduction_the_shadows_miss_is_one_error_line_on_every_rank(loopback_shadows,
+                                                                      tmp_path, misuse,
+                                                                      needle):
+    """A second reducing backward, or an accumulation pass after the reduction, would make
+    the trainers step on a gradient the shadows never got."""
     net, ips = loopback_shadows
-    res = _run({"model": "cnn", "net": net, "ips": ips, "resume": False,
-                "misuse": "second-backward", "out": str(tmp_path / "x")})
+    res = _run({"model": "cnn", "net": net, "ips": ips, "resume": False, "misuse": misuse,
+                "out": str(tmp_path / "x")})
     for r in res:
         assert r.returncode == 2, r.stderr[-2000:]
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-        assert "iteration 2: DDP reduced" in lines[0] and "twice" in lines[0]
-        assert "no_sync" in lines[0]
+        assert lines[0].startswith("checkmate: error: iteration 2: "), lines[0]
+        assert needle in lines[0] and "no_sync()" in lines[0], lines[0]
 
 
 def _launch(tmp_path: Path, name: str, env: dict[str, str] | None = None

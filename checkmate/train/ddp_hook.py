@@ -17,13 +17,15 @@ rank once per iteration (about 1/world of the gradient per rank), and a shadow's
 requests go to the trainer that holds the range. Every datagram carries the flat offset
 from the spec and the iteration of ``begin()``.
 
-``step()`` first checks that every parameter was reduced exactly once in this iteration
-(two backward passes outside ``ddp.no_sync()``, a step without backward, or a frozen
-parameter would make the shadows differ from the trainers) and raises a CheckmateError on
-every rank otherwise. Gradient accumulation with ``ddp.no_sync()`` works as in stock DDP:
-only the last backward reduces, and that sum is what trainers and shadows apply. A parameter
-DDP left without a gradient (``find_unused_parameters=True`` and unused on every rank) was
-reduced as zeros; its ``grad`` is set to zeros, as the shadows apply them.
+``step()`` first checks that every parameter was reduced exactly once in this iteration and
+that no later backward pass (inside ``ddp.no_sync()``) added to a reduced gradient (two
+reducing passes, an accumulation after the reduction, or a step without backward would make
+the shadows differ from the trainers) and raises a CheckmateError on every rank otherwise;
+a post-accumulate-grad hook per parameter counts the backward passes for that. Gradient
+accumulation with ``ddp.no_sync()`` works as in stock DDP: only the last backward reduces,
+and that sum is what trainers and shadows apply. A parameter DDP left without a gradient
+(``find_unused_parameters=True`` and unused on every rank) was reduced as zeros; its
+``grad`` is set to zeros, as the shadows apply them.
 """
 
 from __future__ import annotations
@@ -113,9 +115,13 @@ class DDPSession(CheckmateSession):
         self._segments: dict[str, list[Segment]] = {}
         self._piece = 0
         self._lock = threading.Lock()
-        # Per iteration: parameter names reduced, and names reduced more than once.
-        self._reduced: dict[int, set[str]] = defaultdict(set)
+        # Per iteration: parameter name -> the backward pass that reduced it; names reduced
+        # more than once; names whose gradient grew in a later pass (no_sync after reducing).
+        self._reduced: dict[int, dict[str, int]] = defaultdict(dict)
         self._twice: dict[int, list[str]] = defaultdict(list)
+        self._late: dict[int, list[str]] = defaultdict(list)
+        self._pass = 0  # backward passes seen (our post-accumulate hooks count them)
+        self._in_pass = False
         self.hook_stats = {"buckets": 0, "pieces": 0, "bytes": 0}
 
     # ------------------------------------------------------------------ setup
@@ -126,6 +132,8 @@ class DDPSession(CheckmateSession):
             return
         self._piece = self._start_parity()
         self._segments = owned_segments(self.spec, self.buckets, lay.world, lay.rank)
+        for name, p in self.module.named_parameters():
+            p.register_post_accumulate_grad_hook(self._accumulate_hook(name))
         try:
             self.ddp.register_comm_hook(self, _hook)
         except (RuntimeError, ValueError) as e:
@@ -141,7 +149,7 @@ class DDPSession(CheckmateSession):
         with self._lock:
             seen = self._reduced[it]
             self._twice[it].extend(n for n in names if n in seen)
-            seen.update(names)
+            seen.update(dict.fromkeys(names, self._pass))
         buf = bucket.buffer()
         pg = self._pg
         buf.div_(dist.get_world_size(pg))
@@ -194,6 +202,27 @@ class DDPSession(CheckmateSession):
                     self.hook_stats["bytes"] += len(payload)
             self.hook_stats["buckets"] += 1
 
+    def _accumulate_hook(self, name: str):  # noqa: ANN202
+        def hook(_p: torch.Tensor) -> None:
+            self._accumulated(name)
+        return hook
+
+    def _accumulated(self, name: str) -> None:
+        """A backward pass added to ``name``'s gradient: flag it if an earlier pass of this
+        iteration already reduced it (what the shadows got would not be what steps)."""
+        if not self._in_pass:
+            self._in_pass = True
+            self._pass += 1
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+        it = self.iteration
+        with self._lock:
+            at = self._reduced.get(it, {}).get(name)
+            if at is not None and at != self._pass:
+                self._late[it].append(name)
+
+    def _end_pass(self) -> None:
+        self._in_pass = False
+
     # ------------------------------------------------------------------ per iteration
     def step(self, extra: dict[str, Any] | None = None) -> float | None:
         """Check that this iteration's gradient reached the shadows once, then step as
@@ -205,16 +234,23 @@ class DDPSession(CheckmateSession):
             raise CheckmateError(f"step() again for iteration {it}: call begin(iteration) "
                                  "before each iteration's forward and backward")
         with self._lock:
-            reduced = self._reduced.pop(it, set())
+            reduced = self._reduced.pop(it, {})
             twice = self._twice.pop(it, [])
+            late = self._late.pop(it, [])
             for old in [i for i in self._reduced if i < it]:
                 del self._reduced[old]
                 self._twice.pop(old, None)
+                self._late.pop(old, None)
         if twice:
             raise CheckmateError(
                 f"iteration {it}: DDP reduced {twice[0]} twice (a second backward outside "
                 f"ddp.no_sync() before the step, or no begin() between iterations); the "
                 f"shadows hold the first gradient only -- accumulate with ddp.no_sync()")
+        if late:
+            raise CheckmateError(
+                f"iteration {it}: a backward after DDP reduced {late[0]} (inside "
+                f"ddp.no_sync()) added to its gradient; the shadows hold the reduced gradient "
+                f"only -- run the no_sync() passes first and the reducing one last")
         missing = [p.name for p in self.spec.params if p.name not in reduced]
         if missing:
             raise CheckmateError(
