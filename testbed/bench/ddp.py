@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"after each checkmate round the shadows needed a median "
           f"{1000 * statistics.median(data['catchup']):.1f} ms more to commit its last "
           f"iteration (not counted above)")
-    print(f"rank 0 sent the shadows {data['copy_bytes'] / len(times['checkmate']) / 1e6:.2f} "
+    per_it = data["copy_bytes"] / len(data["times"]["checkmate"])  # every iteration sends
+    print(f"rank 0 sent the shadows {per_it / 1e6:.2f} "
           f"MB of gradient and {data['control_bytes']} control bytes per iteration; "
           f"last iteration protected: {data['protected']}")
     if args.json:
