@@ -10,6 +10,7 @@ bit for bit. The other tests cover the command line, the worker's environment an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -242,22 +244,73 @@ def test_stock_torch_optimizer_is_refused():
     sess.close()
 
 
-def test_shadow_serve_without_config_learns_the_job_from_the_spec(tmp_path):
-    ip = f"127.82.{random.randrange(1, 255)}.100"
-    log = tmp_path / "shadow.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "checkmate.shadow.cli", "serve",
-                                 "--partition", "0/2", "--bind", ip], stdout=f, stderr=f)
+@contextlib.contextmanager
+def _configless_shadows(tmp_path: Path, count: int) -> Iterator[list[str]]:
+    """``count`` ``shadow serve --partition p/count --bind IP`` processes, no config."""
+    net = f"127.82.{random.randrange(1, 255)}"
+    ips = [f"{net}.{100 + p}" for p in range(count)]
+    procs: list[subprocess.Popen] = []
     try:
+        for p, ip in enumerate(ips):
+            with open(tmp_path / f"shadow{p}.log", "wb") as f:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
+                     f"{p}/{count}", "--bind", ip], stdout=f, stderr=f))
         deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
+        for p, (ip, proc) in enumerate(zip(ips, procs, strict=True)):
+            log = tmp_path / f"shadow{p}.log"
+            while True:
+                assert proc.poll() is None, log.read_text()[-2000:]
+                try:
+                    socket.create_connection((ip, cfgmod.RESTORE_PORT), 0.5).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, log.read_text()[-2000:]
+                    time.sleep(0.2)
+        yield ips
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
             try:
-                socket.create_connection((ip, cfgmod.RESTORE_PORT), 0.5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, log.read_text()[-2000:]
-                time.sleep(0.2)
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.slow
+def test_launch_with_running_shadows_and_resume(tmp_path, capsys):
+    """`--shadow` shadows started by hand without a config: the launcher checks their
+    partitions, the job seeds them (they learn its id), and a second launch with --resume
+    continues where the first stopped."""
+    with _configless_shadows(tmp_path, 2) as ips:
+        assert launch_main(["launch", "--nproc-per-node", "2", "--shadow", ips[1],
+                            "--shadow", ips[0], str(EXAMPLE)]) == 2
+        err = capsys.readouterr().err
+        assert "serves partition 1/2, --shadow number 1 must serve 0/2" in err, err
+        base = [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
+                "--shadow", ips[0], "--shadow", f"{ips[1]}:{cfgmod.RESTORE_PORT}",
+                "--progress-every", "4"]
+        p = subprocess.run([*base, str(EXAMPLE), "--steps", "8"], capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+        assert "attempt 0: seeded 2 shadow(s)" in p.stdout, p.stdout
+        for p_, ip in enumerate(ips):
+            with ShadowClient((ip, cfgmod.RESTORE_PORT)) as c:
+                st = c.status()
+            assert (st["partition"], st["job"], st["latest"]) == (p_, 1, 8), st
+        p = subprocess.run([*base, "--resume", str(EXAMPLE), "--steps", "12"],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+        assert "attempt 0: resumed from the shadows at iteration 8" in p.stdout, p.stdout
+        assert "the shadows hold iteration 12 " in p.stdout, p.stdout
+
+
+def test_shadow_serve_without_config_learns_the_job_from_the_spec(tmp_path):
+    with _configless_shadows(tmp_path, 2) as ips:
+        ip = ips[0]
+        log = tmp_path / "shadow0.log"
         model = torch.nn.Linear(8, 4)
         from checkmate.optim import SGD
 
@@ -274,9 +327,6 @@ def test_shadow_serve_without_config_learns_the_job_from_the_spec(tmp_path):
             with pytest.raises(CheckmateError, match="different spec"):
                 c.send_spec(other)
         assert "serving udp" in log.read_text()
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_shadow_serve_without_config_rejects_what_needs_one(capsys):
