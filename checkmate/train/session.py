@@ -278,15 +278,22 @@ class CheckmateSession:
         text = f"checkmate: iteration {it}"
         if loss is not None:
             text += f" loss {float(loss.detach() if torch.is_tensor(loss) else loss):.4f}"
-        if self.monitor is not None:
-            self.monitor.poll_once()  # the shadows' state now, not at the last poll
-        prot = self.protection()
         if self.layout.mode == "off":
             text += " | not protected (mode off)"
         else:
-            lags = " ".join(str(v["lag"]) for v in prot["shadows"].values())
-            text += (f" | shadows hold iteration {prot['newest_consistent']} "
-                     f"(lag per shadow: {lags})")
+            # Asked now on connections of its own (the monitor thread owns its clients).
+            from checkmate.shadow_client import ShadowClient
+
+            latest: list[int | None] = []
+            for a in self.layout.shadow_tcp:
+                try:
+                    with ShadowClient(a, 2.0) as c:
+                        latest.append(c.status().get("latest"))
+                except (CheckmateError, OSError):
+                    latest.append(None)
+            held = min(latest) if None not in latest else None
+            lags = " ".join("?" if x is None else str(it - x) for x in latest)
+            text += f" | shadows hold iteration {held} (lag per shadow: {lags})"
         print(text, flush=True)
 
     # ------------------------------------------------------------------ setup
