@@ -147,6 +147,28 @@ def test_console_script_and_worker_errors_are_one_line(tmp_path):
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+@pytest.mark.slow
+def test_restart_before_any_seed_starts_fresh(tmp_path):
+    """The first attempt dies before the shadows were seeded (rank 1 exits at once): the
+    restarted group has nothing to resume from, says so, and trains from iteration 1."""
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        "import os\nimport runpy\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and os.environ['RANK'] == '1':\n"
+        "    os._exit(5)\n"
+        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n")
+    p = subprocess.run([sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node",
+                        "2", "--shadows", "1", "--max-restarts", "1", "--progress-every", "3",
+                        str(script), "--steps", "3"], capture_output=True, text=True,
+                       timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "restarting the worker group" in out, out[-3000:]
+    assert "no shadow was seeded before the restart: starting fresh" in p.stdout, p.stdout
+    assert "attempt 1: seeded 1 shadow(s)" in p.stdout, p.stdout
+    assert "the shadows hold iteration 3 " in p.stdout, p.stdout
+
+
 def test_failed_group_without_restarts_is_one_line_per_process(tmp_path):
     """Rank 1 exits after the rendezvous; rank 0's collective fails in gloo: one line from
     rank 0 (not a traceback), and one from the launcher naming both ranks, exit 2."""
