@@ -112,6 +112,8 @@ def _quiet_agent() -> None:
 
     agent_log = logging.getLogger(agent_api.__name__)
     agent_log.setLevel(logging.INFO)
+    if any(getattr(f, "checkmate", False) for f in agent_log.filters):
+        return  # a second launch in this process (tests)
 
     def only_restarts(rec: logging.LogRecord) -> bool:
         if rec.levelno >= logging.WARNING:
@@ -123,6 +125,7 @@ def _quiet_agent() -> None:
                   "resumes from the shadows", flush=True)
         return False
 
+    only_restarts.checkmate = True  # type: ignore[attr-defined]
     agent_log.addFilter(only_restarts)
 
 
