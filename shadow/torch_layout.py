@@ -14,8 +14,8 @@ each a contiguous flat range, so every chunk is a plain view of the partition's 
 What a partition writes: its chunks of every parameter (``model.<name>``) and optimizer slot
 (``optim.state.<i>.<slot>``, only once a step was taken, as torch has no state before);
 the owner of a parameter's first element writes its ``optim.state.<i>.step``; partition 0
-writes the rest whole: buffers, ``optim.param_groups``, ``scheduler``, ``extra`` and
-``checkmate`` (iteration, step, lrs).
+writes the rest whole: parameters without elements, buffers, ``optim.param_groups``,
+``scheduler``, ``extra`` and ``checkmate`` (iteration, step, lrs, partitions).
 """
 
 from __future__ import annotations
