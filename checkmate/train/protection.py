@@ -67,6 +67,9 @@ class ProtectionMonitor:
         self._clients = [ShadowClient(a, timeout=2.0) for a in self.addrs]
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        # One poller at a time: finish() polls from the training thread while the monitor's
+        # thread may be polling, and both would use the same shadow connections.
+        self._polling = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ckm-protect", daemon=True)
 
     def start(self) -> ProtectionMonitor:
@@ -88,6 +91,10 @@ class ProtectionMonitor:
             self.poll_once()
 
     def poll_once(self) -> None:
+        with self._polling:
+            self._poll()
+
+    def _poll(self) -> None:
         done = self.sess.done_iteration
         for p, c in enumerate(self._clients):
             v = self.views[p]
