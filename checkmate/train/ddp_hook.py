@@ -31,6 +31,7 @@ and that sum is what trainers and shadows apply. A parameter DDP left without a 
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -122,7 +123,9 @@ class DDPSession(CheckmateSession):
         self._late: dict[int, list[str]] = defaultdict(list)
         self._pass = 0  # backward passes seen (our post-accumulate hooks count them)
         self._in_pass = False
-        self.hook_stats = {"buckets": 0, "pieces": 0, "bytes": 0}
+        #: Replicated buckets, pieces, bytes, and seconds spent copying and sending them.
+        self.hook_stats: dict[str, float] = {"buckets": 0, "pieces": 0, "bytes": 0,
+                                             "seconds": 0.0}
 
     # ------------------------------------------------------------------ setup
     def _start_comm(self, nonce: int) -> None:
@@ -167,6 +170,7 @@ class DDPSession(CheckmateSession):
     def _replicate(self, it: int, index: int, names: list[str],
                    grads: list[torch.Tensor]) -> None:
         """Send this rank's segments of one reduced bucket, merged where they touch."""
+        t0 = time.perf_counter()
         runs: list[tuple[int, int, np.ndarray]] = []  # (flat offset, partition, values)
         for name, g in zip(names, grads, strict=True):
             segs = self._segments.get(name)
@@ -201,6 +205,7 @@ class DDPSession(CheckmateSession):
                     self.hook_stats["pieces"] += 1
                     self.hook_stats["bytes"] += len(payload)
             self.hook_stats["buckets"] += 1
+            self.hook_stats["seconds"] += time.perf_counter() - t0
 
     def _accumulate_hook(self, name: str):  # noqa: ANN202
         def hook(_p: torch.Tensor) -> None:

@@ -9,10 +9,11 @@ two variants alternate in ``--rounds`` rounds of ``--iters`` iterations, the ord
 every round; every iteration (forward, backward, step) is timed on rank 0 after a barrier
 at the round start. After a Checkmate round rank 0 waits until both shadows committed its
 last iteration (reported, not counted), so the shadows' work never lands in a stock round.
-Prints the median iteration time of each variant and ends with one line
-``ddp ratio: <x>``, the baseline's median iteration time over Checkmate's (its throughput
-relative to stock DDP; higher is better, 1.0 means free). The shadows run on the same cores
-as the trainers.
+Prints the median iteration time of each variant, per round and overall, and ends with one
+line ``ddp ratio: <x>``: the median over rounds of the baseline's median iteration time
+over Checkmate's in the same round (Checkmate's throughput relative to stock DDP; higher is
+better, 1.0 means free; per round because the load of a shared machine drifts). The
+shadows run on the same cores as the trainers.
 """
 
 from __future__ import annotations
@@ -203,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     # The first iterations of each variant (DDP's first pass, allocator, caches) are warm-up.
     times = {k: v[args.warmup:] for k, v in data["times"].items()}
     med = {k: statistics.median(v) for k, v in times.items()}
+    # Per round: the median of each variant's iterations, and their ratio. The machine's load
+    # drifts between rounds; two neighbouring rounds see about the same load.
+    n = args.iters
+    rounds = [{k: statistics.median(v[max(r * n, args.warmup):(r + 1) * n])
+               for k, v in data["times"].items()}
+              for r in range(args.rounds) if (r + 1) * n > args.warmup]
+    ratios = [m["stock"] / m["checkmate"] for m in rounds]
     print(f"stock DDP (gloo) with and without Checkmate: {args.model} width {args.width} "
           f"({data['params']} parameters), {args.world} trainers, 2 shadows, host mode, "
           f"{args.rounds} alternated rounds of {args.iters} iterations (first "
@@ -212,18 +220,26 @@ def main(argv: list[str] | None = None) -> int:
         v = times[k]
         print(f"{k:<12} {1000 * med[k]:>13.2f} {1 / med[k]:>8.2f} {1000 * min(v):>8.2f} "
               f"{1000 * max(v):>8.2f}")
+    print("per round, median ms/it stock / checkmate (ratio): " + ", ".join(
+        f"{1000 * m['stock']:.0f}/{1000 * m['checkmate']:.0f} ({x:.2f})"
+        for m, x in zip(rounds, ratios, strict=True)))
+    print(f"median over all iterations: stock / checkmate = {med['stock'] / med['checkmate']:.3f}")
     print(f"after each checkmate round the shadows needed a median "
           f"{1000 * statistics.median(data['catchup']):.1f} ms more to commit its last "
           f"iteration (not counted above)")
-    per_it = data["copy_bytes"] / len(data["times"]["checkmate"])  # every iteration sends
+    steps = len(data["times"]["checkmate"])  # every iteration sends, warm-up ones too
+    per_it = data["copy_bytes"] / steps
     print(f"rank 0 sent the shadows {per_it / 1e6:.2f} "
           f"MB of gradient and {data['control_bytes']} control bytes per iteration; "
           f"last iteration protected: {data['protected']}")
+    print(f"rank 0's comm hook spent {1000 * data['hook']['seconds'] / steps:.1f} ms per "
+          f"iteration copying and sending its share (replica log, datagrams)")
     if args.json:
-        Path(args.json).write_text(json.dumps({**data, "median_s": med}, indent=1))
+        Path(args.json).write_text(json.dumps({**data, "median_s": med, "round_ratios": ratios},
+                                              indent=1))
     if not data["protected"]:
         raise CheckmateError("the shadows did not commit the last iteration")
-    print(f"ddp ratio: {med['stock'] / med['checkmate']:.3f}")
+    print(f"ddp ratio: {statistics.median(ratios):.3f}")
     return 0
 
 
