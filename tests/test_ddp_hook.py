@@ -93,6 +93,14 @@ def _worker(cfg: dict) -> int:
             shadow_tcp=[(ip, cfgmod.RESTORE_PORT) for ip in ips], mode="host", seed=SEED,
             bucket_elems=cfg.get("bucket_elems", 4096))
         sess = DDPSession(ddp, w.optimizer, w.scheduler, layout, w.max_grad_norm)
+        if cfg.get("drop_every"):  # lose every k-th copy on its way: the shadows must repair
+            send, sent = sess.sender.copy, [0]
+
+            def lossy(*a: object) -> None:
+                sent[0] += 1
+                if sent[0] % cfg["drop_every"]:
+                    send(*a)
+            sess.sender.copy = lossy
         start = sess.start(resume=cfg["resume"])
         if cfg["resume"]:
             assert sess.restored_extra == {"data": {"iteration": start}}
@@ -118,7 +126,8 @@ def _worker(cfg: dict) -> int:
             torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
                         "shadow_model": msd, "shadow_optimizer": osd, "shadow_iteration": sit,
                         "start": start, "protected": prot["protected"],
-                        "hook_stats": sess.hook_stats, "copy_bytes": sess.sender.copy_bytes},
+                        "hook_stats": sess.hook_stats, "copy_bytes": sess.sender.copy_bytes,
+                        "repair": sess.repair.status()},
                        out)
         sess.close()
         return 0
@@ -168,7 +177,9 @@ def _assert_optim_equal(a: dict, b: dict, what: str, lrs: bool = True) -> None:
 def test_stock_ddp_kill_restore_bit_identical(loopback_shadows, tmp_path):
     """gpt: AdamW with two groups, clipping, dropout, warm-up + cosine, two micro-batches
     per step (the first under ``ddp.no_sync()``). Small DDP buckets, so DDP's rebuild after
-    iteration 1 reorders several buckets while the shadows' offsets stay the spec's.
+    iteration 1 reorders several buckets while the shadows' offsets stay the spec's. After
+    the restore every 9th replicated copy is lost, so the shadows repair from the trainers
+    that hold them.
     (BatchNorm buffers through the hook: the launcher test's example.)"""
     net, ips = loopback_shadows
     ref = tmp_path / "plain.pt"
@@ -177,7 +188,7 @@ def test_stock_ddp_kill_restore_bit_identical(loopback_shadows, tmp_path):
     res = _run({**base, "resume": False, "kill_at": KILL_AT, "reference": str(ref)})
     assert [r.returncode for r in res] == [-signal.SIGKILL] * 2, [r.stderr[-2000:] for r in res]
     out = tmp_path / "hook.pt"
-    res = _run({**base, "resume": True, "out": str(out)})
+    res = _run({**base, "resume": True, "out": str(out), "drop_every": 9})
     assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]
 
     plain = torch.load(ref, weights_only=False)
@@ -186,6 +197,10 @@ def test_stock_ddp_kill_restore_bit_identical(loopback_shadows, tmp_path):
     assert got["protected"] is True and got["shadow_iteration"] == STEPS
     assert got["hook_stats"]["pieces"] > 0 and got["copy_bytes"] > 0
     assert got["hook_stats"]["buckets"] >= 4 * (STEPS - got["start"])  # several DDP buckets
+    # every 9th copy was lost: the shadows asked rank 0 for its own pieces (the owners map
+    # of the hook's shares) and got them from its replica log
+    assert got["repair"]["requests"] > 0 and got["repair"]["answered_elements"] > 0
+    assert got["repair"]["gone"] == 0
     # the trainers after kill + restore equal stock DDP that never saw Checkmate
     _assert_equal(got["model"], plain["model"], "restored run vs stock DDP")
     _assert_optim_equal(got["optimizer"], plain["optimizer"], "restored run vs stock DDP")
