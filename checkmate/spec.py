@@ -215,7 +215,7 @@ class ModelSpec:
             raise SpecError("spec.optimizer.groups must be a non-empty list")
         groups, grouped = [], set()
         for i, gd in enumerate(glist):
-            groups.append(_group(gd, f"spec.optimizer.groups[{i}]", names, grouped))
+            groups.append(_group(gd, f"spec.optimizer.groups[{i}]", names, grouped, kind))
         if grouped != names:
             missing = sorted(names - grouped)
             raise SpecError(f"parameters in no optimizer group: {', '.join(missing[:5])}")
@@ -537,7 +537,12 @@ def _shape(v: Any, where: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _group(gd: Any, where: str, names: set[str], grouped: set[str]) -> GroupSpec:
+def _group(gd: Any, where: str, names: set[str], grouped: set[str], kind: str) -> GroupSpec:
+    """One param group; a field it omits takes torch's default for ``kind``
+    (checkmate.optim.hyper.DEFAULTS, the one table of defaults)."""
+    from checkmate.optim.hyper import DEFAULTS
+
+    dflt = DEFAULTS[kind]
     gd = _mapping(gd, where)
     plist = gd.get("params")
     if not isinstance(plist, list) or not all(isinstance(n, str) for n in plist):
@@ -551,15 +556,18 @@ def _group(gd: Any, where: str, names: set[str], grouped: set[str]) -> GroupSpec
     lr = _num(gd, "lr", where, math.nan) if "lr" in gd else None
     if lr is None or lr < 0:
         raise SpecError(f"{where}.lr must be a non-negative number")
-    betas = gd.get("betas", [0.9, 0.999])
+    betas = gd.get("betas", list(dflt.get("betas", (0.9, 0.999))))
     if (not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(
             isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
             for b in betas)):
         raise SpecError(f"{where}.betas must be two numbers in [0, 1), got {betas!r}")
     return GroupSpec(
         params=tuple(plist), lr=lr, betas=(float(betas[0]), float(betas[1])),
-        eps=_num(gd, "eps", where, 1e-8), weight_decay=_num(gd, "weight_decay", where, 0.0),
-        amsgrad=_bool(gd, "amsgrad", where), momentum=_num(gd, "momentum", where, 0.0),
-        dampening=_num(gd, "dampening", where, 0.0), nesterov=_bool(gd, "nesterov", where),
+        eps=_num(gd, "eps", where, dflt.get("eps", 1e-8)),
+        weight_decay=_num(gd, "weight_decay", where, dflt["weight_decay"]),
+        amsgrad=_bool(gd, "amsgrad", where), momentum=_num(gd, "momentum", where,
+                                                          dflt.get("momentum", 0.0)),
+        dampening=_num(gd, "dampening", where, dflt.get("dampening", 0.0)),
+        nesterov=_bool(gd, "nesterov", where),
         maximize=_bool(gd, "maximize", where),
     )

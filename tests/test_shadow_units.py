@@ -180,6 +180,23 @@ def test_spec_rejects_bad_fields(mutate, why):
         ModelSpec.from_json(d)
 
 
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
+def test_spec_group_defaults_are_the_optimizers_defaults(kind):
+    """A group that omits a hyperparameter gets torch's default for its kind, the same value
+    checkmate.optim.hyper.resolve gives (AdamW's weight_decay is 0.01, not 0)."""
+    from checkmate.optim.hyper import resolve
+
+    d = _spec_dict()
+    d["optimizer"]["kind"] = kind
+    for g in d["optimizer"]["groups"]:
+        for k in ("betas", "eps", "weight_decay", "momentum", "dampening"):
+            g.pop(k, None)
+    spec = ModelSpec.from_json(d)
+    for g in spec.groups:
+        want = resolve(kind, {"lr": g.lr})
+        assert g.hyper(kind) == {k: want[k] for k in g.hyper(kind)}
+
+
 def test_spec_round_trip_and_torch_state_dicts():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
