@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import socket
 import subprocess
@@ -51,3 +52,46 @@ def loopback_shadows(tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+# ----- ring allreduce on loopback -------------------------------------------------------
+_ring_net = itertools.count(1)
+# A random second octet per run, so two suite runs on one machine never share addresses.
+_RING_OCTET = random.randrange(100, 200)
+
+
+class RingKit:
+    """Builds rings of RingAllreduce over real UDP sockets on loopback (127.R.x.y).
+
+    Loss and corruption come from ``LossyLink``, a test double of a lossy network applied to
+    outgoing datagrams (loopback has no switch).
+    """
+
+    @staticmethod
+    def make(world: int, total: int, partitions: int = 2, chunk: int = 512,
+             link: float = 0.0, corrupt: float = 0.0, on_reduced=None, nonce: int = 99):
+        from checkmate.train.ring import RingAllreduce
+        from checkmate.train.transport import LossyLink, open_socket
+
+        net = f"127.{_RING_OCTET}.{next(_ring_net)}"
+        addrs = [(f"{net}.{10 + r}", 47000) for r in range(world)]
+        socks = [open_socket(*a) for a in addrs]
+        rings = []
+        for r in range(world):
+            lk = LossyLink(link, corrupt, seed=r) if (link or corrupt) else None
+            cb = (lambda *a, r=r: on_reduced(r, *a)) if on_reduced else None
+            rings.append(RingAllreduce(r, world, socks[r], addrs[(r + 1) % world],
+                                       addrs[(r - 1) % world], 7, nonce, total, partitions,
+                                       chunk=chunk, link=lk, rto=0.03, on_reduced=cb,
+                                       stall_timeout=20))
+        return rings
+
+    @staticmethod
+    def close_all(rings) -> None:
+        for r in rings:
+            r.close(timeout=1.0)
+
+
+@pytest.fixture
+def ring_kit() -> RingKit:
+    return RingKit()

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from checkmate.train.ddp import CheckmateDDP, bucket_ranges
-from tests.test_train_ring import close_all, make_ring
 
 
 def test_bucket_ranges_cover_in_reverse_and_respect_params():
@@ -35,11 +34,11 @@ def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("zero_to_none", [True, False])
-def test_gradients_equal_the_mean_over_ranks(zero_to_none):
+def test_gradients_equal_the_mean_over_ranks(zero_to_none, ring_kit):
     world = 2
     models = [_model() for _ in range(world)]
     total = sum(p.numel() for p in models[0].parameters())
-    rings = make_ring(world, total, partitions=2, chunk=64)
+    rings = ring_kit.make(world, total, partitions=2, chunk=64)
     try:
         ddps = [CheckmateDDP(m, r, bucket_elems=100) for m, r in zip(models, rings, strict=True)]
         assert len(ddps[0].buckets) > 1
@@ -71,4 +70,4 @@ def test_gradients_equal_the_mean_over_ranks(zero_to_none):
             flat = torch.cat([p.grad.reshape(-1) for p in ddps[0].module.parameters()])
             assert torch.equal(flat, ddps[0].flat_gradient())
     finally:
-        close_all(rings)
+        ring_kit.close_all(rings)

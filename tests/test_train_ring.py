@@ -7,8 +7,6 @@ the real switch's fault knobs instead.
 
 from __future__ import annotations
 
-import itertools
-import random
 import threading
 
 import numpy as np
@@ -17,33 +15,7 @@ import torch
 
 from checkmate import wire
 from checkmate.partition import partition_bounds
-from checkmate.train.ring import MAX_CHUNK, RingAllreduce
-from checkmate.train.transport import LossyLink, open_socket
-
-_net = itertools.count(1)
-# A random second octet per run, so two suite runs on one machine never share addresses.
-_OCTET = random.randrange(100, 200)
-
-
-def make_ring(world: int, total: int, partitions: int = 2, chunk: int = 512,
-              link: float = 0.0, corrupt: float = 0.0, on_reduced=None, nonce: int = 99):
-    net = f"127.{_OCTET}.{next(_net)}"
-    addrs = [(f"{net}.{10 + r}", 47000) for r in range(world)]
-    socks = [open_socket(*a) for a in addrs]
-    rings = []
-    for r in range(world):
-        lk = LossyLink(link, corrupt, seed=r) if (link or corrupt) else None
-        cb = (lambda *a, r=r: on_reduced(r, *a)) if on_reduced else None
-        rings.append(RingAllreduce(r, world, socks[r], addrs[(r + 1) % world],
-                                   addrs[(r - 1) % world], 7, nonce, total, partitions,
-                                   chunk=chunk, link=lk, rto=0.03, on_reduced=cb,
-                                   stall_timeout=20))
-    return rings
-
-
-def close_all(rings):
-    for r in rings:
-        r.close(timeout=1.0)
+from checkmate.train.ring import MAX_CHUNK
 
 
 def run_allreduce(rings, tensors, base=0, iteration=1, bucket=0):
@@ -65,9 +37,9 @@ def ring_order_sum(xs: list[torch.Tensor], world: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world,chunk", [(2, 512), (3, 512), (4, 512), (3, 16_000)])
-def test_exact_sum_identical_on_every_rank(world, chunk):
+def test_exact_sum_identical_on_every_rank(world, chunk, ring_kit):
     n = 100_007
-    rings = make_ring(world, n, chunk=chunk)
+    rings = ring_kit.make(world, n, chunk=chunk)
     try:
         g = torch.Generator().manual_seed(world)
         xs = [torch.randn(n, generator=g) for _ in range(world)]
@@ -77,13 +49,13 @@ def test_exact_sum_identical_on_every_rank(world, chunk):
             assert torch.equal(t, expect)
         assert all(r.stats["resent"] == 0 for r in rings)
     finally:
-        close_all(rings)
+        ring_kit.close_all(rings)
 
 
 @pytest.mark.parametrize("chunk", [512, 6_000])
-def test_exact_sum_under_loss_and_corruption(chunk):
+def test_exact_sum_under_loss_and_corruption(chunk, ring_kit):
     world, n = 4, 40_011
-    rings = make_ring(world, n, link=0.05, corrupt=0.05, chunk=chunk)
+    rings = ring_kit.make(world, n, link=0.05, corrupt=0.05, chunk=chunk)
     try:
         g = torch.Generator().manual_seed(5)
         for it in range(1, 4):
@@ -96,11 +68,11 @@ def test_exact_sum_under_loss_and_corruption(chunk):
         assert sum(r.stats["corrupt"] for r in rings) > 0
         assert sum(r.link.dropped for r in rings) > 0
     finally:
-        close_all(rings)
+        ring_kit.close_all(rings)
 
 
 @pytest.mark.parametrize("chunk", [512, 16_000])
-def test_each_element_reduced_exactly_once_split_at_partitions(chunk):
+def test_each_element_reduced_exactly_once_split_at_partitions(chunk, ring_kit):
     world, total, parts = 4, 60_001, 3
     base, n = 1_234, 55_000  # a bucket in the middle of the flat space
     seen = []
@@ -110,7 +82,7 @@ def test_each_element_reduced_exactly_once_split_at_partitions(chunk):
         with lock:
             seen.append((rank, iteration, bucket, offset, partition, payload))
 
-    rings = make_ring(world, total, partitions=parts, on_reduced=on_reduced, chunk=chunk)
+    rings = ring_kit.make(world, total, partitions=parts, on_reduced=on_reduced, chunk=chunk)
     try:
         xs = [torch.full((n,), float(r + 1)) for r in range(world)]
         res = run_allreduce(rings, [x.clone() for x in xs], base=base, iteration=3, bucket=2)
@@ -133,15 +105,15 @@ def test_each_element_reduced_exactly_once_split_at_partitions(chunk):
             g = (r + 1) % world
             assert per_rank[r] == (g + 1) * n // world - g * n // world
     finally:
-        close_all(rings)
+        ring_kit.close_all(rings)
 
 
 @pytest.mark.parametrize("chunk", [700, 16_000])
-def test_replicate_flag_on_first_all_gather_hop_only(chunk):
+def test_replicate_flag_on_first_all_gather_hop_only(chunk, ring_kit):
     """Sniff every datagram of a 3-rank ring: each element is sent with REPLICATE once,
     in datagrams that fit one jumbo frame."""
     world, n = 3, 30_001
-    rings = make_ring(world, n, partitions=2, chunk=chunk)
+    rings = ring_kit.make(world, n, partitions=2, chunk=chunk)
     tagged = np.zeros(n, np.int32)
     orig = [r._transmit for r in rings]
 
@@ -161,12 +133,12 @@ def test_replicate_flag_on_first_all_gather_hop_only(chunk):
         run_allreduce(rings, [torch.ones(n) for _ in range(world)])
         assert tagged.min() == 1 and tagged.max() == 1
     finally:
-        close_all(rings)
+        ring_kit.close_all(rings)
 
 
-def test_buckets_out_of_order_and_foreign_datagrams_dropped():
+def test_buckets_out_of_order_and_foreign_datagrams_dropped(ring_kit):
     world, n = 2, 4_000
-    rings = make_ring(world, n, partitions=1, nonce=5)
+    rings = ring_kit.make(world, n, partitions=1, nonce=5)
     try:
         # rank 1 submits bucket 1 first, rank 0 bucket 0 first: held until each side has both
         a0, a1 = torch.ones(2000), torch.ones(2000) * 2
@@ -192,17 +164,17 @@ def test_buckets_out_of_order_and_foreign_datagrams_dropped():
             time.sleep(0.01)
         assert rings[0].stats["foreign"] == 1 and rings[0].stats["malformed"] == 1
     finally:
-        close_all(rings)
+        ring_kit.close_all(rings)
 
 
-def test_bad_arguments_are_one_line_errors():
+def test_bad_arguments_are_one_line_errors(ring_kit):
     from checkmate.errors import CheckmateError
 
-    rings = make_ring(2, 100, partitions=1)
+    rings = ring_kit.make(2, 100, partitions=1)
     try:
         with pytest.raises(CheckmateError):
             rings[0].submit(torch.ones(10, dtype=torch.float64), 0, 1, 0)
         with pytest.raises(CheckmateError):
             rings[0].submit(torch.ones(10), 95, 1, 0)
     finally:
-        close_all(rings)
+        ring_kit.close_all(rings)
