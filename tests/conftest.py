@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import random
 import socket
@@ -16,33 +18,35 @@ import pytest
 from checkmate import config as cfgmod
 
 
-@pytest.fixture
-def loopback_shadows(tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
-    """Two real ``shadow serve`` processes (partitions 0/2 and 1/2) in host mode on a random
-    loopback /24 (127.81.x.100 and .101, the default ports); yields ``(net, shadow ips)``.
-    Trainers of the test take other addresses of ``net`` (e.g. .10, .11)."""
-    net = f"127.81.{random.randrange(1, 255)}"
-    ips = [f"{net}.100", f"{net}.101"]
+@contextlib.contextmanager
+def _serve_shadows(tmp_path: Path, ips: list[str], *extra: str,
+                   config: bool = True) -> Iterator[list[str]]:
+    """Real ``shadow serve --partition p/len(ips) --bind ips[p]`` processes in host mode
+    (default ports; with the default config and no registration, or with no config at
+    all), up and answering on TCP; terminated by PID at exit. Logs: tmp_path/shadow<p>.log.
+    """
     procs: list[subprocess.Popen] = []
+    cfg = (["--config", str(cfgmod.default_path()), "--no-register", "--window", "64"]
+           if config else [])
     try:
         for p, ip in enumerate(ips):
-            log = open(tmp_path / f"shadow{p}.log", "wb")  # noqa: SIM115
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
-                 f"{p}/2", "--config", str(cfgmod.default_path()), "--bind", ip,
-                 "--no-register", "--window", "64"], stdout=log, stderr=log))
-            log.close()
+            with open(tmp_path / f"shadow{p}.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
+                     f"{p}/{len(ips)}", "--bind", ip, *cfg, *extra], stdout=log, stderr=log))
         deadline = time.monotonic() + 60
         for p, (ip, proc) in enumerate(zip(ips, procs, strict=True)):
+            log_path = tmp_path / f"shadow{p}.log"
             while True:
-                assert proc.poll() is None, (tmp_path / f"shadow{p}.log").read_text()[-2000:]
+                assert proc.poll() is None, log_path.read_text()[-2000:]
                 try:
                     socket.create_connection((ip, cfgmod.RESTORE_PORT), 0.5).close()
                     break
                 except OSError:
-                    assert time.monotonic() < deadline, f"shadow {p} did not start"
+                    assert time.monotonic() < deadline, (f"shadow {p} did not start: "
+                                                         + log_path.read_text()[-2000:])
                     time.sleep(0.2)
-        yield net, ips
+        yield ips
     finally:
         for proc in procs:
             proc.terminate()
@@ -52,6 +56,23 @@ def loopback_shadows(tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture
+def serve_shadows(tmp_path: Path):
+    """``with serve_shadows(ips, *extra_args, config=True) as ips:`` -- real shadow
+    processes for the addresses given (see _serve_shadows)."""
+    return functools.partial(_serve_shadows, tmp_path)
+
+
+@pytest.fixture
+def loopback_shadows(tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
+    """Two real ``shadow serve`` processes (partitions 0/2 and 1/2) in host mode on a random
+    loopback /24 (127.81.x.100 and .101, the default ports); yields ``(net, shadow ips)``.
+    Trainers of the test take other addresses of ``net`` (e.g. .10, .11)."""
+    net = f"127.81.{random.randrange(1, 255)}"
+    with _serve_shadows(tmp_path, [f"{net}.100", f"{net}.101"]) as ips:
+        yield net, ips
 
 
 # ----- ring allreduce on loopback -------------------------------------------------------

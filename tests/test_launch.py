@@ -10,7 +10,6 @@ bit for bit. The other tests cover the command line, the worker's environment an
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import re
@@ -19,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -266,47 +264,18 @@ def test_stock_torch_optimizer_is_refused():
     sess.close()
 
 
-@contextlib.contextmanager
-def _configless_shadows(tmp_path: Path, count: int) -> Iterator[list[str]]:
-    """``count`` ``shadow serve --partition p/count --bind IP`` processes, no config."""
+def _configless_net(count: int) -> list[str]:
+    """Shadow addresses on a random loopback /24 (127.82.x.100, .101, ...)."""
     net = f"127.82.{random.randrange(1, 255)}"
-    ips = [f"{net}.{100 + p}" for p in range(count)]
-    procs: list[subprocess.Popen] = []
-    try:
-        for p, ip in enumerate(ips):
-            with open(tmp_path / f"shadow{p}.log", "wb") as f:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
-                     f"{p}/{count}", "--bind", ip], stdout=f, stderr=f))
-        deadline = time.monotonic() + 60
-        for p, (ip, proc) in enumerate(zip(ips, procs, strict=True)):
-            log = tmp_path / f"shadow{p}.log"
-            while True:
-                assert proc.poll() is None, log.read_text()[-2000:]
-                try:
-                    socket.create_connection((ip, cfgmod.RESTORE_PORT), 0.5).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, log.read_text()[-2000:]
-                    time.sleep(0.2)
-        yield ips
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    return [f"{net}.{100 + p}" for p in range(count)]
 
 
 @pytest.mark.slow
-def test_launch_with_running_shadows_and_resume(tmp_path, capsys):
+def test_launch_with_running_shadows_and_resume(tmp_path, capsys, serve_shadows):
     """`--shadow` shadows started by hand without a config: the launcher checks their
     partitions, the job seeds them (they learn its id), and a second launch with --resume
     continues where the first stopped."""
-    with _configless_shadows(tmp_path, 2) as ips:
+    with serve_shadows(_configless_net(2), config=False) as ips:
         assert launch_main(["launch", "--nproc-per-node", "2", "--shadow", ips[1],
                             "--shadow", ips[0], str(EXAMPLE)]) == 2
         err = capsys.readouterr().err
@@ -329,8 +298,8 @@ def test_launch_with_running_shadows_and_resume(tmp_path, capsys):
         assert "the shadows hold iteration 12 " in p.stdout, p.stdout
 
 
-def test_shadow_serve_without_config_learns_the_job_from_the_spec(tmp_path):
-    with _configless_shadows(tmp_path, 2) as ips:
+def test_shadow_serve_without_config_learns_the_job_from_the_spec(tmp_path, serve_shadows):
+    with serve_shadows(_configless_net(2), config=False) as ips:
         ip = ips[0]
         log = tmp_path / "shadow0.log"
         model = torch.nn.Linear(8, 4)

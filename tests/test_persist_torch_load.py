@@ -66,41 +66,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def persisting_shadows(tmp_path: Path) -> Iterator[tuple[str, list[str], Path]]:
+def persisting_shadows(tmp_path: Path, serve_shadows) -> Iterator[tuple[str, list[str], Path]]:
     """Two real shadows (0/2, 1/2) persisting every EVERY iterations into one shared dir."""
     net = f"127.82.{random.randrange(1, 255)}"
-    ips = [f"{net}.100", f"{net}.101"]
     ckpt = tmp_path / "ckpt"
-    procs: list[subprocess.Popen] = []
-    try:
-        for p, ip in enumerate(ips):
-            log = open(tmp_path / f"shadow{p}.log", "wb")  # noqa: SIM115
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
-                 f"{p}/2", "--config", str(cfgmod.default_path()), "--bind", ip,
-                 "--no-register", "--window", "64", "--dir", str(ckpt),
-                 "--persist-every", str(EVERY)], stdout=log, stderr=log))
-            log.close()
-        deadline = time.monotonic() + 60
-        for p, (ip, proc) in enumerate(zip(ips, procs, strict=True)):
-            while True:
-                assert proc.poll() is None, (tmp_path / f"shadow{p}.log").read_text()[-2000:]
-                try:
-                    socket.create_connection((ip, cfgmod.RESTORE_PORT), 0.5).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, f"shadow {p} did not start"
-                    time.sleep(0.2)
+    with serve_shadows([f"{net}.100", f"{net}.101"], "--dir", str(ckpt),
+                       "--persist-every", str(EVERY)) as ips:
         yield net, ips, ckpt
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def _train(net: str, ips: list[str]) -> tuple[torch.nn.Module, AdamW, object]:

@@ -11,9 +11,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -33,38 +30,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def shadows(tmp_path):
+def shadows(serve_shadows):
     net = f"127.80.{random.randrange(1, 255)}"
-    ips = [f"{net}.100", f"{net}.101"]
-    procs = []
-    try:
-        for p, ip in enumerate(ips):
-            log = open(tmp_path / f"shadow{p}.log", "wb")  # noqa: SIM115
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
-                 f"{p}/2", "--config", str(cfgmod.default_path()), "--bind", ip,
-                 "--no-register", "--window", "64"], stdout=log, stderr=log))
-            log.close()
-        deadline = time.monotonic() + 60
-        for ip, proc in zip(ips, procs, strict=True):
-            while True:
-                assert proc.poll() is None, (tmp_path / "shadow0.log").read_text()[-2000:]
-                try:
-                    socket.create_connection((ip, cfgmod.RESTORE_PORT), 0.5).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.2)
+    with serve_shadows([f"{net}.100", f"{net}.101"]) as ips:
         yield net, ips
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def test_train_then_restore_trainer_round_trip(shadows):
