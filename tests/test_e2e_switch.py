@@ -127,10 +127,15 @@ def _run_scenario(cfg_path: Path, tmp_path: Path, text: str) -> dict:
     sc = tmp_path / "scenario.yaml"
     sc.write_text(text)
     out = tmp_path / "report.json"
+    wd = tmp_path / "runs"  # kept by pytest: the logs of a failed run stay readable
     p = subprocess.run([sys.executable, "-m", "checkmate.testbed.cli", "run", "--scenario",
                         str(sc), "--config", str(cfg_path), "--mode", "switch", "--json",
-                        str(out)], capture_output=True, text=True, timeout=500)
-    assert p.returncode == 0, (p.stderr + p.stdout)[-3000:]
+                        str(out), "--workdir", str(wd)], capture_output=True, text=True,
+                       timeout=500)
+    if p.returncode != 0:
+        logs = "".join(f"\n--- {f.relative_to(wd)}\n{f.read_text()[-800:]}"
+                       for f in sorted(wd.rglob("*.log")))
+        raise AssertionError((p.stderr + p.stdout)[-1500:] + logs[-12000:])
     return json.loads(out.read_text())
 
 
