@@ -153,8 +153,8 @@ class RepairServer:
             hdr = _PACK(wire.MAGIC, wire.VERSION, repair.ANSWER, self.job_id, h.epoch,
                         h.token, h.iteration, off, n, 0, bucket, h.partition, _F32, 0, 0, 0,
                         0, wire.crc(chunk))
+            self.stats["elements"] += n  # before sending: a reader of the answer sees it
             self._send([hdr, chunk], addr)
-            self.stats["elements"] += n
 
     def _answer_control(self, h: wire.Header, ranges: list[tuple[int, int]],
                         addr: tuple[str, int]) -> None:
