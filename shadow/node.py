@@ -183,6 +183,7 @@ class ShadowNode:
             "pending": sorted(asm.open) if asm else [],
             "drops": dict(self.drops),
             "received": self.receiver.received,
+            "receiver": self.receiver.stats(),
             "committed": st.committed_count,
             "step_seconds": round(st.step_seconds, 6),
             "error": st.last_error,

@@ -99,6 +99,10 @@ class Receiver:
         granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         self.linger = LINGER if granted >= LINGER_MIN_RCVBUF else 0.0
         self.wakeups = 0  # times the thread went to sleep and woke up (poll or linger)
+        #: Assembler ticks (repair scheduling, gap reports) and the seconds spent in them:
+        #: what a healthy stream pays for repair on the shadow's CPU.
+        self.ticks = 0
+        self.tick_seconds = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -162,7 +166,7 @@ class Receiver:
                 taken = 0
                 wait = 0.1
                 if self.asm is not None:
-                    wait = self.asm.tick()
+                    wait = self._tick(None)
                 next_tick = time.monotonic() + max(wait, MIN_TICK)
                 poll(max(1, int(wait * 1000)))
                 continue
@@ -172,7 +176,7 @@ class Receiver:
             if now >= next_tick:
                 # In a steady stream the socket never runs dry: tick when the assembler said
                 # a repair request falls due, so a hole is asked for within milliseconds.
-                wait = self.asm.tick(now) if self.asm is not None else 0.1
+                wait = self._tick(now) if self.asm is not None else 0.1
                 next_tick = now + max(wait, MIN_TICK)
             job_ok, epoch_ok, token_ok = self.job, self.epoch, self.token
             base = -slot
@@ -273,8 +277,16 @@ class Receiver:
                         continue
                 asm.place(it, offset, count, dtype, payload)
 
+    def _tick(self, now: float | None) -> float:
+        t0 = time.perf_counter()
+        wait = self.asm.tick(now)
+        self.ticks += 1
+        self.tick_seconds += time.perf_counter() - t0
+        return wait
+
     def stats(self) -> dict[str, Any]:
-        return {"received": self.received, "wakeups": self.wakeups}
+        return {"received": self.received, "wakeups": self.wakeups, "ticks": self.ticks,
+                "tick_seconds": round(self.tick_seconds, 6)}
 
     def repair_status(self) -> dict[str, int]:
         r = self.repair_stats

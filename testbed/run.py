@@ -622,6 +622,7 @@ def reliability_summary(r: RunResult) -> dict[str, Any]:
                      ("written", "errors", "last_error", "alive", "last_iteration")}
                     for s in r.shadow_status if s.get("persist")],
         "shadow_drops": [s.get("drops", {}) for s in r.shadow_status],
+        "shadow_receivers": [s.get("receiver", {}) for s in r.shadow_status],
     }
 
 

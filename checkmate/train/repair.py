@@ -93,7 +93,8 @@ class RepairServer:
         return {"requests": self.stats["requests"], "answered_elements":
                 self.stats["elements"], "answered_bytes": self.stats["bytes"],
                 "gone": self.stats["gone"], "rate_limited": self.bucket.waits,
-                "dropped": sum(v for k, v in self.stats.items() if k.startswith("drop_"))}
+                "dropped": sum(v for k, v in self.stats.items() if k.startswith("drop_")),
+                "log_added": self.log.added, "log_seconds": round(self.log.seconds, 6)}
 
     def _run(self) -> None:
         while not self._stop.is_set():
