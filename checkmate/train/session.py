@@ -21,10 +21,12 @@ RNG state, only the scheduler state and the user's ``extra`` (e.g. data position
 
 from __future__ import annotations
 
+import atexit
 import secrets
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,6 +195,12 @@ class CheckmateSession:
         self.parity: Any = None  # checkmate.train.fec_sender.ParitySender with layout.fec
         self.buckets = [(a, b) for a, b, _ in bucket_ranges(
             [p.numel for p in self.spec.params], layout.bucket_elems)]
+        # A script that ends on an exception without close() would leave the session's
+        # threads inside socket and torch calls while the interpreter tears down (native
+        # code then aborts the process instead of exiting with the script's status).
+        self._closed = False
+        self._at_exit = _closer(weakref.ref(self))
+        atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ launcher
     @classmethod
@@ -525,7 +533,19 @@ class CheckmateSession:
                         b.copy_(flat[off:off + n].view(b.shape).to(b.dtype))
                         off += n
 
+    def __enter__(self) -> CheckmateSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Stop the session's threads and sockets; safe to call again (and called at
+        interpreter exit if the script did not)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._at_exit)
         self._refresh_stop.set()
         if self.monitor is not None:
             self.monitor.close()
@@ -577,3 +597,13 @@ class CheckmateSession:
                                              f"committed up to iteration {latest}, not "
                                              f"{iteration}")
                     time.sleep(0.02)
+
+
+def _closer(ref: weakref.ref) -> Any:
+    """An exit hook that closes the session if it is still alive (a weak reference: the
+    hook must not keep a dropped session's buffers alive)."""
+    def close() -> None:
+        sess = ref()
+        if sess is not None:
+            sess.close()
+    return close

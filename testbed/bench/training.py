@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="cluster config (default: embedded, prefix 'tebt')")
     ap.add_argument("--model", default="gpt", choices=("gpt", "cnn"))
     ap.add_argument("--width", type=int, default=256, help="model width")
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=48,
+                    help="iterations per run (12 timed ones left rounds ±5%% apart)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds (medians)")
     ap.add_argument("--variants", default=",".join(k for k, _ in VARIANTS),
