@@ -25,6 +25,11 @@ def _dtype_lines(prefix: str, fmt: str) -> list[str]:
     return [fmt.format(prefix + d.name, d.value) for d in wire.DType]
 
 
+def _dtype_size_lines(prefix: str, fmt: str) -> list[str]:
+    """Bytes per element of each dtype: switches check ``count`` against the length."""
+    return [fmt.format(f"{prefix}{d.name}_SIZE", wire.DTYPE_SIZE[d]) for d in wire.DType]
+
+
 def _constants(fmt: str) -> list[str]:
     consts = {
         "CKM_MAGIC": wire.MAGIC,
@@ -43,6 +48,7 @@ def c_header(types: dict[int, str], guard: str, includes: list[str], note: str) 
     lines += _constants("#define {} {}")
     lines += [""] + _flag_lines("CKM_F_", "#define {} 0x{:02x}")
     lines += [""] + _dtype_lines("CKM_DT_", "#define {} {}")
+    lines += _dtype_size_lines("CKM_DT_", "#define {} {}")
     lines += ["", "struct ckm_hdr {"]
     for f in wire.FIELDS:
         lines.append(f"\t{types[f.size]} {f.name};\t/* @{f.offset}: {f.doc} */")
@@ -76,6 +82,8 @@ def p4_view() -> str:
     lines = [f"/* {_BANNER} */", "#ifndef CKM_HEADERS_P4", "#define CKM_HEADERS_P4", ""]
     lines += _constants("#define {} {}")
     lines += [""] + _flag_lines("CKM_F_", "#define {} 0x{:02x}")
+    lines += [""] + _dtype_lines("CKM_DT_", "#define {} {}")
+    lines += _dtype_size_lines("CKM_DT_", "#define {} {}")
     lines += ["", "header ckm_h {"]
     for f in wire.FIELDS:
         lines.append(f"    bit<{f.size * 8}> {f.name};  // @{f.offset}: {f.doc}")

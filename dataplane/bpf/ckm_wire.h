@@ -24,6 +24,10 @@
 #define CKM_DT_BFLOAT16 1
 #define CKM_DT_FLOAT16 2
 #define CKM_DT_BYTES 3
+#define CKM_DT_FLOAT32_SIZE 4
+#define CKM_DT_BFLOAT16_SIZE 2
+#define CKM_DT_FLOAT16_SIZE 2
+#define CKM_DT_BYTES_SIZE 1
 
 struct ckm_hdr {
 	__be16 magic;	/* @0: 0xC4EC; anything else is not ckm */

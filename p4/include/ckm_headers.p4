@@ -17,6 +17,15 @@
 #define CKM_F_HANDSHAKE 0x40
 #define CKM_F_SEED 0x80
 
+#define CKM_DT_FLOAT32 0
+#define CKM_DT_BFLOAT16 1
+#define CKM_DT_FLOAT16 2
+#define CKM_DT_BYTES 3
+#define CKM_DT_FLOAT32_SIZE 4
+#define CKM_DT_BFLOAT16_SIZE 2
+#define CKM_DT_FLOAT16_SIZE 2
+#define CKM_DT_BYTES_SIZE 1
+
 header ckm_h {
     bit<16> magic;  // @0: 0xC4EC; anything else is not ckm
     bit<8> version;  // @2: protocol version, currently 1
