@@ -3,10 +3,11 @@
 Every REPLICATE piece this trainer sent (and, on rank 0, every control message) is kept for
 the last ``keep`` iterations. The ring already builds each piece as an immutable ``bytes``
 object; the log keeps a reference to it, so retaining costs no copy, one list append per
-piece on the ring's thread (``seconds``) and memory: about ``keep * 4 * total / world`` bytes of gradient per trainer (each
-trainer sends 1/world of the reduced gradient as REPLICATE pieces) plus ``keep`` control
-messages on rank 0. Older iterations are dropped as new ones arrive; a request for one of
-them gets a "gone" answer (checkmate.repair), after which the shadow must be re-seeded.
+piece on the ring's thread (``seconds``) and memory: about ``keep * 4 * total / world``
+bytes of gradient per trainer (each trainer sends 1/world of the reduced gradient as
+REPLICATE pieces) plus ``keep`` control messages on rank 0. Older iterations are dropped
+as new ones arrive; a request for one of them gets a "gone" answer (checkmate.repair),
+after which the shadow must be re-seeded.
 """
 
 from __future__ import annotations
