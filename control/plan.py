@@ -36,11 +36,17 @@ class Registration:
 
 @dataclass(frozen=True)
 class Replication:
-    """One replication entry: copies of (job, src -> dst, partition) go to ``shadow``."""
+    """One replication entry: copies of (job, src -> dst, partition) go to ``shadow``.
+
+    Only datagrams that entered the switch on ``src``'s own port are copied (a copy carries
+    the shadow's epoch/token, so another host forging ``src_ip`` must not obtain one): the
+    port is ``ingress_port`` on P4 targets and ``ingress_ifname`` on the kernel switch."""
 
     job_id: int
     src: str
     src_ip: str
+    ingress_port: int
+    ingress_ifname: str
     dst: str
     dst_ip: str
     partition: int
@@ -201,7 +207,9 @@ def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None =
                 host, reg = _shadow_session(cfg, p, regs)
                 gid = group_id(dst.rank, p)
                 repl.append(Replication(
-                    job_id=cfg.job_id, src=src.name, src_ip=src.ip, dst=dst.name,
+                    job_id=cfg.job_id, src=src.name, src_ip=src.ip,
+                    ingress_port=switch_port(cfg, src), ingress_ifname=cfg.switch_ifname(src.name),
+                    dst=dst.name,
                     dst_ip=dst.ip, partition=p, shadow=host.name, shadow_ip=reg.ip,
                     shadow_mac=reg.mac, shadow_port=reg.port, epoch=reg.epoch,
                     token=reg.token, group_id=gid,
@@ -260,6 +268,7 @@ def describe(plan: Plan) -> str:
         lines.append(
             f"  job {r.job_id} {r.src}({r.src_ip}) -> {r.dst}({r.dst_ip}) part {r.partition}"
             f" => {r.shadow} {r.shadow_ip}:{r.shadow_port} epoch {r.epoch} group {r.group_id}"
+            f" (only from port {r.ingress_port} / {r.ingress_ifname})"
         )
     lines.append(f"multicast groups ({len(plan.groups)}):")
     for g in plan.groups:

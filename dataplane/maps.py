@@ -7,11 +7,12 @@ import struct
 
 #: struct repl_key: job_id (host order), src/dst IPv4 (network order), partition, pad
 REPL_KEY = struct.Struct("<I4s4sHH")
-#: struct repl_val: ifindex, shadow MAC, UDP port (big-endian), IPv4, epoch, token,
-#: packets, bytes
-REPL_VAL = struct.Struct("<I6s2s4sIIQQ")
+#: struct repl_val: shadow ifindex, ingress ifindex (the source host's port), shadow MAC,
+#: UDP port (big-endian), IPv4, epoch, token, pad, packets, bytes
+REPL_VAL = struct.Struct("<II6s2s4sIIIQQ")
 #: struct port_stats, in this order
-PORT_FIELDS = ("rx", "tx", "replicated", "dropped", "corrupted", "malformed", "no_entry")
+PORT_FIELDS = ("rx", "tx", "replicated", "dropped", "corrupted", "malformed", "no_entry",
+               "spoofed")
 PORT_STATS = struct.Struct("<" + "Q" * len(PORT_FIELDS))
 #: struct fault: drop and corrupt probabilities scaled to 2**32
 FAULT = struct.Struct("<QQ")
@@ -48,6 +49,12 @@ def mac_str(b: bytes) -> str:
 
 def repl_key(job_id: int, src_ip: str, dst_ip: str, partition: int) -> bytes:
     return REPL_KEY.pack(job_id, ip_bytes(src_ip), ip_bytes(dst_ip), partition, 0)
+
+
+def repl_counts(val: bytes) -> tuple[int, int]:
+    """(packets, bytes) copied by one replication entry, from its raw map value."""
+    *_, packets, nbytes = REPL_VAL.unpack(val)
+    return packets, nbytes
 
 
 def prob_scaled(p: float) -> int:

@@ -12,6 +12,12 @@ Fault knobs act on frames *leaving* the switch through a port (towards its host)
 copies included, and only on ckm traffic: UDP datagrams to ckm ports and IPv4/UDP fragments
 (later fragments carry no port; the testbed carries no other fragmented UDP). ARP, TCP and
 other traffic is never dropped or corrupted. A knob can be limited to an iteration window.
+
+Anti-spoofing: a replication entry names the port its source host is attached to
+(``ingress_ifname``); a matching REPLICATE datagram that enters through any other port is
+forwarded plainly and counted ``spoofed``, so a host cannot obtain a copy stamped with a
+shadow's epoch/token by forging another trainer's source address. A ckm datagram whose
+``count`` disagrees with its length is ``malformed``: forwarded plainly, never copied.
 """
 
 from __future__ import annotations
@@ -54,7 +60,11 @@ class SwitchUnreachable(CheckmateError):
 
 @dataclass(frozen=True)
 class ReplicationEntry:
-    """Copy REPLICATE datagrams of (job, src, dst, partition) to one shadow."""
+    """Copy REPLICATE datagrams of (job, src, dst, partition) to one shadow, but only those
+    that entered the switch through ``ingress_ifname``, the port of the host owning src_ip.
+
+    ``ingress_ifname`` is required (last, so an old positional call fails loudly rather than
+    installing an entry that any port could trigger)."""
 
     job_id: int
     src_ip: str
@@ -66,6 +76,7 @@ class ReplicationEntry:
     shadow_port: int
     epoch: int
     token: int
+    ingress_ifname: str  # switch-namespace interface leading to the host that owns src_ip
 
 
 def netns_exists(name: str) -> bool:
@@ -232,10 +243,11 @@ class KernelSwitch:
         out = []
         for k, v in items:
             job, src, dst, part, _ = maps.REPL_KEY.unpack(k)
-            idx, mac, port, ip, epoch, token, _, _ = maps.REPL_VAL.unpack(v)
+            idx, in_idx, mac, port, ip, epoch, token, *_ = maps.REPL_VAL.unpack(v)
             out.append(ReplicationEntry(
                 job, maps.ip_str(src), maps.ip_str(dst), part, names.get(idx, f"if{idx}"),
-                maps.mac_str(mac), maps.ip_str(ip), int.from_bytes(port, "big"), epoch, token))
+                maps.mac_str(mac), maps.ip_str(ip), int.from_bytes(port, "big"), epoch, token,
+                names.get(in_idx, f"if{in_idx}")))
         return sorted(out, key=lambda e: (e.job_id, e.src_ip, e.dst_ip, e.partition))
 
     def add_replication(self, e: ReplicationEntry) -> None:
@@ -252,12 +264,14 @@ class KernelSwitch:
         except ValueError:
             raise CheckmateError(f"replication entry: bad shadow_mac {e.shadow_mac!r}") from None
         ports = self._port_ifindexes()
-        if e.shadow_ifname not in ports:
-            raise CheckmateError(f"replication entry: {e.shadow_ifname!r} is not a port of "
-                                 f"switch {self.cfg.switch.name}")
+        for name in ("shadow_ifname", "ingress_ifname"):
+            if getattr(e, name) not in ports:
+                raise CheckmateError(f"replication entry: {name} {getattr(e, name)!r} is not "
+                                     f"a port of switch {self.cfg.switch.name}")
         key = maps.repl_key(e.job_id, e.src_ip, e.dst_ip, e.partition)
-        val = maps.REPL_VAL.pack(ports[e.shadow_ifname], mac, e.shadow_port.to_bytes(2, "big"),
-                                 maps.ip_bytes(e.shadow_ip), e.epoch, e.token, 0, 0)
+        val = maps.REPL_VAL.pack(ports[e.shadow_ifname], ports[e.ingress_ifname], mac,
+                                 e.shadow_port.to_bytes(2, "big"), maps.ip_bytes(e.shadow_ip),
+                                 e.epoch, e.token, 0, 0, 0)
         with self._map("ckm_repl") as m:
             m.update(key, val)
 
@@ -271,9 +285,14 @@ class KernelSwitch:
 
     # -- counters and faults -------------------------------------------------------------
     def counters(self) -> dict:
-        """{"ports": {ifname: {rx, tx, replicated, ..., frag_dropped, frag_corrupted}},
+        """{"ports": {ifname: {rx, tx, replicated, ..., spoofed, frag_dropped, frag_corrupted}},
         "faults": {ifname: {drop, corrupt, from_iteration, until_iteration, last_iteration}},
-        "entries": [{job_id, src_ip, dst_ip, partition, shadow_ifname, packets, bytes}]}
+        "entries": [{job_id, src_ip, dst_ip, partition, shadow_ifname, ingress_ifname,
+        packets, bytes}]}
+
+        A port's ``spoofed`` counts REPLICATE datagrams that entered it carrying the source
+        address of another port's host (forwarded, not copied); ``malformed`` includes
+        datagrams whose ``count`` disagrees with their length.
 
         ``last_iteration`` is the iteration the port's knobs give frames without one (later
         IP fragments, ACKs); it is tracked only while a knob is set and restarts at 0 with
@@ -303,10 +322,12 @@ class KernelSwitch:
         with self._map("ckm_repl") as m:
             for k, v in m.items():
                 job, src, dst, part, _ = maps.REPL_KEY.unpack(k)
-                idx, *_, packets, nbytes = maps.REPL_VAL.unpack(v)
+                idx, in_idx, *_ = maps.REPL_VAL.unpack(v)
+                packets, nbytes = maps.repl_counts(v)
                 out["entries"].append({
                     "job_id": job, "src_ip": maps.ip_str(src), "dst_ip": maps.ip_str(dst),
                     "partition": part, "shadow_ifname": names.get(idx, f"if{idx}"),
+                    "ingress_ifname": names.get(in_idx, f"if{in_idx}"),
                     "packets": packets, "bytes": nbytes})
         out["entries"].sort(key=lambda d: (d["job_id"], d["src_ip"], d["dst_ip"],
                                            d["partition"]))

@@ -25,7 +25,8 @@ class _Parser(argparse.ArgumentParser):
 
 def ring_entries(cfg: config.ClusterConfig, epoch: int = 1, token: int = 0
                  ) -> list[ReplicationEntry]:
-    """Entries for ring hops rank r -> rank (r+1) mod N, every partition to its shadow."""
+    """Entries for ring hops rank r -> rank (r+1) mod N, every partition to its shadow,
+    copied only from the sending trainer's own port."""
     trainers = cfg.trainers
     out = []
     for i, src in enumerate(trainers):
@@ -35,7 +36,7 @@ def ring_entries(cfg: config.ClusterConfig, epoch: int = 1, token: int = 0
         for sh in cfg.shadows:
             out.append(ReplicationEntry(cfg.job_id, src.ip, dst.ip, sh.partition,
                                         cfg.switch_ifname(sh.name), sh.mac, sh.ip, sh.port,
-                                        epoch, token))
+                                        epoch, token, cfg.switch_ifname(src.name)))
     return out
 
 
@@ -112,11 +113,13 @@ def _print(cfg: config.ClusterConfig, stats: dict, counters: dict, installed: bo
         ports.add_row(name, *(str(c[f]) for f in fields))
     con.print(ports)
     ent = Table(title="replication entries" + (" (installed by the demo)" if installed else ""))
-    for col in ("job", "src", "dst", "partition", "shadow port", "packets", "bytes"):
+    for col in ("job", "src", "from port", "dst", "partition", "shadow port", "packets",
+                "bytes"):
         ent.add_column(col)
     for e in counters["entries"]:
-        ent.add_row(str(e["job_id"]), e["src_ip"], e["dst_ip"], str(e["partition"]),
-                    e["shadow_ifname"], str(e["packets"]), str(e["bytes"]))
+        ent.add_row(str(e["job_id"]), e["src_ip"], e["ingress_ifname"], e["dst_ip"],
+                    str(e["partition"]), e["shadow_ifname"], str(e["packets"]),
+                    str(e["bytes"]))
     con.print(ent)
 
 

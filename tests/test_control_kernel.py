@@ -27,8 +27,10 @@ S1 = ("tbp-s1", "02:00:0a:4d:00:65", "10.77.0.101")
 
 
 def expected(hops, shadows) -> set[ReplicationEntry]:
-    """Hand-written entries: job 7, each hop for each (partition, shadow), epoch/token 0."""
-    return {ReplicationEntry(7, f"10.77.0.{a}", f"10.77.0.{b}", p, ifn, mac, ip, 47001, 0, 0)
+    """Hand-written entries: job 7, each hop for each (partition, shadow), epoch/token 0,
+    copied only from the source trainer's port (10.77.0.1x is tx, port tbp-tx)."""
+    return {ReplicationEntry(7, f"10.77.0.{a}", f"10.77.0.{b}", p, ifn, mac, ip, 47001, 0, 0,
+                             f"tbp-t{a - 10}")
             for a, b in hops for p, (ifn, mac, ip) in enumerate(shadows)}
 
 
@@ -65,7 +67,7 @@ def test_deploy_is_idempotent_and_removes_stale(testbed):
     assert drv.apply(plan_mod.build(cfg)).writes == 0
     # A foreign entry on the switch is stale: the next deploy removes it.
     sw.add_replication(ReplicationEntry(9, "10.77.0.10", "10.77.0.12", 0, *S0[:3], 47001,
-                                        0, 0))
+                                        0, 0, "tbp-t0"))
     small = replace(cfg, hosts=tuple(h for h in cfg.hosts if h.name not in ("t3", "s1")))
     res = drv.apply(plan_mod.build(small))
     assert set(sw.replication_entries()) == expected([(10, 11), (11, 12), (12, 10)], [S0])

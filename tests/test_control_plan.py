@@ -34,6 +34,19 @@ def test_ring_hops_every_partition(cfg):
         for a, b in [("0", "1"), ("1", "2"), ("2", "3"), ("3", "0")] for part in (0, 1)}
 
 
+def test_every_entry_names_its_source_hosts_port(cfg):
+    """Copies are made only from the port of the host that owns src_ip: by hand, t0..t3 are
+    ports 1..4 (1 + index in the config) and veths ckmp-t0..ckmp-t3."""
+    p = plan_mod.build(cfg)
+    assert {(r.src, r.src_ip, r.ingress_port, r.ingress_ifname) for r in p.replication} == {
+        (f"t{i}", f"10.77.0.1{i}", 1 + i, f"ckmp-t{i}") for i in range(4)}
+    pinned = tuple(replace(h, switch_port=20 + i) for i, h in enumerate(cfg.hosts))
+    p = plan_mod.build(replace(cfg, hosts=pinned))
+    assert {(r.src, r.ingress_port) for r in p.replication} == {
+        (f"t{i}", 20 + i) for i in range(4)}
+    assert "(only from port 20 / ckmp-t0)" in plan_mod.describe(p)
+
+
 def test_registration_overrides_config_address(cfg):
     reg = plan_mod.Registration(0, "s0", "10.77.0.100", "02:00:0a:4d:00:64", 47055, 4, 99)
     p = plan_mod.build(cfg, {0: reg})

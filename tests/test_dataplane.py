@@ -61,7 +61,8 @@ def net(tb):
 def entry(cfg, src: str, dst: str, partition: int, epoch: int = 11, token: int = 0xA5A5A5A5):
     sh = cfg.shadow_for(partition)
     return ReplicationEntry(cfg.job_id, cfg.host(src).ip, cfg.host(dst).ip, partition,
-                            cfg.switch_ifname(sh.name), sh.mac, sh.ip, sh.port, epoch, token)
+                            cfg.switch_ifname(sh.name), sh.mac, sh.ip, sh.port, epoch, token,
+                            cfg.switch_ifname(src))
 
 
 def datagram(cfg, seq: int, partition: int = 0, flags: int = wire.Flags.REPLICATE,
@@ -543,6 +544,7 @@ def test_entries_insert_overwrite_remove(net):
 @pytest.mark.parametrize("change", [
     {"shadow_ifname": "nope0"}, {"shadow_ip": "10.1.2"}, {"shadow_mac": "zz"},
     {"shadow_port": 70000}, {"epoch": -1}, {"partition": 1 << 16},
+    {"ingress_ifname": "nope0"},
 ])
 def test_bad_entry_is_one_clear_error(net, change):
     from dataclasses import replace

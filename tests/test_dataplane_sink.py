@@ -46,7 +46,7 @@ def bed():
         t0, t1, s0 = cfg.host("t0"), cfg.host("t1"), cfg.host("s0")
         tb.switch.add_replication(ReplicationEntry(
             cfg.job_id, t0.ip, t1.ip, 0, cfg.switch_ifname("s0"), s0.mac, s0.ip, s0.port,
-            EPOCH, TOKEN))
+            EPOCH, TOKEN, cfg.switch_ifname("t0")))
         sink.attach(EPOCH, TOKEN, drop=True)
         socks = [udp_socket_in(cfg.netns("t1"), ("0.0.0.0", t1.port), 8 << 20),
                  udp_socket_in(cfg.netns("s0"), ("0.0.0.0", s0.port), 8 << 20),

@@ -1,7 +1,9 @@
 """Kernel (tc-eBPF) switch driver: the plan's replication entries as BPF map entries.
 
 L2 forwarding is the Linux bridge under the BPF program, and veth has no FEC or PFC, so only
-replication entries are programmed; port settings are reported as not applicable.
+replication entries are programmed; port settings are reported as not applicable. Each entry
+carries the source host's switch port (the plan's ``ingress_ifname``): the switch copies only
+datagrams that entered there.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ def entry_for(cfg: ClusterConfig, r: Replication) -> ReplicationEntry:
         job_id=r.job_id, src_ip=r.src_ip, dst_ip=r.dst_ip, partition=r.partition,
         shadow_ifname=cfg.switch_ifname(r.shadow), shadow_mac=r.shadow_mac,
         shadow_ip=r.shadow_ip, shadow_port=r.shadow_port, epoch=r.epoch, token=r.token,
+        ingress_ifname=r.ingress_ifname,
     )
 
 
 def _label(e: ReplicationEntry) -> str:
     return (f"replication job {e.job_id} {e.src_ip}->{e.dst_ip} part {e.partition} "
-            f"=> {e.shadow_ifname} {e.shadow_ip}:{e.shadow_port} epoch {e.epoch}")
+            f"from {e.ingress_ifname} => {e.shadow_ifname} {e.shadow_ip}:{e.shadow_port} "
+            f"epoch {e.epoch}")
 
 
 class KernelDriver:

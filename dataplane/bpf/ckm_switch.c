@@ -4,10 +4,13 @@
  * A Linux bridge in the switch namespace does plain L2 forwarding between the veth ports.
  * These programs sit on every port:
  *
- *   ckm_ingress (frames entering the switch from a host): counts rx, and for a ckm datagram
- *     with REPLICATE whose (job, src IP, dst IP, partition) has a replication entry sends
- *     exactly one copy to the entry's shadow port with the addressing rewritten, then
- *     restores the original, which the bridge forwards unchanged.
+ *   ckm_ingress (frames entering the switch from a host): counts rx, and for a well-formed
+ *     ckm datagram with REPLICATE whose (job, src IP, dst IP, partition) has a replication
+ *     entry, and which entered through the port of the host that owns its source address
+ *     (the entry's in_ifindex), sends exactly one copy to the entry's shadow port with the
+ *     addressing rewritten, then restores the original, which the bridge forwards unchanged.
+ *     A datagram from another port (a spoofed source) or one whose count disagrees with its
+ *     length is forwarded plainly and counted, never copied or stamped.
  *   ckm_egress (frames leaving the switch towards a host): counts tx and applies the port's
  *     fault knobs (drop / corrupt probability, optionally only inside an iteration window)
  *     to ckm-port UDP datagrams, shadow copies included, and to IPv4/UDP fragments: the
@@ -41,13 +44,17 @@ struct repl_key {
 };
 
 struct repl_val {
-	__u32 ifindex;   /* switch port leading to the shadow */
-	__u8 mac[6];     /* shadow MAC */
-	__be16 port;     /* shadow UDP port */
-	__be32 ip;       /* shadow IPv4 */
-	__u32 epoch;     /* host order, written big-endian into the copy */
+	__u32 ifindex;    /* switch port leading to the shadow */
+	__u32 in_ifindex; /* switch port of the host that owns src_ip: the only port whose
+			   * datagrams are copied (the epoch/token stamped into a copy are the
+			   * shadow's credentials, so a spoofed source must not obtain them) */
+	__u8 mac[6];      /* shadow MAC */
+	__be16 port;      /* shadow UDP port */
+	__be32 ip;        /* shadow IPv4 */
+	__u32 epoch;      /* host order, written big-endian into the copy */
 	__u32 token;
-	__u64 packets;   /* copies sent */
+	__u32 pad;
+	__u64 packets;    /* copies sent */
 	__u64 bytes;
 };
 
@@ -58,8 +65,11 @@ struct port_stats {
 	__u64 dropped;    /* fault drops on egress (frames: each IP fragment counts), and copies
 			   * the kernel refused */
 	__u64 corrupted;  /* datagrams corrupted on egress */
-	__u64 malformed;  /* ckm-port UDP whose ckm header is short or has bad magic/version */
+	__u64 malformed;  /* ckm-port UDP whose ckm header is short, has bad magic/version or
+			   * an unknown dtype, or whose count disagrees with its length */
 	__u64 no_entry;   /* REPLICATE without a matching replication entry */
+	__u64 spoofed;    /* REPLICATE matching an entry but entering through another port
+			   * than its source host's: forwarded, not copied */
 };
 
 struct fault {
@@ -189,6 +199,29 @@ static __always_inline int parse_udp(struct __sk_buff *skb, struct pkt *p)
 	return parse_ckm_udp(skb, p);
 }
 
+/* 1 when the datagram is exactly as long as its header says: count elements of a known
+ * dtype after the header, and an IPv4 total length that ends where the UDP datagram ends.
+ * Needs p->udp_len >= UDP header + CKM_HEADER_LEN (checked by the caller). */
+static __always_inline int length_ok(const struct pkt *p, const struct ckm_hdr *h)
+{
+	__u64 size, want;
+
+	if (h->dtype == CKM_DT_FLOAT32)
+		size = CKM_DT_FLOAT32_SIZE;
+	else if (h->dtype == CKM_DT_BFLOAT16)
+		size = CKM_DT_BFLOAT16_SIZE;
+	else if (h->dtype == CKM_DT_FLOAT16)
+		size = CKM_DT_FLOAT16_SIZE;
+	else if (h->dtype == CKM_DT_BYTES)
+		size = CKM_DT_BYTES_SIZE;
+	else
+		return 0;
+	want = (__u64)bpf_ntohl(h->count) * size; /* 64-bit: a huge count cannot wrap */
+	if (want != p->udp_len - sizeof(struct udphdr) - CKM_HEADER_LEN)
+		return 0;
+	return bpf_ntohs(p->ip.tot_len) == p->ip.ihl * 4 + p->udp_len;
+}
+
 static __always_inline void count(__u64 *field)
 {
 	__sync_fetch_and_add(field, 1);
@@ -258,7 +291,7 @@ int ckm_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	if (p.udp_len < sizeof(struct udphdr) + CKM_HEADER_LEN ||
 	    bpf_skb_load_bytes(skb, p.ckm_off, &h, sizeof(h)) < 0 ||
-	    h.magic != bpf_htons(CKM_MAGIC) || h.version != CKM_VERSION) {
+	    h.magic != bpf_htons(CKM_MAGIC) || h.version != CKM_VERSION || !length_ok(&p, &h)) {
 		count(&ps->malformed);
 		return TC_ACT_OK;
 	}
@@ -274,6 +307,10 @@ int ckm_ingress(struct __sk_buff *skb)
 	struct repl_val *v = bpf_map_lookup_elem(&ckm_repl, &key);
 	if (!v) {
 		count(&ps->no_entry);
+		return TC_ACT_OK;
+	}
+	if (v->in_ifindex != ifindex) {
+		count(&ps->spoofed); /* source address of another port's host */
 		return TC_ACT_OK;
 	}
 	if (replicate(skb, &p, &h, v) < 0) {

@@ -134,7 +134,7 @@ def _entry_packets(switch) -> int:
     from checkmate.dataplane.bpfsys import PinnedMap
 
     with PinnedMap(str(switch.map_dir / "ckm_repl"), *maps.MAP_LAYOUT["ckm_repl"]) as m:
-        return sum(maps.REPL_VAL.unpack(v)[6] for _, v in m.items())
+        return sum(maps.repl_counts(v)[0] for _, v in m.items())
 
 
 def run(rounds: int, seconds: float, payload: int) -> dict[str, dict]:
@@ -158,7 +158,7 @@ def run(rounds: int, seconds: float, payload: int) -> dict[str, dict]:
     with Testbed(cfg) as tb:
         tb.switch.add_replication(ReplicationEntry(
             cfg.job_id, t0.ip, t1.ip, 0, cfg.switch_ifname("s0"), s0.mac, s0.ip, s0.port,
-            EPOCH, TOKEN))
+            EPOCH, TOKEN, cfg.switch_ifname("t0")))
         sink.attach(EPOCH, TOKEN, drop=False)
         stop = ctx.Event()
         c_dst = ctx.RawArray("Q", 3)
