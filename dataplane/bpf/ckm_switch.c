@@ -199,9 +199,9 @@ static __always_inline int parse_udp(struct __sk_buff *skb, struct pkt *p)
 	return parse_ckm_udp(skb, p);
 }
 
-/* 1 when the datagram is exactly as long as its header says: count elements of a known
- * dtype after the header, and an IPv4 total length that ends where the UDP datagram ends.
- * Needs p->udp_len >= UDP header + CKM_HEADER_LEN (checked by the caller). */
+/* 1 when the datagram is exactly as long as its header says: the UDP payload is the header
+ * and count elements of a known dtype (docs/protocol.md). p->udp_len is bounded by the frame
+ * (parse_ckm_udp) and at least UDP header + CKM_HEADER_LEN (checked by the caller). */
 static __always_inline int length_ok(const struct pkt *p, const struct ckm_hdr *h)
 {
 	__u64 size, want;
@@ -217,9 +217,7 @@ static __always_inline int length_ok(const struct pkt *p, const struct ckm_hdr *
 	else
 		return 0;
 	want = (__u64)bpf_ntohl(h->count) * size; /* 64-bit: a huge count cannot wrap */
-	if (want != p->udp_len - sizeof(struct udphdr) - CKM_HEADER_LEN)
-		return 0;
-	return bpf_ntohs(p->ip.tot_len) == p->ip.ihl * 4 + p->udp_len;
+	return want == p->udp_len - sizeof(struct udphdr) - CKM_HEADER_LEN;
 }
 
 static __always_inline void count(__u64 *field)
