@@ -15,11 +15,17 @@
  *   the payload).
  * Parser errors (a ckm port with a payload shorter than the header) do not drop: the packet
  * continues with hdr.ckm invalid, is counted as malformed and forwarded as plain traffic.
+ * The same anti-spoofing and length checks as v1model: a REPLICATE datagram is copied only
+ * when it entered on the port its replication entry names (the source host's), and only
+ * when its count agrees with its UDP length (CkmLengthCheck); otherwise it is forwarded
+ * plainly and counted spoofed or malformed. Not compiled here (no SDE): the length check's
+ * 32-bit compares are written as assignments then equality tests so bf-p4c can place them.
  */
 #include <core.p4>
 #include <tna.p4>
 
 #include "include/checkmate_parser.p4"
+#include "include/checkmate_checks.p4"
 
 parser CkmIngressParser(packet_in pkt, out headers_t hdr, out ckm_meta_t meta,
                         out ingress_intrinsic_metadata_t ig_intr_md) {
@@ -92,10 +98,12 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         counters = ckm_punt_counter;
     }
 
-    action replicate(MulticastGroupId_t group) {
-        ig_tm_md.mcast_grp_a = group;
+    /* The group is used only if the datagram entered on ingress_port (apply block); the
+     * direct counter counts matches, ckm_stats tells copies from spoofed ones. */
+    action replicate(MulticastGroupId_t group, PortId_t ingress_port) {
+        meta.repl_group = group;
+        meta.repl_port = ingress_port;
         ckm_replicate_counter.count();
-        ckm_stats.count(STAT_REPLICATED);
     }
 
     action no_entry() {
@@ -118,19 +126,34 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         counters = ckm_replicate_counter;
     }
 
+    CkmLengthCheck() ckm_length;
+
     apply {
         bool steered = false;
+        bool well_formed = false;
         hdr.bridge.setValid();
         hdr.bridge.pad = 0;
         hdr.bridge.ingress_port = ig_intr_md.ingress_port;
         if (hdr.ckm.isValid()) {
+            ckm_length.apply(hdr, well_formed);
+        }
+        if (well_formed) {
             ckm_stats.count(STAT_CKM);
             ig_tm_md.qid = (QueueId_t)CKM_QID;  /* bit<5> on Tofino 1, bit<7> on Tofino 2 */
             ig_tm_md.ingress_cos = CKM_COS;
             if ((hdr.ckm.flags & CKM_F_HANDSHAKE) != 0) {
                 steered = ckm_punt.apply().hit;
-            } else if ((hdr.ckm.flags & CKM_F_REPLICATE) != 0) {
-                steered = ckm_replicate.apply().hit;
+            } else if ((hdr.ckm.flags & CKM_F_REPLICATE) != 0 &&
+                       (hdr.ipv4.flags & IPV4_FLAG_MF) == 0) {  /* fragments: never copied */
+                if (ckm_replicate.apply().hit) {
+                    if (ig_intr_md.ingress_port == meta.repl_port) {
+                        ig_tm_md.mcast_grp_a = meta.repl_group;
+                        ckm_stats.count(STAT_REPLICATED);
+                        steered = true;
+                    } else {
+                        ckm_stats.count(STAT_SPOOFED);
+                    }
+                }
             }
         } else if (meta.ckm_port == 1) {
             ckm_stats.count(STAT_MALFORMED);

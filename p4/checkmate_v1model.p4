@@ -5,11 +5,15 @@
  * started with --priority-queues for the ckm class to get its own queue.
  *
  * Ingress: L2 forwarding by destination MAC (flood group for unknown/broadcast); ckm
- * datagrams go to the ckm priority; REPLICATE datagrams whose (job, src IP, dst IP,
- * partition) match ckm_replicate are multicast to a group holding the destination's port
- * (rid 0, unchanged) and the shadow's port (rid = partition + 1); HANDSHAKE datagrams to
- * the controller's address/port are sent to the CPU port, where the controller's UDP
- * socket receives them as ordinary frames (docs/protocol.md, Handshake).
+ * datagrams whose count agrees with their UDP length (CkmLengthCheck) go to the ckm
+ * priority, others are counted malformed and forwarded as plain traffic; unfragmented
+ * REPLICATE datagrams whose (job, src IP, dst IP, partition) match ckm_replicate and that
+ * entered on the port the entry names (the source host's: a copy carries the shadow's
+ * epoch/token, so a forged source address must not obtain one) are multicast to a group
+ * holding the destination's port (rid 0, unchanged) and the shadow's port (rid =
+ * partition + 1); from any other port they are counted spoofed and forwarded plainly;
+ * HANDSHAKE datagrams to the controller's address/port are sent to the CPU port, where the
+ * controller's UDP socket receives them as ordinary frames (docs/protocol.md, Handshake).
  * Egress: the replica with a non-zero rid is rewritten for its shadow (shadow_rewrite):
  * MACs, IPv4 destination, UDP destination port, epoch and token; the IPv4 checksum is
  * recomputed and the UDP checksum set to zero (legal for UDP over IPv4, RFC 768; the
@@ -19,6 +23,7 @@
 #include <v1model.p4>
 
 #include "include/checkmate_parser.p4"
+#include "include/checkmate_checks.p4"
 
 parser CkmParser(packet_in pkt, out headers_t hdr, inout ckm_meta_t meta,
                  inout standard_metadata_t std_md) {
@@ -86,9 +91,10 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         counters = ckm_punt_counter;
     }
 
-    action replicate(bit<16> group) {
-        std_md.mcast_grp = group;
-        ckm_stats.count(STAT_REPLICATED);
+    /* The group is used only if the datagram entered on ingress_port (apply block). */
+    action replicate(bit<16> group, bit<9> ingress_port) {
+        meta.repl_group = group;
+        meta.repl_port = ingress_port;
     }
 
     action no_entry() {
@@ -111,15 +117,30 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         counters = ckm_replicate_counter;
     }
 
+    CkmLengthCheck() ckm_length;
+
     apply {
         bool steered = false;
+        bool well_formed = false;
         if (hdr.ckm.isValid()) {
+            ckm_length.apply(hdr, well_formed);
+        }
+        if (well_formed) {
             ckm_stats.count(STAT_CKM);
             std_md.priority = CKM_COS;
             if ((hdr.ckm.flags & CKM_F_HANDSHAKE) != 0) {
                 steered = ckm_punt.apply().hit;
-            } else if ((hdr.ckm.flags & CKM_F_REPLICATE) != 0) {
-                steered = ckm_replicate.apply().hit;
+            } else if ((hdr.ckm.flags & CKM_F_REPLICATE) != 0 &&
+                       (hdr.ipv4.flags & IPV4_FLAG_MF) == 0) {  /* fragments: never copied */
+                if (ckm_replicate.apply().hit) {
+                    if (std_md.ingress_port == meta.repl_port) {
+                        std_md.mcast_grp = meta.repl_group;
+                        ckm_stats.count(STAT_REPLICATED);
+                        steered = true;
+                    } else {
+                        ckm_stats.count(STAT_SPOOFED);
+                    }
+                }
             }
         } else if (meta.ckm_port == 1) {
             ckm_stats.count(STAT_MALFORMED);

@@ -183,7 +183,7 @@ class FakeSwitch:
                             pk, by = self.direct_counts.get(key, (0, 0))
                             out.data.packet_count, out.data.byte_count = pk, by
                 elif ent.HasField("counter_entry"):
-                    for i, n in enumerate((5, 3, 1, 1, 2)):
+                    for i, n in enumerate((5, 3, 1, 1, 2, 4)):
                         out = resp.entities.add().counter_entry
                         out.counter_id = ent.counter_entry.counter_id
                         out.index.index = i
@@ -243,12 +243,19 @@ def driver(cfg, sw_arch="v1model"):
 
 # Hand-written expectation for testbed/default.yaml: 4 trainers (10.77.0.10-13, ports 1-4),
 # shadows s0/s1 (10.77.0.100/101, ports 5/6), job 7. Ring hop r -> r+1; group id
-# 0x1000 + dst_rank*256 + partition; shadow replica rid = partition + 1.
+# 0x1000 + dst_rank*256 + partition; shadow replica rid = partition + 1; copies only from
+# the source trainer's port (10.77.0.1x is port x + 1).
 RING = [("10.77.0.10", "10.77.0.11", 1), ("10.77.0.11", "10.77.0.12", 2),
         ("10.77.0.12", "10.77.0.13", 3), ("10.77.0.13", "10.77.0.10", 0)]
+
+
+def src_port(src_ip: str) -> int:
+    return int(src_ip.rsplit(".", 1)[1]) - 10 + 1
+
+
 EXPECTED_REPLICATE = {
     ((("dst_ip", ip(d)), ("job_id", 7), ("partition", p), ("src_ip", ip(s))), "replicate",
-     (("group", 0x1000 + rank * 256 + p),))
+     (("group", 0x1000 + rank * 256 + p), ("ingress_port", src_port(s))))
     for s, d, rank in RING for p in (0, 1)
 }
 EXPECTED_GROUPS = {
@@ -322,7 +329,8 @@ def test_changed_config_removes_stale_entries(bmv2):
              ("10.77.0.12", "10.77.0.10", 0)]
     assert bmv2.table("ckm_replicate") == {
         ((("dst_ip", ip(d_)), ("job_id", 7), ("partition", 0), ("src_ip", ip(s))),
-         "replicate", (("group", 0x1000 + r * 256),)) for s, d_, r in ring3}
+         "replicate", (("group", 0x1000 + r * 256), ("ingress_port", src_port(s))))
+        for s, d_, r in ring3}
     # Unpinned hosts take port 1 + their index in the config: s0 is now port 4.
     assert bmv2.group_map() == {1: {(1, 0), (2, 0), (3, 0), (4, 0), (64, 0)},
                                 0x1000: {(1, 0), (4, 1)}, 0x1100: {(2, 0), (4, 1)},
@@ -366,7 +374,8 @@ def test_registration_overrides_shadow_and_stamps_session(bmv2):
         ("smac", mac(SW_MAC)), ("dmac", mac("02:00:0a:4d:00:65")), ("ip", ip("10.77.0.101")),
         ("udp_port", 47011), ("epoch", 9), ("token", 12345)])))
     assert new_rw in bmv2.table("shadow_rewrite")
-    # Only that one rewrite changed (replicate entries only carry the group).
+    # Only that one rewrite changed (replicate entries carry only the group and the
+    # source's port, not the shadow's session).
     assert len(bmv2.updates) - n == 1 and bmv2.updates[-1].type == PB.Update.MODIFY
     assert res.writes == 1
 
@@ -387,7 +396,7 @@ def test_status_reads_entries_counters_and_groups(bmv2):
     assert hits[0]["entry"].startswith("ckm_replicate")
     assert len(st["entries"]) == 18
     assert st["ckm_stats"] == {"ckm": 5, "replicated": 3, "no_entry": 1, "malformed": 1,
-                               "handshake": 2}
+                               "handshake": 2, "spoofed": 4}
     assert set(st["groups"]) == set(EXPECTED_GROUPS)
 
 

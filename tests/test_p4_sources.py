@@ -217,7 +217,7 @@ def test_constants_agree_with_controller():
     assert value["CKM_COS"] == pfc.CKM_PRIORITY and value["CKM_QID"] == pfc.CKM_QID
     stats = sorted((v, n) for n, v in value.items() if n.startswith("STAT_") and n != "STAT_SIZE")
     assert [n.removeprefix("STAT_").lower() for _, n in stats] == \
-        ["ckm", "replicated", "no_entry", "malformed", "handshake"]
+        ["ckm", "replicated", "no_entry", "malformed", "handshake", "spoofed"]
     assert [v for v, _ in stats] == list(range(len(stats)))
     assert tuple(n.removeprefix("STAT_").lower() for _, n in stats) == p4rt_driver.STAT_NAMES
 
@@ -234,3 +234,69 @@ def test_shadow_copy_rewrites_checksums_and_egress_by_rid(arch):
         assert "ipv4_checksum.update(" in text and "meta.shadow_copy == 1" in text
         assert "ig_tm_md.qid = (QueueId_t)CKM_QID" in text
         assert "ig_tm_md.ingress_cos = CKM_COS" in text
+
+
+INGRESS_PORT = {"v1model": "std_md.ingress_port", "tna": "ig_intr_md.ingress_port"}
+MCAST = {"v1model": "std_md.mcast_grp", "tna": "ig_tm_md.mcast_grp_a"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replicate_copies_only_from_the_entrys_ingress_port(arch):
+    """The entry's action only records the group and the source host's port; the group is
+    set, and the copy counted, only inside the comparison with the frame's ingress port;
+    the other branch counts spoofed and leaves the datagram to L2 forwarding."""
+    text = source(arch)
+    ig = block(text, text.index("control CkmIngress("))
+    params = dict(parse_program(arch)["actions"]["CkmIngress.replicate"])
+    assert params == {"group": 16, "ingress_port": 9}
+    action = block(ig, ig.index("action replicate("))
+    assert MCAST[arch] not in action and "STAT_REPLICATED" not in action
+    apply = block(ig, ig.index("apply {"))
+    hit = apply.index("ckm_replicate.apply().hit")
+    check = f"if ({INGRESS_PORT[arch]} == meta.repl_port)"
+    assert apply.index(check) > hit
+    copy = block(apply, apply.index(check))
+    assert f"{MCAST[arch]} = meta.repl_group;" in copy and "STAT_REPLICATED" in copy
+    assert apply.count(f"{MCAST[arch]} = meta.repl_group") == 1
+    after = apply[apply.index(check) + len(check):]
+    spoofed = block(after, after.index("else"))
+    assert "ckm_stats.count(STAT_SPOOFED)" in spoofed and MCAST[arch] not in spoofed
+    assert "steered" not in spoofed  # falls through to l2_fwd: forwarded plainly
+    # fragments are never copied (docs/protocol.md): only unfragmented REPLICATE looks up
+    assert "(hdr.ipv4.flags & IPV4_FLAG_MF) == 0" in apply[:hit]
+
+
+def test_length_check_covers_every_dtype_with_the_generated_sizes():
+    text = include("checkmate_checks.p4")
+    body = block(text, text.index("control CkmLengthCheck("))
+    branches = re.findall(r"hdr\.ckm\.dtype == CKM_DT_(\w+)\)\s*{\s*want = hdr\.ckm\.count \* "
+                          r"CKM_DT_(\w+)_SIZE;\s*ok = want == payload;", body)
+    assert [a for a, b in branches if a == b] == [d.name for d in wire.DType]
+    assert "ok = false;" in body and "hdr.ckm.count[31:16] == 0" in body
+    sizes = {k: v for k, v in _macros().items() if k.endswith("_SIZE")}
+    assert sizes == {f"CKM_DT_{d.name}_SIZE": wire.DTYPE_SIZE[d] for d in wire.DType}
+    common = include("checkmate_common.p4")
+    overhead = re.search(r"CKM_UDP_OVERHEAD\s*=\s*([^;]+);", common)[1]
+    assert eval(overhead, {}, _macros()) == 8 + wire.HEADER_LEN  # noqa: S307 - our own file
+    assert "(bit<32>)hdr.udp.length - CKM_UDP_OVERHEAD" in body
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_only_well_formed_ckm_is_steered_or_prioritised(arch):
+    """The length check runs first; a datagram failing it counts malformed and takes the
+    plain path (no punt, no copy, no ckm priority), like one the parser rejected."""
+    text = source(arch)
+    assert '#include "include/checkmate_checks.p4"' in text
+    ig = block(text, text.index("control CkmIngress("))
+    apply = block(ig, ig.index("apply {"))
+    first = apply.index("ckm_length.apply(hdr, well_formed);")
+    assert first < apply.index("if (well_formed)")
+    wf = block(apply, apply.index("if (well_formed)"))
+    assert "ckm_stats.count(STAT_CKM)" in wf and "CKM_COS" in wf
+    assert "ckm_punt.apply()" in wf and "ckm_replicate.apply()" in wf
+    assert "ckm_stats.count(STAT_MALFORMED)" not in wf
+    assert apply.count("ckm_punt.apply()") == apply.count("ckm_replicate.apply()") == 1
+    rest = apply[apply.index("if (well_formed)"):]
+    assert "else if (meta.ckm_port == 1)" in rest
+    malformed = block(rest, rest.index("else if (meta.ckm_port == 1)"))
+    assert "ckm_stats.count(STAT_MALFORMED)" in malformed

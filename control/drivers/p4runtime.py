@@ -20,7 +20,7 @@ from checkmate.errors import CheckmateError
 
 BUILD = p4tables.REPO / "build" / "p4"
 #: Indexes of the P4 ckm_stats counter (STAT_* in p4/include/checkmate_common.p4).
-STAT_NAMES = ("ckm", "replicated", "no_entry", "malformed", "handshake")
+STAT_NAMES = ("ckm", "replicated", "no_entry", "malformed", "handshake", "spoofed")
 
 
 def device_config_path(arch: str) -> Path:

@@ -69,11 +69,14 @@ def entries(plan: Plan) -> list[EntrySpec]:
     out.append(EntrySpec(
         "ckm_punt", (("dst_ip", _ip(plan.punt.ip)), ("udp_dst_port", plan.punt.udp_port)),
         "to_cpu", (("port", plan.punt.cpu_port),)))
+    # The source host's port rides along: the program copies only datagrams that entered
+    # there and counts the rest as spoofed.
     out += [EntrySpec(
         "ckm_replicate",
         (("job_id", r.job_id), ("src_ip", _ip(r.src_ip)), ("dst_ip", _ip(r.dst_ip)),
          ("partition", r.partition)),
-        "replicate", (("group", r.group_id),)) for r in plan.replication]
+        "replicate", (("group", r.group_id), ("ingress_port", r.ingress_port)))
+        for r in plan.replication]
     out += [EntrySpec(
         "shadow_rewrite", (("egress_rid", w.rid),), "rewrite_shadow",
         (("smac", _mac(w.smac)), ("dmac", _mac(w.dmac)), ("ip", _ip(w.ip)),

@@ -7,6 +7,10 @@
 
 const bit<16> ETHERTYPE_IPV4 = 0x0800;
 const bit<8> IPPROTO_UDP = 17;
+/* IPv4 flags: more fragments (set on every fragment but the last). */
+const bit<3> IPV4_FLAG_MF = 1;
+/* UDP header + ckm header: a ckm datagram's UDP length is this plus its payload. */
+const bit<32> CKM_UDP_OVERHEAD = 8 + CKM_HEADER_LEN;
 /* UDP port of the controller's handshake service (checkmate.config.CONTROLLER_PORT). */
 const bit<16> CKM_CONTROLLER_PORT = CKM_PORT_BASE + CKM_PORT_COUNT - 1;
 /* Multicast group flooding broadcast/unknown frames to every host port and the CPU port. */
@@ -17,10 +21,15 @@ const bit<5> CKM_QID = 3;
 
 /* Indexes of the ckm_stats counter array (read by `control status`). */
 const bit<32> STAT_CKM = 0;          /* well-formed ckm datagrams seen */
-const bit<32> STAT_REPLICATED = 1;   /* REPLICATE datagrams that matched an entry */
+const bit<32> STAT_REPLICATED = 1;   /* REPLICATE datagrams copied to a shadow */
 const bit<32> STAT_NO_ENTRY = 2;     /* REPLICATE datagrams without an entry: forwarded only */
-const bit<32> STAT_MALFORMED = 3;    /* on a ckm port but bad magic/version or too short */
+const bit<32> STAT_MALFORMED = 3;    /* on a ckm port but bad magic/version, too short, an
+                                      * unknown dtype or a count that disagrees with the
+                                      * UDP length: forwarded as plain traffic */
 const bit<32> STAT_HANDSHAKE = 4;    /* HANDSHAKE datagrams punted to the controller */
+const bit<32> STAT_SPOOFED = 5;      /* REPLICATE datagrams matching an entry that entered
+                                      * on another port than their source host's: forwarded
+                                      * only */
 const bit<32> STAT_SIZE = 8;
 
 header ethernet_h {
@@ -70,6 +79,8 @@ struct headers_t {
 struct ckm_meta_t {
     bit<1> ckm_port;     /* UDP destination port lies in the ckm range */
     bit<1> shadow_copy;  /* egress: this replica was rewritten for a shadow */
+    bit<16> repl_group;  /* ingress: the matching replication entry's multicast group */
+    bit<9> repl_port;    /* ingress: the port that entry's source host is attached to */
 }
 
 #endif
