@@ -12,7 +12,7 @@ import sys
 import warnings
 
 from checkmate import config
-from checkmate.dataplane.switch import netns_exists
+from checkmate.dataplane.switch import KernelSwitch, SwitchUnreachable, netns_exists
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.testbed.topology import Testbed
 
@@ -69,9 +69,25 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port_counters(cfg: config.ClusterConfig) -> dict[str, dict[str, int]] | None:
+    """The switch's per-port counters (rx, tx, replicated, ..., malformed, no_entry, spoofed)
+    while its BPF is attached, else None: status shows at a glance which port sends spoofed
+    or malformed ckm traffic."""
+    sw = KernelSwitch(cfg)
+    if not sw.is_up():
+        return None
+    try:
+        return sw.counters()["ports"]
+    except SwitchUnreachable:  # torn down between the check and the read
+        return None
+
+
 def _status(args: argparse.Namespace) -> int:
     cfg, _ = _load(args.config)
     st = Testbed(cfg).status()
+    ports = _port_counters(cfg)
+    if ports is not None:
+        st["switch"]["counters"] = ports
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
@@ -84,6 +100,10 @@ def _status(args: argparse.Namespace) -> int:
         tag = f"rank {h['rank']}" if "rank" in h else f"partition {h['partition']}"
         print(f"  {h['name']:<6} {h['role']:<8} {tag:<12} ns={h['namespace']:<10} "
               f"if={h['interface']:<10} {h['ip']:<15} {h['mac']}  {'up' if h['up'] else 'down'}")
+    if ports is not None:
+        print("switch ports:")
+        for name, d in ports.items():
+            print(f"  {name:<10} " + " ".join(f"{k}={v}" for k, v in d.items()))
     return 0
 
 

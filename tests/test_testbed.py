@@ -67,6 +67,12 @@ def test_up_status_exec_down_leaves_nothing(cfg_file):
     st = json.loads(_cli("status", "--config", str(cfg_file), "--json").stdout)
     assert st["up"] and st["switch"]["bpf_attached"]
     assert st["switch"]["namespace"] == f"{PREFIX}-sw0" and st["switch"]["ip"] == cfg.switch.ip
+    # the switch's per-port counters, anti-spoofing and length checks included
+    ports = st["switch"]["counters"]
+    assert set(ports) == {cfg.switch_ifname(h.name) for h in cfg.hosts}
+    assert all({"malformed", "no_entry", "spoofed"} <= set(c) for c in ports.values())
+    text = _cli("status", "--config", str(cfg_file)).stdout
+    assert text.count(" spoofed=") == len(cfg.hosts) and "switch ports:" in text
     assert {h["name"] for h in st["hosts"]} == {h.name for h in cfg.hosts}
     for h in st["hosts"]:
         want = cfg.host(h["name"])
