@@ -96,10 +96,13 @@ def test_cli_deploy_and_status(testbed, tmp_path):
     r = control("status", "--switch", "sw0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("=> tbp-s") == 8 and "tbp-t0:" in r.stdout
+    assert r.stdout.count(" spoofed=0") == 6  # every port's anti-spoofing counter
     r = control("status", "--switch", "sw0", "--json")
     st = json.loads(r.stdout)
     assert len(st["replication"]) == 8 and set(st["counters"]["ports"]) == {
         f"tbp-{h}" for h in ("t0", "t1", "t2", "t3", "s0", "s1")}
+    assert {(e["src_ip"], e["ingress_ifname"]) for e in st["counters"]["entries"]} == {
+        (f"10.77.0.1{i}", f"tbp-t{i}") for i in range(4)}
     r = control("status", "--switch", "sw1")
     assert r.returncode == 2 and r.stderr.strip() == \
         "control: error: unknown switch 'sw1' (the config has 'sw0')"
