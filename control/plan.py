@@ -38,9 +38,10 @@ class Registration:
 class Replication:
     """One replication entry: copies of (job, src -> dst, partition) go to ``shadow``.
 
-    Only datagrams that entered the switch on ``src``'s own port are copied (a copy carries
-    the shadow's epoch/token, so another host forging ``src_ip`` must not obtain one): the
-    port is ``ingress_port`` on P4 targets and ``ingress_ifname`` on the kernel switch."""
+    Only datagrams that entered the switch on ``src``'s own port are copied (a copy is
+    stamped with the shadow's valid epoch/token, so the shadow would accept a datagram from
+    another host forging ``src_ip``): the port is ``ingress_port`` on P4 targets and
+    ``ingress_ifname`` on the kernel switch."""
 
     job_id: int
     src: str

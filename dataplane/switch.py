@@ -15,8 +15,9 @@ other traffic is never dropped or corrupted. A knob can be limited to an iterati
 
 Anti-spoofing: a replication entry names the port its source host is attached to
 (``ingress_ifname``); a matching REPLICATE datagram that enters through any other port is
-forwarded plainly and counted ``spoofed``, so a host cannot obtain a copy stamped with a
-shadow's epoch/token by forging another trainer's source address. A ckm datagram whose
+forwarded plainly and counted ``spoofed``: a host that forges another trainer's source
+address cannot make the switch deliver its datagram to a shadow stamped with the shadow's
+valid epoch/token (the shadow would accept it as that trainer's gradient). A ckm datagram whose
 ``count`` disagrees with its length is ``malformed``: forwarded plainly, never copied.
 """
 

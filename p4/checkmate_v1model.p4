@@ -9,7 +9,7 @@
  * priority, others are counted malformed and forwarded as plain traffic; unfragmented
  * REPLICATE datagrams whose (job, src IP, dst IP, partition) match ckm_replicate and that
  * entered on the port the entry names (the source host's: a copy carries the shadow's
- * epoch/token, so a forged source address must not obtain one) are multicast to a group
+ * valid epoch/token, so a forged source's copy would be accepted) are multicast to a group
  * holding the destination's port (rid 0, unchanged) and the shadow's port (rid =
  * partition + 1); from any other port they are counted spoofed and forwarded plainly;
  * HANDSHAKE datagrams to the controller's address/port are sent to the CPU port, where the

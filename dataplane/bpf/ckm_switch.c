@@ -46,8 +46,8 @@ struct repl_key {
 struct repl_val {
 	__u32 ifindex;    /* switch port leading to the shadow */
 	__u32 in_ifindex; /* switch port of the host that owns src_ip: the only port whose
-			   * datagrams are copied (the epoch/token stamped into a copy are the
-			   * shadow's credentials, so a spoofed source must not obtain them) */
+			   * datagrams are copied (a copy is stamped with the shadow's valid
+			   * epoch/token: a spoofed source must not get one accepted) */
 	__u8 mac[6];      /* shadow MAC */
 	__be16 port;      /* shadow UDP port */
 	__be32 ip;        /* shadow IPv4 */
