@@ -1,19 +1,24 @@
 """Shadow <-> controller handshake messages (docs/protocol.md, "Handshake").
 
-Handshake datagrams are ckm datagrams with the HANDSHAKE flag and a JSON payload
-(dtype BYTES), sent to the controller's UDP port (config.CONTROLLER_PORT) on the switch's
-address. Requests carry ``seq``; the reply echoes it with ACK (accepted) or NACK (refused,
-payload ``{"op": "error", "reason": ...}``).
+Handshake datagrams are ckm datagrams with the HANDSHAKE flag, sent to the controller's UDP
+port (config.CONTROLLER_PORT) on the switch's address. The payload is a JSON object followed
+by a 32-byte MAC (checkmate.auth): requests carry ``seq`` in the header and ``nonce`` and
+``ts`` (Unix milliseconds) in the JSON, and the reply echoes ``seq`` with ACK (accepted) or
+NACK (refused, ``{"op": "error", "reason": ...}``). A reply's MAC binds it to the request's
+nonce. A refusal of a request that did not verify cannot prove anything: its MAC is 32 zero
+bytes and its reason is only "not authenticated".
 
-Operations:
+Operations (both need a valid MAC):
 - ``register`` (shadow → controller): ``{"op", "job", "partition", "host", "ip", "mac",
-  "port"}``. The controller installs the entries that steer the partition's replicas to
-  ``ip:port`` (replacing an earlier registration of that partition) and answers
-  ``{"op": "registered", "job", "partition", "epoch", "token"}``. Every registration of a
-  partition gets a new, larger epoch and a fresh random token.
-- ``session`` (anyone → controller): ``{"op", "job"}`` → ``{"op": "session", "job",
-  "partitions": {"<p>": {"epoch", "token", "ip", "port"}}}``, the current registrations.
-  Trainers in host-replication mode use it to address and stamp their copies.
+  "port"}``. ``host`` must be the config's shadow for ``partition``, ``ip`` its configured
+  address and the datagram must come from that address. The controller installs the
+  entries that steer the partition's replicas to ``ip:port`` (replacing an earlier
+  registration of that partition) and answers ``{"op": "registered", "job", "partition",
+  "epoch", "token"}``. Every registration of a partition gets a new, larger epoch and a
+  fresh random token.
+- ``session`` (trainer → controller): ``{"op", "job"}`` → ``{"op": "session", "job",
+  "partitions": {"<p>": {"epoch", "token", "ip", "port", "host"}}}``, the current
+  registrations. Trainers in host-replication mode use it to address and stamp their copies.
 
 On the switch path the copy of a REPLICATE datagram gets the owning shadow's epoch and token
 written into its header by the switch, so trainers never need to know them.
@@ -21,50 +26,88 @@ written into its header by the switch, so trainers never need to know them.
 
 from __future__ import annotations
 
+import hmac
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from checkmate import wire
+from checkmate import auth, wire
+
+#: A refusal's MAC when the request could not be verified.
+NO_MAC = bytes(auth.MAC_BYTES)
 
 
-def request(job_id: int, seq: int, body: dict[str, Any], partition: int = 0) -> bytes:
-    payload = json.dumps(body, sort_keys=True).encode()
-    h = wire.Header(
-        flags=wire.Flags.HANDSHAKE,
-        job_id=job_id,
-        seq=seq,
-        partition=partition,
-        dtype=wire.DType.BYTES,
-        count=len(payload),
-    )
-    return wire.encode(h, payload)
+@dataclass
+class Message:
+    """A parsed handshake datagram: header, JSON body, the JSON's bytes and the MAC."""
+
+    header: wire.Header
+    body: dict[str, Any]
+    raw: bytes
+    mac: bytes
 
 
-def reply(req: wire.Header, body: dict[str, Any], ok: bool = True) -> bytes:
-    payload = json.dumps(body, sort_keys=True).encode()
+def request(key: bytes, job_id: int, seq: int, body: dict[str, Any],
+            partition: int = 0) -> tuple[bytes, str]:
+    """An authenticated request and its nonce (which the reply's MAC must bind)."""
+    nonce = auth.new_nonce()
+    raw = json.dumps({**body, "nonce": nonce, "ts": auth.now_ms()}, sort_keys=True).encode()
+    return _datagram(wire.Flags.HANDSHAKE, job_id, seq, partition, raw,
+                     auth.request_mac(key, job_id, seq, partition, raw)), nonce
+
+
+def reply(key: bytes, req: Message, body: dict[str, Any], ok: bool = True) -> bytes:
+    """The answer to a verified request, bound to its nonce."""
+    raw = json.dumps(body, sort_keys=True).encode()
+    h = req.header
     flags = wire.Flags.HANDSHAKE | (wire.Flags.ACK if ok else wire.Flags.NACK)
-    h = wire.Header(
-        flags=flags,
-        job_id=req.job_id,
-        seq=req.seq,
-        partition=req.partition,
-        epoch=int(body.get("epoch", 0)),
-        token=int(body.get("token", 0)),
-        dtype=wire.DType.BYTES,
-        count=len(payload),
-    )
+    mac = auth.reply_mac(key, h.job_id, h.seq, str(req.body.get("nonce")), raw)
+    return _datagram(flags, h.job_id, h.seq, h.partition, raw, mac,
+                     int(body.get("epoch", 0)), int(body.get("token", 0)))
+
+
+def refusal(req: wire.Header, reason: str = "not authenticated") -> bytes:
+    """A NACK that proves nothing (zero MAC): only for requests that did not verify."""
+    raw = json.dumps({"op": "error", "reason": reason}, sort_keys=True).encode()
+    return _datagram(wire.Flags.HANDSHAKE | wire.Flags.NACK, 0, req.seq, 0, raw, NO_MAC)
+
+
+def _datagram(flags: int, job: int, seq: int, partition: int, raw: bytes, mac: bytes,
+              epoch: int = 0, token: int = 0) -> bytes:
+    payload = raw + mac
+    h = wire.Header(flags=flags, job_id=job, seq=seq, partition=partition, epoch=epoch,
+                    token=token, dtype=wire.DType.BYTES, count=len(payload))
     return wire.encode(h, payload)
 
 
-def parse(buf: bytes) -> tuple[wire.Header, dict[str, Any]]:
-    """Header and JSON body of a handshake datagram; WireError for anything else."""
+def parse(buf: bytes) -> Message:
+    """Header, JSON body and MAC of a handshake datagram; WireError for anything else."""
     h, payload = wire.decode(buf)
     if not h.flags & wire.Flags.HANDSHAKE:
         raise wire.WireError("not a handshake datagram")
+    payload = bytes(payload)
+    if len(payload) <= auth.MAC_BYTES:
+        raise wire.WireError("handshake payload too short for its MAC")
+    raw, mac = payload[:-auth.MAC_BYTES], payload[-auth.MAC_BYTES:]
     try:
-        body = json.loads(bytes(payload))
-    except ValueError:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
         raise wire.WireError("handshake payload is not JSON") from None
     if not isinstance(body, dict) or "op" not in body:
         raise wire.WireError("handshake payload has no 'op'")
-    return h, body
+    return Message(h, body, raw, mac)
+
+
+def verify_request(key: bytes, m: Message, guard: auth.ReplayGuard) -> None:
+    """AuthError unless ``m`` is a fresh request made with ``key``."""
+    h = m.header
+    want = auth.request_mac(key, h.job_id, h.seq, h.partition, m.raw)
+    if not hmac.compare_digest(want, m.mac):
+        raise auth.AuthError("bad MAC")
+    guard.check(m.body.get("nonce"), m.body.get("ts"))
+
+
+def verify_reply(key: bytes, m: Message, nonce: str) -> bool:
+    """True if ``m`` answers the request that carried ``nonce`` and was made with ``key``."""
+    h = m.header
+    return hmac.compare_digest(auth.reply_mac(key, h.job_id, h.seq, nonce, m.raw), m.mac)

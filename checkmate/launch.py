@@ -146,6 +146,20 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
 
 
+def _job_secret(running_shadows: bool, logdir: Path) -> None:
+    """Make every shadow and worker share the job secret (checkmate.auth): the one
+    $CHECKMATE_SECRET_FILE names, else a new one in the log dir for the local shadows."""
+    from checkmate import auth
+
+    if os.environ.get(auth.SECRET_ENV):
+        auth.load_secret()  # a bad file is one line now, not a failure in every worker
+        return
+    if running_shadows:
+        raise CheckmateError(f"--shadow names running shadows: set {auth.SECRET_ENV} to "
+                             "the job secret they were started with")
+    os.environ[auth.SECRET_ENV] = str(auth.create_secret(logdir / "job.key"))
+
+
 def _failure_line(err: Any, restarts: int) -> str:
     parts = []
     for rank, f in sorted(getattr(err, "failures", {}).items()):
@@ -197,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     # its own handlers while it runs).
     old_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
+        if count:
+            _job_secret(bool(args.shadow), logdir)
         if args.shadow:
             tcp = [parse_addr(a) for a in args.shadow]
             job_id = args.job_id or check_shadows(tcp) or 1

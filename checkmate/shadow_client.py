@@ -1,7 +1,10 @@
 """Client of the shadow TCP service (docs/protocol.md, "Shadow TCP service").
 
 Frames in both directions: a 4-byte big-endian length, that many bytes of JSON header, then
-``nbytes`` raw bytes (from the header). Trainers use this module to send the spec and seed
+``nbytes`` raw bytes (from the header). On connecting, the shadow speaks first with a
+challenge; the client's first request is ``auth`` with its proof (checkmate.auth), and the
+shadow's answer carries the shadow's own proof, so each side knows the other holds the job
+secret before anything else is said. Trainers use this module to send the spec and seed
 their share of the initial state; restore uses it to find the consistent point (the newest
 iteration every partition still retains) and to fetch that iteration from every shadow, so
 a restore never mixes iterations across partitions.
@@ -12,12 +15,14 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from checkmate import auth
 from checkmate.config import RESTORE_PORT
 from checkmate.errors import CheckmateError
 from checkmate.spec import ModelSpec
@@ -49,11 +54,18 @@ def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Any = b"
             sock.sendall(v)
 
 
-def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
-    """Exactly ``n`` bytes (into ``into`` when given); ConnectionError on early EOF."""
-    buf = into if into is not None else memoryview(bytearray(n))
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> memoryview:
+    """Exactly ``n`` bytes; ConnectionError on early EOF, TimeoutError past ``deadline``
+    (a time.monotonic() value: a peer that trickles bytes cannot hold the reader forever).
+    The buffer is allocated up front: callers check ``n`` against their limits first."""
+    buf = memoryview(bytearray(n))
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"frame not complete in time ({got} of {n} bytes)")
+            sock.settimeout(left)
         k = sock.recv_into(buf[got:n])
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
@@ -61,23 +73,30 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> m
     return buf
 
 
-def recv_frame(sock: socket.socket, max_payload: int | None = None) -> tuple[dict, memoryview]:
-    """(header, payload) of one frame; ConnectionError on EOF, ShadowError if malformed."""
-    (n,) = _LEN.unpack(recv_exact(sock, 4))
-    if n > MAX_HEADER:
-        raise ShadowError(f"frame header of {n} bytes exceeds the {MAX_HEADER} byte limit")
+def recv_frame(sock: socket.socket, max_payload: Any = None, max_header: int = MAX_HEADER,
+               deadline: float | None = None) -> tuple[dict, memoryview]:
+    """(header, payload) of one frame; ConnectionError on EOF, TimeoutError past
+    ``deadline``, ShadowError if malformed or too big. ``max_payload``: a byte limit, or a
+    function of the header giving one (checked before any payload byte is read)."""
+    (n,) = _LEN.unpack(recv_exact(sock, 4, deadline))
+    if n > max_header:
+        raise ShadowError(f"frame header of {n} bytes exceeds the {max_header} byte limit")
     try:
-        header = json.loads(bytes(recv_exact(sock, n)))
+        header = json.loads(bytes(recv_exact(sock, n, deadline)))
+    except RecursionError:
+        raise ShadowError("frame header is nested too deeply") from None
     except ValueError:
         raise ShadowError("frame header is not JSON") from None
     if not isinstance(header, dict):
         raise ShadowError("frame header is not a JSON object")
     nbytes = header.get("nbytes", 0)
-    if not isinstance(nbytes, int) or nbytes < 0:
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ShadowError(f"frame nbytes must be a non-negative integer, got {nbytes!r}")
-    if max_payload is not None and nbytes > max_payload:
-        raise ShadowError(f"frame payload of {nbytes} bytes exceeds the {max_payload} limit")
-    payload = recv_exact(sock, nbytes) if nbytes else memoryview(b"")
+    limit = max_payload(header) if callable(max_payload) else max_payload
+    if limit is not None and nbytes > limit:
+        raise ShadowError(f"frame payload of {nbytes} bytes exceeds the {limit} byte limit "
+                          f"for {str(header.get('op'))[:40]!r}")
+    payload = recv_exact(sock, nbytes, deadline) if nbytes else memoryview(b"")
     return header, payload
 
 
@@ -107,12 +126,37 @@ class Fetched:
 
 
 class ShadowClient:
-    """A connection to one shadow's TCP service; reconnects lazily, one request at a time."""
+    """A connection to one shadow's TCP service; connects (and authenticates) lazily, one
+    request at a time. ``secret``: the job secret (default: $CHECKMATE_SECRET_FILE's)."""
 
-    def __init__(self, addr: Addr, timeout: float = 30.0) -> None:
+    def __init__(self, addr: Addr, timeout: float = 30.0, secret: bytes | None = None) -> None:
         self.addr = addr
         self.timeout = timeout
+        self._key = auth.service_key(secret if secret is not None else auth.load_secret())
         self._sock: socket.socket | None = None
+        self._used = False  # the open connection already carried a request
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(self.addr, timeout=self.timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello, _ = recv_frame(sock, 0, 4096)
+            challenge = hello.get("challenge")
+            if not isinstance(challenge, str):
+                raise ShadowError("no challenge from the shadow (not a Checkmate shadow?)")
+            nonce = auth.new_nonce()
+            send_frame(sock, {"op": "auth", "nonce": nonce,
+                              "proof": auth.client_proof(self._key, challenge, nonce)})
+            reply, _ = recv_frame(sock, 0, 4096)
+            if not reply.get("ok"):
+                raise ShadowError(f"refused the connection: {reply.get('error')}")
+            if not auth.same(reply.get("proof"), auth.server_proof(self._key, challenge,
+                                                                   nonce)):
+                raise ShadowError("could not prove it holds the job secret")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def close(self) -> None:
         if self._sock is not None:
@@ -128,18 +172,29 @@ class ShadowClient:
     def request(self, header: Mapping[str, Any], payload: Any = b"") -> tuple[dict, memoryview]:
         """Send one request, return the reply; ShadowError for a refusal or a dead shadow."""
         where = f"shadow {self.addr[0]}:{self.addr[1]}"
-        try:
-            if self._sock is None:
-                self._sock = socket.create_connection(self.addr, timeout=self.timeout)
-                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_frame(self._sock, header, payload)
-            reply, data = recv_frame(self._sock)
-        except (OSError, ConnectionError) as e:
-            self.close()
-            raise ShadowError(f"{where}: {getattr(e, 'strerror', None) or e}") from None
-        except ShadowError as e:
-            self.close()
-            raise ShadowError(f"{where}: {e}") from None
+        for attempt in (0, 1):
+            reused = self._sock is not None and self._used
+            try:
+                if self._sock is None:
+                    self._sock, self._used = self._connect(), False
+                self._used = True
+                self._sock.settimeout(self.timeout)
+                send_frame(self._sock, header, payload)
+                reply, data = recv_frame(self._sock)
+                break
+            except ConnectionError as e:
+                self.close()
+                # The shadow closes connections idle past its limit; a request on such a
+                # connection never reached it: one fresh connection may send it.
+                if reused and attempt == 0:
+                    continue
+                raise ShadowError(f"{where}: {e}") from None
+            except OSError as e:
+                self.close()
+                raise ShadowError(f"{where}: {getattr(e, 'strerror', None) or e}") from None
+            except ShadowError as e:
+                self.close()
+                raise ShadowError(f"{where}: {e}") from None
         if not reply.get("ok"):
             raise ShadowError(f"{where} refused {header.get('op')}: "
                               f"{reply.get('error', 'no reason given')}")

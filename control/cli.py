@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     common(s)
     v = sub.add_parser("serve", help="run the shadow handshake service until SIGTERM")
     v.add_argument("--bind", default=None, help="address to listen on (default switch.ip)")
+    v.add_argument("--secret-file", default=None,
+                   help="the job secret's file (default: $CHECKMATE_SECRET_FILE)")
     common(v)
     return p
 
@@ -107,7 +109,8 @@ def _print_status(st: dict) -> None:
         print("replication entries:")
         for e in c["entries"]:
             print(f"  job {e['job_id']} {e['src_ip']} -> {e['dst_ip']} part {e['partition']} "
-                  f"=> {e['shadow_ifname']}: {e['packets']} pkts {e['bytes']} bytes")
+                  f"from {e.get('ingress_ifname', '?')} => {e['shadow_ifname']}: "
+                  f"{e['packets']} pkts {e['bytes']} bytes")
         print("ports:")
         for name, d in sorted(c["ports"].items()):
             print(f"  {name}: " + " ".join(f"{k}={v}" for k, v in d.items()))
@@ -141,11 +144,13 @@ def status(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from checkmate import auth
     from checkmate.control.service import HandshakeService
 
     cfg = _load(args)
+    secret = auth.load_secret(args.secret_file)
     drv = drivers.for_switch(cfg)
-    svc = HandshakeService(cfg, drv, _store(args, cfg), bind_ip=args.bind)
+    svc = HandshakeService(cfg, drv, _store(args, cfg), secret, bind_ip=args.bind)
 
     def stop(signum, frame) -> None:
         svc.stop_event.set()

@@ -1,10 +1,13 @@
 """The handshake service: shadows register here and get an epoch and token.
 
 A UDP socket on the switch's address, port config.CONTROLLER_PORT (docs/protocol.md,
-"Handshake"). ``register`` mints a new session (larger epoch, fresh token), reprograms the
-switch so the partition's copies go to the registering shadow stamped with that session
-(through the same plan/driver path as `control deploy`, so only changed entries are
-written), stores it, and answers ``registered``. ``session`` answers the current
+"Handshake"). Every request must carry a valid MAC made with the job secret, a fresh nonce
+and a timestamp within checkmate.auth.SKEW; anything else gets a refusal that reveals
+nothing and is counted (logged at most a few lines a minute). ``register`` mints a new
+session (larger epoch, fresh token), reprograms the switch so the partition's copies go to
+the registering shadow stamped with that session (through the same plan/driver path as
+`control deploy`, so only changed entries are written), stores it, and answers
+``registered``. ``session`` answers the current
 registrations. Bad requests get a NACK with a reason; datagrams that are not handshake
 requests are dropped and counted.
 """
@@ -17,25 +20,30 @@ import sys
 import threading
 from collections import Counter
 
-from checkmate import handshake, wire
+from checkmate import auth, handshake, wire
 from checkmate.config import CONTROLLER_PORT, ClusterConfig
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers.base import Driver
 from checkmate.control.sessions import SessionStore
 from checkmate.errors import CheckmateError
+from checkmate.ratelog import RateLimitedLog
 
 
 class HandshakeService:
     def __init__(self, cfg: ClusterConfig, driver: Driver, store: SessionStore,
-                 bind_ip: str | None = None, port: int = CONTROLLER_PORT,
+                 secret: bytes, bind_ip: str | None = None, port: int = CONTROLLER_PORT,
                  log=None) -> None:
         self.cfg = cfg
+        self.key = auth.handshake_key(secret)
+        self.guard = auth.ReplayGuard()
         self.driver = driver
         self.store = store
         self.addr = (bind_ip or cfg.switch.ip, port)
         self.stats: Counter[str] = Counter()
         self.stop_event = threading.Event()
         self._log = log or (lambda msg: print(f"control serve: {msg}", flush=True))
+        # Bad input is counted always and logged at most a few lines a minute.
+        self._bad_log = RateLimitedLog(self._log)
         self.sock: socket.socket | None = None
 
     # -- switch programming --------------------------------------------------------------
@@ -52,15 +60,23 @@ class HandshakeService:
     # -- requests ------------------------------------------------------------------------
     def handle(self, data: bytes, peer_ip: str | None = None) -> bytes | None:
         """The reply to one datagram, or None when it is dropped. ``peer_ip``: the sender's
-        address; a shadow may only register the address it sends from."""
+        address; a shadow may only register from its configured address."""
         try:
-            h, body = handshake.parse(data)
+            m = handshake.parse(data)
         except wire.WireError:
             self.stats["malformed"] += 1
             return None
+        h = m.header
         if h.flags & (wire.Flags.ACK | wire.Flags.NACK):
             self.stats["unexpected_reply"] += 1
             return None
+        try:
+            handshake.verify_request(self.key, m, self.guard)
+        except auth.AuthError as e:
+            self.stats["unauthenticated"] += 1
+            self._bad_log(f"refused a request from {peer_ip or '?'}: {e}")
+            return handshake.refusal(h)
+        body = m.body
         op = body.get("op")
         try:
             job = body.get("job", h.job_id)
@@ -68,24 +84,39 @@ class HandshakeService:
                 raise CheckmateError(f"unknown job {job!r} (this controller runs job "
                                      f"{self.cfg.job_id})")
             if op == "register":
-                if peer_ip is not None:
-                    body.setdefault("ip", peer_ip)  # default: the address it sends from
-                    # Remote shadows register their own address; local (loopback) tools
-                    # may register on a shadow's behalf.
-                    if body["ip"] != peer_ip and not ipaddress.ip_address(peer_ip).is_loopback:
-                        raise CheckmateError(f"register for {body['ip']!r} sent from "
-                                             f"{peer_ip}: a shadow registers its own address")
-                out = self._register(body)
+                out = self._register(self._bound(body, peer_ip))
             elif op == "session":
                 out = self._session()
             else:
                 raise CheckmateError(f"unknown op {op!r}")
         except CheckmateError as e:
             self.stats["refused"] += 1
-            self._log(f"refused {op!r}: {e}")
-            return handshake.reply(h, {"op": "error", "reason": str(e)}, ok=False)
+            self._bad_log(f"refused {op!r}: {e}")
+            return handshake.reply(self.key, m, {"op": "error", "reason": str(e)}, ok=False)
         self.stats[str(op)] += 1
-        return handshake.reply(h, out)
+        return handshake.reply(self.key, m, out)
+
+    def _bound(self, body: dict, peer_ip: str | None) -> dict:
+        """The register body, checked against the config: only the partition's own shadow
+        host, at its configured address, sending from it (loopback: a local tool on its
+        behalf) may register it."""
+        p = body.get("partition")
+        shadow = self.cfg.shadow_for(p) if isinstance(p, int) and not isinstance(p, bool) \
+            else None
+        if shadow is None:
+            raise CheckmateError(f"unknown partition {p!r}")
+        if body.get("host") != shadow.name:
+            raise CheckmateError(f"partition {p} belongs to {shadow.name}, not "
+                                 f"{body.get('host')!r}")
+        body = {**body}
+        body.setdefault("ip", shadow.ip)
+        if body["ip"] != shadow.ip:
+            raise CheckmateError(f"{shadow.name} is at {shadow.ip}, not {body['ip']!r}")
+        if peer_ip is not None and peer_ip != shadow.ip \
+                and not ipaddress.ip_address(peer_ip).is_loopback:
+            raise CheckmateError(f"register for {shadow.name} sent from {peer_ip}: a shadow "
+                                 f"registers from its own address")
+        return body
 
     def _register(self, body: dict) -> dict:
         reg = self.store.new_session(self.cfg, body)

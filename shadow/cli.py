@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--epoch", type=_nonneg_int, default=0, help="epoch with --no-register")
     s.add_argument("--token", type=_nonneg_int, default=0, help="token with --no-register")
     s.add_argument("--register-timeout", type=_nonneg_float, default=30.0)
+    s.add_argument("--secret-file", default=None,
+                   help="the job secret's file (default: $CHECKMATE_SECRET_FILE)")
     s.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics on --bind:PORT (0: any free port; "
                         "CHECKMATE_METRICS_PORT overrides)")
@@ -209,8 +211,10 @@ def _serve_without_config(args: argparse.Namespace, index: int, count: int) -> i
 
 def _run_node(args: argparse.Namespace, opts: NodeOptions) -> int:
     """Start the node, serve until SIGTERM/SIGINT, stop it."""
-    from checkmate import metrics
+    from checkmate import auth, metrics
     from checkmate.shadow.node import ShadowNode
+
+    opts.secret = auth.load_secret(args.secret_file)  # before anything binds: one clear line
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s shadow[%(threadName)s] %(levelname)s %(message)s")

@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from checkmate import auth
 from checkmate.config import RESTORE_PORT, SHADOW_PORT
 from checkmate.shadow import persist
 from checkmate.shadow.assembler import Assembler
@@ -47,11 +48,14 @@ class NodeOptions:
     ip: str = ""
     mac: str = ""
     register_deadline: float = 30.0
+    #: The job secret (checkmate.auth); None: read $CHECKMATE_SECRET_FILE's.
+    secret: bytes | None = None
 
 
 class ShadowNode:
     def __init__(self, opts: NodeOptions) -> None:
         self.opts = opts
+        self.secret = opts.secret if opts.secret is not None else auth.load_secret()
         self.drops: Counter = Counter()
         self.state = ShadowState(opts.partition, opts.partitions, opts.job, opts.retain,
                                  opts.window, opts.gap_timeout, self._on_commit)
@@ -62,7 +66,8 @@ class ShadowNode:
         self.udp_port = self.sock.getsockname()[1]
         try:
             self.service = Service(self.state, self.status, opts.restore_bind,
-                                   opts.restore_port, self._on_peers, self._on_progress)
+                                   opts.restore_port, self.secret, self.drops,
+                                   self._on_peers, self._on_progress)
         except Exception:
             self.sock.close()
             raise
@@ -114,8 +119,9 @@ class ShadowNode:
                     self.persister.last_iteration = self.state.latest
             self.service.start()
             if o.controller is not None:
-                epoch, token = register(o.controller, o.job, o.partition, o.host, o.ip,
-                                        o.mac, self.udp_port, o.register_deadline)
+                epoch, token = register(self.secret, o.controller, o.job, o.partition,
+                                        o.host, o.ip, o.mac, self.udp_port,
+                                        o.register_deadline)
                 self.receiver.set_session(epoch, token)
             self.receiver.start()
         except BaseException:

@@ -1,7 +1,10 @@
 """Shadow side of the handshake: register with the controller, get the session epoch/token.
 
 The controller may be starting at the same time as the shadow, so requests are retried
-with exponential backoff until a deadline; a NACK is a definite refusal and is not retried.
+with exponential backoff until a deadline (each try a fresh nonce: the controller refuses
+replays); a NACK is a definite refusal and is not retried. Replies must carry the MAC bound
+to the request's nonce; a refusal without one can only say "not authenticated" (the
+controller could not verify the request: a different job secret) and is reported as such.
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ import socket
 import time
 from typing import Any
 
-from checkmate import handshake, wire
+from checkmate import auth, handshake, wire
 from checkmate.errors import CheckmateError
 
 log = logging.getLogger("checkmate.shadow")
 
 
 def register(
+    secret: bytes,
     controller: tuple[str, int],
     job: int,
     partition: int,
@@ -32,17 +36,19 @@ def register(
     """(epoch, token) of a new registration of ``partition``; CheckmateError on failure."""
     body = {"op": "register", "job": job, "partition": partition, "host": host, "ip": ip,
             "mac": mac, "port": port}
+    key = auth.handshake_key(secret)
     end = time.monotonic() + deadline_s
     wait, seq, tries = first_wait, int(time.time() * 1000) & 0x7FFFFFFF, 0
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         while True:
             tries += 1
             seq = (seq + 1) & 0xFFFFFFFF
+            req, nonce = handshake.request(key, job, seq, body, partition)
             try:
-                s.sendto(handshake.request(job, seq, body, partition), controller)
+                s.sendto(req, controller)
             except OSError as e:
                 log.warning("register: cannot send to %s:%d: %s", *controller, e)
-            reply = _await(s, seq, min(wait, max(end - time.monotonic(), 0.01)))
+            reply = _await(s, seq, min(wait, max(end - time.monotonic(), 0.01)), key, nonce)
             if reply is not None:
                 h, rb = reply
                 if h.flags & wire.Flags.NACK:
@@ -59,8 +65,10 @@ def register(
             wait = min(wait * 2, max_wait)
 
 
-def _await(s: socket.socket, seq: int, timeout: float) -> tuple[Any, dict] | None:
-    """The reply to ``seq`` within ``timeout``; other datagrams are ignored."""
+def _await(s: socket.socket, seq: int, timeout: float, key: bytes, nonce: str
+           ) -> tuple[Any, dict] | None:
+    """The reply to ``seq`` within ``timeout``; other datagrams are ignored (so is a reply
+    without a valid MAC, except a refusal of an unverifiable request, which is final)."""
     end = time.monotonic() + timeout
     while (left := end - time.monotonic()) > 0:
         s.settimeout(left)
@@ -73,9 +81,14 @@ def _await(s: socket.socket, seq: int, timeout: float) -> tuple[Any, dict] | Non
             time.sleep(min(left, 0.05))
             continue
         try:
-            h, body = handshake.parse(data)
+            m = handshake.parse(data)
         except wire.WireError:
             continue
-        if h.seq == seq:
-            return h, body
+        if m.header.seq != seq:
+            continue
+        if handshake.verify_reply(key, m, nonce):
+            return m.header, m.body
+        if m.header.flags & wire.Flags.NACK and m.mac == handshake.NO_MAC:
+            return m.header, {"reason": "not authenticated (does this shadow have the "
+                                        "controller's job secret?)"}
     return None

@@ -2,10 +2,19 @@
 fetch, and the reliability ops: peers (who to ask for repairs), reseed and reseed_piece (a
 live re-seed, checkmate.shadow.reseed).
 
-One thread per connection; requests on a connection are answered in order. A bad request
-gets ``{"ok": false, "error": ...}`` and the connection stays usable; a malformed frame
-closes it. Fetch pins the retained version while its bytes are sent, so the version cannot
-be recycled underneath the reply.
+The shadow speaks first: a challenge. The first request must be ``auth`` with a proof made
+from the job secret (checkmate.auth); the answer carries the shadow's proof. Anything else,
+or nothing within ``AUTH_SECONDS``, closes the connection and is counted
+(``tcp_unauthenticated``). Until then a frame may not exceed 4 KiB and carries no payload,
+so an unauthenticated peer cannot make the shadow allocate; afterwards each op's payload is
+checked against what that op can need for this partition before it is read.
+
+At most ``MAX_CONNECTIONS`` connections are served at once (more are closed at once and
+counted, ``tcp_conn_cap``), one thread each; a connection idle for ``IDLE_SECONDS`` is
+closed. Requests on a connection are answered in order. A bad request gets ``{"ok": false,
+"error": ...}`` and the connection stays usable; a malformed frame closes it. Fetch pins
+the retained version while its bytes are sent, so the version cannot be recycled
+underneath the reply.
 """
 
 from __future__ import annotations
@@ -13,27 +22,41 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from checkmate import auth
 from checkmate.errors import CheckmateError
+from checkmate.ratelog import RateLimitedLog
 from checkmate.shadow.osname import name_thread
 from checkmate.shadow.state import ShadowState
-from checkmate.shadow_client import ShadowError, recv_frame, send_frame
+from checkmate.shadow_client import SEED_CHUNK, ShadowError, recv_frame, send_frame
 from checkmate.spec import ModelSpec
 
 log = logging.getLogger("checkmate.shadow")
 
-#: Largest payload a request may carry (seed chunks are 64 MiB by default).
-MAX_REQUEST = 256 << 20
+#: Connections served at once.
+MAX_CONNECTIONS = 32
+#: Seconds a new connection has to authenticate.
+AUTH_SECONDS = 5.0
+#: Seconds an authenticated connection may wait between requests (and one request may take
+#: to arrive).
+IDLE_SECONDS = 600.0
+#: Largest frame header before authentication.
+AUTH_HEADER = 4096
 
 
 class Service:
     def __init__(self, state: ShadowState, status: Callable[[bool], dict[str, Any]],
-                 bind: str, port: int,
+                 bind: str, port: int, secret: bytes, drops: Counter | None = None,
                  on_peers: Callable[[dict[str, Any]], None] | None = None,
                  on_progress: Callable[[int], None] | None = None) -> None:
         self.state = state
+        self.key = auth.service_key(secret)
+        self.drops = drops if drops is not None else Counter()
+        self._bad_log = RateLimitedLog(log.warning)
         self.status = status
         self.on_peers = on_peers
         self.on_progress = on_progress
@@ -78,18 +101,70 @@ class Service:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                self._conns.add(conn)
+                full = len(self._conns) >= MAX_CONNECTIONS
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self.drops["tcp_conn_cap"] += 1
+                self._bad_log(f"refused a connection: {MAX_CONNECTIONS} already open")
+                conn.close()
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="shadow-conn",
                              daemon=True).start()
+
+    def _authenticate(self, conn: socket.socket) -> bool:
+        """Challenge, check the client's proof, answer with ours; False closes."""
+        challenge = auth.new_nonce()
+        try:
+            conn.settimeout(AUTH_SECONDS)
+            send_frame(conn, {"ok": True, "service": "checkmate-shadow", "version": 1,
+                              "challenge": challenge})
+            h, _ = recv_frame(conn, 0, AUTH_HEADER, time.monotonic() + AUTH_SECONDS)
+        except (ConnectionError, OSError, ShadowError) as e:
+            self.drops["tcp_unauthenticated"] += 1
+            self._bad_log(f"connection closed before authenticating: {e}")
+            return False
+        nonce = h.get("nonce")
+        if h.get("op") != "auth" or not isinstance(nonce, str) or not 16 <= len(nonce) <= 64 \
+                or not auth.same(h.get("proof"), auth.client_proof(self.key, challenge, nonce)):
+            self.drops["tcp_unauthenticated"] += 1
+            self._bad_log(f"refused an unauthenticated {str(h.get('op'))[:40]!r} request")
+            try:
+                send_frame(conn, {"ok": False, "error": "not authenticated"})
+            except OSError:
+                pass
+            return False
+        send_frame(conn, {"ok": True, "proof": auth.server_proof(self.key, challenge, nonce)})
+        return True
+
+    def _payload_limit(self, h: dict[str, Any]) -> int:
+        """The most payload bytes ``h``'s op can need for this partition."""
+        st = self.state
+        if st.spec is None:
+            if h.get("op") in ("seed", "reseed_piece"):
+                raise ShadowError(f"{h.get('op')}: no spec yet: send the spec first")
+            return 0
+        if h.get("op") == "seed":
+            return min(SEED_CHUNK, 4 * st.size)
+        if h.get("op") == "reseed_piece":
+            return 4 * st.size * len(st.spec.slots)
+        return 0
 
     def _serve(self, conn: socket.socket) -> None:
         name_thread()
         try:
+            try:
+                if not self._authenticate(conn):
+                    return
+            except OSError:
+                return
             while True:
                 try:
-                    header, payload = recv_frame(conn, MAX_REQUEST)
+                    conn.settimeout(IDLE_SECONDS)
+                    header, payload = recv_frame(conn, self._payload_limit, deadline=(
+                        time.monotonic() + IDLE_SECONDS))
                 except (ConnectionError, OSError):
                     return
                 except ShadowError as e:
@@ -180,8 +255,8 @@ class Service:
                      "buffers": v.buffers, "extra": v.extra, "lrs": v.lrs,
                      "_release": lambda: st.unpin(v)}
             return reply, [v.slots[s] for s in spec.slots]
-        raise CheckmateError(f"unknown op {op!r} (ops: spec, seed, status, fetch, peers, "
-                             "reseed, reseed_piece)")
+        raise CheckmateError(f"unknown op {str(op)[:40]!r} (ops: spec, seed, status, fetch, "
+                             "peers, reseed, reseed_piece)")
 
 
 def _int(h: dict[str, Any], key: str) -> int:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkmate import auth
 from checkmate import config as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.testbed.scenario import (  # noqa: F401 - re-exported for the benches
@@ -79,11 +80,23 @@ class Cluster:
             self.registry = Path(tempfile.gettempdir()) / f"checkmate-run-{loopback_net}.json"
             self.clear_leftovers()
             stack.callback(self.clear_leftovers)
+            self.secret_file = self._host_secret(loopback_net, stack)
             self.ip = {}
             for h in cfg.trainers:
                 self.ip[h.name] = f"{loopback_net}.{10 + h.rank}"
             for h in cfg.shadows:
                 self.ip[h.name] = f"{loopback_net}.{100 + h.partition}"
+
+    @staticmethod
+    def _host_secret(loopback_net: str, stack: ExitStack) -> Path:
+        """Host mode's job secret: $CHECKMATE_SECRET_FILE, else a fresh one for this run."""
+        env = os.environ.get(auth.SECRET_ENV)
+        if env:
+            return auth.create_secret(env)
+        path = Path(tempfile.gettempdir()) / f"checkmate-run-{loopback_net}.key"
+        path.unlink(missing_ok=True)
+        stack.callback(path.unlink, missing_ok=True)
+        return auth.create_secret(path)
 
     def popen(self, host: str, argv: list[str], env: dict[str, str], **kw: Any
               ) -> subprocess.Popen:
@@ -94,6 +107,7 @@ class Cluster:
         name = f"{host}:{argv[2] if len(argv) > 2 else argv[0]}"
         if self.testbed is not None:
             return self.testbed.spawn(host, argv, name, env=full_env, **kw)
+        full_env[auth.SECRET_ENV] = str(self.secret_file)
         p = subprocess.Popen(argv, env=full_env, start_new_session=True, **kw)
         self._record(p.pid)
         return p
@@ -124,7 +138,8 @@ class Cluster:
     def run(self, host: str, argv: list[str]) -> subprocess.CompletedProcess:
         if self.testbed is not None:
             return self.testbed.run_in(host, argv, capture_output=True, text=True)
-        return subprocess.run(argv, capture_output=True, text=True)
+        return subprocess.run(argv, capture_output=True, text=True,
+                              env={**os.environ, auth.SECRET_ENV: str(self.secret_file)})
 
     def ifname(self, host: str) -> str:
         return self.cfg.host_ifname(host) if self.mode == "switch" else "lo"

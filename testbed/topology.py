@@ -173,6 +173,23 @@ class Testbed:
                                                          for h in self.cfg.hosts]
 
     @property
+    def secret_file(self) -> Path:
+        """The job secret every process of this testbed uses: $CHECKMATE_SECRET_FILE when
+        set, else job.key in the state dir (a new one each `up`: `down` removes it)."""
+        from checkmate import auth
+
+        env = os.environ.get(auth.SECRET_ENV)
+        return Path(env) if env else self.state_dir / "job.key"
+
+    def _with_secret(self, kw: dict[str, Any]) -> dict[str, Any]:
+        from checkmate import auth
+
+        env = kw.get("env")
+        kw["env"] = {**(os.environ if env is None else env),
+                     auth.SECRET_ENV: str(self.secret_file)}
+        return kw
+
+    @property
     def state_file(self) -> Path:
         return self.state_dir / "state.json"
 
@@ -199,6 +216,9 @@ class Testbed:
                                  "pin_dir": str(self.switch.pin_dir), "procs": []}
         self._write_state(state)
         try:
+            from checkmate import auth
+
+            auth.create_secret(self.secret_file)
             self._build_links()
             self.switch.attach()
             if self.controller:
@@ -332,11 +352,11 @@ class Testbed:
 
     def run_in(self, host: str, argv: list[str], **kw: Any) -> subprocess.CompletedProcess:
         """Run ``argv`` to completion inside ``host``'s namespace (subprocess.run kwargs)."""
-        return subprocess.run(self.argv_in(host, argv), **kw)
+        return subprocess.run(self.argv_in(host, argv), **self._with_secret(kw))
 
     def popen_in(self, host: str, argv: list[str], **kw: Any) -> subprocess.Popen:
         """Start ``argv`` inside ``host``'s namespace; the caller stops it by its PID."""
-        return subprocess.Popen(self.argv_in(host, argv), **kw)
+        return subprocess.Popen(self.argv_in(host, argv), **self._with_secret(kw))
 
     def spawn(self, host: str, argv: list[str], name: str, **kw: Any) -> subprocess.Popen:
         """Like popen_in, in its own session, and recorded (PID + start time) in the state

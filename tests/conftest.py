@@ -1,21 +1,43 @@
-"""Fixtures shared by test files: real shadow processes on loopback."""
+"""Fixtures shared by test files: real shadow processes on loopback, and one job secret
+for the whole session."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import itertools
+import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from checkmate import auth
 from checkmate import config as cfgmod
+
+_SECRET_DIR: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every process the tests start (shadows, controllers, trainers, the testbed) finds the
+    same job secret through the environment, as `checkmate launch` arranges for a job."""
+    global _SECRET_DIR
+    if os.environ.get(auth.SECRET_ENV):
+        return
+    _SECRET_DIR = tempfile.mkdtemp(prefix="ckm-test-secret-")
+    os.environ[auth.SECRET_ENV] = str(auth.create_secret(Path(_SECRET_DIR) / "job.key"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SECRET_DIR is not None:
+        shutil.rmtree(_SECRET_DIR, ignore_errors=True)
 
 
 @contextlib.contextmanager

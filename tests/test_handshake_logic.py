@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from dataclasses import replace
 
 import pytest
 from test_control_p4runtime import FakeSwitch, ip, load_p4info
 
-from checkmate import config, handshake, wire
+from checkmate import auth, config, handshake, wire
 from checkmate.control.drivers.p4runtime import P4RuntimeDriver
 from checkmate.control.p4rt_client import P4RuntimeClient
 from checkmate.control.service import HandshakeService
@@ -32,8 +33,22 @@ def make_service(sw: FakeSwitch, state, port: int = 0) -> HandshakeService:
     cfg = config.load(config.default_path())
     cfg = replace(cfg, switch=replace(cfg.switch, target="bmv2", address=sw.address))
     drv = P4RuntimeDriver(cfg, "v1model", P4RuntimeClient(sw.address, timeout=2))
-    return HandshakeService(cfg, drv, SessionStore(state), bind_ip="127.0.0.1", port=port,
-                            log=lambda msg: None)
+    return HandshakeService(cfg, drv, SessionStore(state), SECRET, bind_ip="127.0.0.1",
+                            port=port, log=lambda msg: None)
+
+
+SECRET = auth.load_secret()  # the session's (tests/conftest.py): shadows started here use it
+KEY = auth.handshake_key(SECRET)
+
+
+def req(job: int, seq: int, body: dict, partition: int = 0, key: bytes = KEY) -> bytes:
+    return handshake.request(key, job, seq, body, partition)[0]
+
+
+def answer(data: bytes | None) -> tuple[wire.Header, dict]:
+    assert data is not None
+    m = handshake.parse(data)
+    return m.header, m.body
 
 
 def reg_body(partition=1, host="s1", port=47001) -> dict:
@@ -53,22 +68,22 @@ def test_register_programs_switch_and_epochs_grow_across_restarts(switch, tmp_pa
     state = tmp_path / "state.json"
     svc = make_service(switch, state)
     svc.deploy()
-    h, body = handshake.parse(svc.handle(handshake.request(7, 3, reg_body(port=47005), 1)))
+    h, body = answer(svc.handle(req(7, 3, reg_body(port=47005), 1)))
     assert h.flags & wire.Flags.ACK and h.seq == 3
     assert body["epoch"] == 1 and h.token == body["token"]
     rw = rewrite_of(switch, 2)
     assert (rw["epoch"], rw["token"], rw["udp_port"], rw["ip"]) == (
         1, body["token"], 47005, ip("10.77.0.101"))
     n = len(switch.updates)
-    _, again = handshake.parse(svc.handle(handshake.request(7, 4, reg_body(), 1)))
+    _, again = answer(svc.handle(req(7, 4, reg_body(), 1)))
     assert again["epoch"] == 2
     assert len(switch.updates) == n + 1  # one MODIFY of the rewrite entry, nothing else
     svc.driver.close()
     # A restarted service continues above the largest epoch it ever handed out.
     svc2 = make_service(switch, state)
-    _, third = handshake.parse(svc2.handle(handshake.request(7, 5, reg_body(0, "s0"), 0)))
+    _, third = answer(svc2.handle(req(7, 5, reg_body(0, "s0"), 0)))
     assert third["epoch"] == 3
-    _, sess = handshake.parse(svc2.handle(handshake.request(7, 6, {"op": "session",
+    _, sess = answer(svc2.handle(req(7, 6, {"op": "session",
                                                                    "job": 7})))
     assert {p: d["epoch"] for p, d in sess["partitions"].items()} == {"0": 3, "1": 2}
     svc2.driver.close()
@@ -80,7 +95,7 @@ def test_failed_switch_write_is_nacked_and_not_stored(switch, tmp_path):
     svc.deploy()
     switch.stop()
     svc.driver.close()  # next request reconnects, and finds nobody
-    h, body = handshake.parse(svc.handle(handshake.request(7, 1, reg_body(), 1)))
+    h, body = answer(svc.handle(req(7, 1, reg_body(), 1)))
     assert h.flags & wire.Flags.NACK and body["op"] == "error"
     assert "P4Runtime" in body["reason"]
     assert svc.store.max_epoch == 0 and not state.exists()
@@ -90,19 +105,19 @@ def test_garbage_and_replies_are_dropped_and_counted(switch, tmp_path):
     svc = make_service(switch, tmp_path / "s.json")
     assert svc.handle(b"\x00" * 10) is None
     assert svc.handle(wire.encode(wire.Header(job_id=7))) is None  # ckm, not handshake
-    req_h = wire.decode_header(handshake.request(7, 1, {"op": "session"}))
-    assert svc.handle(handshake.reply(req_h, {"op": "session"})) is None
+    q = handshake.parse(req(7, 1, {"op": "session"}))
+    assert svc.handle(handshake.reply(KEY, q, {"op": "session"})) is None
     assert svc.stats["malformed"] == 2 and svc.stats["unexpected_reply"] == 1
-    h, body = handshake.parse(svc.handle(handshake.request(7, 2, reg_body(host="nobody"), 1)))
+    h, body = answer(svc.handle(req(7, 2, reg_body(host="nobody"), 1)))
     assert h.flags & wire.Flags.NACK and "nobody" in body["reason"]
-    h, body = handshake.parse(svc.handle(handshake.request(
+    h, body = answer(svc.handle(req(
         7, 2, {**reg_body(), "mac": "zz"}, 1)))
     assert h.flags & wire.Flags.NACK and "bad mac" in body["reason"]
-    h, body = handshake.parse(svc.handle(handshake.request(7, 3, reg_body(), 1), "10.0.0.9"))
+    h, body = answer(svc.handle(req(7, 3, reg_body(), 1), "10.0.0.9"))
     assert h.flags & wire.Flags.NACK and "sent from 10.0.0.9" in body["reason"]
     assert svc.store.max_epoch == 0
     # From loopback a local tool may register on a shadow's behalf.
-    h, body = handshake.parse(svc.handle(handshake.request(7, 4, reg_body(), 1), "127.0.0.1"))
+    h, body = answer(svc.handle(req(7, 4, reg_body(), 1), "127.0.0.1"))
     assert h.flags & wire.Flags.ACK and body["epoch"] == 1
     svc.driver.close()
 
@@ -121,8 +136,8 @@ def test_serves_over_udp_until_stopped(switch, tmp_path):
     try:
         body = reg_body(0, "s0")
         del body["ip"]  # defaults to the sender's address
-        c.sendto(handshake.request(7, 42, body, 0), ("127.0.0.1", port))
-        h, body = handshake.parse(c.recv(65535))
+        c.sendto(req(7, 42, body, 0), ("127.0.0.1", port))
+        h, body = answer(c.recv(65535))
     finally:
         c.close()
         svc.close()
@@ -131,4 +146,84 @@ def test_serves_over_udp_until_stopped(switch, tmp_path):
     assert not t.is_alive()
     assert h.seq == 42 and body["op"] == "registered" and body["epoch"] == 1
     rw = rewrite_of(switch, 1)
-    assert rw["epoch"] == 1 and rw["ip"] == ip("127.0.0.1")
+    assert rw["epoch"] == 1 and rw["ip"] == ip("10.77.0.100")  # s0's configured address
+
+
+# ----- authentication -----------------------------------------------------------------------
+def test_requests_without_the_job_secret_learn_nothing_and_are_counted(switch, tmp_path):
+    svc = make_service(switch, tmp_path / "s.json")
+    svc.deploy()
+    _, ok = answer(svc.handle(req(7, 1, reg_body(), 1), "127.0.0.1"))
+    assert ok["op"] == "registered"
+    stranger = auth.handshake_key(bytes(32))
+    for body, part in ((reg_body(), 1), ({"op": "session", "job": 7}, 0),
+                       ({"op": "session", "job": 99}, 0)):
+        m = handshake.parse(svc.handle(req(7, 2, body, part, key=stranger), "127.0.0.1"))
+        assert m.header.flags & wire.Flags.NACK and m.mac == handshake.NO_MAC
+        # no job id, epoch, token or reason beyond "not authenticated"
+        assert m.body == {"op": "error", "reason": "not authenticated"}
+        assert (m.header.job_id, m.header.epoch, m.header.token) == (0, 0, 0)
+    assert svc.stats["unauthenticated"] == 3 and svc.store.max_epoch == 1
+    svc.driver.close()
+
+
+def test_a_replayed_or_stale_request_is_refused(switch, tmp_path, monkeypatch):
+    svc = make_service(switch, tmp_path / "s.json")
+    svc.deploy()
+    captured = req(7, 1, reg_body(), 1)
+    _, first = answer(svc.handle(captured, "127.0.0.1"))
+    assert first["epoch"] == 1
+    replay = handshake.parse(svc.handle(captured, "127.0.0.1"))
+    assert replay.header.flags & wire.Flags.NACK and replay.mac == handshake.NO_MAC
+    monkeypatch.setattr(auth, "now_ms", lambda: int((time.time() - 120) * 1000))
+    stale = handshake.parse(svc.handle(req(7, 2, reg_body(), 1), "127.0.0.1"))
+    assert stale.header.flags & wire.Flags.NACK and stale.mac == handshake.NO_MAC
+    assert svc.stats["unauthenticated"] == 2 and svc.store.max_epoch == 1
+    svc.driver.close()
+
+
+def test_a_partition_is_registered_only_by_its_configured_shadow(switch, tmp_path):
+    svc = make_service(switch, tmp_path / "s.json")
+    svc.deploy()
+    h, body = answer(svc.handle(req(7, 1, reg_body(1, "s0"), 1), "127.0.0.1"))
+    assert h.flags & wire.Flags.NACK and "belongs to s1" in body["reason"]
+    h, body = answer(svc.handle(req(7, 2, {**reg_body(), "ip": "10.77.0.50"}, 1),
+                                "127.0.0.1"))
+    assert h.flags & wire.Flags.NACK and "s1 is at 10.77.0.101" in body["reason"]
+    # a trainer host (t1 = 10.77.0.11) asking for s1's partition from its own address
+    h, body = answer(svc.handle(req(7, 3, reg_body(), 1), "10.77.0.11"))
+    assert h.flags & wire.Flags.NACK and "sent from 10.77.0.11" in body["reason"]
+    assert svc.store.max_epoch == 0 and svc.stats["refused"] == 3
+    _, ok = answer(svc.handle(req(7, 4, reg_body(), 1), "10.77.0.101"))
+    assert ok["epoch"] == 1
+    svc.driver.close()
+
+
+def test_a_reply_verifies_only_against_its_own_request(switch, tmp_path):
+    svc = make_service(switch, tmp_path / "s.json")
+    svc.deploy()
+    data, nonce = handshake.request(KEY, 7, 5, {"op": "session", "job": 7})
+    rep = svc.handle(data, "127.0.0.1")
+    assert handshake.verify_reply(KEY, handshake.parse(rep), nonce)
+    assert not handshake.verify_reply(KEY, handshake.parse(rep), auth.new_nonce())
+    assert not handshake.verify_reply(auth.handshake_key(bytes(32)), handshake.parse(rep),
+                                      nonce)
+    m = handshake.parse(rep)  # a changed body
+    m.raw = m.raw.replace(b"session", b"sessioN")
+    assert not handshake.verify_reply(KEY, m, nonce)
+    svc.driver.close()
+
+
+def test_the_replay_guard_stays_bounded():
+    g = auth.ReplayGuard(skew=30, cap=4)
+    now = time.time()
+    for i in range(4):
+        g.check(f"{i:032x}", int(now * 1000), now)
+    with pytest.raises(auth.AuthError, match="too many"):
+        g.check("f" * 32, int(now * 1000), now)
+    # a minute later the old nonces have left the window and make room
+    later = now + 61
+    g.check("e" * 32, int(later * 1000), later)
+    assert len(g._seen) == 1
+    with pytest.raises(auth.AuthError, match="replayed"):
+        g.check("e" * 32, int(later * 1000), later)

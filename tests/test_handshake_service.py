@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from checkmate import config, handshake, wire
+from checkmate import auth, config, handshake, wire
 from checkmate.dataplane.switch import KernelSwitch
 
 pytestmark = [
@@ -35,8 +35,9 @@ try:
     data = s.recv(65535)
 except TimeoutError:
     print("TIMEOUT"); sys.exit(0)
-h, body = handshake.parse(data)
-print(json.dumps({"flags": int(h.flags), "seq": h.seq, "epoch": h.epoch, "body": body}))
+m = handshake.parse(data)
+print(json.dumps({"flags": int(m.header.flags), "seq": m.header.seq, "epoch": m.header.epoch,
+                  "body": m.body, "authentic": m.mac != handshake.NO_MAC}))
 """
 
 #: Runs in a shadow namespace: receive one ckm datagram on argv[1], print its header.
@@ -54,6 +55,13 @@ except TimeoutError:
 h, _ = wire.decode(data)
 print(json.dumps({"epoch": h.epoch, "token": h.token, "partition": h.partition}), flush=True)
 """
+
+
+def req(job: int, seq: int, body: dict, partition: int = 0, secret: bytes | None = None
+        ) -> bytes:
+    """A request made with the job secret the testbed uses ($CHECKMATE_SECRET_FILE)."""
+    key = auth.handshake_key(secret if secret is not None else auth.load_secret())
+    return handshake.request(key, job, seq, body, partition)[0]
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +88,9 @@ def ask(tb, host: str, datagram: bytes, timeout: float = 3.0) -> dict | None:
 
 
 def _wait_serving(tb) -> None:
-    req = handshake.request(tb.cfg.job_id, 1, {"op": "session", "job": tb.cfg.job_id})
-    for _ in range(20):
-        if ask(tb, "t0", req, timeout=0.5) is not None:
+    for seq in range(20):  # a fresh request each time: the controller refuses replays
+        if ask(tb, "t0", req(tb.cfg.job_id, seq, {"op": "session", "job": tb.cfg.job_id}),
+               timeout=0.5) is not None:
             return
     log = (Path("/run/checkmate/tb/controller.log")).read_text(errors="replace")
     pytest.fail(f"controller did not answer; log:\n{log}")
@@ -92,7 +100,7 @@ def register(tb, host: str, partition: int, port: int, seq: int) -> dict:
     h = tb.cfg.host(host)
     body = {"op": "register", "job": tb.cfg.job_id, "partition": partition, "host": host,
             "ip": h.ip, "mac": h.mac, "port": port}
-    rep = ask(tb, host, handshake.request(tb.cfg.job_id, seq, body, partition))
+    rep = ask(tb, host, req(tb.cfg.job_id, seq, body, partition))
     assert rep is not None
     return rep
 
@@ -125,7 +133,7 @@ def test_register_installs_session_and_reregister_bumps_epoch(served):
     assert {(e.epoch, e.token, e.shadow_port) for e in entries_of(served, 1)} == {
         (again["epoch"], again["token"], 47012)}
 
-    q = ask(served, "t2", handshake.request(7, 9, {"op": "session", "job": 7}))
+    q = ask(served, "t2", req(7, 9, {"op": "session", "job": 7}))
     parts = q["body"]["partitions"]
     assert set(parts) == {"1"} and parts["1"]["epoch"] == again["epoch"]
     assert parts["1"]["port"] == 47012 and parts["1"]["ip"] == "10.77.0.101"
@@ -155,22 +163,29 @@ def test_replicated_copy_carries_the_session(served):
 
 
 def test_bad_requests_are_refused_or_dropped(served):
-    wrong_job = ask(served, "s0", handshake.request(99, 1, {"op": "session", "job": 99}))
+    wrong_job = ask(served, "s0", req(99, 1, {"op": "session", "job": 99}))
     assert wrong_job["flags"] & wire.Flags.NACK and "unknown job" in wrong_job["body"]["reason"]
     bad_part = {"op": "register", "job": 7, "partition": 7, "host": "s0"}
-    rep = ask(served, "s0", handshake.request(7, 2, bad_part))
+    rep = ask(served, "s0", req(7, 2, bad_part))
     assert rep["flags"] & wire.Flags.NACK and "partition 7" in rep["body"]["reason"]
-    trainer = ask(served, "t1", handshake.request(7, 3, {
+    trainer = ask(served, "t1", req(7, 3, {
         "op": "register", "job": 7, "partition": 0, "host": "t1"}))
-    assert trainer["flags"] & wire.Flags.NACK and "not a shadow" in trainer["body"]["reason"]
-    spoof = ask(served, "t1", handshake.request(7, 3, {
+    assert trainer["flags"] & wire.Flags.NACK
+    assert "belongs to s0, not 't1'" in trainer["body"]["reason"]
+    spoof = ask(served, "t1", req(7, 3, {
         "op": "register", "job": 7, "partition": 0, "host": "s0", "ip": "10.77.0.100"}))
     assert spoof["flags"] & wire.Flags.NACK and "sent from 10.77.0.11" in spoof["body"]["reason"]
-    unknown = ask(served, "s0", handshake.request(7, 4, {"op": "reboot"}))
+    unknown = ask(served, "s0", req(7, 4, {"op": "reboot"}))
     assert unknown["flags"] & wire.Flags.NACK
     assert ask(served, "s0", b"not a ckm datagram at all", timeout=0.5) is None
+    # Without the job secret: a refusal that proves and tells nothing, no session data.
+    for body in ({"op": "session", "job": 7}, {"op": "register", "job": 7, "partition": 0,
+                                               "host": "s0"}):
+        stranger = ask(served, "t1", req(7, 6, body, secret=bytes(32)))
+        assert stranger["flags"] & wire.Flags.NACK and not stranger["authentic"]
+        assert stranger["body"] == {"op": "error", "reason": "not authenticated"}
     # Still serving afterwards.
-    assert ask(served, "s0", handshake.request(7, 5, {"op": "session", "job": 7})) is not None
+    assert ask(served, "s0", req(7, 5, {"op": "session", "job": 7})) is not None
 
 
 def test_serve_exits_cleanly_on_sigterm(tmp_path):
@@ -211,7 +226,7 @@ def test_serve_exits_cleanly_on_sigterm(tmp_path):
 
 def _listening(tb) -> bool:
     r = tb.run_in("t0", [sys.executable, "-c", CLIENT,
-                         handshake.request(7, 1, {"op": "session", "job": 7}).hex(),
+                         req(7, 1, {"op": "session", "job": 7}).hex(),
                          tb.cfg.switch.ip, "0.3"], capture_output=True, text=True, timeout=30)
     return r.stdout.strip() not in ("", "TIMEOUT")
 

@@ -9,15 +9,24 @@ import threading
 import time
 from types import SimpleNamespace
 
+from checkmate import auth
 from checkmate.shadow_client import recv_frame, send_frame
 from checkmate.train.protection import ProtectionMonitor
 
 
 def _status_server(sock: socket.socket, seen: dict) -> None:
     """Answer status requests on one connection, slowly, noting whether a second request
-    arrived while one was still unanswered."""
+    arrived while one was still unanswered. Authenticates the client as a shadow does;
+    models nothing else of the shadow's service."""
     conn, _ = sock.accept()
     with conn:
+        key = auth.service_key(auth.load_secret())
+        challenge = auth.new_nonce()
+        send_frame(conn, {"ok": True, "challenge": challenge})
+        hello, _ = recv_frame(conn)
+        assert auth.same(hello["proof"], auth.client_proof(key, challenge, hello["nonce"]))
+        send_frame(conn, {"ok": True, "proof": auth.server_proof(key, challenge,
+                                                                 hello["nonce"])})
         while True:
             try:
                 header, _ = recv_frame(conn)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from test_shadow_node import LRS
 
-from checkmate import config
+from checkmate import auth, config
 from checkmate.shadow.feed import control_body, send_iteration
 from checkmate.shadow_client import ShadowClient
 from checkmate.spec import ModelSpec
@@ -88,7 +88,7 @@ def controller(link, tmp_path):
     cfg = replace(cfg, switch=replace(cfg.switch, address=sw.address))
     drv = P4RuntimeDriver(cfg, "v1model", P4RuntimeClient(sw.address, timeout=2))
     svc = HandshakeService(cfg, drv, SessionStore(tmp_path / "sessions.json"),
-                           log=lambda msg: None)
+                           auth.load_secret(), log=lambda msg: None)
     svc.deploy()
     call_in_netns(NS_TR, svc.bind)  # the service socket lives in the trainer-side namespace
     t = threading.Thread(target=svc.serve_forever, daemon=True)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkmate import handshake, wire
+from checkmate import auth, handshake, wire
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
 from checkmate.shadow.node import NodeOptions, ShadowNode
 from checkmate.shadow.state import make_optimizer
@@ -302,9 +302,14 @@ def test_service_refusals(cluster_factory):
 
 
 class MiniController:
-    """A minimal stand-in for B's controller: answers register after ``ignore`` tries."""
+    """A minimal stand-in for the controller: checks each request's MAC with ``secret`` (a
+    refusal without a MAC if it fails, as the real one), answers register after ``ignore``
+    tries. Does not model the switch, the session store or the config's host checks."""
 
-    def __init__(self, ignore=0, refuse=False):
+    def __init__(self, ignore=0, refuse=False, secret=None, check=True):
+        self.key = auth.handshake_key(secret if secret is not None else auth.load_secret())
+        self.guard = auth.ReplayGuard()
+        self.check = check  # False: a forger that answers everything with its own key
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.settimeout(0.1)
@@ -322,18 +327,26 @@ class MiniController:
                 data, peer = self.sock.recvfrom(65536)
             except TimeoutError:
                 continue
-            h, body = handshake.parse(data)
+            m = handshake.parse(data)
+            try:
+                if self.check:
+                    handshake.verify_request(self.key, m, self.guard)
+            except auth.AuthError:
+                self.sock.sendto(handshake.refusal(m.header), peer)
+                continue
+            body = {k: v for k, v in m.body.items() if k not in ("nonce", "ts")}
             self.requests.append(body)
             if len(self.requests) <= self.ignore:
                 continue
             if self.refuse:
-                self.sock.sendto(handshake.reply(h, {"op": "error", "reason": "no such job"},
+                self.sock.sendto(handshake.reply(self.key, m, {"op": "error",
+                                                               "reason": "no such job"},
                                                  ok=False), peer)
                 continue
             self.epoch += 1
-            self.sock.sendto(handshake.reply(h, {"op": "registered", "job": body["job"],
-                                                 "partition": body["partition"],
-                                                 "epoch": self.epoch, "token": 777}), peer)
+            self.sock.sendto(handshake.reply(self.key, m, {
+                "op": "registered", "job": body["job"], "partition": body["partition"],
+                "epoch": self.epoch, "token": 777}), peer)
 
     def close(self):
         self._stop = True
@@ -373,15 +386,42 @@ def test_registration_refused_or_unanswered_is_a_clear_error():
     ctl = MiniController(refuse=True)
     try:
         with pytest.raises(CheckmateError, match="refused registration: no such job"):
-            register(ctl.addr, JOB, 0, "s0", "127.0.0.1", "02:00:00:00:00:01", 47001, 5)
+            register(auth.load_secret(), ctl.addr, JOB, 0, "s0", "127.0.0.1",
+                     "02:00:00:00:00:01", 47001, 5)
     finally:
         ctl.close()
     ctl = MiniController(ignore=10**6)
     try:
         with pytest.raises(CheckmateError, match="did not answer"):
-            register(ctl.addr, JOB, 0, "s0", "127.0.0.1", "02:00:00:00:00:01", 47001, 0.5)
+            register(auth.load_secret(), ctl.addr, JOB, 0, "s0", "127.0.0.1",
+                     "02:00:00:00:00:01", 47001, 0.5)
     finally:
         ctl.close()
+    # A controller with another job secret: its refusal can only say so.
+    ctl = MiniController(secret=bytes(32))
+    try:
+        with pytest.raises(CheckmateError, match="refused registration: not authenticated"):
+            register(auth.load_secret(), ctl.addr, JOB, 0, "s0", "127.0.0.1",
+                     "02:00:00:00:00:01", 47001, 5)
+        assert ctl.requests == []
+    finally:
+        ctl.close()
+
+
+def test_a_forged_controller_answer_is_ignored():
+    """A reply that does not carry the MAC bound to the request (made without the secret)
+    is not believed: registration times out rather than take a forged epoch/token."""
+    from checkmate.errors import CheckmateError
+    from checkmate.shadow.register import register
+
+    forger = MiniController(secret=bytes(32), check=False)
+    try:
+        with pytest.raises(CheckmateError, match="did not answer"):
+            register(auth.load_secret(), forger.addr, JOB, 0, "s0", "127.0.0.1",
+                     "02:00:00:00:00:01", 47001, 1.0)
+        assert forger.requests  # it did answer, with a registration it could not sign
+    finally:
+        forger.close()
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -107,28 +107,38 @@ class JobLayout:
 
 
 def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
-                   tries: int = 5) -> dict[int, dict[str, Any]]:
-    """The controller's current registrations: partition -> {epoch, token, ip, port}."""
+                   tries: int = 5, secret: bytes | None = None) -> dict[int, dict[str, Any]]:
+    """The controller's current registrations: partition -> {epoch, token, ip, port}
+    (an authenticated ``session`` request; ``secret`` defaults to $CHECKMATE_SECRET_FILE's)."""
+    from checkmate import auth
+
+    key = auth.handshake_key(secret if secret is not None else auth.load_secret())
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.settimeout(timeout / tries)
-        seq = secrets.randbits(31)
-        req = handshake.request(job_id, seq, {"op": "session", "job": job_id})
+        seq, nonces = secrets.randbits(31), []
         for _ in range(tries):
+            req, nonce = handshake.request(key, job_id, seq, {"op": "session", "job": job_id})
+            nonces.append(nonce)  # a late answer to an earlier try counts too
             s.sendto(req, controller)
             try:
                 while True:
-                    data = s.recv(65536)
                     try:
-                        h, body = handshake.parse(data)
+                        m = handshake.parse(s.recv(65536))
                     except wire.WireError:
                         continue
-                    if h.seq == seq:
+                    if m.header.seq != seq:
+                        continue
+                    if any(handshake.verify_reply(key, m, n) for n in nonces):
                         break
+                    if m.header.flags & wire.Flags.NACK and m.mac == handshake.NO_MAC:
+                        raise CheckmateError("controller refused the session query: not "
+                                             "authenticated (is the job secret the same?)")
             except TimeoutError:
                 continue
-            if not h.flags & wire.Flags.ACK:
-                raise CheckmateError(f"controller refused session query: {body.get('reason')}")
-            return {int(p): v for p, v in body.get("partitions", {}).items()}
+            if not m.header.flags & wire.Flags.ACK:
+                raise CheckmateError(f"controller refused session query: "
+                                     f"{m.body.get('reason')}")
+            return {int(p): v for p, v in m.body.get("partitions", {}).items()}
     raise CheckmateError(f"controller {controller[0]}:{controller[1]} did not answer")
 
 
