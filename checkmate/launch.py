@@ -146,6 +146,21 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
 
 
+def _secret_command(argv: list[str]) -> int:
+    """``checkmate secret new FILE``: a job secret for machines set up by hand."""
+    from checkmate import auth
+
+    if len(argv) != 2 or argv[0] != "new":
+        raise CheckmateError("usage: checkmate secret new FILE")
+    path = Path(argv[1])
+    if path.exists():
+        raise CheckmateError(f"{path} exists; a new secret goes to a new file")
+    auth.create_secret(path)
+    print(f"{PROG}: wrote a new job secret to {path} (mode 600); give every process of the "
+          f"job {auth.SECRET_ENV}={path}")
+    return 0
+
+
 def _job_secret(running_shadows: bool, logdir: Path) -> None:
     """Make every shadow and worker share the job secret (checkmate.auth): the one
     $CHECKMATE_SECRET_FILE names, else a new one in the log dir for the local shadows."""
@@ -195,8 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:  # `checkmate launch ...` (the console script is `checkmate`)
         argv = argv[1:]
+    elif argv[:1] == ["secret"]:
+        return _secret_command(argv[1:])
     elif argv and not argv[0].startswith("-"):
-        raise CheckmateError(f"unknown command {argv[0]!r}; usage: checkmate launch ...")
+        raise CheckmateError(f"unknown command {argv[0]!r}; usage: checkmate launch ... | "
+                             "checkmate secret new FILE")
     args = _parser().parse_args(argv)
     _check(args)
     from torch.distributed.elastic.multiprocessing.api import SignalException
