@@ -8,7 +8,7 @@ own key, HMAC-SHA256(secret, label), so a proof made for one protocol is worthle
 another.
 
 - Handshake (UDP, to the controller): a request carries a nonce and a timestamp in its JSON
-  and ends with HMAC-SHA256(handshake key, "ckm-hs-req" | job | seq | partition | JSON);
+  and ends with HMAC-SHA256(handshake key, "req1" | ckm header but its CRC | JSON);
   the controller refuses timestamps more than ``SKEW`` seconds off and nonces it has seen
   (``ReplayGuard``). The reply ends with a MAC bound to the request's nonce.
 - Shadow TCP service: challenge and response on each connection (``hello``), both ways, so
@@ -22,7 +22,6 @@ import hmac
 import os
 import secrets
 import stat
-import struct
 import time
 from pathlib import Path
 
@@ -39,8 +38,9 @@ REPLAY_CAP = 65536
 
 _HS_LABEL = b"checkmate handshake v1"
 _TCP_LABEL = b"checkmate shadow service v1"
-_REQ = struct.Struct("!4sIIH")  # label tag, job, seq, partition
-_REP = struct.Struct("!4sII")
+#: Bytes of the ckm header a handshake MAC covers: all of it but the CRC (which covers the
+#: payload, MAC included).
+HEADER_COVERED = 52
 
 
 class AuthError(CheckmateError):
@@ -109,13 +109,14 @@ def service_key(secret: bytes) -> bytes:
 
 
 # ----- handshake MACs --------------------------------------------------------------------
-def request_mac(key: bytes, job: int, seq: int, partition: int, body: bytes) -> bytes:
-    return hmac.new(key, _REQ.pack(b"req1", job, seq, partition) + body,
-                    hashlib.sha256).digest()
+def request_mac(key: bytes, header: bytes, body: bytes) -> bytes:
+    """MAC of a handshake request: ``header`` is its first HEADER_COVERED bytes."""
+    return hmac.new(key, b"req1" + header[:HEADER_COVERED] + body, hashlib.sha256).digest()
 
 
-def reply_mac(key: bytes, job: int, seq: int, nonce: str, body: bytes) -> bytes:
-    return hmac.new(key, _REP.pack(b"rep1", job, seq) + nonce.encode() + body,
+def reply_mac(key: bytes, header: bytes, nonce: str, body: bytes) -> bytes:
+    """MAC of a reply, bound to the request's ``nonce``."""
+    return hmac.new(key, b"rep1" + header[:HEADER_COVERED] + nonce.encode() + body,
                     hashlib.sha256).digest()
 
 

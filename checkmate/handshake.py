@@ -2,8 +2,9 @@
 
 Handshake datagrams are ckm datagrams with the HANDSHAKE flag, sent to the controller's UDP
 port (config.CONTROLLER_PORT) on the switch's address. The payload is a JSON object followed
-by a 32-byte MAC (checkmate.auth): requests carry ``seq`` in the header and ``nonce`` and
-``ts`` (Unix milliseconds) in the JSON, and the reply echoes ``seq`` with ACK (accepted) or
+by a 32-byte MAC over the header (all but its CRC) and the JSON (checkmate.auth): requests
+carry ``seq`` in the header and ``nonce`` and ``ts`` (Unix milliseconds) in the JSON, and
+the reply echoes ``seq`` with ACK (accepted) or
 NACK (refused, ``{"op": "error", "reason": ...}``). A reply's MAC binds it to the request's
 nonce. A refusal of a request that did not verify cannot prove anything: its MAC is 32 zero
 bytes and its reason is only "not authenticated".
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +55,7 @@ def request(key: bytes, job_id: int, seq: int, body: dict[str, Any],
     nonce = auth.new_nonce()
     raw = json.dumps({**body, "nonce": nonce, "ts": auth.now_ms()}, sort_keys=True).encode()
     return _datagram(wire.Flags.HANDSHAKE, job_id, seq, partition, raw,
-                     auth.request_mac(key, job_id, seq, partition, raw)), nonce
+                     lambda head: auth.request_mac(key, head, raw)), nonce
 
 
 def reply(key: bytes, req: Message, body: dict[str, Any], ok: bool = True) -> bytes:
@@ -61,23 +63,25 @@ def reply(key: bytes, req: Message, body: dict[str, Any], ok: bool = True) -> by
     raw = json.dumps(body, sort_keys=True).encode()
     h = req.header
     flags = wire.Flags.HANDSHAKE | (wire.Flags.ACK if ok else wire.Flags.NACK)
-    mac = auth.reply_mac(key, h.job_id, h.seq, str(req.body.get("nonce")), raw)
-    return _datagram(flags, h.job_id, h.seq, h.partition, raw, mac,
+    nonce = str(req.body.get("nonce"))
+    return _datagram(flags, h.job_id, h.seq, h.partition, raw,
+                     lambda head: auth.reply_mac(key, head, nonce, raw),
                      int(body.get("epoch", 0)), int(body.get("token", 0)))
 
 
 def refusal(req: wire.Header, reason: str = "not authenticated") -> bytes:
     """A NACK that proves nothing (zero MAC): only for requests that did not verify."""
     raw = json.dumps({"op": "error", "reason": reason}, sort_keys=True).encode()
-    return _datagram(wire.Flags.HANDSHAKE | wire.Flags.NACK, 0, req.seq, 0, raw, NO_MAC)
+    return _datagram(wire.Flags.HANDSHAKE | wire.Flags.NACK, 0, req.seq, 0, raw,
+                     lambda head: NO_MAC)
 
 
-def _datagram(flags: int, job: int, seq: int, partition: int, raw: bytes, mac: bytes,
-              epoch: int = 0, token: int = 0) -> bytes:
-    payload = raw + mac
+def _datagram(flags: int, job: int, seq: int, partition: int, raw: bytes,
+              mac_of: Callable[[bytes], bytes], epoch: int = 0, token: int = 0) -> bytes:
+    """The datagram; ``mac_of`` gets the header bytes the MAC covers (all but the CRC)."""
     h = wire.Header(flags=flags, job_id=job, seq=seq, partition=partition, epoch=epoch,
-                    token=token, dtype=wire.DType.BYTES, count=len(payload))
-    return wire.encode(h, payload)
+                    token=token, dtype=wire.DType.BYTES, count=len(raw) + auth.MAC_BYTES)
+    return wire.encode(h, raw + mac_of(wire.pack_header(h)))
 
 
 def parse(buf: bytes) -> Message:
@@ -100,8 +104,7 @@ def parse(buf: bytes) -> Message:
 
 def verify_request(key: bytes, m: Message, guard: auth.ReplayGuard) -> None:
     """AuthError unless ``m`` is a fresh request made with ``key``."""
-    h = m.header
-    want = auth.request_mac(key, h.job_id, h.seq, h.partition, m.raw)
+    want = auth.request_mac(key, wire.pack_header(m.header), m.raw)
     if not hmac.compare_digest(want, m.mac):
         raise auth.AuthError("bad MAC")
     guard.check(m.body.get("nonce"), m.body.get("ts"))
@@ -109,5 +112,5 @@ def verify_request(key: bytes, m: Message, guard: auth.ReplayGuard) -> None:
 
 def verify_reply(key: bytes, m: Message, nonce: str) -> bool:
     """True if ``m`` answers the request that carried ``nonce`` and was made with ``key``."""
-    h = m.header
-    return hmac.compare_digest(auth.reply_mac(key, h.job_id, h.seq, nonce, m.raw), m.mac)
+    return hmac.compare_digest(auth.reply_mac(key, wire.pack_header(m.header), nonce, m.raw),
+                               m.mac)

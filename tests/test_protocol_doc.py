@@ -68,11 +68,11 @@ def test_handshake_request_example():
     ex = EXAMPLES["handshake-register"]
     key = auth.handshake_key(bytes.fromhex(ex["secret"]))
     raw = ex["json"].encode()
-    mac = auth.request_mac(key, ex["job_id"], ex["seq"], ex["partition"], raw)
-    assert mac.hex() == ex["mac"]
     h = wire.Header(flags=wire.Flags.HANDSHAKE, job_id=ex["job_id"], seq=ex["seq"],
                     partition=ex["partition"], dtype=wire.DType.BYTES,
-                    count=len(raw) + len(mac))
+                    count=len(raw) + auth.MAC_BYTES)
+    mac = auth.request_mac(key, wire.pack_header(h), raw)
+    assert mac.hex() == ex["mac"]
     data = _bytes(ex["datagram"])
     assert wire.encode(h, raw + mac) == data
     m = handshake.parse(data)
