@@ -222,11 +222,14 @@ class Assembler:
         if it < self.next_dispatch:
             self.drops["stale"] += 1
             return None
-        if it > self.newest_seen:
-            self._seen(it)
         if it > self.committed + self.window:
+            # Dropped, so it must not count as seen either: an iteration number from a
+            # datagram the shadow refuses would make it open (and ask repairs for) every
+            # iteration up to it. Trainers far ahead are known from their progress reports.
             self.drops["window"] += 1
             return None
+        if it > self.newest_seen:
+            self._seen(it)
         st = self.open.get(it)
         return st if st is not None else self._open(it)
 
