@@ -17,6 +17,7 @@ also reported once: logged, counted and kept for ``status`` -- never waited on s
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from checkmate import wire
+from checkmate.datamac import CONTROL_MAC, control_mac
 from checkmate.shadow.intervals import IntervalSet
 
 log = logging.getLogger("checkmate.shadow")
@@ -152,8 +154,11 @@ class Assembler:
         window: int = 8,
         gap_timeout: float = 2.0,
         max_gaps: int = 32,
+        job: int = 0,
+        control_key: bytes | None = None,
     ) -> None:
         self.start, self.end, self.size = start, end, end - start
+        self.job, self.control_key = job, control_key
         self.groups = groups
         self.on_complete = on_complete
         self.drops = drops
@@ -290,8 +295,18 @@ class Assembler:
         for s, e in new:
             st.ctrl_buf[s:e] = payload[s - offset:e - offset]
         if st.ctrl_cov.total == total and st.control is None:
+            data = bytes(st.ctrl_buf)
+            if self.control_key is not None:
+                body, mac = data[:-CONTROL_MAC], data[-CONTROL_MAC:]
+                if len(data) <= CONTROL_MAC or not hmac.compare_digest(
+                        mac, control_mac(self.control_key, self.job, it, body)):
+                    # Not from a trainer (or changed on the way): forget it, as a bad one.
+                    st.ctrl_len, st.ctrl_buf, st.ctrl_cov = -1, None, IntervalSet()
+                    self.drops["control_mac"] += 1
+                    return
+                data = body
             try:
-                st.control = parse_control(bytes(st.ctrl_buf), it, self.groups)
+                st.control = parse_control(data, it, self.groups)
             except ValueError as e:
                 # Forget the bad bytes so a correct copy (a resend or a repair) is taken in.
                 st.ctrl_error = str(e)

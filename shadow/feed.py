@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from checkmate import wire
+from checkmate import auth, datamac, wire
 
 _DT = {"float32": wire.DType.FLOAT32, "bfloat16": wire.DType.BFLOAT16,
        "float16": wire.DType.FLOAT16}
@@ -34,16 +34,29 @@ def encode_grad(values: np.ndarray, dtype: str) -> bytes:
         "<i2").tobytes()
 
 
+def _secret(secret: bytes | None) -> bytes:
+    return secret if secret is not None else auth.load_secret()
+
+
 def grad_datagrams(job: int, it: int, partition: int, start: int, grad: np.ndarray,
                    chunk: int = 2048, dtype: str = "float32", epoch: int = 0,
-                   token: int = 0) -> Iterator[bytes]:
-    """Datagrams carrying ``grad`` (the partition's values, global offset ``start``)."""
+                   token: int = 0, secret: bytes | None = None,
+                   mac: bool = True) -> Iterator[bytes]:
+    """Datagrams carrying ``grad`` (the partition's values, global offset ``start``), each
+    with its checkmate.datamac tag (``secret``: default $CHECKMATE_SECRET_FILE's; ``mac``
+    False sends none, only to measure what checking them costs)."""
+    key = datamac.data_key(_secret(secret)) if mac else None
+    flags = int(wire.Flags.REPLICATE)
     for a in range(0, len(grad), chunk):
         part = grad[a:a + chunk]
-        h = wire.Header(flags=wire.Flags.REPLICATE, job_id=job, epoch=epoch, token=token,
-                        iteration=it, offset=start + a, count=len(part), partition=partition,
-                        dtype=_DT[dtype], seq=a // chunk)
-        yield wire.encode(h, encode_grad(part, dtype))
+        payload = encode_grad(part, dtype)
+        tag = (0, 0, 0, 0) if key is None else datamac.data_tag(
+            key, job, flags, it, start + a, len(part), partition, _DT[dtype], wire.crc(payload))
+        h = wire.Header(flags=flags, job_id=job, epoch=epoch, token=token, iteration=it,
+                        offset=start + a, count=len(part), partition=partition,
+                        dtype=_DT[dtype], seq=a // chunk, fec_index=tag[0], fec_k=tag[1],
+                        fec_m=tag[2], fec_group=tag[3])
+        yield wire.encode(h, payload)
 
 
 def control_body(it: int, lrs: list[float], clip_coef: float | None = None,
@@ -54,7 +67,11 @@ def control_body(it: int, lrs: list[float], clip_coef: float | None = None,
 
 
 def control_datagrams(job: int, it: int, body: bytes, frag: int = 1024, epoch: int = 0,
-                      token: int = 0, partition: int = 0) -> Iterator[bytes]:
+                      token: int = 0, partition: int = 0, secret: bytes | None = None,
+                      mac: bool = True) -> Iterator[bytes]:
+    """The control message ``body`` of ``it``, ending with its MAC, in fragments."""
+    if mac:
+        body = body + datamac.control_mac(datamac.control_key(_secret(secret)), job, it, body)
     for a in range(0, len(body), frag):
         part = body[a:a + frag]
         h = wire.Header(flags=wire.Flags.CONTROL, job_id=job, epoch=epoch, token=token,
@@ -68,7 +85,7 @@ def send_iteration(sock: socket.socket, addr: tuple[str, int], job: int, it: int
                    **kw: Any) -> int:
     """Send a whole iteration (gradient then control); returns datagrams sent."""
     n = 0
-    ctrl_kw = {k: kw[k] for k in ("epoch", "token") if k in kw}
+    ctrl_kw = {k: kw[k] for k in ("epoch", "token", "secret", "mac") if k in kw}
     for d in grad_datagrams(job, it, partition, start, grad, **kw):
         sock.sendto(d, addr)
         n += 1

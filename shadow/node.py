@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from checkmate import auth
+from checkmate import auth, datamac
 from checkmate.config import RESTORE_PORT, SHADOW_PORT
 from checkmate.shadow import persist
 from checkmate.shadow.assembler import Assembler
@@ -60,6 +60,7 @@ class ShadowNode:
         self.state = ShadowState(opts.partition, opts.partitions, opts.job, opts.retain,
                                  opts.window, opts.gap_timeout, self._on_commit)
         self.state.drops = self.drops
+        self.state.control_key = datamac.control_key(self.secret)
         self.state.on_assembler = self._on_assembler
         self.persister: persist.Persister | None = None
         self.sock, self.rcvbuf = open_socket(opts.bind, opts.port)
@@ -73,7 +74,8 @@ class ShadowNode:
             raise
         self.tcp_port = self.service.port
         self.receiver = Receiver(self.sock, opts.job, opts.partition, self.drops,
-                                 opts.epoch, opts.token)
+                                 opts.epoch, opts.token,
+                                 mac_key=datamac.data_key(self.secret))
         self.repair = RepairRequester(self.sock, opts.job, opts.partition,
                                       lambda: (self.receiver.epoch, self.receiver.token),
                                       self.receiver.repair_stats)

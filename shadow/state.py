@@ -102,6 +102,9 @@ class ShadowState:
         if retain < 1:
             raise CheckmateError(f"retain must be >= 1, got {retain}")
         self.partition, self.partitions, self.job = partition, partitions, job
+        #: checkmate.datamac.control_key of the job secret: control messages must end with
+        #: their MAC (set by the node; None only where the check's cost is measured).
+        self.control_key: bytes | None = None
         self.retain, self.window, self.gap_timeout = retain, window, gap_timeout
         self.on_commit = on_commit
         self.spec: ModelSpec | None = None
@@ -224,7 +227,8 @@ class ShadowState:
         spec = self.spec
         assert spec is not None
         self.asm = Assembler(self.start, self.end, len(spec.groups), self._enqueue,
-                             self.drops, self.window, self.gap_timeout)
+                             self.drops, self.window, self.gap_timeout, job=self.job,
+                             control_key=self.control_key)
         self.asm.committed = iteration
         self.asm.next_dispatch = iteration + 1
         self.asm.on_wanted = self._reseed_failed

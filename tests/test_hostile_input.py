@@ -1,9 +1,9 @@
-"""Fuzzing from off the path: garbage and forged datagrams at a live shadow and at the
-controller's handshake logic. Every one must be dropped and counted exactly once, nothing
-may crash, and the shadow's commits must equal those of a twin that never saw the attack.
-An off-path host does not know the session token (the controller only tells holders of the
-job secret), so every forged datagram here carries a wrong one unless it is otherwise
-malformed; forging with the right token is the on-path case docs/security.md leaves open.
+"""Fuzzing: garbage and forged datagrams at a live shadow, and garbage and tampered
+requests at the controller's handshake logic. Every one must be dropped and counted exactly
+once, nothing may crash, and the shadow's commits must equal those of a twin that never saw
+the attack. The forgeries include what an on-path host could make from real datagrams:
+the right session (job, epoch, token) with another iteration or job, a cut payload or a
+changed byte -- none carries a tag made with the job secret for what it claims.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkmate import auth, handshake, repair, wire
+from checkmate import auth, datamac, handshake, repair, wire
 from checkmate.shadow_client import send_frame
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
@@ -54,8 +54,29 @@ def test_datagram_examples(name):
     if name == "gradient":
         payload_in = np.array(ex["payload_f32le"], dtype="<f4").tobytes()
         assert h.crc32c == ex["crc32c"] == wire.crc(payload_in)
+        key = datamac.data_key(bytes.fromhex(ex["secret"]))
+        assert [hex(k) for k in key] == ex["data_key"]
+        tag = datamac.data_tag(key, h.job_id, h.flags, h.iteration, h.offset, h.count,
+                               h.partition, h.dtype, h.crc32c)
+        assert (h.fec_index, h.fec_k, h.fec_m, h.fec_group) == tag
+        assert int(ex["tag56"], 16) == (tag[0] << 48) | (tag[1] << 40) | (tag[2] << 32) | tag[3]
+        # and the shadow's batch check accepts exactly this datagram
+        ring = np.frombuffer(data, np.uint8)
+        ok = datamac.check_batch(np.uint64(key[0]), np.uint64(key[1]), ring,
+                                 np.array([len(data)]), len(data), np.zeros(1, np.uint8))
+        assert ok[0] == 1
+        forged = bytearray(data)
+        forged[31] ^= 1  # another offset, same tag
+        ok = datamac.check_batch(np.uint64(key[0]), np.uint64(key[1]),
+                                 np.frombuffer(bytes(forged), np.uint8),
+                                 np.array([len(data)]), len(data), np.zeros(1, np.uint8))
+        assert ok[0] == 0
     elif name == "control":
-        payload_in = ex["payload_text"].encode()
+        body = ex["payload_text"].encode()
+        mac = datamac.control_mac(datamac.control_key(bytes.fromhex(ex["secret"])),
+                                  h.job_id, h.iteration, body)
+        assert mac.hex() == ex["control_mac"]
+        payload_in = body + mac
         assert h.fec_group == len(payload_in)  # CONTROL: total message length
     else:
         payload_in = repair.encode_ranges([tuple(r) for r in ex["ranges"]])

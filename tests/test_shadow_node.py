@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkmate import auth, handshake, wire
+from checkmate import auth, datamac, handshake, wire
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
 from checkmate.shadow.node import NodeOptions, ShadowNode
 from checkmate.shadow.state import make_optimizer
@@ -179,19 +179,28 @@ def test_foreign_and_damaged_datagrams_are_dropped_by_reason(cluster_factory):
     good = wire.Header(flags=wire.Flags.REPLICATE, job_id=JOB, epoch=5, iteration=1,
                        offset=a, count=4, partition=0)
     payload = np.ones(4, "<f4").tobytes()
+    key = datamac.data_key(auth.load_secret())
+
+    def tagged(h: wire.Header, data: bytes = payload) -> bytes:
+        """Made with the job secret, so the drop reason is the one being tested."""
+        t = datamac.data_tag(key, h.job_id, h.flags, h.iteration, h.offset, h.count,
+                             h.partition, h.dtype, wire.crc(data))
+        return wire.encode(h.with_(fec_index=t[0], fec_k=t[1], fec_m=t[2], fec_group=t[3]),
+                           data)
     bad = {
-        "job": wire.encode(good.with_(job_id=JOB + 1), payload),
-        "epoch": wire.encode(good.with_(epoch=4), payload),
-        "token": wire.encode(good.with_(token=9), payload),
-        "partition": wire.encode(good.with_(partition=1), payload),
-        "range": wire.encode(good.with_(offset=b - 2), payload),
-        "dtype": wire.encode(good.with_(dtype=wire.DType.FLOAT16, count=8), payload),
+        "job": tagged(good.with_(job_id=JOB + 1)),
+        "epoch": tagged(good.with_(epoch=4)),
+        "token": tagged(good.with_(token=9)),
+        "partition": tagged(good.with_(partition=1)),
+        "range": tagged(good.with_(offset=b - 2)),
+        "dtype": tagged(good.with_(dtype=wire.DType.FLOAT16, count=8)),
         "short": b"\xc4\xec\x01",
         "magic": b"\x00" * 60,
-        "length": wire.encode(good, payload)[:-4],
-        "flags": wire.encode(good.with_(flags=wire.Flags.REPLICATE | wire.Flags.SEED), payload),
+        "length": tagged(good)[:-4],
+        "flags": tagged(good.with_(flags=wire.Flags.REPLICATE | wire.Flags.SEED)),
+        "mac": wire.encode(good, payload),  # right session, no tag: not from a trainer
     }
-    crc_bad = bytearray(wire.encode(good, payload))
+    crc_bad = bytearray(tagged(good))
     crc_bad[-1] ^= 0xFF
     bad["crc"] = bytes(crc_bad)
     for d in bad.values():

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from checkmate import repair, wire
+from checkmate import datamac, repair, wire
 from checkmate.train.replica_log import ReplicaLog
 from checkmate.train.replicate import CONTROL_FRAGMENT, ShadowTarget
 
@@ -57,8 +57,10 @@ class RepairServer:
 
     def __init__(self, bind: tuple[str, int], job_id: int, log_: ReplicaLog,
                  targets: dict[int, ShadowTarget], rate: float = REPAIR_RATE,
-                 burst: float = REPAIR_BURST) -> None:
+                 burst: float = REPAIR_BURST, data_key: tuple[int, int] | None = None) -> None:
         self.job_id = job_id
+        #: checkmate.datamac key: answers carry the tag a shadow checks, like any copy.
+        self.data_key = data_key
         self.log = log_
         self.targets = targets
         self.bucket = TokenBucket(rate, burst)
@@ -141,9 +143,11 @@ class RepairServer:
                 self.stats["future"] += 1  # not sent yet: the shadow asked early
                 return
             self.stats["gone"] += 1
+            c = wire.crc(b"")
             gone = _PACK(wire.MAGIC, wire.VERSION, repair.GONE, self.job_id, h.epoch,
-                         h.token, h.iteration, 0, 0, 0, 0, h.partition, _BYTES, 0, 0, 0, 0,
-                         wire.crc(b""))
+                         h.token, h.iteration, 0, 0, 0, 0, h.partition, _BYTES,
+                         *self._tag(repair.GONE, h.iteration, 0, 0, h.partition, _BYTES, c),
+                         c)
             self._send([gone], addr)
             return
         if h.flags == repair.REQUEST_CONTROL:
@@ -151,11 +155,20 @@ class RepairServer:
             return
         pieces = self.log.pieces(h.iteration, h.partition, ranges)
         for off, n, bucket, chunk in pieces or ():
+            c = wire.crc(chunk)
             hdr = _PACK(wire.MAGIC, wire.VERSION, repair.ANSWER, self.job_id, h.epoch,
-                        h.token, h.iteration, off, n, 0, bucket, h.partition, _F32, 0, 0, 0,
-                        0, wire.crc(chunk))
+                        h.token, h.iteration, off, n, 0, bucket, h.partition, _F32,
+                        *self._tag(repair.ANSWER, h.iteration, off, n, h.partition, _F32, c),
+                        c)
             self.stats["elements"] += n  # before sending: a reader of the answer sees it
             self._send([hdr, chunk], addr)
+
+    def _tag(self, flags: int, iteration: int, offset: int, count: int, partition: int,
+             dtype: int, crc: int) -> tuple[int, int, int, int]:
+        if self.data_key is None:
+            return (0, 0, 0, 0)
+        return datamac.data_tag(self.data_key, self.job_id, flags, iteration, offset, count,
+                                partition, dtype, crc)
 
     def _answer_control(self, h: wire.Header, ranges: list[tuple[int, int]],
                         addr: tuple[str, int]) -> None:

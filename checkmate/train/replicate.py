@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from checkmate import wire
+from checkmate import datamac, wire
 
 _F = wire.Flags
 _PACK = wire.STRUCT.pack
@@ -37,8 +37,13 @@ class ShadowTarget:
 class ShadowSender:
     """One unbound UDP socket for everything a trainer sends to shadows directly."""
 
-    def __init__(self, job_id: int, targets: Sequence[ShadowTarget]) -> None:
+    def __init__(self, job_id: int, targets: Sequence[ShadowTarget],
+                 secret: bytes | None = None) -> None:
         self.job_id = job_id
+        #: checkmate.datamac keys of the job secret (None: untagged, only for tests of
+        #: what a shadow does with such datagrams).
+        self.data_key = datamac.data_key(secret) if secret is not None else None
+        self.control_key = datamac.control_key(secret) if secret is not None else None
         self.targets = {t.partition: t for t in targets}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._seq = 0
@@ -63,9 +68,17 @@ class ShadowSender:
         with self._lock:
             seq = self._seq
             self._seq = (self._seq + 1) & 0xFFFFFFFF
+        c = wire.crc(payload)
+        key = self.data_key
+        if key is not None and flags & _F.PARITY:
+            seq = datamac.parity_tag(key, _PACK(
+                wire.MAGIC, wire.VERSION, flags, self.job_id, 0, 0, iteration, offset, count,
+                0, 0, t.partition, dtype, *fec, fec_group, c))
+        elif key is not None and not flags & _F.CONTROL:
+            *fec, fec_group = datamac.data_tag(key, self.job_id, flags, iteration, offset,
+                                               count, t.partition, dtype, c)
         hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, t.epoch, t.token, iteration,
-                    offset, count, seq, bucket, t.partition, dtype, *fec, fec_group,
-                    wire.crc(payload))
+                    offset, count, seq, bucket, t.partition, dtype, *fec, fec_group, c)
         try:
             self.sock.sendto(hdr + payload, (t.ip, t.port))
         except OSError:
@@ -95,6 +108,8 @@ class ShadowSender:
         """Send the control message of ``iteration`` to every shadow; returns its bytes
         (retained for repairs)."""
         data = json.dumps(body, separators=(",", ":")).encode()
+        if self.control_key is not None:  # the shadow checks the message whole
+            data += datamac.control_mac(self.control_key, self.job_id, iteration, data)
         for t in self.targets.values():
             for off in range(0, max(len(data), 1), CONTROL_FRAGMENT):
                 frag = data[off:off + CONTROL_FRAGMENT]

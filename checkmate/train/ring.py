@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from checkmate import wire
+from checkmate.datamac import tag56 as _tag
 from checkmate.errors import CheckmateError
 from checkmate.partition import partition_bounds
 from checkmate.train.transport import LossyLink, receive_buffer
@@ -151,6 +152,7 @@ class RingAllreduce:
         window: int | None = None,
         tag: bool = True,
         piece: int = MAX_CHUNK,
+        mac_key: tuple[int, int] | None = None,
     ) -> None:
         if not 0 <= rank < world:
             raise CheckmateError(f"rank {rank} outside 0..{world - 1}")
@@ -166,6 +168,9 @@ class RingAllreduce:
         self.piece = min(chunk, MAX_CHUNK, max(1, piece))
         self.on_reduced = on_reduced
         self.tag = tag
+        #: checkmate.datamac key: REPLICATE pieces carry the tag a shadow checks (the switch
+        #: copies them as they are).
+        self.mac_key = mac_key
         self.link = link
         self.rto = rto
         self.nack_gap = min(rto / 2, 0.005)
@@ -177,7 +182,7 @@ class RingAllreduce:
         self.stats = dict(sent=0, resent=0, received=0, duplicate=0, corrupt=0, foreign=0,
                           malformed=0, acks_sent=0, acks_received=0)
         # sender
-        self._ready: deque[tuple[int, int, int, int, int, int, bytes, int]] = deque()
+        self._ready: deque[tuple[int, int, int, int, int, int, bytes, int, int]] = deque()
         self._unacked: dict[int, list] = {}
         self._tx_next = 0
         self._tx_base = 0
@@ -321,16 +326,21 @@ class RingAllreduce:
             # The first all-gather hop: frame-sized REPLICATE pieces the switch can copy
             # (the same pieces untagged without Checkmate, so both send identical traffic).
             flags = _REPLICATE if self.tag else 0
+            key = self.mac_key if self.tag else None
             for a in range(s, e, self.piece):
                 b = min(e, a + self.piece)
                 payload = op.buf[a:b].tobytes()
+                c = wire.crc(payload)
+                mac = 0 if key is None else int(_tag(key[0], key[1], self.job_id, flags,
+                                                     op.iteration, op.base + a, b - a, p,
+                                                     _FLOAT32, c))
                 self._ready.append((flags, op.iteration, op.bucket, op.base + a, b - a, p,
-                                    payload, wire.crc(payload)))
+                                    payload, c, mac))
                 self._reduced(op, op.base + a, p, payload)
             return
         payload = op.buf[s:e].tobytes()
         self._ready.append((0, op.iteration, op.bucket, op.base + s, e - s, p, payload,
-                            wire.crc(payload)))
+                            wire.crc(payload), 0))
 
     def _reduced(self, op: _Op, offset: int, part: int, payload: bytes) -> None:
         if self.on_reduced is not None:
@@ -357,10 +367,11 @@ class RingAllreduce:
     def _send_ready(self) -> None:
         now = time.monotonic()
         while self._ready and len(self._unacked) < self.window:
-            flags, it, bucket, off, cnt, part, payload, c = self._ready[0]
+            flags, it, bucket, off, cnt, part, payload, c, mac = self._ready[0]
             seq = self._tx_next & 0xFFFFFFFF
             hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, 0, self.nonce, it, off,
-                        cnt, seq, bucket, part, _FLOAT32, 0, 0, 0, 0, c)
+                        cnt, seq, bucket, part, _FLOAT32, (mac >> 48) & 0xFF,
+                        (mac >> 40) & 0xFF, (mac >> 32) & 0xFF, mac & 0xFFFFFFFF, c)
             dgram = (hdr, payload)
             if not self._transmit(dgram, self.right):
                 return

@@ -190,7 +190,16 @@ class CheckmateSession:
         self.control_bytes = 0
         self.model: CheckmateDDP | None = None
         self.ring: RingAllreduce | None = None
-        self.sender = ShadowSender(layout.job_id, layout.shadows)
+        # The job secret tags every datagram a shadow takes (checkmate.datamac) and opens
+        # every shadow connection (checkmate.auth); a job without shadows needs none.
+        self.secret: bytes | None = None
+        self.data_key: tuple[int, int] | None = None
+        if layout.mode != "off":
+            from checkmate import auth, datamac
+
+            self.secret = auth.load_secret()
+            self.data_key = datamac.data_key(self.secret)
+        self.sender = ShadowSender(layout.job_id, layout.shadows, self.secret)
         #: Failure-injection hook ``(phase, iteration)`` for tests and scenarios.
         self.injector: Any = None
         self._refresh_stop = threading.Event()
@@ -366,7 +375,7 @@ class CheckmateSession:
             lay.rank, lay.world, sock, lay.trainers[(lay.rank + 1) % lay.world],
             lay.trainers[(lay.rank - 1) % lay.world], lay.job_id, nonce, self.spec.total,
             self.spec.partitions, chunk=lay.chunk, on_reduced=on_reduced, link=lay.link,
-            tag=lay.mode != "off", piece=piece)
+            tag=lay.mode != "off", piece=piece, mac_key=self.data_key)
         order = [p.name for p in self.spec.params]
         self.model = CheckmateDDP(self.module, self.ring, order, lay.bucket_elems)
 
@@ -389,7 +398,7 @@ class CheckmateSession:
             self.replica_log = ReplicaLog(lay.repair_keep)
             self.repair = RepairServer((lay.trainers[lay.rank][0], lay.repair_port),
                                        lay.job_id, self.replica_log, self.sender.targets,
-                                       lay.repair_rate)
+                                       lay.repair_rate, data_key=self.data_key)
         if lay.rank == 0:
             from checkmate.shadow_client import ShadowClient
 

@@ -3,11 +3,13 @@
 One run, same path for all (loopback UDP, one sender process, jumbo-sized ckm datagrams of
 float32 gradient): raw loops that only receive datagrams and count bytes (recv_into per
 datagram, and recvmmsg batches as the shadow's receiver uses), then the shadow's real
-receive path (checkmate.shadow.receiver + assembler: header and session checks, CRC32C,
-coverage, copy into the fp32 staging buffer, control message parsing). The headline
-divides by the faster raw loop. The sender is paced by the receiver (at most ``--depth``
-iterations in flight, acknowledged through shared memory), so nobody loses datagrams and
-the rate is the receiver's (or the sender's, whichever is slower). Paths alternate for
+receive path (checkmate.shadow.receiver + assembler: the per-datagram MAC check of
+checkmate.datamac, header and session checks, CRC32C, coverage, copy into the fp32 staging
+buffer, control message parsing and MAC), and the same path without the MAC checks, to
+price them. The headline divides the shipped path by the faster raw loop. The sender is
+paced by the receiver (at most ``--depth`` iterations in flight, acknowledged through
+shared memory), so nobody loses datagrams and the rate is the receiver's (or the
+sender's, whichever is slower). Paths alternate for
 ``--rounds`` rounds and report medians (the machine is shared). The optimizer
 step is not part of the headline; a last line runs the whole node with its AdamW step.
 
@@ -29,14 +31,16 @@ from typing import Any
 
 import numpy as np
 
-from checkmate import wire
+from checkmate import datamac, wire
 
 JOB, EPOCH, TOKEN = 7, 3, 0x5EED
+#: The bench's own job secret (the tags cost the same whatever the key).
+SECRET = bytes(range(32))
 _CPU: list[float] = []
 
 
 def _datagrams(total: int, chunk: int) -> list[bytearray]:
-    """One iteration's datagrams (iteration field patched by the sender) + control."""
+    """One iteration's datagrams (iteration and tag fields patched by the sender)."""
     rng = np.random.default_rng(1)
     grad = rng.standard_normal(total).astype(np.float32)
     out = []
@@ -48,18 +52,36 @@ def _datagrams(total: int, chunk: int) -> list[bytearray]:
     return out
 
 
-def _control(it: int) -> bytes:
+def _control(it: int, mac: bool) -> bytes:
     body = json.dumps({"iteration": it, "lrs": [1e-3], "clip_coef": None, "skip": False,
                        "buffers": {}, "extra": {}}).encode()
+    if mac:
+        body += datamac.control_mac(datamac.control_key(SECRET), JOB, it, body)
     h = wire.Header(flags=wire.Flags.CONTROL, job_id=JOB, epoch=EPOCH, token=TOKEN,
                     iteration=it, offset=0, count=len(body), dtype=wire.DType.BYTES,
                     fec_group=len(body))
     return wire.encode(h, body)
 
 
+def _tag(d: bytearray, it: int, key: tuple[int, int]) -> None:
+    """Write datagram ``d``'s tag for iteration ``it`` (what a trainer's ring does)."""
+    h = wire.decode_header(d)
+    t = int(datamac.tag56(key[0], key[1], JOB, h.flags, it, h.offset, h.count, 0, 0,
+                          h.crc32c))
+    d[45:52] = t.to_bytes(7, "big")
+
+
 def _sender(port: int, total: int, chunk: int, iterations: int, depth: int,
-            acked: Any, control: bool, ready: Any) -> None:
+            acked: Any, control: bool, ready: Any, mac: bool = False) -> None:
     dgrams = _datagrams(total, chunk)
+    key = datamac.data_key(SECRET)
+    # Tagged ahead for every iteration: the sender must not be what limits the receiver.
+    tagged = {}
+    if mac:
+        for it in range(1, iterations + 1):
+            for i, d in enumerate(dgrams):
+                _tag(d, it, key)
+                tagged[it, i] = bytes(d[45:52])
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.connect(("127.0.0.1", port))
     send = s.send
@@ -67,23 +89,25 @@ def _sender(port: int, total: int, chunk: int, iterations: int, depth: int,
     for it in range(1, iterations + 1):
         while acked.value < it - depth:
             time.sleep(0.0001)
-        for d in dgrams:
+        for i, d in enumerate(dgrams):
             d[16:24] = it.to_bytes(8, "big")
+            if mac:
+                d[45:52] = tagged[it, i]
             send(d)
         if control:
-            send(_control(it))
+            send(_control(it, mac))
     s.close()
 
 
 def _run(port_sock: socket.socket, total: int, chunk: int, iterations: int, depth: int,
-         consume, control: bool) -> tuple[float, int]:
+         consume, control: bool, mac: bool = False) -> tuple[float, int]:
     """Start the sender, run ``consume`` (which sets ``acked``), return (seconds, bytes)."""
     ctx = mp.get_context("fork")
     acked = ctx.Value("q", 0, lock=False)
     ready = ctx.Value("q", 0, lock=False)
     port = port_sock.getsockname()[1]
     proc = ctx.Process(target=_sender, args=(port, total, chunk, iterations, depth, acked,
-                                             control, ready), daemon=True)
+                                             control, ready, mac), daemon=True)
     proc.start()
     while not ready.value and proc.is_alive():  # datagram building is not timed
         time.sleep(0.001)
@@ -147,14 +171,18 @@ def _raw(total: int, chunk: int, iterations: int, depth: int,
         sock.close()
 
 
-def _ingest(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, int, dict]:
-    """The real Receiver + Assembler; completed iterations are released at once."""
+def _ingest(total: int, chunk: int, iterations: int, depth: int,
+            mac: bool = True) -> tuple[float, int, dict]:
+    """The real Receiver + Assembler; completed iterations are released at once. ``mac``:
+    check the datagrams' tags and the control message's MAC, as a shadow does (False only
+    to measure what that costs)."""
     from checkmate.shadow.assembler import Assembler
     from checkmate.shadow.receiver import Receiver, open_socket
 
     sock, _ = open_socket("127.0.0.1", 0)
     drops: Counter = Counter()
-    rx = Receiver(sock, JOB, 0, drops, EPOCH, TOKEN)
+    rx = Receiver(sock, JOB, 0, drops, EPOCH, TOKEN,
+                  mac_key=datamac.data_key(SECRET) if mac else None)
     box: dict[str, Any] = {}
 
     def done(it: int, staging: np.ndarray, _control: Any) -> None:
@@ -164,7 +192,8 @@ def _ingest(total: int, chunk: int, iterations: int, depth: int) -> tuple[float,
         if it == iterations:
             rx._stop.set()
 
-    asm = Assembler(0, total, 1, done, drops, window=depth + 2)
+    asm = Assembler(0, total, 1, done, drops, window=depth + 2, job=JOB,
+                    control_key=datamac.control_key(SECRET) if mac else None)
     asm.committed = 0
     rx.attach(asm, "float32")
 
@@ -177,7 +206,8 @@ def _ingest(total: int, chunk: int, iterations: int, depth: int) -> tuple[float,
         return asm.placed_bytes
 
     try:
-        secs, nbytes = _run(sock, total, chunk, iterations, depth, consume, control=True)
+        secs, nbytes = _run(sock, total, chunk, iterations, depth, consume, control=True,
+                            mac=mac)
     finally:
         sock.close()
     return secs, nbytes, dict(drops)
@@ -191,7 +221,7 @@ def _node(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, i
     spec = ModelSpec.build(JOB, [("w", (total,))], "adamw", [{"params": ["w"], "lr": 1e-3}], 1)
     node = ShadowNode(NodeOptions(0, 1, JOB, bind="127.0.0.1", port=0,
                                   restore_bind="127.0.0.1", restore_port=0, epoch=EPOCH,
-                                  token=TOKEN, window=depth + 2))
+                                  token=TOKEN, window=depth + 2, secret=SECRET))
     node.state.set_spec(spec)
     node.state.install(0, 0, {s: np.zeros(total, np.float32) for s in spec.slots})
     node.start()
@@ -204,7 +234,8 @@ def _node(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, i
         return (node.state.latest or 0) * total * 4
 
     try:
-        secs, nbytes = _run(node.sock, total, chunk, iterations, depth, consume, True)
+        secs, nbytes = _run(node.sock, total, chunk, iterations, depth, consume, True,
+                            mac=True)
     finally:
         node.stop()
     return secs, nbytes, dict(node.drops)
@@ -227,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.chunk * 4} B payload per datagram, loopback, receiver-paced")
     # Alternate the two paths and keep each one's best round: on a shared 2-core machine
     # other processes steal time from whichever run they happen to overlap.
-    raw_rates, mm_rates, ing_rates, drops = [], [], [], {}
-    cpu: dict[str, list[float]] = {"raw": [], "mm": [], "ing": []}
+    raw_rates, mm_rates, ing_rates, plain_rates, drops = [], [], [], [], {}
+    cpu: dict[str, list[float]] = {"raw": [], "mm": [], "ing": [], "plain": []}
     dgrams = a.iterations * -(-a.elements // a.chunk)
     for _ in range(a.rounds):
         raw_s, raw_b = _raw(a.elements, a.chunk, a.iterations, a.depth)
@@ -237,30 +268,35 @@ def main(argv: list[str] | None = None) -> int:
         mm_s, mm_b = _raw(a.elements, a.chunk, a.iterations, a.depth, batched=True)
         mm_rates.append(mm_b / mm_s)
         cpu["mm"].append(_CPU[-1] / dgrams)
-        ing_s, ing_b, d = _ingest(a.elements, a.chunk, a.iterations, a.depth)
-        ing_rates.append(ing_b / ing_s)
-        cpu["ing"].append(_CPU[-1] / dgrams)
-        for k, v in d.items():
-            drops[k] = drops.get(k, 0) + v
+        # With and without the MAC check, in alternating order from round to round.
+        for mac in ((True, False) if len(ing_rates) % 2 == 0 else (False, True)):
+            ing_s, ing_b, d = _ingest(a.elements, a.chunk, a.iterations, a.depth, mac)
+            (ing_rates if mac else plain_rates).append(ing_b / ing_s)
+            cpu["ing" if mac else "plain"].append(_CPU[-1] / dgrams)
+            for k, v in d.items():
+                drops[k] = drops.get(k, 0) + v
     # Medians over rounds; the headline compares with the faster of the two raw loops.
     med = statistics.median
     raw_rate, ing_rate = max(med(raw_rates), med(mm_rates)), med(ing_rates)
     gb = " ".join
-    print(f"{'path':<36}{'GB/s':>10}{'CPU us/dgram':>14}   rounds (GB/s)")
+    print(f"{'path':<40}{'GB/s':>10}{'CPU us/dgram':>14}   rounds (GB/s)")
     for name, rates, key in (("raw UDP receive loop (recv_into)", raw_rates, "raw"),
                              ("raw UDP receive loop (recvmmsg)", mm_rates, "mm"),
-                             ("shadow ingest (validate+CRC+place)", ing_rates, "ing")):
-        print(f"{name:<36}{med(rates) / 1e9:>10.3f}{med(cpu[key]) * 1e6:>14.2f}   "
+                             ("shadow ingest, no MAC check", plain_rates, "plain"),
+                             ("shadow ingest (MAC+validate+CRC+place)", ing_rates, "ing")):
+        print(f"{name:<40}{med(rates) / 1e9:>10.3f}{med(cpu[key]) * 1e6:>14.2f}   "
               f"{gb(f'{r / 1e9:.3f}' for r in rates)}")
     if drops:
         print(f"ingest drops: {drops}")
     if not a.no_node:
         n_s, n_b, n_drops = _node(a.elements, a.chunk, a.iterations, a.depth)
-        print(f"{'whole node incl. AdamW step':<36}{n_b / n_s / 1e9:>10.3f}{'':>14}   (1 round)")
+        print(f"{'whole node incl. AdamW step':<40}{n_b / n_s / 1e9:>10.3f}{'':>14}   (1 round)")
         if n_drops:
             print(f"node drops: {n_drops}")
     print("GB/s and CPU us/dgram are medians over rounds. CPU us/dgram: the receiving thread's\n"
           "CPU time (user+system) per datagram, i.e. the cost when the receiver and not the\n"
           "loopback sender is the bottleneck. The ratio is against the faster raw loop.")
+    print(f"MAC check: ingest with vs without it: bytes/s {ing_rate / med(plain_rates):.3f}, "
+          f"CPU per datagram {med(cpu['ing']) / med(cpu['plain']):.3f} (one run, alternated)")
     print(f"ingest vs raw UDP receive bytes/s ratio: {ing_rate / raw_rate:.3f}")
     return 0
