@@ -8,7 +8,8 @@ datagram, all ordinary ckm datagrams (56-byte header, CRC32C over the payload):
   ``NACK | CONTROL`` (the control message), dtype BYTES, ``iteration`` and ``partition`` of
   the hole, ``epoch``/``token`` of the shadow's session, payload = up to
   :data:`MAX_RANGES` big-endian ``(start u64, end u64)`` pairs: flat element ranges, or
-  byte ranges of the control message (an empty payload asks for all of it);
+  byte ranges of the control message (an empty payload asks for all of it); tagged like
+  every data datagram (checkmate.datamac), so trainers answer only shadows of the job;
 - answer, trainer -> shadow (SHADOW_PORT): the retained datagram again with flag ``ACK``
   added in place of ``REPLICATE`` (so no switch copies it and the shadow counts it as a
   repair), stamped with the shadow's current epoch/token;
@@ -53,10 +54,18 @@ def decode_ranges(payload: bytes | memoryview) -> list[tuple[int, int]]:
 
 
 def request(job_id: int, epoch: int, token: int, iteration: int, partition: int,
-            ranges: list[tuple[int, int]], control: bool = False, seq: int = 0) -> bytes:
-    """One request datagram (see the module docstring)."""
+            ranges: list[tuple[int, int]], control: bool = False, seq: int = 0,
+            key: tuple[int, int] | None = None) -> bytes:
+    """One request datagram (see the module docstring); with ``key`` (checkmate.datamac)
+    it carries the tag a trainer checks, as every datagram a shadow takes does."""
+    from checkmate import datamac
+
     payload = encode_ranges(ranges)
-    h = wire.Header(flags=REQUEST_CONTROL if control else REQUEST, job_id=job_id,
-                    epoch=epoch, token=token, iteration=iteration, partition=partition,
-                    count=len(payload), dtype=wire.DType.BYTES, seq=seq)
+    flags = REQUEST_CONTROL if control else REQUEST
+    tag = (0, 0, 0, 0) if key is None else datamac.data_tag(
+        key, job_id, flags, iteration, 0, len(payload), partition, int(wire.DType.BYTES),
+        wire.crc(payload))
+    h = wire.Header(flags=flags, job_id=job_id, epoch=epoch, token=token, iteration=iteration,
+                    partition=partition, count=len(payload), dtype=wire.DType.BYTES, seq=seq,
+                    fec_index=tag[0], fec_k=tag[1], fec_m=tag[2], fec_group=tag[3])
     return wire.encode(h, payload)

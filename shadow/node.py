@@ -78,7 +78,8 @@ class ShadowNode:
                                  mac_key=datamac.data_key(self.secret))
         self.repair = RepairRequester(self.sock, opts.job, opts.partition,
                                       lambda: (self.receiver.epoch, self.receiver.token),
-                                      self.receiver.repair_stats)
+                                      self.receiver.repair_stats,
+                                      key=datamac.data_key(self.secret))
         self.restored_from: str | None = None
         self._peers: dict[str, Any] | None = None  # validated when the spec is known
 

@@ -31,8 +31,10 @@ class RepairRequester:
     """Sends repair requests for one partition through the shadow's UDP socket."""
 
     def __init__(self, sock: socket.socket, job: int, partition: int,
-                 session: Callable[[], tuple[int, int]], stats: Counter) -> None:
+                 session: Callable[[], tuple[int, int]], stats: Counter,
+                 key: tuple[int, int] | None = None) -> None:
         self.sock, self.job, self.partition = sock, job, partition
+        self.key = key  # checkmate.datamac: trainers answer tagged requests only
         self.session = session
         self.stats = stats
         self.trainers: list[tuple[str, int]] = []
@@ -102,7 +104,7 @@ class RepairRequester:
         for rank, rs, ctrl in sends:
             self._seq = (self._seq + 1) & 0xFFFFFFFF
             dgram = repair.request(self.job, epoch, token, iteration, self.partition, rs,
-                                   control=ctrl, seq=self._seq)
+                                   control=ctrl, seq=self._seq, key=self.key)
             try:
                 self.sock.sendto(dgram, self.trainers[rank])
             except OSError as e:  # an unreachable trainer: the next round tries again

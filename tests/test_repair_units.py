@@ -329,3 +329,42 @@ def test_parity_waits_when_more_pieces_are_lost_than_it_can_rebuild():
     asm2, _ = _asm()
     asm2.place_parity(1, 4, memoryview(b"garbage"))
     assert asm2.drops["parity_invalid"] == 1
+
+
+def test_with_the_job_key_only_tagged_requests_are_answered_and_answers_are_tagged():
+    """A trainer answers only requests made with the job secret (checkmate.datamac), and its
+    answers and "gone" carry the tag a shadow checks."""
+    from checkmate import datamac
+
+    net = f"127.{random.randrange(100, 200)}.{random.randrange(1, 250)}"
+    key = datamac.data_key(bytes(range(32)))
+    shadow = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    shadow.bind((f"{net}.100", 0))
+    shadow.settimeout(1.0)
+    log = ReplicaLog(keep=3)
+    for it in range(1, 6):
+        log.add_piece(it, 2, 500, 1, np.arange(4, dtype="<f4").tobytes())
+    srv = RepairServer((f"{net}.10", 0), 7, log,
+                       {1: ShadowTarget(1, f"{net}.100", shadow.getsockname()[1], 5, 6)},
+                       data_key=key)
+    try:
+        to = srv.sock.getsockname()
+        shadow.sendto(repair.request(7, 5, 6, 4, 1, [(500, 504)]), to)  # untagged
+        shadow.sendto(repair.request(7, 5, 6, 4, 1, [(500, 504)],
+                                     key=datamac.data_key(bytes(32))), to)  # another secret
+        shadow.sendto(repair.request(7, 5, 6, 4, 1, [(500, 504)], key=key), to)
+        shadow.sendto(repair.request(7, 5, 6, 1, 1, [(500, 504)], key=key), to)  # gone
+        got = [shadow.recv(65536) for _ in range(2)]
+        with pytest.raises(TimeoutError):
+            shadow.recv(65536)
+        assert srv.stats["drop_mac"] == 2
+        for d in got:
+            ring = np.frombuffer(d, np.uint8)
+            ok = datamac.check_batch(np.uint64(key[0]), np.uint64(key[1]), ring,
+                                     np.array([len(d)]), len(d), np.zeros(1, np.uint8))
+            assert ok[0] == 1, wire.decode_header(d)
+        assert sorted(wire.decode_header(d).flags for d in got) == sorted(
+            [repair.ANSWER, repair.GONE])
+    finally:
+        srv.close()
+        shadow.close()

@@ -127,6 +127,11 @@ class RepairServer:
         if h.flags not in (repair.REQUEST, repair.REQUEST_CONTROL) or h.dtype != _BYTES:
             self.stats["drop_flags"] += 1
             return
+        if self.data_key is not None and (h.fec_index, h.fec_k, h.fec_m, h.fec_group) != \
+                self._tag(h.flags, h.iteration, h.offset, h.count, h.partition, h.dtype,
+                          h.crc32c):
+            self.stats["drop_mac"] += 1  # not from a shadow of this job
+            return
         t = self.targets.get(h.partition)
         if t is None:
             self.stats["drop_partition"] += 1
