@@ -16,7 +16,6 @@ import copy
 import json
 import os
 import random
-import socket
 import threading
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fakes import free_port
 from torch import nn
 
 from checkmate import config as cfgmod
@@ -124,11 +124,6 @@ def test_no_sync_accumulates_and_reduces_once():
 
 # ----------------------------------------------------------------------------- job level
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _trainer(rank: int, net: str, ips: list[str], port: int, out: str) -> None:
     from checkmate.shadow_client import restore_state_dicts
@@ -204,7 +199,7 @@ def _trainer(rank: int, net: str, ips: list[str], port: int, out: str) -> None:
 @pytest.mark.slow
 def test_accumulating_job_keeps_shadows_bit_identical(loopback_shadows, tmp_path):
     net, ips = loopback_shadows
-    mp.spawn(_trainer, args=(net, ips, _free_port(), str(tmp_path)), nprocs=WORLD,
+    mp.spawn(_trainer, args=(net, ips, free_port(), str(tmp_path)), nprocs=WORLD,
              join=True)
     for rank in range(WORLD):
         rep = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -15,25 +15,19 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fakes import free_port
 
 pytestmark = pytest.mark.slow
 
 STEPS, KILL_AT, SEED = 8, 5, 11
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 BUCKET_MB = 0.05  # small: DDP's rebuild after iteration 1 reorders several buckets
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- worker
@@ -139,7 +133,7 @@ def _worker(cfg: dict) -> int:
 
 
 def _run(cfg: dict, world: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, json.dumps(cfg)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
@@ -302,7 +296,7 @@ def test_bad_setup_is_one_clear_error():
     from checkmate.train import JobLayout, ShadowTarget
     from checkmate.train.ddp_hook import DDPSession
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         def layout(mode: str = "host") -> JobLayout:

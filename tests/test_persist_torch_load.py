@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fakes import free_port
 
 from checkmate import config as cfgmod
 from checkmate.optim import AdamW
@@ -59,12 +59,6 @@ exec(MODEL, _ns)  # noqa: S102 - our own constant text, shared with the subproce
 Net, groups, warmup = _ns["Net"], _ns["groups"], _ns["warmup"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def persisting_shadows(tmp_path: Path, serve_shadows) -> Iterator[tuple[str, list[str], Path]]:
     """Two real shadows (0/2, 1/2) persisting every EVERY iterations into one shared dir."""
@@ -76,7 +70,7 @@ def persisting_shadows(tmp_path: Path, serve_shadows) -> Iterator[tuple[str, lis
 
 
 def _train(net: str, ips: list[str]) -> tuple[torch.nn.Module, AdamW, object]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         torch.manual_seed(0)

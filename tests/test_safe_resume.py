@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from fakes import free_port
 from torch import nn
 
 from checkmate import config as cfgmod
@@ -97,12 +97,6 @@ def test_difference_names_the_first_change():
                             "weight_decay": 0.0}], lr=1e-2)
     assert difference(base, ModelSpec.from_torch(7, m, o, 2)).startswith(
         "parameter 'fc.weight' shape: shadows [3, 4], this model [5, 4]")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(sess, model, opt, rank: int, first: int, last: int) -> None:
@@ -193,7 +187,7 @@ def _trainer(rank: int, net: str, ips: list[str], port: int, out: str) -> None:
 @pytest.mark.slow
 def test_resume_is_checked_and_settings_follow(loopback_shadows, tmp_path):
     net, ips = loopback_shadows
-    mp.spawn(_trainer, args=(net, ips, _free_port(), str(tmp_path)), nprocs=WORLD,
+    mp.spawn(_trainer, args=(net, ips, free_port(), str(tmp_path)), nprocs=WORLD,
              join=True)
     for rank in range(WORLD):
         rep = json.loads((tmp_path / f"rank{rank}.json").read_text())

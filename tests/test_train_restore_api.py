@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
+from fakes import free_port
 
 from checkmate import config as cfgmod
 from checkmate.testbed.models import build
 from checkmate.train import CheckmateSession, JobLayout, ShadowTarget, restore_trainer
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -38,7 +32,7 @@ def shadows(serve_shadows):
 
 def test_train_then_restore_trainer_round_trip(shadows):
     net, ips = shadows
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         steps = 4
