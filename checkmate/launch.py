@@ -212,9 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     elif argv[:1] == ["secret"]:
         return _secret_command(argv[1:])
+    elif argv[:1] == ["plan"]:
+        from checkmate import plan
+
+        return plan.main(argv[1:])
     elif argv and not argv[0].startswith("-"):
         raise CheckmateError(f"unknown command {argv[0]!r}; usage: checkmate launch ... | "
-                             "checkmate secret new FILE")
+                             "checkmate secret new FILE | checkmate plan ...")
     args = _parser().parse_args(argv)
     _check(args)
     from torch.distributed.elastic.multiprocessing.api import SignalException
