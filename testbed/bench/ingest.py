@@ -6,14 +6,17 @@ datagram, and recvmmsg batches as the shadow's receiver uses), then the shadow's
 receive path (checkmate.shadow.receiver + assembler: the per-datagram MAC check of
 checkmate.datamac, header and session checks, CRC32C, coverage, copy into the fp32 staging
 buffer, control message parsing and MAC), and the same path without the MAC checks, to
-price them. The headline divides the shipped path by the faster raw loop. The sender is
-paced by the receiver (at most ``--depth`` iterations in flight, acknowledged through
-shared memory), so nobody loses datagrams and the rate is the receiver's (or the
-sender's, whichever is slower). Paths alternate for
-``--rounds`` rounds and report medians (the machine is shared). The optimizer
+price them. The headline divides the shipped path by the faster raw loop.
+
+By default each receiver drains a full queue: the sender puts every iteration into the
+receive buffer (512 MiB) before the receiver starts and its clock runs, so the rate is the
+receiver's and the headline can fail. ``--paced`` is the earlier method: the sender waits
+for the receiver (at most ``--depth`` iterations in flight, acknowledged through shared
+memory), which measures whichever side is slower -- on loopback mostly the sender. Paths
+alternate for ``--rounds`` rounds and report medians (the machine is shared). The optimizer
 step is not part of the headline; a last line runs the whole node with its AdamW step.
 
-    testbed bench ingest [--elements N] [--iterations K] [--rounds R] [--no-node]
+    testbed bench ingest [--elements N] [--iterations K] [--rounds R] [--paced] [--no-node]
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def _sender(port: int, total: int, chunk: int, iterations: int, depth: int,
     send = s.send
     ready.value = 1
     for it in range(1, iterations + 1):
-        while acked.value < it - depth:
+        while depth and acked.value < it - depth:  # depth 0: fill the socket, no pacing
             time.sleep(0.0001)
         for i, d in enumerate(dgrams):
             d[16:24] = it.to_bytes(8, "big")
@@ -96,6 +99,7 @@ def _sender(port: int, total: int, chunk: int, iterations: int, depth: int,
             send(d)
         if control:
             send(_control(it, mac))
+    ready.value = 2
     s.close()
 
 
@@ -109,7 +113,9 @@ def _run(port_sock: socket.socket, total: int, chunk: int, iterations: int, dept
     proc = ctx.Process(target=_sender, args=(port, total, chunk, iterations, depth, acked,
                                              control, ready, mac), daemon=True)
     proc.start()
-    while not ready.value and proc.is_alive():  # datagram building is not timed
+    # Datagram building is not timed; with depth 0 the sender fills the receive buffer with
+    # every iteration first, so the receiver drains a full queue: receiver-bound.
+    while ready.value < (2 if depth == 0 else 1) and proc.is_alive():
         time.sleep(0.001)
     t0, c0 = time.perf_counter(), time.thread_time()
     try:
@@ -192,7 +198,7 @@ def _ingest(total: int, chunk: int, iterations: int, depth: int,
         if it == iterations:
             rx._stop.set()
 
-    asm = Assembler(0, total, 1, done, drops, window=depth + 2, job=JOB,
+    asm = Assembler(0, total, 1, done, drops, window=max(depth, 1) + 2, job=JOB,
                     control_key=datamac.control_key(SECRET) if mac else None)
     asm.committed = 0
     rx.attach(asm, "float32")
@@ -221,7 +227,10 @@ def _node(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, i
     spec = ModelSpec.build(JOB, [("w", (total,))], "adamw", [{"params": ["w"], "lr": 1e-3}], 1)
     node = ShadowNode(NodeOptions(0, 1, JOB, bind="127.0.0.1", port=0,
                                   restore_bind="127.0.0.1", restore_port=0, epoch=EPOCH,
-                                  token=TOKEN, window=depth + 2, secret=SECRET))
+                                  token=TOKEN, secret=SECRET,
+                                  # prefilled: every iteration is queued before the stepper
+                                  # (another thread) commits the first
+                                  window=(depth or iterations) + 2))
     node.state.set_spec(spec)
     node.state.install(0, 0, {s: np.zeros(total, np.float32) for s in spec.slots})
     node.start()
@@ -244,18 +253,30 @@ def _node(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, i
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="testbed bench ingest")
     p.add_argument("--elements", type=int, default=1 << 21, help="partition size (floats)")
-    p.add_argument("--iterations", type=int, default=40)
+    p.add_argument("--iterations", type=int, default=None,
+                   help="per round (default 16 prefilled, 40 paced)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--depth", type=int, default=3, help="iterations in flight")
+    p.add_argument("--paced", action="store_true",
+                   help="the sender waits for the receiver (at most --depth iterations in "
+                        "flight) instead of filling the socket buffer first")
+    p.add_argument("--depth", type=int, default=3, help="iterations in flight with --paced")
     p.add_argument("--chunk", type=int, default=wire.MAX_PAYLOAD_JUMBO // 4,
                    help="float32 elements per datagram")
     p.add_argument("--no-node", action="store_true", help="skip the whole-node reference run")
     a = p.parse_args(argv)
-    if min(a.elements, a.iterations, a.depth, a.rounds) < 1 or not 0 < a.chunk <= 16000:
-        p.error("--elements, --iterations, --depth, --rounds must be >= 1, --chunk 1..16000")
+    if a.iterations is None:
+        a.iterations = 40 if a.paced else 16
+    if not a.paced:
+        a.depth = 0
+    elif a.depth < 1:
+        p.error("--depth must be >= 1")
+    if min(a.elements, a.iterations, a.rounds) < 1 or not 0 < a.chunk <= 16000:
+        p.error("--elements, --iterations, --rounds must be >= 1, --chunk 1..16000")
     mb = a.elements * 4 / 1e6
+    how = (f"paced (sender waits, {a.depth} iterations in flight)" if a.paced else
+           "receiver-bound (the socket buffer is filled before each receiver starts)")
     print(f"ingest bench: {a.iterations} iterations x {mb:.1f} MB fp32 gradient, "
-          f"{a.chunk * 4} B payload per datagram, loopback, receiver-paced")
+          f"{a.chunk * 4} B payload per datagram, loopback, {how}")
     # Alternate the two paths and keep each one's best round: on a shared 2-core machine
     # other processes steal time from whichever run they happen to overlap.
     raw_rates, mm_rates, ing_rates, plain_rates, drops = [], [], [], [], {}
