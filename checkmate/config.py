@@ -2,7 +2,10 @@
 
 It names the job, the switch, and every host with its role, address and (for shadows) the
 partition it owns. Everything that must agree across machines (addresses, MACs, interface
-names, ports) is derived here so that no two components derive it differently.
+names, ports) is derived here so that no two components derive it differently. What a valid
+document is -- types, ranges, defaults, rules across keys -- is stated once, as a pydantic
+schema in checkmate.config_schema; ``parse`` turns its first error into one ConfigError
+line that names the key.
 
 Example (testbed/default.yaml is the shipped default)::
 
@@ -17,7 +20,6 @@ Example (testbed/default.yaml is the shipped default)::
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,13 +27,9 @@ from typing import Any
 import yaml
 
 from checkmate import wire
+from checkmate.config_schema import PREFIX_RE as _PREFIX_RE
+from checkmate.config_schema import ROLES, TARGETS, mac_for_ip  # noqa: F401 - re-exported
 from checkmate.errors import CheckmateError
-
-TARGETS = ("kernel", "bmv2", "tofino")
-ROLES = ("trainer", "shadow")
-_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
-_PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,4}$")
-_MAC_RE = re.compile(r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")
 
 #: UDP port a trainer's ckm transport listens on (the ring allreduce receives here).
 TRAINER_PORT = wire.CKM_PORT_BASE
@@ -135,113 +133,28 @@ class ClusterConfig:
         return f"{self.network.prefix}-br"
 
 
-def mac_for_ip(ip: str) -> str:
-    """A locally administered MAC that encodes the IPv4 address (02:00:a:b:c:d)."""
-    a, b, c, d = ipaddress.IPv4Address(ip).packed
-    return f"02:00:{a:02x}:{b:02x}:{c:02x}:{d:02x}"
-
-
-def _int(d: dict, key: str, where: str, lo: int = 0, hi: int = 2**32 - 1) -> int:
-    v = d.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise ConfigError(f"{where}.{key} must be an integer in {lo}..{hi}, got {v!r}")
-    return v
-
-
-def _mapping(v: Any, where: str) -> dict:
-    if not isinstance(v, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(v).__name__}")
-    return v
-
-
 def parse(data: Any) -> ClusterConfig:
-    """Validate a decoded YAML document; every problem is a ConfigError with its key path."""
-    top = _mapping(data, "config")
-    unknown = set(top) - {"job", "switch", "network", "hosts", "training", "shadow", "testbed"}
-    if unknown:
-        raise ConfigError(f"unknown top-level key(s): {', '.join(sorted(unknown))}")
-    job = _mapping(top.get("job"), "job")
-    job_id = _int(job, "id", "job", 1)
-    job_name = str(job.get("name", f"job{job_id}"))
+    """Validate a decoded YAML document (checkmate.config_schema); every problem is a
+    ConfigError with its key path, one line."""
+    from pydantic import ValidationError
 
-    net_d = _mapping(top.get("network", {}), "network")
-    network = Network(
-        subnet=str(net_d.get("subnet", Network.subnet)),
-        mtu=_int({"mtu": net_d.get("mtu", 9000)}, "mtu", "network", 576, 9216),
-        prefix=str(net_d.get("prefix", Network.prefix)),
-    )
-    if not _PREFIX_RE.match(network.prefix):
-        raise ConfigError(f"network.prefix must match {_PREFIX_RE.pattern}: {network.prefix!r}")
+    from checkmate.config_schema import ClusterDoc, first_error
+
     try:
-        subnet = ipaddress.IPv4Network(network.subnet)
-    except ValueError as e:
-        raise ConfigError(f"network.subnet: {e}") from None
-
-    sw_d = _mapping(top.get("switch"), "switch")
-    target = sw_d.get("target", "kernel")
-    if target not in TARGETS:
-        raise ConfigError(f"switch.target must be one of {', '.join(TARGETS)}, got {target!r}")
-    sw_name = sw_d.get("name")
-    if not isinstance(sw_name, str) or not _NAME_RE.match(sw_name):
-        raise ConfigError(f"switch.name must match {_NAME_RE.pattern}, got {sw_name!r}")
-    sw_ip = str(sw_d.get("ip", subnet.network_address + 1))
-    switch = Switch(
-        name=sw_name,
-        target=target,
-        address=sw_d.get("address"),
-        device_id=_int({"d": sw_d.get("device_id", 0)}, "d", "switch.device_id"),
-        ip=sw_ip,
-        mac=str(sw_d.get("mac", mac_for_ip(sw_ip))),
-        cpu_port=_int({"c": sw_d.get("cpu_port", 64)}, "c", "switch.cpu_port", 0, 511),
-        cable_m=float(sw_d.get("cable_m", 3.0)),
-        speed_gbps=_int({"s": sw_d.get("speed_gbps", 100)}, "s", "switch.speed_gbps", 1, 800),
-    )
-
-    hosts_l = top.get("hosts")
-    if not isinstance(hosts_l, list) or not hosts_l:
-        raise ConfigError("hosts must be a non-empty list")
-    hosts: list[Host] = []
-    seen_names: set[str] = set()
-    seen_ips: set[str] = {sw_ip}
-    for i, hd in enumerate(hosts_l):
-        where = f"hosts[{i}]"
-        hd = _mapping(hd, where)
-        name = hd.get("name")
-        if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ConfigError(f"{where}.name must match {_NAME_RE.pattern}, got {name!r}")
-        if name in seen_names or name == sw_name:
-            raise ConfigError(f"{where}.name {name!r} is used twice")
-        role = hd.get("role")
-        if role not in ROLES:
-            raise ConfigError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
-        try:
-            ip = ipaddress.IPv4Address(hd.get("ip"))
-        except ValueError:
-            raise ConfigError(f"{where}.ip is not an IPv4 address: {hd.get('ip')!r}") from None
-        if ip not in subnet:
-            raise ConfigError(f"{where}.ip {ip} is outside network.subnet {subnet}")
-        if str(ip) in seen_ips:
-            raise ConfigError(f"{where}.ip {ip} is used twice")
-        mac = str(hd.get("mac", mac_for_ip(str(ip)))).lower()
-        if not _MAC_RE.match(mac):
-            raise ConfigError(f"{where}.mac is not a MAC address: {mac!r}")
-        rank = _int(hd, "rank", where, 0, 65535) if role == "trainer" else None
-        part = _int(hd, "partition", where, 0, 65535) if role == "shadow" else None
-        sp = hd.get("switch_port")
-        if sp is not None:
-            sp = _int(hd, "switch_port", where, 0, 511)
-        hosts.append(Host(name, role, str(ip), mac, rank, part, sp))
-        seen_names.add(name)
-        seen_ips.add(str(ip))
-
-    ranks = sorted(h.rank for h in hosts if h.role == "trainer")
-    if ranks != list(range(len(ranks))):
-        raise ConfigError(f"trainer ranks must be 0..{len(ranks) - 1} once each, got {ranks}")
-    parts = sorted(h.partition for h in hosts if h.role == "shadow")
-    if parts != list(range(len(parts))):
-        raise ConfigError(f"shadow partitions must be 0..{len(parts) - 1} once each, got {parts}")
-    extra = {k: top[k] for k in ("training", "shadow", "testbed") if k in top}
-    return ClusterConfig(job_id, job_name, switch, network, tuple(hosts), extra)
+        doc = ClusterDoc.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(first_error(e)) from None
+    net, sw = doc.network, doc.switch
+    sw_ip = sw.ip or str(ipaddress.IPv4Network(net.subnet).network_address + 1)
+    switch = Switch(name=sw.name, target=sw.target, address=sw.address,
+                    device_id=sw.device_id, ip=sw_ip, mac=sw.mac or mac_for_ip(sw_ip),
+                    cpu_port=sw.cpu_port, cable_m=sw.cable_m, speed_gbps=sw.speed_gbps)
+    hosts = tuple(Host(h.name, h.role, h.ip, h.mac or mac_for_ip(h.ip), h.rank, h.partition,
+                       h.switch_port) for h in doc.hosts)
+    extra = {k: v for k in ("training", "shadow", "testbed")
+             if (v := getattr(doc, k)) is not None}
+    return ClusterConfig(doc.job.id, doc.job.name or f"job{doc.job.id}", switch,
+                         Network(net.subnet, net.mtu, net.prefix), hosts, extra)
 
 
 def load(path: str | Path) -> ClusterConfig:

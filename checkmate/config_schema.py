@@ -1,0 +1,202 @@
+"""The cluster config document's schema (pydantic), from YAML to checkmate.config's types.
+
+One place states what a valid document is: types and ranges per key, defaults derived
+from other keys (the switch's address from the subnet, MACs from IPs), and the rules across
+keys (addresses inside the subnet and unique, ranks and partitions numbered 0..n-1 once).
+Every rule raises a ValueError whose text follows the key path, so checkmate.config can turn
+the first error into one line such as ``hosts[1].ip 10.77.0.10 is used twice``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,4}$")
+MAC_RE = re.compile(r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")
+TARGETS = ("kernel", "bmv2", "tofino")
+ROLES = ("trainer", "shadow")
+
+
+def mac_for_ip(ip: str) -> str:
+    """Deterministic locally administered MAC derived from an IPv4 address."""
+    a, b, c, d = ipaddress.IPv4Address(ip).packed
+    return f"02:00:{a:02x}:{b:02x}:{c:02x}:{d:02x}"
+
+
+def _int_in(lo: int, hi: int) -> BeforeValidator:
+    def check(v: Any) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ValueError(f"must be an integer in {lo}..{hi}, got {v!r}")
+        return v
+    return BeforeValidator(check)
+
+
+def _matching(rx: re.Pattern) -> BeforeValidator:
+    def check(v: Any) -> str:
+        if not isinstance(v, str) or not rx.match(v):
+            raise ValueError(f"must match {rx.pattern}, got {v!r}")
+        return v
+    return BeforeValidator(check)
+
+
+def _one_of(choices: tuple[str, ...]) -> BeforeValidator:
+    def check(v: Any) -> str:
+        if v not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {v!r}")
+        return v
+    return BeforeValidator(check)
+
+
+def _mapping(v: Any) -> Any:
+    if not isinstance(v, dict):
+        raise ValueError(f"must be a mapping, got {type(v).__name__}")
+    return v
+
+
+def _ipv4(v: Any) -> str:
+    try:
+        return str(ipaddress.IPv4Address(v))
+    except ValueError:
+        raise ValueError(f"is not an IPv4 address: {v!r}") from None
+
+
+Name = Annotated[str, _matching(NAME_RE)]
+U32 = Annotated[int, _int_in(0, 2**32 - 1)]
+Port9 = Annotated[int, _int_in(0, 511)]
+Mapping = BeforeValidator(_mapping)
+
+
+class _Section(BaseModel):
+    # Unknown keys inside a section are ignored (older files carry comments-as-keys);
+    # unknown top-level keys are refused (ClusterDoc).
+    model_config = ConfigDict(extra="ignore")
+
+
+class JobDoc(_Section):
+    id: Annotated[int, _int_in(1, 2**32 - 1)]
+    name: str | None = None
+
+
+class NetworkDoc(_Section):
+    subnet: str = "10.77.0.0/24"
+    mtu: Annotated[int, _int_in(576, 9216)] = 9000
+    prefix: Annotated[str, _matching(PREFIX_RE)] = "ckm"
+
+    @model_validator(mode="after")
+    def _subnet(self) -> NetworkDoc:
+        try:
+            ipaddress.IPv4Network(self.subnet)
+        except ValueError as e:
+            raise ValueError(f".subnet: {e}") from None
+        return self
+
+
+class SwitchDoc(_Section):
+    name: Name
+    target: Annotated[str, _one_of(TARGETS)] = "kernel"
+    address: str | None = None
+    device_id: U32 = 0
+    ip: Annotated[str, BeforeValidator(_ipv4)] | None = None
+    mac: str | None = None
+    cpu_port: Port9 = 64
+    cable_m: float = 3.0
+    speed_gbps: Annotated[int, _int_in(1, 800)] = 100
+
+
+class HostDoc(_Section):
+    name: Name
+    role: Annotated[str, _one_of(ROLES)]
+    ip: Annotated[str, BeforeValidator(_ipv4)]
+    mac: str | None = None
+    rank: Any = None
+    partition: Any = None
+    switch_port: Port9 | None = None
+
+    @model_validator(mode="after")
+    def _per_role(self) -> HostDoc:
+        mac = (self.mac or mac_for_ip(self.ip)).lower()
+        if not MAC_RE.match(mac):
+            raise ValueError(f".mac is not a MAC address: {mac!r}")
+        object.__setattr__(self, "mac", mac)
+        key = "rank" if self.role == "trainer" else "partition"
+        v = getattr(self, key)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535:
+            raise ValueError(f".{key} must be an integer in 0..65535, got {v!r}")
+        object.__setattr__(self, "partition" if key == "rank" else "rank", None)
+        return self
+
+
+class ClusterDoc(BaseModel):
+    """The whole document."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job: Annotated[JobDoc, Mapping]
+    switch: Annotated[SwitchDoc, Mapping]
+    network: Annotated[NetworkDoc, Mapping] = Field(default_factory=NetworkDoc)
+    hosts: list[Annotated[HostDoc, Mapping]]
+    training: dict[str, Any] | None = None
+    shadow: dict[str, Any] | None = None
+    testbed: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _required_sections(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise ValueError(f"config must be a mapping, got {type(data).__name__}")
+        data = dict(data)
+        for key in ("job", "switch"):  # absent: the same one line as a wrong type
+            data.setdefault(key, None)
+        hosts = data.get("hosts")
+        if not isinstance(hosts, list) or not hosts:
+            raise ValueError("hosts must be a non-empty list")
+        return data
+
+    @model_validator(mode="after")
+    def _across_keys(self) -> ClusterDoc:
+        subnet = ipaddress.IPv4Network(self.network.subnet)
+        sw_ip = self.switch.ip or str(subnet.network_address + 1)
+        names, ips = {self.switch.name}, {sw_ip}
+        for i, h in enumerate(self.hosts):
+            where = f"hosts[{i}]"
+            if h.name in names:
+                raise ValueError(f"{where}.name {h.name!r} is used twice")
+            if ipaddress.IPv4Address(h.ip) not in subnet:
+                raise ValueError(f"{where}.ip {h.ip} is outside network.subnet {subnet}")
+            if h.ip in ips:
+                raise ValueError(f"{where}.ip {h.ip} is used twice")
+            names.add(h.name)
+            ips.add(h.ip)
+        ranks = sorted(h.rank for h in self.hosts if h.role == "trainer")
+        if ranks != list(range(len(ranks))):
+            raise ValueError(f"trainer ranks must be 0..{len(ranks) - 1} once each, got {ranks}")
+        parts = sorted(h.partition for h in self.hosts if h.role == "shadow")
+        if parts != list(range(len(parts))):
+            raise ValueError(f"shadow partitions must be 0..{len(parts) - 1} once each, got "
+                             f"{parts}")
+        return self
+
+
+def first_error(e: Any) -> str:
+    """One line for the first problem of a pydantic ValidationError, led by its key path
+    (``hosts[1].ip``), as checkmate.config promises."""
+    errs = e.errors(include_url=False)
+    extra = [str(x["loc"][0]) for x in errs if x["type"] == "extra_forbidden"
+             and len(x["loc"]) == 1]
+    if extra:
+        return f"unknown top-level key(s): {', '.join(sorted(extra))}"
+    x = errs[0]
+    path = ""
+    for part in x["loc"]:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    msg = str(x["msg"]).removeprefix("Value error, ")
+    if x["type"] == "missing":
+        msg = "is required"
+    if not path:
+        return msg
+    return path + ("" if msg.startswith((".", "[")) else " ") + msg
