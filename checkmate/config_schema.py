@@ -182,21 +182,30 @@ class ClusterDoc(BaseModel):
         return self
 
 
-def first_error(e: Any) -> str:
-    """One line for the first problem of a pydantic ValidationError, led by its key path
-    (``hosts[1].ip``), as checkmate.config promises."""
-    errs = e.errors(include_url=False)
-    extra = [str(x["loc"][0]) for x in errs if x["type"] == "extra_forbidden"
-             and len(x["loc"]) == 1]
-    if extra:
-        return f"unknown top-level key(s): {', '.join(sorted(extra))}"
-    x = errs[0]
+def _path(loc: tuple) -> str:
     path = ""
-    for part in x["loc"]:
+    for part in loc:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def first_error(e: Any, unknown_top: str = "unknown top-level key(s)") -> str:
+    """One line for the first problem of a pydantic ValidationError, led by its key path
+    (``hosts[1].ip``): the one error format of every document schema here."""
+    errs = e.errors(include_url=False)
+    extra = [x["loc"] for x in errs if x["type"] == "extra_forbidden"]
+    if extra:
+        parent = extra[0][:-1]
+        keys = sorted(str(loc[-1]) for loc in extra if loc[:-1] == parent)
+        where = f"{_path(parent)}: " if parent else ""
+        what = unknown_top if not parent else "unknown key(s)"
+        return f"{where}{what}: {', '.join(keys)}" if not parent else \
+            f"{where}{what} {', '.join(keys)}"
+    x = errs[0]
+    path = _path(x["loc"])
     msg = str(x["msg"]).removeprefix("Value error, ")
     if x["type"] == "missing":
         msg = "is required"
     if not path:
         return msg
-    return path + ("" if msg.startswith((".", "[")) else " ") + msg
+    return path + ("" if msg.startswith((".", "[", ":")) else " ") + msg

@@ -35,9 +35,6 @@ from checkmate.errors import CheckmateError
 
 SCENARIO_DIR = Path(__file__).with_name("scenarios")
 KILL_PHASES = ("after-step", "before-control")
-_KEYS = {"name", "model", "steps", "seed", "kill_at", "kill_phase", "description", "faults",
-         "shadow_kills", "persist_every", "keep", "controller_restart_at", "finish_timeout",
-         "disk_limit"}
 
 
 @dataclass(frozen=True)
@@ -89,92 +86,37 @@ def scenario_names() -> list[str]:
     return sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
 
 
-def _int(v: object, what: str, lo: int, hi: int | None = None) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        raise CheckmateError(f"{what} must be an integer in {lo}..{hi if hi else ''}, "
-                             f"got {v!r}")
-    return v
-
-
-def _iteration(v: object, what: str, steps: int, rng: random.Random) -> int:
-    if v == "random":
-        return rng.randint(max(1, steps // 4), max(1, 3 * steps // 4))
-    return _int(v, what, 1, steps - 1)
-
-
-def _prob(v: object, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= v <= 1.0:
-        raise CheckmateError(f"{what} must be a probability in 0..1, got {v!r}")
-    return float(v)
-
-
 def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> Scenario:
-    """A scenario from its YAML mapping; one CheckmateError line naming what is wrong."""
+    """A scenario from its YAML mapping (checkmate.testbed.scenario_schema); one
+    CheckmateError line naming what is wrong. ``random`` iterations are drawn from ``rng``
+    in a fixed order: kill_at, each shadow kill, the controller restart."""
+    from pydantic import ValidationError
+
+    from checkmate.config_schema import first_error
+    from checkmate.testbed.scenario_schema import ScenarioDoc
+
     rng = rng or random.Random()
     if not isinstance(d, dict):
         raise CheckmateError(f"scenario {where} must be a mapping")
-    unknown = set(d) - _KEYS
-    if unknown:
-        raise CheckmateError(f"scenario {where}: unknown key(s) {', '.join(sorted(unknown))}")
-    from checkmate.testbed.models import MODELS
+    try:
+        doc = ScenarioDoc.model_validate(d)
+    except ValidationError as e:
+        raise CheckmateError(f"scenario {where}: {first_error(e, 'unknown key(s)')}") from None
 
-    model = d.get("model", "gpt")
-    if model not in MODELS:
-        raise CheckmateError(f"scenario {where}: model must be one of {', '.join(MODELS)}")
-    steps = _int(d.get("steps", 40), f"scenario {where}: steps", 2)
-    seed = _int(d.get("seed", 0), f"scenario {where}: seed", 0)
-    kill = d.get("kill_at")
-    if kill is not None:
-        kill = _iteration(kill, f"scenario {where}: kill_at", steps, rng)
-    phase = d.get("kill_phase", "after-step")
-    if phase not in KILL_PHASES:
-        raise CheckmateError(f"scenario {where}: kill_phase must be one of "
-                             f"{', '.join(KILL_PHASES)}, got {phase!r}")
-    faults = []
-    for i, f in enumerate(d.get("faults") or []):
-        w = f"scenario {where}: faults[{i}]"
-        if not isinstance(f, dict) or set(f) - {"port", "drop", "corrupt", "from", "until"}:
-            raise CheckmateError(f"{w} must be a mapping of port, drop, corrupt, from, until")
-        if not isinstance(f.get("port"), str):
-            raise CheckmateError(f"{w}: port must be a host name")
-        a = _int(f.get("from", 0), f"{w}: from", 0, steps)
-        b = _int(f.get("until", 0), f"{w}: until", 0, steps)
-        if a and b and a > b:
-            raise CheckmateError(f"{w}: from {a} is after until {b}")
-        faults.append(Fault(f["port"], _prob(f.get("drop", 0.0), f"{w}: drop"),
-                            _prob(f.get("corrupt", 0.0), f"{w}: corrupt"), a, b))
-    persist = _int(d.get("persist_every", 0), f"scenario {where}: persist_every", 0)
-    kills = []
-    for i, k in enumerate(d.get("shadow_kills") or []):
-        w = f"scenario {where}: shadow_kills[{i}]"
-        if not isinstance(k, dict) or set(k) - {"partition", "at", "disk", "restart"}:
-            raise CheckmateError(f"{w} must be a mapping of partition, at, disk, restart")
-        disk, restart = k.get("disk", False), k.get("restart", True)
-        if not isinstance(disk, bool) or not isinstance(restart, bool):
-            raise CheckmateError(f"{w}: disk and restart must be true or false")
-        if disk and not persist:
-            raise CheckmateError(f"{w}: disk: true needs persist_every")
-        kills.append(ShadowKill(_int(k.get("partition"), f"{w}: partition", 0),
-                                _iteration(k.get("at"), f"{w}: at", steps, rng), disk,
-                                restart))
-    ctl = d.get("controller_restart_at")
-    if ctl is not None:
-        ctl = _iteration(ctl, f"scenario {where}: controller_restart_at", steps, rng)
-    disk = d.get("disk_limit")
-    if disk is not None:
-        if not isinstance(disk, dict) or set(disk) != {"partition", "kib"}:
-            raise CheckmateError(f"scenario {where}: disk_limit must be {{partition, kib}}")
-        if not persist:
-            raise CheckmateError(f"scenario {where}: disk_limit needs persist_every")
-        disk = (_int(disk["partition"], f"scenario {where}: disk_limit.partition", 0),
-                _int(disk["kib"], f"scenario {where}: disk_limit.kib", 64))
-    fin = d.get("finish_timeout", 30)
-    if isinstance(fin, bool) or not isinstance(fin, int | float) or not 0 < fin <= 3600:
-        raise CheckmateError(f"scenario {where}: finish_timeout must be seconds in (0, 3600]")
-    return Scenario(str(d.get("name", where)), model, steps, seed, kill,
-                    str(d.get("description", "")), phase, faults, kills, persist,
-                    _int(d.get("keep", 3), f"scenario {where}: keep", 1), ctl, float(fin),
-                    disk)
+    def draw(v: int | str | None) -> int | None:
+        if v != "random":
+            return v  # type: ignore[return-value]
+        return rng.randint(max(1, doc.steps // 4), max(1, 3 * doc.steps // 4))
+
+    kill = draw(doc.kill_at)
+    kills = [ShadowKill(k.partition, draw(k.at), k.disk, k.restart)  # type: ignore[arg-type]
+             for k in doc.shadow_kills]
+    ctl = draw(doc.controller_restart_at)
+    disk = None if doc.disk_limit is None else (doc.disk_limit.partition, doc.disk_limit.kib)
+    return Scenario(doc.name or where, doc.model, doc.steps, doc.seed, kill, doc.description,
+                    doc.kill_phase,
+                    [Fault(f.port, f.drop, f.corrupt, f.start, f.until) for f in doc.faults],
+                    kills, doc.persist_every, doc.keep, ctl, float(doc.finish_timeout), disk)
 
 
 def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:

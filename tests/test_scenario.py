@@ -51,7 +51,7 @@ def test_random_iterations_come_from_the_seeded_draw():
     ({"faults": [{"port": "s0", "drop": 2}]}, "drop must be a probability"),
     ({"faults": [{"port": "s0", "from": 9, "until": 3}]}, "from 9 is after until 3"),
     ({"faults": [{"drop": 0.1}]}, "port must be a host name"),
-    ({"faults": [{"port": "s0", "jitter": 1}]}, "must be a mapping of port"),
+    ({"faults": [{"port": "s0", "jitter": 1}]}, r"faults\[0\]: unknown key\(s\) jitter"),
     ({"shadow_kills": [{"partition": 0, "at": 3, "disk": True}]}, "disk: true needs"),
     ({"shadow_kills": [{"partition": 0, "at": 99}]}, "at must be an integer"),
     ({"disk_limit": {"partition": 0, "kib": 100}}, "disk_limit needs persist_every"),

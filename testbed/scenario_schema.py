@@ -1,0 +1,130 @@
+"""The scenario document's schema (pydantic): what testbed/scenario.py accepts.
+
+Types, ranges and defaults per key, unknown keys refused, and the rules across keys
+(iterations inside the run, a fault window in order, disk restarts and disk limits only
+with persistence). Iterations may be ``random``; scenario.py draws them after validation,
+in a fixed order, from the caller's seeded generator.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from checkmate.config_schema import _int_in, _one_of
+
+KILL_PHASES = ("after-step", "before-control")
+Random = Literal["random"]
+
+
+def _prob(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= v <= 1.0:
+        raise ValueError(f"must be a probability in 0..1, got {v!r}")
+    return float(v)
+
+
+def _strict_bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"must be true or false, got {v!r}")
+    return v
+
+
+def _iteration(v: Any) -> int | str:
+    if v == "random":
+        return v
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"must be an integer iteration or random, got {v!r}")
+    return v
+
+
+def _port(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError("must be a host name")
+    return v
+
+
+Prob = Annotated[float, BeforeValidator(_prob)]
+Iteration = Annotated[int | str, BeforeValidator(_iteration)]
+NonNeg = Annotated[int, _int_in(0, 2**31 - 1)]
+Flag = Annotated[bool, BeforeValidator(_strict_bool)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class FaultDoc(_Strict):
+    port: Annotated[str, BeforeValidator(_port)] = Field(None, validate_default=True)
+    drop: Prob = 0.0
+    corrupt: Prob = 0.0
+    start: NonNeg = Field(0, alias="from")
+    until: NonNeg = 0
+
+    @model_validator(mode="after")
+    def _window(self) -> FaultDoc:
+        if self.start and self.until and self.start > self.until:
+            raise ValueError(f": from {self.start} is after until {self.until}")
+        return self
+
+
+class ShadowKillDoc(_Strict):
+    partition: NonNeg
+    at: Iteration
+    disk: Flag = False
+    restart: Flag = True
+
+
+class DiskLimitDoc(_Strict):
+    partition: NonNeg
+    kib: Annotated[int, _int_in(64, 2**31 - 1)]
+
+
+class ScenarioDoc(_Strict):
+    name: str | None = None
+    description: str = ""
+    model: str = "gpt"
+    steps: Annotated[int, _int_in(2, 2**31 - 1)] = 40
+    seed: NonNeg = 0
+    kill_at: Iteration | None = None
+    kill_phase: Annotated[str, _one_of(KILL_PHASES)] = "after-step"
+    faults: list[FaultDoc] = Field(default_factory=list)
+    shadow_kills: list[ShadowKillDoc] = Field(default_factory=list)
+    persist_every: NonNeg = 0
+    keep: Annotated[int, _int_in(1, 1000)] = 3
+    controller_restart_at: Iteration | None = None
+    finish_timeout: float = 30.0
+    disk_limit: DiskLimitDoc | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lists(cls, data: Any) -> Any:
+        if isinstance(data, dict):  # `faults:` with nothing after it means none
+            data = {k: ([] if k in ("faults", "shadow_kills") and v is None else v)
+                    for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _across_keys(self) -> ScenarioDoc:
+        from checkmate.testbed.models import MODELS
+
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        last = self.steps - 1
+        its = [("kill_at", self.kill_at), ("controller_restart_at",
+                                           self.controller_restart_at)]
+        its += [(f"shadow_kills[{i}].at", k.at) for i, k in enumerate(self.shadow_kills)]
+        for what, v in its:
+            if isinstance(v, int) and not 1 <= v <= last:
+                raise ValueError(f"{what} must be an integer in 1..{last} or random, got {v}")
+        for i, f in enumerate(self.faults):
+            if f.start > self.steps or f.until > self.steps:
+                raise ValueError(f"faults[{i}]: from and until must be in 0..{self.steps}")
+        for i, k in enumerate(self.shadow_kills):
+            if k.disk and not self.persist_every:
+                raise ValueError(f"shadow_kills[{i}]: disk: true needs persist_every")
+        if self.disk_limit is not None and not self.persist_every:
+            raise ValueError("disk_limit needs persist_every")
+        if not 0 < self.finish_timeout <= 3600:
+            raise ValueError("finish_timeout must be seconds in (0, 3600]")
+        return self
