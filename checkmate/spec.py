@@ -8,6 +8,8 @@ persisted checkpoints all read it. It fixes three things everyone must agree on:
 - the optimizer: kind and param groups with their hyperparameters;
 - the non-gradient buffers that travel in the control message.
 
+What a valid spec is -- field types and ranges, the rules across fields, the optimizer's
+defaults for a group field left out -- is the pydantic schema in checkmate.spec_schema.
 It also converts between the flat per-slot arrays a shadow keeps and the ``state_dict``
 formats of ``torch.nn.Module`` and ``torch.optim`` (state indexed by the parameter's position
 in the concatenated ``param_groups[*]["params"]`` lists), so restore needs nothing else.
@@ -26,10 +28,6 @@ import numpy as np
 
 from checkmate.errors import CheckmateError
 
-KINDS = ("adamw", "adam", "sgd")
-GRAD_DTYPES = ("float32", "bfloat16", "float16")
-#: Buffer dtypes a control message may carry (name as torch spells it; little-endian bytes).
-BUFFER_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 _NP_BUFFER = {
     "float32": "<f4", "float64": "<f8", "float16": "<f2", "int64": "<i8", "int32": "<i4",
     "uint8": "u1", "bool": "?",
@@ -174,74 +172,27 @@ class ModelSpec:
                 obj = json.loads(obj)
             except ValueError:
                 raise SpecError("spec is not valid JSON") from None
-        top = _mapping(obj, "spec")
-        job = _int(top, "job", "spec", 0, 2**32 - 1)
-        total = _int(top, "total", "spec", 0, 2**63 - 1)
-        partitions = _int(top, "partitions", "spec", 1, 65535)
-        plist = top.get("params")
-        if not isinstance(plist, list) or not plist:
-            raise SpecError("spec.params must be a non-empty list")
-        params, names, off = [], set(), 0
-        for i, pd in enumerate(plist):
-            where = f"spec.params[{i}]"
-            pd = _mapping(pd, where)
-            name = pd.get("name")
-            if not isinstance(name, str) or not name:
-                raise SpecError(f"{where}.name must be a non-empty string")
-            if name in names:
-                raise SpecError(f"{where}.name {name!r} is listed twice")
-            shape = _shape(pd.get("shape"), f"{where}.shape")
-            numel = _int(pd, "numel", where, 0, 2**63 - 1)
-            if numel != math.prod(shape):
-                raise SpecError(f"{where}.numel is {numel} but shape {list(shape)} has "
-                                f"{math.prod(shape)} elements")
-            if _int(pd, "offset", where, 0, 2**63 - 1) != off:
-                raise SpecError(f"{where}.offset must be {off} (parameters are contiguous in "
-                                f"listed order), got {pd.get('offset')}")
-            params.append(ParamSpec(name, shape, off, numel))
-            names.add(name)
-            off += numel
-        if total != off:
-            raise SpecError(f"spec.total is {total} but the parameters hold {off} elements")
-        if partitions > max(total, 1):
-            raise SpecError(f"spec.partitions ({partitions}) exceeds spec.total ({total})")
+        from pydantic import ValidationError
 
-        opt = _mapping(top.get("optimizer"), "spec.optimizer")
-        kind = opt.get("kind")
-        if kind not in KINDS:
-            raise SpecError(f"spec.optimizer.kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        glist = opt.get("groups")
-        if not isinstance(glist, list) or not glist:
-            raise SpecError("spec.optimizer.groups must be a non-empty list")
-        groups, grouped = [], set()
-        for i, gd in enumerate(glist):
-            groups.append(_group(gd, f"spec.optimizer.groups[{i}]", names, grouped, kind))
-        if grouped != names:
-            missing = sorted(names - grouped)
-            raise SpecError(f"parameters in no optimizer group: {', '.join(missing[:5])}")
+        from checkmate.config_schema import first_error
+        from checkmate.spec_schema import SpecDoc
 
-        blist = top.get("buffers", [])
-        if not isinstance(blist, list):
-            raise SpecError("spec.buffers must be a list")
-        buffers, bnames = [], set()
-        for i, bd in enumerate(blist):
-            where = f"spec.buffers[{i}]"
-            bd = _mapping(bd, where)
-            name = bd.get("name")
-            if not isinstance(name, str) or not name or name in bnames or name in names:
-                raise SpecError(f"{where}.name must be a new non-empty string, got {name!r}")
-            dtype = bd.get("dtype")
-            if dtype not in BUFFER_DTYPES:
-                raise SpecError(f"{where}.dtype must be one of {', '.join(BUFFER_DTYPES)}, "
-                                f"got {dtype!r}")
-            buffers.append(BufferSpec(name, _shape(bd.get("shape"), f"{where}.shape"), dtype))
-            bnames.add(name)
-        grad_dtype = top.get("grad_dtype", "float32")
-        if grad_dtype not in GRAD_DTYPES:
-            raise SpecError(f"spec.grad_dtype must be one of {', '.join(GRAD_DTYPES)}, "
-                            f"got {grad_dtype!r}")
-        return cls(job, tuple(params), total, partitions, kind, tuple(groups), tuple(buffers),
-                   grad_dtype)
+        if not isinstance(obj, dict):
+            raise SpecError(f"spec must be an object, got {type(obj).__name__}")
+        try:
+            doc = SpecDoc.model_validate(obj)
+        except ValidationError as e:
+            msg = first_error(e)
+            raise SpecError(f"spec.{msg}" if e.errors()[0]["loc"] else msg) from None
+        params = tuple(ParamSpec(p.name, p.shape, p.offset, p.numel) for p in doc.params)
+        groups = tuple(GroupSpec(
+            params=tuple(g.params), lr=g.lr, betas=g.betas, eps=g.eps,
+            weight_decay=g.weight_decay, amsgrad=g.amsgrad, momentum=g.momentum,
+            dampening=g.dampening, nesterov=g.nesterov, maximize=g.maximize)
+            for g in doc.optimizer.groups)
+        buffers = tuple(BufferSpec(b.name, b.shape, b.dtype) for b in doc.buffers)
+        return cls(doc.job, params, doc.total, doc.partitions, doc.optimizer.kind, groups,
+                   buffers, doc.grad_dtype)
 
     def to_json(self) -> dict[str, Any]:
         """The spec as the JSON object docs/protocol.md describes."""
@@ -496,78 +447,3 @@ def _np(t: Any) -> np.ndarray:
     if hasattr(t, "detach"):
         return t.detach().to("cpu").float().numpy()
     return np.asarray(t, dtype=np.float32)
-
-
-def _mapping(v: Any, where: str) -> dict:
-    if not isinstance(v, dict):
-        raise SpecError(f"{where} must be an object, got {type(v).__name__}")
-    return v
-
-
-def _int(d: dict, key: str, where: str, lo: int, hi: int) -> int:
-    v = d.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise SpecError(f"{where}.{key} must be an integer in {lo}..{hi}, got {v!r}")
-    return v
-
-
-def _num(d: dict, key: str, where: str, default: float) -> float:
-    v = d.get(key, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise SpecError(f"{where}.{key} must be a finite number, got {v!r}")
-    return float(v)
-
-
-def _bool(d: dict, key: str, where: str) -> bool:
-    v = d.get(key, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise SpecError(f"{where}.{key} must be true or false, got {v!r}")
-    return v
-
-
-def _shape(v: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v
-    ):
-        raise SpecError(f"{where} must be a list of non-negative integers, got {v!r}")
-    return tuple(v)
-
-
-def _group(gd: Any, where: str, names: set[str], grouped: set[str], kind: str) -> GroupSpec:
-    """One param group; a field it omits takes torch's default for ``kind``
-    (checkmate.optim.hyper.DEFAULTS, the one table of defaults)."""
-    from checkmate.optim.hyper import DEFAULTS
-
-    dflt = DEFAULTS[kind]
-    gd = _mapping(gd, where)
-    plist = gd.get("params")
-    if not isinstance(plist, list) or not all(isinstance(n, str) for n in plist):
-        raise SpecError(f"{where}.params must be a list of parameter names")
-    for n in plist:
-        if n not in names:
-            raise SpecError(f"{where}.params names unknown parameter {n!r}")
-        if n in grouped:
-            raise SpecError(f"{where}.params: {n!r} is already in another group")
-        grouped.add(n)
-    lr = _num(gd, "lr", where, math.nan) if "lr" in gd else None
-    if lr is None or lr < 0:
-        raise SpecError(f"{where}.lr must be a non-negative number")
-    betas = gd.get("betas", list(dflt.get("betas", (0.9, 0.999))))
-    if (not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(
-            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
-            for b in betas)):
-        raise SpecError(f"{where}.betas must be two numbers in [0, 1), got {betas!r}")
-    return GroupSpec(
-        params=tuple(plist), lr=lr, betas=(float(betas[0]), float(betas[1])),
-        eps=_num(gd, "eps", where, dflt.get("eps", 1e-8)),
-        weight_decay=_num(gd, "weight_decay", where, dflt["weight_decay"]),
-        amsgrad=_bool(gd, "amsgrad", where), momentum=_num(gd, "momentum", where,
-                                                          dflt.get("momentum", 0.0)),
-        dampening=_num(gd, "dampening", where, dflt.get("dampening", 0.0)),
-        nesterov=_bool(gd, "nesterov", where),
-        maximize=_bool(gd, "maximize", where),
-    )
