@@ -138,7 +138,8 @@ def parse(data: Any) -> ClusterConfig:
     ConfigError with its key path, one line."""
     from pydantic import ValidationError
 
-    from checkmate.config_schema import ClusterDoc, first_error
+    from checkmate.config_schema import ClusterDoc
+    from checkmate.schema import first_error
 
     try:
         doc = ClusterDoc.model_validate(data)

@@ -15,6 +15,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from checkmate.schema import int_in as _int_in
+from checkmate.schema import matching as _matching
+from checkmate.schema import one_of as _one_of
+
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,4}$")
 MAC_RE = re.compile(r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")
@@ -26,30 +30,6 @@ def mac_for_ip(ip: str) -> str:
     """Deterministic locally administered MAC derived from an IPv4 address."""
     a, b, c, d = ipaddress.IPv4Address(ip).packed
     return f"02:00:{a:02x}:{b:02x}:{c:02x}:{d:02x}"
-
-
-def _int_in(lo: int, hi: int) -> BeforeValidator:
-    def check(v: Any) -> int:
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise ValueError(f"must be an integer in {lo}..{hi}, got {v!r}")
-        return v
-    return BeforeValidator(check)
-
-
-def _matching(rx: re.Pattern) -> BeforeValidator:
-    def check(v: Any) -> str:
-        if not isinstance(v, str) or not rx.match(v):
-            raise ValueError(f"must match {rx.pattern}, got {v!r}")
-        return v
-    return BeforeValidator(check)
-
-
-def _one_of(choices: tuple[str, ...]) -> BeforeValidator:
-    def check(v: Any) -> str:
-        if v not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}, got {v!r}")
-        return v
-    return BeforeValidator(check)
 
 
 def _mapping(v: Any) -> Any:
@@ -180,32 +160,3 @@ class ClusterDoc(BaseModel):
             raise ValueError(f"shadow partitions must be 0..{len(parts) - 1} once each, got "
                              f"{parts}")
         return self
-
-
-def _path(loc: tuple) -> str:
-    path = ""
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return path
-
-
-def first_error(e: Any, unknown_top: str = "unknown top-level key(s)") -> str:
-    """One line for the first problem of a pydantic ValidationError, led by its key path
-    (``hosts[1].ip``): the one error format of every document schema here."""
-    errs = e.errors(include_url=False)
-    extra = [x["loc"] for x in errs if x["type"] == "extra_forbidden"]
-    if extra:
-        parent = extra[0][:-1]
-        keys = sorted(str(loc[-1]) for loc in extra if loc[:-1] == parent)
-        where = f"{_path(parent)}: " if parent else ""
-        what = unknown_top if not parent else "unknown key(s)"
-        return f"{where}{what}: {', '.join(keys)}" if not parent else \
-            f"{where}{what} {', '.join(keys)}"
-    x = errs[0]
-    path = _path(x["loc"])
-    msg = str(x["msg"]).removeprefix("Value error, ")
-    if x["type"] == "missing":
-        msg = "is required"
-    if not path:
-        return msg
-    return path + ("" if msg.startswith((".", "[", ":")) else " ") + msg

@@ -174,7 +174,7 @@ class ModelSpec:
                 raise SpecError("spec is not valid JSON") from None
         from pydantic import ValidationError
 
-        from checkmate.config_schema import first_error
+        from checkmate.schema import first_error
         from checkmate.spec_schema import SpecDoc
 
         if not isinstance(obj, dict):

@@ -15,7 +15,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from checkmate.config_schema import _int_in, _one_of
+from checkmate.schema import int_in as _int_in
+from checkmate.schema import one_of as _one_of
 
 KINDS = ("adamw", "adam", "sgd")
 GRAD_DTYPES = ("float32", "bfloat16", "float16")

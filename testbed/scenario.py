@@ -92,7 +92,7 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
     in a fixed order: kill_at, each shadow kill, the controller restart."""
     from pydantic import ValidationError
 
-    from checkmate.config_schema import first_error
+    from checkmate.schema import first_error
     from checkmate.testbed.scenario_schema import ScenarioDoc
 
     rng = rng or random.Random()

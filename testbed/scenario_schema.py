@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from checkmate.config_schema import _int_in, _one_of
+from checkmate.schema import int_in as _int_in
+from checkmate.schema import one_of as _one_of
 
 KILL_PHASES = ("after-step", "before-control")
 Random = Literal["random"]
