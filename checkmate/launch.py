@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,6 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from checkmate.auth import SECRET_ENV
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.local_shadows import (
     MAX_SHADOWS,
@@ -161,18 +163,21 @@ def _secret_command(argv: list[str]) -> int:
     return 0
 
 
-def _job_secret(running_shadows: bool, logdir: Path) -> None:
+def _job_secret(running_shadows: bool, logdir: Path) -> Path | None:
     """Make every shadow and worker share the job secret (checkmate.auth): the one
-    $CHECKMATE_SECRET_FILE names, else a new one in the log dir for the local shadows."""
+    $CHECKMATE_SECRET_FILE names, else a new one in the log dir for the local shadows
+    (returned: the launcher removes it when the job ends)."""
     from checkmate import auth
 
     if os.environ.get(auth.SECRET_ENV):
         auth.load_secret()  # a bad file is one line now, not a failure in every worker
-        return
+        return None
     if running_shadows:
         raise CheckmateError(f"--shadow names running shadows: set {auth.SECRET_ENV} to "
                              "the job secret they were started with")
-    os.environ[auth.SECRET_ENV] = str(auth.create_secret(logdir / "job.key"))
+    path = auth.create_secret(logdir / "job.key")
+    os.environ[auth.SECRET_ENV] = str(path)
+    return path
 
 
 def _failure_line(err: Any, restarts: int) -> str:
@@ -225,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     count = 0 if args.mode == "off" else (len(args.shadow) or args.shadows or 2)
+    # Without --dir the logs go to a temporary directory, kept only if the job fails.
+    own_logdir = args.dir is None
     logdir = args.dir or Path(tempfile.mkdtemp(prefix="checkmate-launch-"))
+    made_secret: Path | None = None
+    succeeded = False
     net = pick_loopback_net(args.nproc_per_node, 0 if args.shadow else count)
     trainers = trainer_addrs(net, args.nproc_per_node)
     local: LocalShadows | None = None
@@ -234,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     old_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         if count:
-            _job_secret(bool(args.shadow), logdir)
+            made_secret = _job_secret(bool(args.shadow), logdir)
         if args.shadow:
             tcp = [parse_addr(a) for a in args.shadow]
             job_id = args.job_id or check_shadows(tcp) or 1
@@ -244,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             local = LocalShadows(net, count, logdir,
                                  args.dir / "checkpoints" if args.persist_every else None,
                                  args.persist_every)
-            print(f"{PROG}: starting {count} shadow(s) on {net}.100+ (logs: {logdir})",
+            kept = ", kept if the job fails" if own_logdir else ""
+            print(f"{PROG}: starting {count} shadow(s) on {net}.100+ (logs: {logdir}{kept})",
                   flush=True)
             local.start()
             tcp, job_id = local.tcp, args.job_id or 1
@@ -266,10 +276,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: done; the shadows hold iteration "
                   f"{min(latest) if None not in latest else None} "
                   f"(per shadow: {latest})", flush=True)
+        succeeded = True
         return 0
     finally:
         if local is not None:
             local.stop()
+        if made_secret is not None:  # this job's secret dies with the job
+            made_secret.unlink(missing_ok=True)
+            os.environ.pop(SECRET_ENV, None)
+        if own_logdir and (succeeded or not any(logdir.iterdir())):
+            shutil.rmtree(logdir, ignore_errors=True)
         signal.signal(signal.SIGTERM, old_term)
 
 

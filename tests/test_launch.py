@@ -218,7 +218,8 @@ def test_launcher_stopped_or_killed_leaves_no_process(tmp_path, sig):
         launcher = subprocess.Popen(
             [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
              "--shadows", "2", "--progress-every", "5", str(EXAMPLE), "--steps", "100000"],
-            stdout=f, stderr=subprocess.STDOUT)
+            stdout=f, stderr=subprocess.STDOUT,
+            env={**os.environ, "TMPDIR": str(tmp_path)})  # the kept logs stay in tmp_path
     kids: list[int] = []
     try:
         deadline = time.monotonic() + 240
