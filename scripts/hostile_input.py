@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -142,6 +143,7 @@ def main() -> int:
         shadow.terminate()
         shadow.wait(10)
         log.close()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
