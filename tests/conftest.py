@@ -138,3 +138,23 @@ class RingKit:
 @pytest.fixture
 def ring_kit() -> RingKit:
     return RingKit()
+
+
+@contextlib.contextmanager
+def _testbed(prefix: str) -> Iterator[object]:
+    """The default cluster as a namespace testbed under ``prefix`` (no controller), torn
+    down even if the test fails."""
+    from checkmate.testbed.topology import Testbed
+
+    bed = Testbed(cfgmod.with_prefix(cfgmod.load(cfgmod.default_path()), prefix))
+    try:
+        bed.up()
+        yield bed
+    finally:
+        bed.down()
+
+
+@pytest.fixture(scope="session")
+def testbed_of():
+    """``with testbed_of("ta") as tb:`` -- a module's own testbed (needs root)."""
+    return _testbed

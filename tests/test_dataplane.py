@@ -26,16 +26,9 @@ RCVBUF = 8 << 20
 
 
 @pytest.fixture(scope="module")
-def tb():
-    from checkmate.testbed.topology import Testbed
-
-    cfg = config.with_prefix(config.load(config.default_path()), "ta")
-    bed = Testbed(cfg)
-    try:
-        bed.up()
+def tb(testbed_of):
+    with testbed_of("ta") as bed:
         yield bed
-    finally:
-        bed.down()
 
 
 @pytest.fixture

@@ -29,16 +29,9 @@ EPOCH, TOKEN = 42, 0xC0FFEE01  # the session the plan gives partition 0's shadow
 
 
 @pytest.fixture(scope="module")
-def tb():
-    from checkmate.testbed.topology import Testbed
-
-    cfg = config.with_prefix(config.load(config.default_path()), PREFIX)
-    bed = Testbed(cfg)
-    try:
-        bed.up()
+def tb(testbed_of):
+    with testbed_of(PREFIX) as bed:
         yield bed
-    finally:
-        bed.down()
 
 
 @pytest.fixture
