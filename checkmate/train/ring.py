@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from checkmate import wire
+from checkmate.datamac import split as _split
 from checkmate.datamac import tag56 as _tag
 from checkmate.errors import CheckmateError
 from checkmate.partition import partition_bounds
@@ -61,6 +62,7 @@ _REPLICATE, _ACK, _NACK = (int(f) for f in (wire.Flags.REPLICATE, wire.Flags.ACK
 _PACK = wire.STRUCT.pack
 _UNPACK = wire.STRUCT.unpack_from
 _FLOAT32, _BYTES = int(wire.DType.FLOAT32), int(wire.DType.BYTES)
+_NO_TAG = (0, 0, 0, 0)  # datagrams no shadow takes carry no tag
 _SIZES = {int(k): v for k, v in wire.DTYPE_SIZE.items()}
 _HLEN = wire.HEADER_LEN
 _NACK_MAX = 256  # gaps listed in one ACK datagram
@@ -182,7 +184,8 @@ class RingAllreduce:
         self.stats = dict(sent=0, resent=0, received=0, duplicate=0, corrupt=0, foreign=0,
                           malformed=0, acks_sent=0, acks_received=0)
         # sender
-        self._ready: deque[tuple[int, int, int, int, int, int, bytes, int, int]] = deque()
+        self._ready: deque[tuple[int, int, int, int, int, int, bytes, int,
+                                 tuple[int, int, int, int]]] = deque()
         self._unacked: dict[int, list] = {}
         self._tx_next = 0
         self._tx_base = 0
@@ -331,16 +334,16 @@ class RingAllreduce:
                 b = min(e, a + self.piece)
                 payload = op.buf[a:b].tobytes()
                 c = wire.crc(payload)
-                mac = 0 if key is None else int(_tag(key[0], key[1], self.job_id, flags,
-                                                     op.iteration, op.base + a, b - a, p,
-                                                     _FLOAT32, c))
+                mac = _NO_TAG if key is None else _split(int(_tag(
+                    key[0], key[1], self.job_id, flags, op.iteration, op.base + a, b - a, p,
+                    _FLOAT32, c)))
                 self._ready.append((flags, op.iteration, op.bucket, op.base + a, b - a, p,
                                     payload, c, mac))
                 self._reduced(op, op.base + a, p, payload)
             return
         payload = op.buf[s:e].tobytes()
         self._ready.append((0, op.iteration, op.bucket, op.base + s, e - s, p, payload,
-                            wire.crc(payload), 0))
+                            wire.crc(payload), _NO_TAG))
 
     def _reduced(self, op: _Op, offset: int, part: int, payload: bytes) -> None:
         if self.on_reduced is not None:
@@ -370,8 +373,7 @@ class RingAllreduce:
             flags, it, bucket, off, cnt, part, payload, c, mac = self._ready[0]
             seq = self._tx_next & 0xFFFFFFFF
             hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, 0, self.nonce, it, off,
-                        cnt, seq, bucket, part, _FLOAT32, (mac >> 48) & 0xFF,
-                        (mac >> 40) & 0xFF, (mac >> 32) & 0xFF, mac & 0xFFFFFFFF, c)
+                        cnt, seq, bucket, part, _FLOAT32, *mac, c)
             dgram = (hdr, payload)
             if not self._transmit(dgram, self.right):
                 return
