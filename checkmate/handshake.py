@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -114,3 +116,35 @@ def verify_reply(key: bytes, m: Message, nonce: str) -> bool:
     """True if ``m`` answers the request that carried ``nonce`` and was made with ``key``."""
     return hmac.compare_digest(auth.reply_mac(key, wire.pack_header(m.header), nonce, m.raw),
                                m.mac)
+
+
+def await_reply(sock: socket.socket, seq: int, key: bytes, nonces: list[str],
+                timeout: float) -> Message | None:
+    """The reply to request ``seq`` (made with one of ``nonces``) within ``timeout``, or
+    None. Other datagrams, and replies without a MAC bound to one of the nonces, are
+    ignored, except a refusal of an unverifiable request: that is final, and comes back as
+    a NACK whose reason says the job secrets differ."""
+    end = time.monotonic() + timeout
+    while (left := end - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            data = sock.recv(65536)
+        except (TimeoutError, BlockingIOError):
+            return None
+        except OSError:
+            # e.g. ECONNREFUSED from an ICMP port-unreachable: nobody listens yet
+            time.sleep(min(left, 0.05))
+            continue
+        try:
+            m = parse(data)
+        except wire.WireError:
+            continue
+        if m.header.seq != seq:
+            continue
+        if any(verify_reply(key, m, n) for n in nonces):
+            return m
+        if m.header.flags & wire.Flags.NACK and m.mac == NO_MAC:
+            m.body = {"op": "error", "reason": "not authenticated (is the job secret the "
+                                               "same on both sides?)"}
+            return m
+    return None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Any
 
 from checkmate import auth, handshake, wire
 from checkmate.errors import CheckmateError
@@ -48,9 +47,10 @@ def register(
                 s.sendto(req, controller)
             except OSError as e:
                 log.warning("register: cannot send to %s:%d: %s", *controller, e)
-            reply = _await(s, seq, min(wait, max(end - time.monotonic(), 0.01)), key, nonce)
+            reply = handshake.await_reply(s, seq, key, [nonce],
+                                          min(wait, max(end - time.monotonic(), 0.01)))
             if reply is not None:
-                h, rb = reply
+                h, rb = reply.header, reply.body
                 if h.flags & wire.Flags.NACK:
                     raise CheckmateError(f"controller {controller[0]}:{controller[1]} refused "
                                          f"registration: {rb.get('reason', rb)}")
@@ -63,32 +63,3 @@ def register(
                 raise CheckmateError(f"controller {controller[0]}:{controller[1]} did not "
                                      f"answer {tries} register attempts in {deadline_s:.0f}s")
             wait = min(wait * 2, max_wait)
-
-
-def _await(s: socket.socket, seq: int, timeout: float, key: bytes, nonce: str
-           ) -> tuple[Any, dict] | None:
-    """The reply to ``seq`` within ``timeout``; other datagrams are ignored (so is a reply
-    without a valid MAC, except a refusal of an unverifiable request, which is final)."""
-    end = time.monotonic() + timeout
-    while (left := end - time.monotonic()) > 0:
-        s.settimeout(left)
-        try:
-            data = s.recv(65536)
-        except (TimeoutError, BlockingIOError):
-            return None
-        except OSError:
-            # e.g. ECONNREFUSED from an ICMP port-unreachable: nobody listens yet
-            time.sleep(min(left, 0.05))
-            continue
-        try:
-            m = handshake.parse(data)
-        except wire.WireError:
-            continue
-        if m.header.seq != seq:
-            continue
-        if handshake.verify_reply(key, m, nonce):
-            return m.header, m.body
-        if m.header.flags & wire.Flags.NACK and m.mac == handshake.NO_MAC:
-            return m.header, {"reason": "not authenticated (does this shadow have the "
-                                        "controller's job secret?)"}
-    return None

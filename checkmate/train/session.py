@@ -114,26 +114,13 @@ def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.
 
     key = auth.handshake_key(secret if secret is not None else auth.load_secret())
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.settimeout(timeout / tries)
         seq, nonces = secrets.randbits(31), []
         for _ in range(tries):
             req, nonce = handshake.request(key, job_id, seq, {"op": "session", "job": job_id})
             nonces.append(nonce)  # a late answer to an earlier try counts too
             s.sendto(req, controller)
-            try:
-                while True:
-                    try:
-                        m = handshake.parse(s.recv(65536))
-                    except wire.WireError:
-                        continue
-                    if m.header.seq != seq:
-                        continue
-                    if any(handshake.verify_reply(key, m, n) for n in nonces):
-                        break
-                    if m.header.flags & wire.Flags.NACK and m.mac == handshake.NO_MAC:
-                        raise CheckmateError("controller refused the session query: not "
-                                             "authenticated (is the job secret the same?)")
-            except TimeoutError:
+            m = handshake.await_reply(s, seq, key, nonces, timeout / tries)
+            if m is None:
                 continue
             if not m.header.flags & wire.Flags.ACK:
                 raise CheckmateError(f"controller refused session query: "
