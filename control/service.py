@@ -14,7 +14,6 @@ requests are dropped and counted.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import sys
 import threading
@@ -84,7 +83,7 @@ class HandshakeService:
                 raise CheckmateError(f"unknown job {job!r} (this controller runs job "
                                      f"{self.cfg.job_id})")
             if op == "register":
-                out = self._register(self._bound(body, peer_ip))
+                out = self._register(body, peer_ip)
             elif op == "session":
                 out = self._session()
             else:
@@ -96,30 +95,8 @@ class HandshakeService:
         self.stats[str(op)] += 1
         return handshake.reply(self.key, m, out)
 
-    def _bound(self, body: dict, peer_ip: str | None) -> dict:
-        """The register body, checked against the config: only the partition's own shadow
-        host, at its configured address, sending from it (loopback: a local tool on its
-        behalf) may register it."""
-        p = body.get("partition")
-        shadow = self.cfg.shadow_for(p) if isinstance(p, int) and not isinstance(p, bool) \
-            else None
-        if shadow is None:
-            raise CheckmateError(f"unknown partition {p!r}")
-        if body.get("host") != shadow.name:
-            raise CheckmateError(f"partition {p} belongs to {shadow.name}, not "
-                                 f"{body.get('host')!r}")
-        body = {**body}
-        body.setdefault("ip", shadow.ip)
-        if body["ip"] != shadow.ip:
-            raise CheckmateError(f"{shadow.name} is at {shadow.ip}, not {body['ip']!r}")
-        if peer_ip is not None and peer_ip != shadow.ip \
-                and not ipaddress.ip_address(peer_ip).is_loopback:
-            raise CheckmateError(f"register for {shadow.name} sent from {peer_ip}: a shadow "
-                                 f"registers from its own address")
-        return body
-
-    def _register(self, body: dict) -> dict:
-        reg = self.store.new_session(self.cfg, body)
+    def _register(self, body: dict, peer_ip: str | None) -> dict:
+        reg = self.store.new_session(self.cfg, body, peer_ip)
         regs = self.store.for_config(self.cfg)
         regs[reg.partition] = reg
         self.deploy(regs)  # raises (-> NACK) if the switch cannot be programmed

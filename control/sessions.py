@@ -76,22 +76,25 @@ class SessionStore:
                 out[p] = r
         return out
 
-    def new_session(self, cfg: ClusterConfig, body: dict) -> Registration:
-        """Validate a register request and mint its session (not stored until commit)."""
+    def new_session(self, cfg: ClusterConfig, body: dict,
+                    peer_ip: str | None = None) -> Registration:
+        """Validate a register request and mint its session (not stored until commit).
+        Only the partition's own shadow host, at its configured address, sending from it
+        (``peer_ip``; loopback: a local tool on its behalf) may register the partition."""
         p = body.get("partition")
-        if not isinstance(p, int) or isinstance(p, bool) or cfg.shadow_for(p) is None:
+        h = cfg.shadow_for(p) if isinstance(p, int) and not isinstance(p, bool) else None
+        if h is None:
             raise CheckmateError(f"unknown partition {p!r}")
-        host = body.get("host")
-        if not isinstance(host, str):
-            raise CheckmateError("register needs 'host' (the shadow's name in the config)")
-        h = cfg.host(host)
-        if h.role != "shadow":
-            raise CheckmateError(f"host {host!r} is a {h.role}, not a shadow")
+        if body.get("host") != h.name:
+            raise CheckmateError(f"partition {p} belongs to {h.name}, not "
+                                 f"{body.get('host')!r}")
         ip = body.get("ip", h.ip)
-        try:
-            ipaddress.IPv4Address(ip)
-        except (ValueError, TypeError):
-            raise CheckmateError(f"bad ip {ip!r}") from None
+        if ip != h.ip:
+            raise CheckmateError(f"{h.name} is at {h.ip}, not {ip!r}")
+        if peer_ip is not None and peer_ip != h.ip \
+                and not ipaddress.ip_address(peer_ip).is_loopback:
+            raise CheckmateError(f"register for {h.name} sent from {peer_ip}: a shadow "
+                                 f"registers from its own address")
         mac = str(body.get("mac", h.mac)).lower()
         if not _MAC_RE.match(mac):
             raise CheckmateError(f"bad mac {mac!r}")
@@ -102,7 +105,7 @@ class SessionStore:
         if epoch >= 2**32:
             raise CheckmateError("epoch space exhausted")
         token = secrets.randbits(32) or 1
-        return Registration(p, host, str(ip), mac, port, epoch, token)
+        return Registration(p, h.name, str(ip), mac, port, epoch, token)
 
     def commit(self, reg: Registration) -> None:
         self.registrations[reg.partition] = reg
