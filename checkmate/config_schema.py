@@ -102,12 +102,12 @@ class HostDoc(_Section):
         mac = (self.mac or mac_for_ip(self.ip)).lower()
         if not MAC_RE.match(mac):
             raise ValueError(f".mac is not a MAC address: {mac!r}")
-        object.__setattr__(self, "mac", mac)
+        self.mac = mac
         key = "rank" if self.role == "trainer" else "partition"
         v = getattr(self, key)
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535:
             raise ValueError(f".{key} must be an integer in 0..65535, got {v!r}")
-        object.__setattr__(self, "partition" if key == "rank" else "rank", None)
+        setattr(self, "partition" if key == "rank" else "rank", None)
         return self
 
 
