@@ -7,6 +7,10 @@ float32 memory, here through zero-copy numpy views of each parameter. State and
 ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``; ``momentum_buffer``), so checkpoints load
 into torch's own optimizers and back.
 
+Sharded parameters (FSDP2's DTensors) step their local shard: state is created like the
+parameter (a DTensor, as torch.optim has it, so torch's distributed state-dict helpers see
+the usual layout) and every kernel reads the rank's own ``to_local()`` memory.
+
 These optimizers never clip: the trainer calls :func:`checkmate.optim.clip.clip_grad_norm_`
 (torch's) before ``step()`` and sends the factor to the shadows.
 """
@@ -24,8 +28,19 @@ from checkmate.optim import hyper as H
 from checkmate.optim import kernels, ops
 from checkmate.optim.grads import as_kernel_grad
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed: no sharded parameters
+    DTensor = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), or ``t`` itself: the memory a kernel steps."""
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
 
 def _flat(t: torch.Tensor, what: str) -> np.ndarray:
+    t = _local(t)
     if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
         raise CheckmateError(
             f"{what} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
@@ -35,7 +50,8 @@ def _flat(t: torch.Tensor, what: str) -> np.ndarray:
 def _batchable(p: torch.Tensor) -> bool:
     """Small float32 CPU parameter with a float32 gradient of its shape, both contiguous:
     fit for the batched kernel (anything else takes the checked one-tensor path)."""
-    g = p.grad
+    p, g = _local(p), p.grad
+    g = None if g is None else _local(g)
     return (p.numel() < ops.PARALLEL_MIN and p.dtype == torch.float32 and p.device.type == "cpu"
             and p.is_contiguous() and g is not None and g.dtype == torch.float32
             and g.device.type == "cpu" and g.is_contiguous() and not g.is_sparse
@@ -131,22 +147,23 @@ class SGD(_KernelOptimizer):
             modes.append(ops.sgd_mode(mom, hp["nesterov"], buf is None))
             if mom == 0:
                 state.setdefault("momentum_buffer", None)
-                rows.append([p.data_ptr(), p.grad.data_ptr(), 0])
+                rows.append([_local(p).data_ptr(), _local(p.grad).data_ptr(), 0])
                 continue
             if buf is None:
                 buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["momentum_buffer"] = buf
             elif not (buf.dtype == torch.float32 and buf.device.type == "cpu"
-                      and buf.is_contiguous() and buf.numel() == p.numel()):
+                      and _local(buf).is_contiguous()
+                      and _local(buf).numel() == _local(p).numel()):
                 raise CheckmateError(f"state momentum_buffer must be a contiguous float32 CPU "
-                                     f"tensor of {p.numel()} elements, got {buf.dtype} "
+                                     f"tensor of {_local(p).numel()} elements, got {buf.dtype} "
                                      f"{tuple(buf.shape)} on {buf.device}")
-            rows.append([p.data_ptr(), p.grad.data_ptr(), buf.data_ptr()])
+            rows.append([_local(p).data_ptr(), _local(p.grad).data_ptr(), _local(buf).data_ptr()])
         s = ops.sgd_scalars(lr=hp["lr"], momentum=mom, dampening=hp["dampening"],
                             weight_decay=hp["weight_decay"],
                             gscale=ops.gscale_of(None, hp["maximize"]))
         kernels._sgd_multi(np.array(rows, dtype=np.int64),
-                           np.array([p.numel() for p in params], dtype=np.int64),
+                           np.array([_local(p).numel() for p in params], dtype=np.int64),
                            np.tile(s, (len(params), 1)), np.array(modes, dtype=np.int64))
 
     def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
@@ -156,7 +173,7 @@ class SGD(_KernelOptimizer):
         if hp["momentum"] != 0 and buf is None:
             buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
             state["momentum_buffer"] = buf
-        ops.sgd_step(_flat(p, "parameter"), as_kernel_grad(p.grad),
+        ops.sgd_step(_flat(p, "parameter"), as_kernel_grad(_local(p.grad)),
                      None if hp["momentum"] == 0 else _flat(buf, "momentum_buffer"),
                      lr=hp["lr"], momentum=hp["momentum"], dampening=hp["dampening"],
                      weight_decay=hp["weight_decay"], nesterov=hp["nesterov"], first=first,
@@ -206,11 +223,11 @@ class Adam(_KernelOptimizer):
         slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if hp["amsgrad"] else ())
         for p, st in zip(params, states, strict=True):
             for k in slots:  # a loaded state may differ; the kernel trusts these sizes
-                t = st[k]
+                t, n = _local(st[k]), _local(p).numel()
                 if not (t.dtype == torch.float32 and t.device.type == "cpu"
-                        and t.is_contiguous() and t.numel() == p.numel()):
+                        and t.is_contiguous() and t.numel() == n):
                     raise CheckmateError(f"state {k} must be a contiguous float32 CPU tensor "
-                                         f"of {p.numel()} elements, got {t.dtype} "
+                                         f"of {n} elements, got {t.dtype} "
                                          f"{tuple(t.shape)} on {t.device}")
         steps = [st["step"] for st in states]
         torch._foreach_add_(steps, 1)
@@ -226,11 +243,11 @@ class Adam(_KernelOptimizer):
                                            gscale=gscale)
             scal[i] = rows[k]
         ams = hp["amsgrad"]
-        ptrs = np.array([[p.data_ptr(), p.grad.data_ptr(), st["exp_avg"].data_ptr(),
-                          st["exp_avg_sq"].data_ptr(),
-                          st["max_exp_avg_sq"].data_ptr() if ams else 0]
+        ptrs = np.array([[_local(p).data_ptr(), _local(p.grad).data_ptr(),
+                          _local(st["exp_avg"]).data_ptr(), _local(st["exp_avg_sq"]).data_ptr(),
+                          _local(st["max_exp_avg_sq"]).data_ptr() if ams else 0]
                          for p, st in zip(params, states, strict=True)], dtype=np.int64)
-        lens = np.array([p.numel() for p in params], dtype=np.int64)
+        lens = np.array([_local(p).numel() for p in params], dtype=np.int64)
         kernels._adam_multi(ptrs, lens, scal, bool(ams))
 
     def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
@@ -238,7 +255,7 @@ class Adam(_KernelOptimizer):
         step = _count_step(state)
         b1, b2 = hp["betas"]
         mx = _flat(state["max_exp_avg_sq"], "max_exp_avg_sq") if hp["amsgrad"] else None
-        ops.adam_step(_flat(p, "parameter"), as_kernel_grad(p.grad),
+        ops.adam_step(_flat(p, "parameter"), as_kernel_grad(_local(p.grad)),
                       _flat(state["exp_avg"], "exp_avg"), _flat(state["exp_avg_sq"], "exp_avg_sq"),
                       mx, lr=hp["lr"], beta1=b1, beta2=b2, eps=hp["eps"],
                       weight_decay=hp["weight_decay"], decoupled=self._decoupled(hp),

@@ -42,34 +42,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from checkmate.errors import CheckmateError
 from checkmate.train.ring import replica_owners
+from checkmate.train.segments import Segment, cut_segments, send_runs
 from checkmate.train.session import CheckmateSession, JobLayout
-
-#: (element offset in the parameter, count, flat offset, partition) of one owned segment.
-Segment = tuple[int, int, int, int]
 
 
 def owned_segments(spec: Any, buckets: list[tuple[int, int]], world: int, rank: int
                    ) -> dict[str, list[Segment]]:
     """Per parameter name, the segments ``rank`` sends: its share of the flat space (see
     ``ring.replica_owners``) cut at parameter and partition boundaries."""
-    mine = [(lo, hi) for lo, hi, r in replica_owners(buckets, world, 0, spec.total)
-            if r == rank]
-    cuts: list[tuple[int, int, int]] = []  # (lo, hi, partition)
-    for part in range(spec.partitions):
-        a, b = spec.bounds(part)
-        for lo, hi in mine:
-            lo2, hi2 = max(a, lo), min(b, hi)
-            if lo2 < hi2:
-                cuts.append((lo2, hi2, part))
-    out: dict[str, list[Segment]] = {}
-    for p in spec.params:
-        segs = []
-        for lo, hi, part in cuts:
-            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
-            if a < b:
-                segs.append((a - p.offset, b - a, a, part))
-        out[p.name] = sorted(segs, key=lambda s: s[2])
-    return out
+    return cut_segments(spec, [(lo, hi) for lo, hi, r in
+                               replica_owners(buckets, world, 0, spec.total) if r == rank])
 
 
 class DDPSession(CheckmateSession):
@@ -184,26 +166,14 @@ class DDPSession(CheckmateSession):
                 runs.append((off, part, arr[lo:lo + n]))
         if not runs:
             return
-        runs.sort(key=lambda r: r[0])
-        merged: list[tuple[int, int, list[np.ndarray]]] = []
-        end = -1
-        for off, part, a in runs:
-            if merged and merged[-1][1] == part and end == off:
-                merged[-1][2].append(a)
-            else:
-                merged.append((off, part, [a]))
-            end = off + len(a)
-        piece = self._piece
         with self._lock:
             if self._twice.get(it):
                 return  # step() raises; sending a second gradient would only mislead
-            for off, part, parts in merged:
-                data = (np.concatenate(parts) if len(parts) > 1 else parts[0]).tobytes()
-                for a in range(0, len(data), 4 * piece):
-                    payload = data[a:a + 4 * piece]
-                    self._on_reduced(it, index, off + a // 4, part, payload)
-                    self.hook_stats["pieces"] += 1
-                    self.hook_stats["bytes"] += len(payload)
+            pieces, nbytes = send_runs(
+                runs, self._piece,
+                lambda off, part, payload: self._on_reduced(it, index, off, part, payload))
+            self.hook_stats["pieces"] += pieces
+            self.hook_stats["bytes"] += nbytes
             self.hook_stats["buckets"] += 1
             self.hook_stats["seconds"] += time.perf_counter() - t0
 

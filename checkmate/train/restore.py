@@ -140,7 +140,8 @@ def restore_session(sess: Any) -> int:
     if verdict[1] is not None:
         raise CheckmateError(verdict[1])
     r = restore_point(addrs, sess.spec, verdict[0])
-    load_trainer_state(sess.module, sess.optimizer, sess.scheduler, r.model_sd, r.optim_sd,
+    model_sd, optim_sd = sess.local_state_dicts(r.model_sd, r.optim_sd)
+    load_trainer_state(sess.module, sess.optimizer, sess.scheduler, model_sd, optim_sd,
                        r.extra)
     sess.restored_extra = r.extra.get("user", {})
     sess.opt_step = r.step

@@ -167,9 +167,7 @@ class CheckmateSession:
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
         self.group = group
-        from checkmate.train.sharded import refuse_sharded
-
-        refuse_sharded(model)  # FSDP2 / tensor-parallel DTensors: one line, not a crash
+        self._check_model(model)
         self.spec = ModelSpec.from_torch(layout.job_id, model, optimizer,
                                          max(1, len(layout.shadows)))
         self.iteration = 0
@@ -207,6 +205,13 @@ class CheckmateSession:
         self._closed = False
         self._at_exit = _closer(weakref.ref(self))
         atexit.register(self._at_exit)
+
+    def _check_model(self, model: torch.nn.Module) -> None:
+        """Refuse what this session's gradient path cannot replicate (FSDP2's DTensors here:
+        ``checkmate.train.fsdp.FSDPSession`` takes those)."""
+        from checkmate.train.sharded import refuse_sharded
+
+        refuse_sharded(model)  # one line, not a crash or a drift mid-run
 
     # ------------------------------------------------------------------ launcher
     @classmethod
@@ -336,8 +341,7 @@ class CheckmateSession:
         else:
             from checkmate.shadow_client import seed_share, wait_seeded
 
-            flat = self.spec.flat_from_state_dicts(self.module.state_dict(),
-                                                   self.optimizer.state_dict())
+            flat = self._seed_flat()
             seed_share(lay.shadow_tcp, self.spec, flat, lay.rank, lay.world)
             wait_seeded(lay.shadow_tcp, timeout=seed_timeout)
             self.iteration = 0
@@ -349,6 +353,17 @@ class CheckmateSession:
         # Every ring socket must be bound before anyone sends.
         dist.barrier(group=self.group)
         return self.iteration
+
+    def _seed_flat(self) -> dict[str, Any]:
+        """Every slot of the whole model as flat arrays: what this rank seeds a share of."""
+        return self.spec.flat_from_state_dicts(self.module.state_dict(),
+                                               self.optimizer.state_dict())
+
+    def local_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Whole-model state dicts (a restore) in the form this rank's module and optimizer
+        load: unchanged here; FSDPSession keeps its rank's shards."""
+        return model_sd, optim_sd
 
     def _start_comm(self, nonce: int) -> None:
         """The gradient path: our ring and CheckmateDDP (checkmate.train.ddp_hook replaces
@@ -462,12 +477,8 @@ class CheckmateSession:
 
         Returns the clip coefficient applied (None without clipping).
         """
-        from checkmate.optim.clip import clip_grad_norm_
-
         hyper = self._step_hyper()  # before anything changes: a refused step leaves no trace
-        coef = None
-        if self.max_grad_norm is not None:
-            _, coef = clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        coef = self._clip() if self.max_grad_norm is not None else None
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.optimizer.step()
         if self.scheduler is not None:
@@ -499,6 +510,12 @@ class CheckmateSession:
         if self.monitor is not None:
             self.monitor.capture(self.iteration, self.opt_step)
         return coef
+
+    def _clip(self) -> float | None:
+        """Clip to ``max_grad_norm``; the float32 factor applied (None: no gradients)."""
+        from checkmate.optim.clip import clip_grad_norm_
+
+        return clip_grad_norm_(self.module.parameters(), self.max_grad_norm)[1]
 
     def _step_hyper(self) -> list[dict[str, Any]]:
         """Check that this step may be taken and return the control message's ``hyper``:
