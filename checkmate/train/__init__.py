@@ -2,7 +2,8 @@
 
 Entry points: :class:`CheckmateSession` (one per trainer process; see its module for the
 training loop), :class:`DDPSession` (the same over a user's own torch
-DistributedDataParallel, through its comm hook), :class:`JobLayout` (addresses of a job),
+DistributedDataParallel, through its comm hook), :class:`FSDPSession` (over a user's own
+FSDP2 ``fully_shard`` model), :class:`JobLayout` (addresses of a job),
 :class:`CheckmateDDP` and :class:`RingAllreduce` (usable on their own),
 :func:`restore_trainer` (one process) and :func:`restore_session` (every rank of a job;
 ``python -m checkmate.train.restore`` on the command line).
@@ -20,6 +21,7 @@ _WHERE = {
     "CheckmateDDP": "checkmate.train.ddp",
     "CheckmateSession": "checkmate.train.session",
     "DDPSession": "checkmate.train.ddp_hook",
+    "FSDPSession": "checkmate.train.fsdp",
     "JobLayout": "checkmate.train.session",
     "RingAllreduce": "checkmate.train.ring",
     "ShadowTarget": "checkmate.train.replicate",

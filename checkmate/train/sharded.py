@@ -1,11 +1,10 @@
-"""Sharded parameters (FSDP2 ``fully_shard``, tensor parallel): refused, not supported yet.
+"""Sharded parameters (FSDP2 ``fully_shard``, tensor parallel) outside FSDPSession: refused.
 
 Under FSDP2 every parameter is a ``DTensor`` sharded on dim 0 and each rank's optimizer
 steps only its shard, so neither Checkmate's ring (CheckmateDDP) nor the DDP comm hook
-(DDPSession) sees the gradient the optimizer uses, seeding and restore would need full
-state dicts, and checkmate.optim's kernels crash on DTensor storage. A session over such a
-model would be wrong or crash mid-run, so it is refused up front in one line. The design
-for FSDP2 support is in docs/architecture.md ("FSDP2").
+(DDPSession) sees the gradient the optimizer uses. A CheckmateSession or DDPSession over
+such a model would be wrong mid-run, so it is refused up front in one line that names
+``checkmate.train.FSDPSession``, which replicates the shards (checkmate.train.fsdp).
 """
 
 from __future__ import annotations
@@ -25,5 +24,5 @@ def refuse_sharded(model: nn.Module) -> None:
         if isinstance(p, DTensor):
             raise CheckmateError(
                 f"parameter {name} is a DTensor sharded as {tuple(p.placements)} (FSDP2 "
-                "fully_shard or tensor parallel): Checkmate supports whole parameters only "
-                "(its own CheckmateDDP, or torch DistributedDataParallel via DDPSession)")
+                "fully_shard or tensor parallel): this session replicates whole parameters; "
+                "an FSDP2 model takes checkmate.train.FSDPSession")

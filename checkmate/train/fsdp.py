@@ -1,0 +1,260 @@
+"""Checkmate for a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Under FSDP2 every parameter is a DTensor sharded on dim 0 over a 1-D mesh of the job's
+ranks: rank r holds rows ``[r·c, min((r+1)·c, rows))`` with ``c = ⌈rows/world⌉``
+(torch.chunk's split), and backward's reduce-scatter leaves it the reduced gradient of
+exactly those rows. ``FSDPSession`` builds on that:
+
+- ``step()`` sends this rank's gradient shard of every parameter to the shadows that own
+  it (flat offset = the parameter's offset + first row · row size), through the session's
+  ``_on_reduced`` (host copies, replica log, FEC parity), *before* clipping, as the ring
+  sends the reduced gradient. The shard is read where the optimizer reads it, right before
+  the step, so whatever produced it -- one backward, several accumulated ones,
+  ``set_requires_gradient_sync(False)`` passes -- is what trainers and shadows both apply.
+- Clipping: the total norm over all shards (``torch.nn.utils.get_total_norm`` on the
+  DTensor gradients); rank 0's float32 factor is broadcast, so every shard is scaled by
+  the factor the control message carries.
+- Repairs: the owners map a shadow gets is the shard ranges, so it asks the rank that
+  holds a range.
+- Seeding gathers the whole model and optimizer state on every rank (``full_tensor``, once
+  at start) and each rank seeds its 1/world share, as any session does. A restore fetches
+  the shadows' whole state on every rank, keeps this rank's rows as DTensors
+  (``DTensor.from_local``, no communication) and loads them with the module's and the
+  optimizer's own ``load_state_dict``.
+- ``checkmate.optim`` steps the local shards (``to_local()``) with the shadows' arithmetic.
+
+Not supported: a live re-seed of a restarted shadow (one rank holds only its rows of a
+partition): one warning line, and the partition stays unprotected -- the protection monitor
+reports its lag -- until the job restarts; HSDP or 2-D meshes, other placements, and
+parameters that are not sharded (every parameter must be under ``fully_shard``) are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from checkmate.errors import CheckmateError
+from checkmate.optim.clip import clip_coef_of
+from checkmate.train.repair import owners_body
+from checkmate.train.segments import Segment, cut_segments, send_runs
+from checkmate.train.session import CheckmateSession, JobLayout
+
+log = logging.getLogger("checkmate.train")
+
+
+def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of a ``rows``-row parameter that FSDP2 gives ``rank`` (torch.chunk:
+    ⌈rows/world⌉ each, the last ones smaller or empty)."""
+    c = -(-rows // world)
+    lo = min(rank * c, rows)
+    return lo, min(lo + c, rows)
+
+
+def shard_ranges(spec: Any, world: int) -> dict[str, list[tuple[int, int]]]:
+    """Per parameter name, the element range [lo, hi) in the parameter that each rank holds
+    (in rank order)."""
+    out = {}
+    for p in spec.params:
+        row = p.numel // p.shape[0]
+        out[p.name] = [(a * row, b * row) for a, b in
+                       (shard_rows(p.shape[0], world, r) for r in range(world))]
+    return out
+
+
+def shard_owners(spec: Any, shards: dict[str, list[tuple[int, int]]], start: int, end: int
+                 ) -> list[tuple[int, int, int]]:
+    """``(lo, hi, rank)`` flat ranges of every shard inside [start, end): whom a shadow asks
+    for a lost range."""
+    out = []
+    for p in spec.params:
+        for r, (lo, hi) in enumerate(shards[p.name]):
+            a, b = max(start, p.offset + lo), min(end, p.offset + hi)
+            if a < b:
+                out.append((a, b, r))
+    return out
+
+
+def _full(t: Any) -> Any:
+    """The whole tensor of a DTensor (a collective: every rank calls it in the same order)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class FSDPSession(CheckmateSession):
+    """A CheckmateSession over the user's own FSDP2 model (``fully_shard``).
+
+    Args:
+        model: the sharded module (``fully_shard`` applied to it, and usually to its
+            blocks first); every parameter a float32 DTensor sharded on dim 0 over the
+            job's ranks, requiring gradients.
+        optimizer: ``checkmate.optim.SGD``/``Adam``/``AdamW`` over ``model.parameters()``.
+        scheduler, layout, max_grad_norm, group: as for CheckmateSession; the layout's mode
+            must be ``host`` (trainers send the copies) or ``off`` (the baseline).
+
+    ``sess.model`` is ``model``; the loop is the same as with CheckmateSession.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
+                 group: Any = None) -> None:
+        if layout.mode not in ("host", "off"):
+            raise CheckmateError(f"an FSDP2 job feeds the shadows in host mode only (or runs "
+                                 f"without them: off), got mode {layout.mode!r}")
+        super().__init__(model, optimizer, scheduler, layout, max_grad_norm, group)
+        world, rank = layout.world, layout.rank
+        #: Per parameter name, its element range [lo, hi) on every rank (in rank order).
+        self.shards = shard_ranges(self.spec, world)
+        named = dict(model.named_parameters())
+        for name, ranges in self.shards.items():
+            lo, hi = ranges[rank]
+            got = named[name].to_local().numel()
+            if got != hi - lo:
+                raise CheckmateError(f"parameter {name}: this rank holds {got} elements, "
+                                     f"FSDP2's dim-0 split of {tuple(named[name].shape)} over "
+                                     f"{world} ranks gives it {hi - lo}")
+        self._segments: dict[str, list[Segment]] = {}
+        self._piece = 0
+        self._refused_reseed: set[int] = set()
+        #: Replicated pieces and bytes, and seconds spent copying and sending them.
+        self.shard_stats: dict[str, float] = {"pieces": 0, "bytes": 0, "seconds": 0.0}
+
+    def _check_model(self, model: torch.nn.Module) -> None:
+        world, rank = self.layout.world, self.layout.rank
+        for name, p in model.named_parameters():
+            if not isinstance(p, DTensor):
+                raise CheckmateError(
+                    f"parameter {name} is not sharded: FSDPSession needs fully_shard applied "
+                    "to the whole model (its gradient would never be reduced otherwise)")
+            mesh = p.device_mesh
+            if (mesh.ndim != 1 or tuple(p.placements) != (Shard(0),)
+                    or mesh.size() != world or mesh.get_local_rank() != rank):
+                raise CheckmateError(
+                    f"parameter {name} is a DTensor placed {tuple(p.placements)} on a mesh of "
+                    f"shape {tuple(mesh.shape)}: Checkmate supports FSDP2's dim-0 sharding "
+                    f"over one mesh of all {world} ranks in rank order (no HSDP, no tensor "
+                    "parallelism)")
+            if p.dtype != torch.float32:
+                raise CheckmateError(f"parameter {name} is {p.dtype}: the shadows keep float32 "
+                                     "parameters (a MixedPrecisionPolicy may compute in "
+                                     "another dtype; the sharded parameters stay float32)")
+            if not p.requires_grad:
+                raise CheckmateError(f"parameter {name} is frozen (requires_grad=False): "
+                                     "leave it out of the model's parameters, or unfreeze it")
+            if p.dim() == 0:
+                raise CheckmateError(f"parameter {name} is a scalar: FSDP2 shards dim 0")
+
+    # ------------------------------------------------------------------ setup
+    def _start_comm(self, nonce: int) -> None:
+        self.model = self.module
+        if self.layout.mode == "off":
+            return
+        self._piece = self._start_parity()
+        rank = self.layout.rank
+        self._segments = cut_segments(self.spec, [
+            (lo, hi) for lo, hi, r in shard_owners(self.spec, self.shards, 0, self.spec.total)
+            if r == rank])
+
+    def peers_body(self, partition: int) -> dict[str, Any]:
+        lay = self.layout
+        start, end = self.spec.bounds(partition)
+        trainers = [(ip, lay.repair_port) for ip, _ in lay.trainers]
+        return owners_body(trainers, shard_owners(self.spec, self.shards, start, end)
+                           if lay.repair else [], 0)
+
+    def _seed_flat(self) -> dict[str, Any]:
+        model_sd = {k: _full(v) for k, v in self.module.state_dict().items()}
+        osd = self.optimizer.state_dict()
+        state = {i: {k: _full(v) for k, v in st.items()}
+                 for i, st in sorted(osd["state"].items())}
+        return self.spec.flat_from_state_dicts(model_sd, {**osd, "state": state})
+
+    def _shard_like(self, full: torch.Tensor, p: DTensor) -> DTensor:
+        """This rank's rows of the whole tensor ``full``, placed as ``p`` is."""
+        lo, hi = shard_rows(p.shape[0], self.layout.world, self.layout.rank)
+        local = full.reshape(p.shape)[lo:hi].to(p.to_local().device).contiguous().clone()
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+
+    def local_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+        params = dict(self.module.named_parameters())
+        msd = {k: self._shard_like(v, params[k]) if k in params else v
+               for k, v in model_sd.items()}
+        order = self.spec.state_order()
+        state = {}
+        for i, st in optim_sd["state"].items():
+            p = params[order[i]]
+            state[i] = {k: self._shard_like(v, p) if torch.is_tensor(v) and v.dim() else v
+                        for k, v in st.items()}
+        return msd, {**optim_sd, "state": state}
+
+    def new_reseed(self, partition: int, reason: str) -> Any:
+        if partition not in self._refused_reseed:
+            self._refused_reseed.add(partition)
+            log.warning("checkmate: the shadow of partition %d needs a re-seed (%s), which an "
+                        "FSDP2 job cannot do live: partition %d is unprotected until the job "
+                        "restarts", partition, reason, partition)
+        raise CheckmateError(f"partition {partition}: no live re-seed under FSDP2 ({reason})")
+
+    # ------------------------------------------------------------------ per iteration
+    def step(self, extra: dict[str, Any] | None = None) -> float | None:
+        """Send this rank's gradient shards, then step as CheckmateSession does (clip,
+        optimizer, scheduler, control message)."""
+        it = self.iteration
+        if self.layout.mode == "off":
+            return super().step(extra)
+        if it <= self.done_iteration:
+            raise CheckmateError(f"step() again for iteration {it}: call begin(iteration) "
+                                 "before each iteration's forward and backward")
+        named = dict(self.module.named_parameters())
+        missing = [p.name for p in self.spec.params if named[p.name].grad is None]
+        if missing:
+            raise CheckmateError(
+                f"iteration {it}: no gradient for {len(missing)} of {len(self.spec.params)} "
+                f"parameters (first {missing[0]}): call backward() between begin() and step() "
+                "(every parameter must take part in the loss)")
+        self._step_hyper()  # a refused step sends nothing
+        self._send_shards(it, named)
+        return super().step(extra)
+
+    def _send_shards(self, it: int, named: dict[str, torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        rank = self.layout.rank
+        runs: list[tuple[int, int, np.ndarray]] = []
+        for p in self.spec.params:
+            segs = self._segments.get(p.name)
+            if not segs:
+                continue
+            g = named[p.name].grad.to_local().detach().reshape(-1)
+            if g.device.type != "cpu":  # NCCL on GPUs: the device-to-host copy
+                g = g.to("cpu")
+            arr, first = g.numpy(), self.shards[p.name][rank][0]
+            for lo, n, off, part in segs:
+                runs.append((off, part, arr[lo - first:lo - first + n]))
+        pieces, nbytes = send_runs(
+            runs, self._piece, lambda off, part, payload: self._on_reduced(it, 0, off, part,
+                                                                           payload))
+        self.shard_stats["pieces"] += pieces
+        self.shard_stats["bytes"] += nbytes
+        self.shard_stats["seconds"] += time.perf_counter() - t0
+
+    def _clip(self) -> float | None:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        total = _full(torch.nn.utils.get_total_norm(grads, 2.0))
+        coef = torch.tensor([clip_coef_of(total, float(self.max_grad_norm))],
+                            dtype=torch.float64)
+        dist.broadcast(coef, src=0, group=self.group)  # one factor for every shard
+        factor = torch.tensor(float(coef[0]), dtype=torch.float32)
+        with torch.no_grad():
+            for g in grads:
+                local = g.to_local()
+                local.mul_(factor.to(local.device))
+        return float(coef[0])
