@@ -146,10 +146,11 @@ def _keys(spec: ModelSpec, start: int, end: int) -> list[tuple[str, int, int, in
 def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step: int,
          slots: dict[str, np.ndarray], buffers: dict | None = None, extra: dict | None = None,
          lrs: list[float] | None = None, keep: int = 3, seeded: bool = False,
-         current: Callable[[], bool] | None = None) -> Path | None:
+         current: Callable[[], bool] | None = None, threads: int = 1) -> Path | None:
     """Write one checkpoint atomically and point ``latest`` at it; returns its directory.
 
-    ``seeded`` marks the version a seed installed (never joined, see merge.SeedPoint).
+    ``threads``: DCP writer threads. ``seeded`` marks the version a seed installed
+    (never joined, see merge.SeedPoint).
     ``current`` is asked under the root lock just before the rename: False (the shadow was
     re-seeded meanwhile, so this version belongs to a lineage that was purged) discards the
     write and returns None.
@@ -176,7 +177,7 @@ def save(root: str | Path, spec: ModelSpec, partition: int, iteration: int, step
         bufs = spec.decode_buffers(buffers or {})
         sd = torch_layout.partition_state_dict(spec, partition, iteration, step, slots, bufs,
                                                extra, lrs)
-        torch_layout.save(sd, tmp)
+        torch_layout.save(sd, tmp, threads)
         _write_json(tmp / "ckm.json", {
             "format": FORMAT, "partition": partition, "partitions": spec.partitions,
             "iteration": iteration, "step": step, "start": start, "end": end,
@@ -300,6 +301,28 @@ def prune(pdir: Path, keep: int, partitions: int | None = None) -> list[int]:
     return removed
 
 
+def writers(pdir: Path) -> set[int]:
+    """PIDs of live processes writing a checkpoint into ``pdir`` now (from the names of
+    their temp dirs); a dead writer's leftovers do not count."""
+    out = set()
+    for name in os.listdir(pdir) if pdir.is_dir() else []:
+        if name.startswith(f"{_TMP_PREFIX}{_ITER_PREFIX}"):
+            pid = name.rsplit("-", 2)[-2]
+            if pid.isdigit() and _alive(int(pid)):
+                out.add(int(pid))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def clean_temp(pdir: Path) -> list[str]:
     """Remove leftovers of interrupted writes; returns their names."""
     gone = []
@@ -421,11 +444,15 @@ class FullCheckpoint:
     lrs: list[float] | None
 
 
-def load_full_state(paths: str | Path | Iterable[str | Path]) -> FullCheckpoint:
-    """All partitions at their newest common verified iteration, joined."""
+def load_full_state(paths: str | Path | Iterable[str | Path],
+                    iteration: int | None = None) -> FullCheckpoint:
+    """All partitions at their newest common verified iteration (or at ``iteration``),
+    joined."""
     dirs = _part_dirs(paths)
     its = [set(list_iterations(d)) for d in dirs]
     common = sorted(set.intersection(*its), reverse=True) if its else []
+    if iteration is not None:
+        common = [iteration] if iteration in common else []
     if not common:
         raise PersistError(f"no iteration is checkpointed by every partition in "
                            f"{[str(d) for d in dirs]}")

@@ -248,14 +248,16 @@ def partition_state_dict(spec: ModelSpec, partition: int, iteration: int, step: 
     return sd
 
 
-def save(sd: dict[str, Any], path: Path) -> None:
-    """dcp.save without a process group, chunks resolved to their views."""
+def save(sd: dict[str, Any], path: Path, threads: int = 1) -> None:
+    """dcp.save without a process group, chunks resolved to their views; ``threads``
+    writer threads (DCP's FileSystemWriter splits the files among them)."""
     import torch.distributed.checkpoint as dcp
 
     save_planner, _ = _planners()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True,
+                                                         thread_count=threads),
                  planner=save_planner(), no_dist=True)
 
 

@@ -30,6 +30,13 @@ log = logging.getLogger("checkmate.train")
 RESEED_SLICES = 4
 
 
+def _host(t: torch.Tensor, lo: int, hi: int) -> np.ndarray:
+    """Flat elements [lo, hi) of a tensor as numpy: a view on the CPU, a device-to-host
+    copy of just that range from an accelerator."""
+    t = t.detach().reshape(-1)[lo:hi]
+    return (t if t.device.type == "cpu" else t.to("cpu")).numpy()
+
+
 def capture_range(spec: ModelSpec, params: dict[str, torch.Tensor],
                   optimizer: torch.optim.Optimizer, a: int, b: int) -> dict[str, np.ndarray]:
     """Copies of every slot over flat range [a, b) from the live model and optimizer.
@@ -41,12 +48,25 @@ def capture_range(spec: ModelSpec, params: dict[str, torch.Tensor],
     for p, lo, hi in spec.pieces(a, b):
         dst = p.offset + lo - a
         t = params[p.name]
-        out["param"][dst:dst + hi - lo] = t.detach().reshape(-1)[lo:hi].numpy()
+        out["param"][dst:dst + hi - lo] = _host(t, lo, hi)
         st = optimizer.state.get(t, {})
         for s in spec.slots:
             v = st.get(s) if s != "param" else None
             if torch.is_tensor(v):
-                out[s][dst:dst + hi - lo] = v.detach().reshape(-1)[lo:hi].numpy()
+                out[s][dst:dst + hi - lo] = _host(v, lo, hi)
+    return out
+
+
+def capture_gradient(spec: ModelSpec, params: dict[str, torch.Tensor], a: int, b: int
+                     ) -> np.ndarray:
+    """A float32 copy of the (reduced, unclipped) gradient over flat range [a, b)."""
+    out = np.empty(b - a, np.float32)
+    for p, lo, hi in spec.pieces(a, b):
+        g = params[p.name].grad
+        if g is None:
+            raise CheckmateError(f"parameter {p.name} has no gradient to checkpoint with")
+        dst = p.offset + lo - a
+        out[dst:dst + hi - lo] = _host(g, lo, hi)
     return out
 
 

@@ -72,6 +72,9 @@ class JobLayout:
         monitor_poll, lag_warn: status poll period (s) and the lag that logs a warning.
         fec: ``(k, m)`` to add m FEC parity datagrams to every k replicated pieces
             (checkmate.train.fec_sender); None (default): repair alone.
+        gockpt: ``(directory, every, steps)`` for GoCkpt mode (checkmate.gockpt): no
+            shadows (mode ``off``), a periodic checkpoint every ``every`` iterations whose
+            transfer is spread over ``steps`` steps, written by a local process per rank.
     """
 
     job_id: int
@@ -94,8 +97,12 @@ class JobLayout:
     monitor_poll: float = POLL_SECONDS
     lag_warn: int = LAG_WARN
     fec: tuple[int, int] | None = None
+    gockpt: tuple[str, int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.gockpt is not None and self.mode != "off":
+            raise CheckmateError(f"GoCkpt mode checkpoints without shadows: it needs mode "
+                                 f"off, got {self.mode!r}")
         if self.mode not in MODES:
             raise CheckmateError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if len(self.trainers) != self.world:
@@ -197,6 +204,7 @@ class CheckmateSession:
         self.monitor: ProtectionMonitor | None = None
         self.metrics: Any = None  # Prometheus exporter (CHECKMATE_METRICS_PORT)
         self.parity: Any = None  # checkmate.train.fec_sender.ParitySender with layout.fec
+        self.gockpt: Any = None  # checkmate.gockpt.GoCkpt with layout.gockpt
         self.buckets = [(a, b) for a, b, _ in bucket_ranges(
             [p.numel for p in self.spec.params], layout.bucket_elems)]
         # A script that ends on an exception without close() would leave the session's
@@ -330,10 +338,16 @@ class CheckmateSession:
             self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
                                                name="ckm-sessions")
             self._refresher.start()
+        if lay.gockpt is not None:
+            from checkmate.gockpt import GoCkpt
+
+            root, every, steps = lay.gockpt
+            self.gockpt = GoCkpt(self.module, self.optimizer, root, every, steps, lay.rank,
+                                 lay.world, lay.job_id)
         if lay.mode == "off":
-            if resume:
+            if resume and self.gockpt is None:
                 raise CheckmateError("nothing to resume from without shadows (mode off)")
-            self.iteration = 0
+            self.iteration = self._gockpt_restore() if resume else 0
         elif resume:
             from checkmate.train.restore import restore_session
 
@@ -364,6 +378,28 @@ class CheckmateSession:
         """Whole-model state dicts (a restore) in the form this rank's module and optimizer
         load: unchanged here; FSDPSession keeps its rank's shards."""
         return model_sd, optim_sd
+
+    def _gockpt_restore(self) -> int:
+        """Every rank loads the iteration rank 0 found newest in the GoCkpt directory."""
+        from checkmate.gockpt import restore
+        from checkmate.train.restore import load_trainer_state
+
+        got: list[Any] = [None, None]
+        if self.layout.rank == 0:
+            try:
+                got[0] = restore(self.layout.gockpt[0], self.gockpt.spec)[0]
+            except CheckmateError as e:
+                got[1] = str(e)
+        dist.broadcast_object_list(got, src=0, group=self.group)
+        if got[1] is not None:
+            raise CheckmateError(got[1])
+        it, step, model_sd, optim_sd, extra = restore(self.layout.gockpt[0],
+                                                      self.gockpt.spec, got[0])
+        load_trainer_state(self.module, self.optimizer, self.scheduler, model_sd, optim_sd,
+                           extra)
+        self.restored_extra = extra.get("user", {})
+        self.opt_step = step
+        return it
 
     def _start_comm(self, nonce: int) -> None:
         """The gradient path: our ring and CheckmateDDP (checkmate.train.ddp_hook replaces
@@ -478,6 +514,8 @@ class CheckmateSession:
         Returns the clip coefficient applied (None without clipping).
         """
         hyper = self._step_hyper()  # before anything changes: a refused step leaves no trace
+        if self.gockpt is not None:
+            self.gockpt.before_clip(self.iteration)
         coef = self._clip() if self.max_grad_norm is not None else None
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.optimizer.step()
@@ -487,19 +525,12 @@ class CheckmateSession:
         self.last_clip = coef
         if self.injector is not None:
             self.injector("before-control", self.iteration)
+        if self.gockpt is not None:
+            self.gockpt.after_step(self.iteration, self.opt_step + 1,
+                                   self._control_body(lrs, coef, hyper, extra))
         if self.layout.rank == 0 and self.layout.mode != "off":
-            body = {
-                "iteration": self.iteration, "lrs": lrs, "clip_coef": coef, "skip": False,
-                "hyper": hyper,
-                "buffers": self.spec.encode_buffers(dict(self.module.named_buffers())),
-                "extra": {
-                    "scheduler": (self.scheduler.state_dict()
-                                  if self.scheduler is not None else None),
-                    "hyper": hyper,  # for a restore's param groups (extra is persisted)
-                    "user": extra or {},
-                },
-            }
-            data = self.sender.control(self.iteration, body)
+            data = self.sender.control(self.iteration,
+                                       self._control_body(lrs, coef, hyper, extra))
             self.control_bytes = len(data)
             if self.replica_log is not None:
                 self.replica_log.add_control(self.iteration, data)
@@ -510,6 +541,22 @@ class CheckmateSession:
         if self.monitor is not None:
             self.monitor.capture(self.iteration, self.opt_step)
         return coef
+
+    def _control_body(self, lrs: list[float], coef: float | None, hyper: list[dict[str, Any]],
+                      extra: dict[str, Any] | None) -> dict[str, Any]:
+        """This step's control message: what a shadow (or GoCkpt's process) needs to repeat
+        it and to restore from it."""
+        return {
+            "iteration": self.iteration, "lrs": lrs, "clip_coef": coef, "skip": False,
+            "hyper": hyper,
+            "buffers": self.spec.encode_buffers(dict(self.module.named_buffers())),
+            "extra": {
+                "scheduler": (self.scheduler.state_dict()
+                              if self.scheduler is not None else None),
+                "hyper": hyper,  # for a restore's param groups (extra is persisted)
+                "user": extra or {},
+            },
+        }
 
     def _clip(self) -> float | None:
         """Clip to ``max_grad_norm``; the float32 factor applied (None: no gradients)."""
@@ -580,6 +627,8 @@ class CheckmateSession:
             self.parity.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.gockpt is not None:
+            self.gockpt.close()
         self.sender.close()
 
     def finish(self, timeout: float = 30.0) -> dict[str, Any]:

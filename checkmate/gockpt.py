@@ -1,0 +1,209 @@
+"""GoCkpt mode: periodic checkpoints whose state transfer is spread over k training steps.
+
+No switch and no shadow hosts: each trainer rank has a local CPU process
+(checkmate.gockpt_worker) and checkpoints its partition of the job's state (the model spec
+cut into ``world`` partitions, partition = rank). Every ``every`` iterations, right after the
+optimizer step of iteration t0, a window opens:
+
+- after the step of t0 + j (j = 0..k-1) slice j of the partition's state (parameters and
+  optimizer slots, 1/k of it) is copied to the process; it holds the state at t0 + j;
+- with every step t0 + j (j = 1..k) the reduced, unclipped gradient of the slices already
+  sent goes along, with that step's control (rates, clip factor, hyperparameters, buffers,
+  scheduler state, the user's extra): the process rolls each slice forward through the
+  steps it missed with the trainers' own arithmetic (``checkmate.shadow.reseed.Reseed``, the
+  code a shadow uses for a live re-seed), so after step t0 + k every slice stands at t0 + k;
+- the process writes that consistent state as a shadow partition checkpoint (DCP with
+  several writer threads); once every rank's partition of t0 + k is written, the joined
+  checkpoint (plain ``dcp.load``) is published beside them.
+
+The trainer pays for the copies only: (partition state / k) + (the gradient of what was sent)
+per step of the window, never a pause for the whole state. ``restore`` reads the newest
+iteration every partition wrote. Several ranks share a directory on one node; across nodes
+the directory must be shared storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from checkmate.errors import CheckmateError
+from checkmate.spec import ModelSpec, difference
+
+log = logging.getLogger("checkmate.gockpt")
+
+
+class GoCkpt:
+    """The trainer's side of GoCkpt mode for one rank.
+
+    Args:
+        model, optimizer: the live objects (a checkmate.optim optimizer: the process repeats
+            its arithmetic).
+        root: checkpoint directory (``part<rank>/`` under it, the joined checkpoints beside).
+        every: checkpoint interval in iterations (a window opens after steps t0 with
+            t0 % every == 0); at least ``steps``.
+        steps: k, the steps one checkpoint's state transfer is spread over.
+        rank, world: this trainer's partition and the number of partitions.
+        keep: checkpoints kept per partition; threads: DCP writer threads.
+
+    Per iteration: ``before_clip(it)`` after backward (the gradient as reduced, before any
+    clipping), then the optimizer and scheduler step, then ``after_step(it, step, control)``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 root: str | Path, every: int, steps: int, rank: int = 0, world: int = 1,
+                 job: int = 0, keep: int = 3, threads: int = 4) -> None:
+        if steps < 1 or every < steps:
+            raise CheckmateError(f"gockpt: need 1 <= steps <= every, got steps {steps}, "
+                                 f"every {every}")
+        from checkmate import gockpt_worker
+
+        self.spec = ModelSpec.from_torch(job, model, optimizer, max(1, world))
+        self.params = dict(model.named_parameters())
+        self.optimizer = optimizer
+        self.every, self.rank, self.root = every, rank, Path(root)
+        start, end = self.spec.bounds(rank)
+        n = max(1, min(steps, end - start))
+        self.cuts = [(start + (end - start) * i // n, start + (end - start) * (i + 1) // n)
+                     for i in range(n)]
+        self.t0: int | None = None  # the open window's first iteration
+        self._grad: np.ndarray | None = None
+        #: Newest iteration this rank's process wrote; errors it reported.
+        self.committed: int | None = None
+        self.errors: list[str] = []
+        #: Windows opened, bytes copied to the process, seconds the trainer spent copying.
+        self.stats: dict[str, float] = {"windows": 0, "bytes": 0, "seconds": 0.0,
+                                        "persist_seconds": 0.0}
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=gockpt_worker.main, name=f"ckm-gockpt-{rank}",
+                                 args=(child, str(self.root), keep, threads), daemon=True)
+        self._proc.start()
+        child.close()
+        self._closed = False
+
+    # ------------------------------------------------------------------ per iteration
+    def before_clip(self, it: int) -> None:
+        """Copy the gradient of the slices already sent (steps t0+1..t0+k of a window)."""
+        self._grad = None
+        if self.t0 is None or not 1 <= it - self.t0 <= len(self.cuts):
+            return
+        from checkmate.train.reseed import capture_gradient
+
+        t = time.perf_counter()
+        a, b = self.cuts[0][0], self.cuts[it - self.t0 - 1][1]
+        self._grad = capture_gradient(self.spec, self.params, a, b)
+        self.stats["seconds"] += time.perf_counter() - t
+
+    def after_step(self, it: int, step: int, control: dict[str, Any]) -> None:
+        """After iteration ``it``'s optimizer step (``step`` steps taken): the window's
+        gradient and next slice, or a new window."""
+        t = time.perf_counter()
+        self._answers()
+        if self.t0 is not None:
+            j = it - self.t0
+            if self._grad is None:
+                raise CheckmateError(f"gockpt: iteration {it} stepped without before_clip()")
+            self._send(("iteration", it, len(self._grad), _control(control)), [self._grad])
+            self._grad = None
+            if j < len(self.cuts):
+                self._piece(j, it, step)
+            else:
+                self.t0 = None  # the process now has all it needs for iteration it
+        if self.t0 is None and it % self.every == 0:
+            self.t0 = it
+            self.stats["windows"] += 1
+            self._send(("begin", self.spec.to_json(), self.rank, it), [])
+            self._piece(0, it, step)
+        self.stats["seconds"] += time.perf_counter() - t
+
+    def _piece(self, j: int, it: int, step: int) -> None:
+        from checkmate.train.reseed import capture_range
+
+        a, b = self.cuts[j]
+        arrays = capture_range(self.spec, self.params, self.optimizer, a, b)
+        self._send(("piece", it, step, a, b - a), [arrays[s] for s in self.spec.slots])
+
+    def _send(self, head: tuple, arrays: list[np.ndarray]) -> None:
+        try:
+            self._conn.send(head)
+            for x in arrays:
+                self._conn.send_bytes(memoryview(np.ascontiguousarray(x)).cast("B"))
+                self.stats["bytes"] += x.nbytes
+        except (BrokenPipeError, EOFError, OSError):
+            raise CheckmateError(f"gockpt: the checkpoint process of rank {self.rank} is "
+                                 f"gone (exit code {self._proc.exitcode})") from None
+
+    def _answers(self) -> None:
+        while self._conn.poll():
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg[0] == "committed":
+                self.committed = int(msg[1])
+                self.stats["persist_seconds"] += float(msg[2])
+            elif msg[0] == "error":
+                self.errors.append(str(msg[1]))
+                log.warning("gockpt: rank %d lost a checkpoint: %s", self.rank, msg[1])
+
+    def close(self, timeout: float = 300.0) -> None:
+        """Let the process finish the checkpoint it is writing, then stop it. A window still
+        open is dropped (its state transfer never completed)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self._proc.join(timeout)
+        self._answers()
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+            log.warning("gockpt: rank %d's checkpoint process did not stop within %.0f s",
+                        self.rank, timeout)
+        self._conn.close()
+
+
+def _control(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``checkmate.shadow.assembler.Control`` from a control-message body."""
+    return {"iteration": int(body["iteration"]), "lrs": [float(x) for x in body["lrs"]],
+            "clip_coef": body.get("clip_coef"), "skip": bool(body.get("skip", False)),
+            "buffers": dict(body.get("buffers") or {}), "extra": dict(body.get("extra") or {}),
+            "hyper": body.get("hyper")}
+
+
+def restore(root: str | Path, spec: ModelSpec, iteration: int | None = None,
+            settle: float = 60.0) -> tuple[int, int, dict, dict, dict]:
+    """The newest iteration every partition under ``root`` wrote (or ``iteration``), as
+    ``(iteration, optimizer steps, model_sd, optim_sd, extra)`` for a job whose spec is
+    ``spec``; CheckmateError in one line when there is none or the job differs. Waits (at
+    most ``settle`` s) for checkpoints that live processes are still writing."""
+    from checkmate.shadow import persist
+
+    deadline = time.monotonic() + settle
+    while any(persist.writers(d) for d in Path(root).glob("part*")):
+        if time.monotonic() > deadline:  # restore from what is complete
+            log.warning("gockpt: a checkpoint under %s is still being written after %.0f s",
+                        root, settle)
+            break
+        time.sleep(0.05)  # a killed trainer's process finishes the checkpoint it writes
+    try:
+        full = persist.load_full_state(root, iteration)
+    except CheckmateError as e:
+        raise CheckmateError(f"gockpt: nothing to resume from in {root}: {e}") from None
+    why = difference(full.spec, spec)
+    if why is not None:
+        raise CheckmateError(f"gockpt resume: {why} (resume with the model and optimizer the "
+                             "job started with, or start it anew)")
+    buffers = full.spec.decode_buffers(full.buffers)
+    model_sd, optim_sd = full.spec.state_dicts(full.slots, full.step, buffers, full.lrs)
+    return full.iteration, full.step, model_sd, optim_sd, full.extra

@@ -1,0 +1,165 @@
+"""GoCkpt mode: checkpoints spread over k steps, rolled forward on a local CPU process.
+
+Real processes: two trainer ranks (gloo rendezvous, Checkmate's UDP ring on loopback, no
+shadows) with a GoCkpt process each. A clean run records the trainers' state right after
+every iteration a window ends at; each GoCkpt checkpoint must equal it bit for bit. A second
+run is SIGKILLed mid-window, resumes from the newest checkpoint every partition wrote, and
+must end bit-identical to the clean run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY, K, SEED = 13, 4, 3, 3  # windows open after 4, 8, 12; checkpoints of 7, 11
+
+
+def _worker(cfg: dict) -> int:
+    import torch.distributed as dist
+
+    from checkmate import config as cfgmod
+    from checkmate.errors import CheckmateError
+    from checkmate.testbed.models import build
+    from checkmate.train import CheckmateSession, JobLayout
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        w = build(cfg["model"], SEED, STEPS)
+        net = cfg["net"]
+        layout = JobLayout(
+            job_id=9, rank=rank, world=world,
+            trainers=[(f"{net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
+            shadows=[], shadow_tcp=[], mode="off", seed=SEED,
+            gockpt=(cfg["dir"], EVERY, K))
+        sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout, w.max_grad_norm)
+        start = sess.start(resume=cfg["resume"])
+        for it in range(start + 1, STEPS + 1):
+            sess.begin(it)
+            x, y = w.batch(rank, it)
+            w.optimizer.zero_grad()
+            w.loss(sess.model(x), y).backward()
+            sess.step(extra={"data": {"iteration": it}})
+            if rank == 0 and it in cfg.get("record", []):
+                torch.save({"model": w.model.state_dict(),
+                            "optimizer": w.optimizer.state_dict(),
+                            "scheduler": w.scheduler.state_dict()},
+                           Path(cfg["out"]) / f"at-{it}.pt")
+            if it == cfg.get("kill_at"):
+                os.kill(os.getpid(), signal.SIGKILL)
+        sess.close()  # waits for the checkpoint being written
+        if rank == 0:
+            torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
+                        "scheduler": w.scheduler.state_dict(), "start": start,
+                        "extra": getattr(sess, "restored_extra", None),
+                        "stats": sess.gockpt.stats, "committed": sess.gockpt.committed,
+                        "errors": sess.gockpt.errors}, Path(cfg["out"]) / "final.pt")
+        return 0
+    except CheckmateError as e:
+        print(f"checkmate: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(cfg: dict, world: int = 2) -> list[subprocess.CompletedProcess]:
+    from fakes import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, json.dumps(cfg)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    done = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=300)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
+    return done
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k}"
+
+
+def _same_optim(a: dict, b: dict, what: str) -> None:
+    assert a["state"].keys() == b["state"].keys(), what
+    for i, st in a["state"].items():
+        assert st.keys() == b["state"][i].keys(), f"{what}: state {i}"
+        for s, t in st.items():
+            assert torch.equal(t, b["state"][i][s]), f"{what}: state {i} {s}"
+
+
+def test_gockpt_checkpoints_equal_the_trainers_and_a_kill_restores_bit_identically(tmp_path):
+    from checkmate.gockpt import restore
+    from checkmate.optim import AdamW  # noqa: F401  (the worker's optimizer kind)
+    from checkmate.spec import ModelSpec
+    from checkmate.testbed.models import build
+
+    net = f"127.82.{random.randrange(1, 255)}"
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    for d in (clean, killed):
+        (d / "ckpt").mkdir(parents=True)
+    base = {"model": "gpt", "net": net, "resume": False}
+    res = _run({**base, "dir": str(clean / "ckpt"), "out": str(clean), "record": [7, 11]})
+    assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]
+    ref = torch.load(clean / "final.pt", weights_only=False)
+    assert ref["errors"] == [] and ref["committed"] == 11 and ref["stats"]["windows"] == 3
+
+    # every checkpoint (spread over K steps, rolled forward on the CPU) is the trainers'
+    # state at the window's end, bit for bit
+    w = build("gpt", SEED, STEPS)
+    spec = ModelSpec.from_torch(9, w.model, w.optimizer, 2)
+    for it in (7, 11):
+        got_it, _, msd, osd, extra = restore(clean / "ckpt", spec, it)
+        want = torch.load(clean / f"at-{it}.pt", weights_only=False)
+        assert got_it == it
+        _same(msd, want["model"], f"checkpoint {it} model")
+        _same_optim(osd, want["optimizer"], f"checkpoint {it} optimizer")
+        assert extra["scheduler"] == want["scheduler"] and extra["user"] == {
+            "data": {"iteration": it}}
+
+    # killed after iteration 9 (a window opened at 8 is in flight): resume from 7
+    res = _run({**base, "dir": str(killed / "ckpt"), "out": str(killed), "kill_at": 9})
+    assert [r.returncode for r in res] == [-signal.SIGKILL] * 2, [r.stderr[-2000:] for r in res]
+    res = _run({**base, "dir": str(killed / "ckpt"), "out": str(killed), "resume": True})
+    assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]
+    got = torch.load(killed / "final.pt", weights_only=False)
+    assert got["start"] == 7 and got["extra"] == {"data": {"iteration": 7}}
+    _same(got["model"], ref["model"], "restored run vs clean run")
+    _same_optim(got["optimizer"], ref["optimizer"], "restored run vs clean run")
+    assert got["scheduler"] == ref["scheduler"]
+
+
+def test_resume_without_a_checkpoint_is_one_error_line_on_every_rank(tmp_path):
+    net = f"127.82.{random.randrange(1, 255)}"
+    res = _run({"model": "gpt", "net": net, "resume": True, "dir": str(tmp_path),
+                "out": str(tmp_path)})
+    for r in res:
+        assert r.returncode == 2, r.stderr[-2000:]
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert lines[0].startswith(f"checkmate: error: gockpt: nothing to resume from in "
+                                   f"{tmp_path}"), lines[0]
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(json.loads(sys.argv[1])))
