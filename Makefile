@@ -8,9 +8,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.checkmate-installed
 APT_PKGS := clang llvm libbpf-dev bpftool iproute2 ethtool gcc
 
-.PHONY: setup run test lint bpf clean
+.PHONY: setup run test lint bpf nccl clean
 
-setup: $(STAMP) bpf
+setup: $(STAMP) bpf nccl
 
 # System packages (clang/libbpf for the BPF switch). Skipped when already present.
 .apt-stamp:
@@ -30,6 +30,10 @@ $(STAMP): pyproject.toml .apt-stamp
 
 bpf: $(STAMP)
 	$(PY) -m checkmate.dataplane.build
+
+# The NCCL net plugin (build/nccl/libnccl-net-ckm.so; docs/nccl_plugin.md): gcc only.
+nccl: .apt-stamp
+	$(MAKE) -C nccl_plugin OUT=$(CURDIR)/build/nccl
 
 run: setup
 	$(VENV)/bin/testbed run --scenario kill-restore

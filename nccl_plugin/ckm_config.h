@@ -1,0 +1,31 @@
+/* The plugin's settings, read once from the environment (docs/nccl_plugin.md, "Settings").
+ * A setting that would make the schedule model wrong is refused with one error line. */
+#ifndef CKM_CONFIG_H
+#define CKM_CONFIG_H
+
+#include <stdint.h>
+#include <netinet/in.h>
+
+#include "ckm_sched.h"
+
+#define CKM_MAX_BUCKETS 4096
+
+struct ckm_config {
+	struct in_addr ip;     /* CKM_NCCL_IP: address to bind and advertise */
+	int port_base, port_count;
+	double timeout_s;      /* CKM_NCCL_TIMEOUT: no acknowledgement for this long = error */
+	uint32_t job;          /* CKM_NCCL_JOB */
+	/* Tagging (on when CKM_NCCL_BUCKETS is set). */
+	int tagging;
+	struct ckm_sched sched;
+	int nbuckets;
+	uint64_t bucket[CKM_MAX_BUCKETS], base[CKM_MAX_BUCKETS], total;
+	int partitions;
+	uint64_t first_iteration;
+	uint64_t k0, k1;       /* data MAC key from CHECKMATE_SECRET_FILE */
+};
+
+/* 0 on success; otherwise writes one line saying why into err. */
+int ckm_config_load(struct ckm_config *c, char *err, int errlen);
+
+#endif

@@ -1,0 +1,179 @@
+/* The NCCL network-plugin ABI (ncclNet_v10, v11, v12), declared from NCCL's documented
+ * plugin interface (plugins/net in NVIDIA/nccl). Written here, not copied: only the layout
+ * matters, and tests/test_nccl_abi.py checks every size and offset against the documented
+ * layout (LP64: pointers and size_t 8 bytes, int 4, enums int-sized). */
+#ifndef CKM_NCCL_ABI_H
+#define CKM_NCCL_ABI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+	ncclSuccess = 0,
+	ncclUnhandledCudaError = 1,
+	ncclSystemError = 2,
+	ncclInternalError = 3,
+	ncclInvalidArgument = 4,
+	ncclInvalidUsage = 5,
+	ncclRemoteError = 6,
+	ncclInProgress = 7,
+} ncclResult_t;
+
+typedef enum { NCCL_LOG_NONE = 0, NCCL_LOG_VERSION = 1, NCCL_LOG_WARN = 2, NCCL_LOG_INFO = 3,
+	       NCCL_LOG_ABORT = 4, NCCL_LOG_TRACE = 5 } ncclDebugLogLevel;
+#define CKM_NCCL_SUBSYS_NET 16
+
+typedef void (*ncclDebugLogger_t)(ncclDebugLogLevel level, unsigned long flags, const char *file,
+				  int line, const char *fmt, ...);
+typedef ncclResult_t (*ncclProfilerCallback_t)(void **eHandle, int type, void *phandle,
+					       int64_t pluginId, void *extData);
+
+#define NCCL_NET_HANDLE_MAXSIZE 128
+#define NCCL_PTR_HOST 0x1
+#define NCCL_PTR_CUDA 0x2
+#define NCCL_PTR_DMABUF 0x4
+#define NCCL_NET_MAX_REQUESTS 32
+#define NCCL_NET_ID_UNDEF (-1)
+#define CKM_NCCL_MAX_NET_SIZE (1024L * 1024 * 1024 * 1024) /* NCCL_MAX_NET_SIZE_BYTES, 1 TB */
+
+typedef enum { NCCL_NET_DEVICE_HOST = 0, NCCL_NET_DEVICE_UNPACK = 1 } ncclNetDeviceType;
+
+typedef struct {
+	ncclNetDeviceType netDeviceType;
+	int netDeviceVersion;
+	void *handle;
+	size_t size;
+	int needsProxyProgress;
+} ncclNetDeviceHandle_t; /* v7 .. v12 share this layout */
+
+/* v10 and v11 list up to 4 devices per virtual NIC, v12 up to 8. */
+typedef struct { int ndevs; int devs[4]; } ncclNetVDeviceProps_v10_t;
+typedef struct { int ndevs; int devs[8]; } ncclNetVDeviceProps_v12_t;
+
+typedef struct { int trafficClass; } ncclNetCommConfig_t; /* v10 .. v12 */
+
+#define CKM_NCCL_PROPS_COMMON(VPROPS)                                                        \
+	char *name;                                                                         \
+	char *pciPath;                                                                      \
+	uint64_t guid;                                                                      \
+	int ptrSupport;                                                                     \
+	int regIsGlobal;                                                                    \
+	int forceFlush;                                                                     \
+	int speed;                                                                          \
+	int port;                                                                           \
+	float latency;                                                                      \
+	int maxComms;                                                                       \
+	int maxRecvs;                                                                       \
+	ncclNetDeviceType netDeviceType;                                                    \
+	int netDeviceVersion;                                                               \
+	VPROPS vProps;                                                                      \
+	size_t maxP2pBytes;                                                                 \
+	size_t maxCollBytes;
+
+typedef struct {
+	CKM_NCCL_PROPS_COMMON(ncclNetVDeviceProps_v10_t)
+} ncclNetProperties_v10_t;
+
+typedef struct {
+	CKM_NCCL_PROPS_COMMON(ncclNetVDeviceProps_v10_t)
+	int maxMultiRequestSize;
+} ncclNetProperties_v11_t;
+
+typedef struct {
+	CKM_NCCL_PROPS_COMMON(ncclNetVDeviceProps_v12_t)
+	int maxMultiRequestSize;
+	int16_t railId;
+	int16_t planeId;
+} ncclNetProperties_v12_t;
+
+typedef struct {
+	int32_t maxConcurrentPeers;
+	int32_t minConcurrentPeers;
+	int32_t maxFlowsPerPeer;
+	int32_t minFlowsPerPeer;
+} ncclNetCommAttr_t;
+
+typedef struct {
+	ncclNetCommAttr_t sendCommAttr;
+	ncclNetCommAttr_t recvCommAttr;
+	uint32_t op;
+	uint32_t algo;
+	uint32_t proto;
+} ncclNetAttr_t; /* v11, v12 */
+
+/* The members every version from v10 on has after getProperties, in order. */
+#define CKM_NCCL_NET_TAIL(VPROPS)                                                            \
+	ncclResult_t (*regMr)(void *comm, void *data, size_t size, int type, void **mhandle);   \
+	ncclResult_t (*regMrDmaBuf)(void *comm, void *data, size_t size, int type,              \
+				    uint64_t offset, int fd, void **mhandle);                   \
+	ncclResult_t (*deregMr)(void *comm, void *mhandle);                                     \
+	ncclResult_t (*isend)(void *sendComm, void *data, size_t size, int tag, void *mhandle,  \
+			      void *phandle, void **request);                                   \
+	ncclResult_t (*irecv)(void *recvComm, int n, void **data, size_t *sizes, int *tags,     \
+			      void **mhandles, void **phandles, void **request);                \
+	ncclResult_t (*iflush)(void *recvComm, int n, void **data, int *sizes, void **mhandles, \
+			       void **request);                                                 \
+	ncclResult_t (*test)(void *request, int *done, int *sizes);                             \
+	ncclResult_t (*closeSend)(void *sendComm);                                              \
+	ncclResult_t (*closeRecv)(void *recvComm);                                              \
+	ncclResult_t (*closeListen)(void *listenComm);                                          \
+	ncclResult_t (*getDeviceMr)(void *comm, void *mhandle, void **dptr_mhandle);            \
+	ncclResult_t (*irecvConsumed)(void *recvComm, int n, void *request);                    \
+	ncclResult_t (*makeVDevice)(int *d, VPROPS *props);
+
+typedef struct {
+	const char *name;
+	ncclResult_t (*init)(ncclDebugLogger_t logFunction, ncclProfilerCallback_t profFunction);
+	ncclResult_t (*devices)(int *ndev);
+	ncclResult_t (*getProperties)(int dev, ncclNetProperties_v10_t *props);
+	ncclResult_t (*listen)(int dev, void *handle, void **listenComm);
+	ncclResult_t (*connect)(int dev, ncclNetCommConfig_t *config, void *handle,
+				void **sendComm, ncclNetDeviceHandle_t **sendDevComm);
+	ncclResult_t (*accept)(void *listenComm, void **recvComm,
+			       ncclNetDeviceHandle_t **recvDevComm);
+	CKM_NCCL_NET_TAIL(ncclNetVDeviceProps_v10_t)
+} ncclNet_v10_t;
+
+#define CKM_NCCL_NET_V11_LIKE(PROPS, VPROPS)                                                 \
+	const char *name;                                                                   \
+	ncclResult_t (*init)(void **ctx, uint64_t commId, ncclNetCommConfig_t *config,          \
+			     ncclDebugLogger_t logFunction, ncclProfilerCallback_t profFunction); \
+	ncclResult_t (*devices)(int *ndev);                                                     \
+	ncclResult_t (*getProperties)(int dev, PROPS *props);                                   \
+	ncclResult_t (*listen)(void *ctx, int dev, void *handle, void **listenComm);            \
+	ncclResult_t (*connect)(void *ctx, int dev, void *handle, void **sendComm,              \
+				ncclNetDeviceHandle_t **sendDevComm);                           \
+	ncclResult_t (*accept)(void *listenComm, void **recvComm,                               \
+			       ncclNetDeviceHandle_t **recvDevComm);                            \
+	CKM_NCCL_NET_TAIL(VPROPS)                                                                \
+	ncclResult_t (*finalize)(void *ctx);                                                    \
+	ncclResult_t (*setNetAttr)(void *ctx, ncclNetAttr_t *netAttr);
+
+typedef struct {
+	CKM_NCCL_NET_V11_LIKE(ncclNetProperties_v11_t, ncclNetVDeviceProps_v10_t)
+} ncclNet_v11_t;
+
+typedef struct {
+	CKM_NCCL_NET_V11_LIKE(ncclNetProperties_v12_t, ncclNetVDeviceProps_v12_t)
+} ncclNet_v12_t;
+
+/* The documented layout (x86-64 / aarch64 LP64), checked at compile time here and from
+ * Python (ctypes) in tests/test_nccl_abi.py. */
+_Static_assert(sizeof(ncclNetDeviceHandle_t) == 32, "device handle");
+_Static_assert(offsetof(ncclNetProperties_v12_t, vProps) == 64, "props vProps");
+_Static_assert(offsetof(ncclNetProperties_v12_t, maxP2pBytes) == 104, "v12 maxP2pBytes");
+_Static_assert(offsetof(ncclNetProperties_v12_t, maxMultiRequestSize) == 120, "v12 maxMulti");
+_Static_assert(offsetof(ncclNetProperties_v12_t, railId) == 124, "v12 railId");
+_Static_assert(offsetof(ncclNetProperties_v12_t, planeId) == 126, "v12 planeId");
+_Static_assert(sizeof(ncclNetProperties_v12_t) == 128, "v12 props size");
+_Static_assert(offsetof(ncclNetProperties_v11_t, maxP2pBytes) == 88, "v11 maxP2pBytes");
+_Static_assert(sizeof(ncclNetProperties_v11_t) == 112, "v11 props size");
+_Static_assert(sizeof(ncclNetProperties_v10_t) == 104, "v10 props size");
+_Static_assert(sizeof(ncclNetAttr_t) == 44, "net attr size");
+_Static_assert(offsetof(ncclNet_v12_t, isend) == 80, "v12 isend slot");
+_Static_assert(offsetof(ncclNet_v12_t, finalize) == 160, "v12 finalize slot");
+_Static_assert(sizeof(ncclNet_v12_t) == 176, "v12 vtable size");
+_Static_assert(sizeof(ncclNet_v11_t) == 176, "v11 vtable size");
+_Static_assert(sizeof(ncclNet_v10_t) == 160, "v10 vtable size");
+
+#endif /* CKM_NCCL_ABI_H */
