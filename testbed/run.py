@@ -169,6 +169,7 @@ class RunResult:
     restarts: list[dict] = field(default_factory=list)
     protected: bool | None = None
     shadow_status: list[dict] = field(default_factory=list)
+    gockpt_iteration: int | None = None  # newest GoCkpt checkpoint (GoCkpt scenarios)
 
 
 class Run:
@@ -530,6 +531,8 @@ def check_run(run: Run) -> list[str]:
         d = compare_states(finals[0], f)
         if d:
             problems.append(f"{run.label}: rank {r} differs from rank 0 at {d[:3]}")
+    if run.sc.gockpt is not None:
+        return problems + _check_gockpt(run, finals[0])
     shadows = torch.load(run.shadow_state(), weights_only=False)
     d = compare_states(finals[0], shadows, ("model",))
     sd_t, sd_s = finals[0]["optimizer"], shadows["optimizer"]
@@ -540,6 +543,31 @@ def check_run(run: Run) -> list[str]:
         problems.append(f"{run.label}: shadows' state differs from the trainers' at {d[:3]} "
                         f"(lrs {lr_t})")
     return problems
+
+
+def gockpt_dir(run: Run) -> Path:
+    """Where a GoCkpt scenario's trainers write their checkpoints."""
+    return run.dir / "gockpt"
+
+
+def _check_gockpt(run: Run, final: dict) -> list[str]:
+    """GoCkpt runs: the newest checkpoint every partition wrote must be the trainers' state
+    of its iteration; when that is the last iteration, compare it with rank 0's final."""
+    from checkmate.shadow import persist
+
+    try:
+        model_sd, optim_sd, it = persist.load_full(gockpt_dir(run))
+    except CheckmateError as e:
+        return [f"{run.label}: no GoCkpt checkpoint: {e}"]
+    run.result.gockpt_iteration = it
+    if it != run.sc.steps:
+        return [f"{run.label}: the newest GoCkpt checkpoint is of iteration {it}, not of the "
+                f"last ({run.sc.steps}): choose steps so that a window ends there"]
+    d = compare_states(final, {"model": model_sd, "optimizer": optim_sd}, ("model",))
+    d += compare_states({"s": final["optimizer"]["state"]}, {"s": optim_sd["state"]}, ("s",))
+    run.result.shadow_matches_trainer = not d
+    return [f"{run.label}: the GoCkpt checkpoint differs from the trainers at {d[:3]}"] if d \
+        else []
 
 
 # ----------------------------------------------------------------------------- chaos
@@ -649,7 +677,7 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
     report: dict[str, Any] = {"scenario": sc.name, "mode": cl.mode, "model": sc.model,
                               "steps": sc.steps, "trainers": len(cl.cfg.trainers),
                               "shadows": cl.cfg.num_partitions, "kill_at": sc.kill_at,
-                              "kill_phase": sc.kill_phase,
+                              "kill_phase": sc.kill_phase, "gockpt": sc.gockpt,
                               "runs": {}}
     problems: list[str] = []
     if sc.faults and cl.mode != "switch":
@@ -660,9 +688,13 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
     finished: dict[str, Run] = {}
     for label, kill in runs:
         run = Run(cl, sc, workdir, label, progress)
+        if sc.gockpt is not None:  # no shadows: each trainer's GoCkpt process checkpoints
+            run.extra_job = {"ckpt": "gockpt", "ckpt_dir": str(gockpt_dir(run)),
+                             "ckpt_every": sc.gockpt[0], "ckpt_steps": sc.gockpt[1]}
         t0 = time.perf_counter()
         try:
-            run.start_shadows()
+            if sc.gockpt is None:
+                run.start_shadows()
             if label == "chaos":
                 _inject(run)
             self_kill = kill is not None and sc.kill_phase == "before-control"
@@ -672,7 +704,7 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
                 run.start_trainers(resume=True)
                 run.follow(None)
             problems += check_run(run)
-            run.result.shadow_status = run.shadow_statuses()
+            run.result.shadow_status = run.shadow_statuses() if sc.gockpt is None else []
         finally:
             if label == "chaos":
                 report["faults_dropped"] = _clear_faults(run)
@@ -691,7 +723,8 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
             "last_loss": r.losses[-1] if r.losses else None, "killed_at": r.killed_at,
             "max_done_before_kill": r.max_done_before_kill, "restored_from": r.restored_from,
             "shadows_match_trainers": r.shadow_matches_trainer, "ring": r.stats,
-            "protected": r.protected, "shadow_restarts": r.shadow_restarts, **summary,
+            "protected": r.protected, "shadow_restarts": r.shadow_restarts,
+            "gockpt_checkpoint": r.gockpt_iteration, **summary,
         }
     if cl.mode == "switch":
         from checkmate.dataplane.switch import KernelSwitch
@@ -717,7 +750,8 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
             report["repeated_iterations"] = repeated
             # With faults, the newest iterations may still be under repair when every trainer
             # (every holder of the missing pieces) dies: the commit-lag bound is 2 more.
-            allowed = 3 if sc.chaos else 1
+            # GoCkpt checkpoints every `every` iterations, each complete `steps` later.
+            allowed = (3 if sc.chaos else 1) if sc.gockpt is None else sum(sc.gockpt)
             if repeated > allowed and kr.killed_at is not None:
                 problems.append(f"{repeated} iterations repeated (at most {allowed} allowed)")
     report["ok"] = not problems
@@ -729,12 +763,15 @@ def _table(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    gk = report.get("gockpt")
+    who = (f"GoCkpt every {gk[0]} over {gk[1]} steps" if gk
+           else f"{report['shadows']} shadows")
     t = Table(title=f"testbed run {report['scenario']} ({report['mode']} mode, "
-                    f"{report['model']}, {report['trainers']} trainers x "
-                    f"{report['shadows']} shadows, {report['steps']} iterations)")
+                    f"{report['model']}, {report['trainers']} trainers x {who}, "
+                    f"{report['steps']} iterations)")
     t.add_column("run", no_wrap=True)
     for col in ("seconds", "loss first -> last", "killed at", "restored from",
-                "shadows = trainers"):
+                "checkpoint = trainers" if gk else "shadows = trainers"):
         t.add_column(col, justify="right")
     for label, r in report["runs"].items():
         loss = ("-" if r["first_loss"] is None

@@ -75,6 +75,7 @@ class Scenario:
     controller_restart_at: int | None = None
     finish_timeout: float = 30.0
     disk_limit: tuple[int, int] | None = None  # (partition, KiB of its checkpoint disk)
+    gockpt: tuple[int, int] | None = None  # (every, steps): GoCkpt mode, no shadows
 
     @property
     def chaos(self) -> bool:
@@ -116,7 +117,8 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
     return Scenario(doc.name or where, doc.model, doc.steps, doc.seed, kill, doc.description,
                     doc.kill_phase,
                     [Fault(f.port, f.drop, f.corrupt, f.start, f.until) for f in doc.faults],
-                    kills, doc.persist_every, doc.keep, ctl, float(doc.finish_timeout), disk)
+                    kills, doc.persist_every, doc.keep, ctl, float(doc.finish_timeout), disk,
+                    None if doc.gockpt is None else (doc.gockpt.every, doc.gockpt.steps))
 
 
 def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:

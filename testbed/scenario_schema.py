@@ -81,6 +81,17 @@ class DiskLimitDoc(_Strict):
     kib: Annotated[int, _int_in(64, 2**31 - 1)]
 
 
+class GoCkptDoc(_Strict):
+    every: Annotated[int, _int_in(1, 2**31 - 1)]
+    steps: Annotated[int, _int_in(1, 2**31 - 1)]
+
+    @model_validator(mode="after")
+    def _fits(self) -> GoCkptDoc:
+        if self.steps > self.every:
+            raise ValueError("steps must be at most every (one window at a time)")
+        return self
+
+
 class ScenarioDoc(_Strict):
     name: str | None = None
     description: str = ""
@@ -96,6 +107,7 @@ class ScenarioDoc(_Strict):
     controller_restart_at: Iteration | None = None
     finish_timeout: float = 30.0
     disk_limit: DiskLimitDoc | None = None
+    gockpt: GoCkptDoc | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -126,6 +138,10 @@ class ScenarioDoc(_Strict):
                 raise ValueError(f"shadow_kills[{i}]: disk: true needs persist_every")
         if self.disk_limit is not None and not self.persist_every:
             raise ValueError("disk_limit needs persist_every")
+        if self.gockpt is not None and (self.faults or self.shadow_kills or self.persist_every
+                                        or self.controller_restart_at or self.disk_limit):
+            raise ValueError("gockpt runs without shadows: no faults, shadow_kills, "
+                             "persist_every, controller_restart_at or disk_limit")
         if not 0 < self.finish_timeout <= 3600:
             raise ValueError("finish_timeout must be seconds in (0, 3600]")
         return self

@@ -22,6 +22,7 @@ def test_shipped_scenarios_parse():
     for n in names:
         sc = load_scenario(n, random.Random(0))
         assert sc.name == n and sc.steps >= 2
+    assert load_scenario("gockpt-kill-restore").gockpt == (5, 3)
     rl = load_scenario("replica-loss")
     assert rl.faults == [Fault("s1", 0.05, 0.0, 0, 0)] and rl.kill_at == 30 and rl.chaos
 
@@ -57,6 +58,9 @@ def test_random_iterations_come_from_the_seeded_draw():
     ({"disk_limit": {"partition": 0, "kib": 100}}, "disk_limit needs persist_every"),
     ({"finish_timeout": 0}, "finish_timeout"),
     ({"bogus": 1}, "unknown key"),
+    ({"gockpt": {"every": 2, "steps": 3}}, "steps must be at most every"),
+    ({"gockpt": {"every": 4}}, "gockpt.steps"),
+    ({"gockpt": {"every": 4, "steps": 2}, "persist_every": 3}, "gockpt runs without shadows"),
 ])
 def test_bad_scenarios_are_one_clear_error(body, msg):
     with pytest.raises(CheckmateError, match=msg):

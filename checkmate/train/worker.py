@@ -28,17 +28,18 @@ from checkmate.train.session import CheckmateSession, JobLayout
 class Baseline:
     """The per-iteration checkpoint a benchmark compares Checkmate with.
 
-    ``checkmate`` and ``none`` save nothing here; ``dcp`` calls
+    ``checkmate``, ``gockpt`` (the session's GoCkpt process does it) and ``none`` save
+    nothing here; ``dcp`` calls
     torch.distributed.checkpoint.async_save every iteration (waiting for the previous save
     first, as its docs require); ``torchsave`` has rank 0 torch.save model and optimizer.
     """
 
-    KINDS = ("checkmate", "none", "dcp", "torchsave")
+    KINDS = ("checkmate", "none", "dcp", "torchsave", "gockpt")
 
     def __init__(self, kind: str, directory: str | None, rank: int) -> None:
         if kind not in self.KINDS:
             raise CheckmateError(f"ckpt must be one of {', '.join(self.KINDS)}, got {kind!r}")
-        if kind in ("dcp", "torchsave") and not directory:
+        if kind in ("dcp", "torchsave", "gockpt") and not directory:
             raise CheckmateError(f"ckpt {kind} needs ckpt_dir")
         self.kind, self.dir, self.rank = kind, Path(directory or "."), rank
         self._pending = None
@@ -99,6 +100,8 @@ def layout_from_job(job: dict, rank: int, world: int) -> JobLayout:
         seed=int(job.get("seed", 0)),
         repair=bool(job.get("repair", True)),
         fec=tuple(job["fec"]) if job.get("fec") else None,
+        gockpt=((str(job["ckpt_dir"]), int(job["ckpt_every"]), int(job["ckpt_steps"]))
+                if job.get("ckpt") == "gockpt" else None),
     )
 
 
@@ -166,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
           control_bytes=sess.control_bytes, copy_bytes=sess.sender.copy_bytes,
           parity_bytes=sess.sender.parity_bytes,
           protected=prot["protected"], repair=prot.get("repair"),
-          reseeds=prot.get("reseeds", 0))
+          reseeds=prot.get("reseeds", 0),
+          gockpt=None if sess.gockpt is None else {**sess.gockpt.stats,
+                                                   "committed": sess.gockpt.committed,
+                                                   "errors": sess.gockpt.errors})
     dist.barrier()
     sess.close()
     dist.destroy_process_group()
