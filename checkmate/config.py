@@ -74,6 +74,9 @@ class Switch:
     cpu_port: int = 64
     cable_m: float = 3.0
     speed_gbps: int = 100
+    tofino_server: str = "stratum"  # P4Runtime server on a Tofino: stratum or sde
+    tofino_pipes: int = 4
+    bfrt_port: int = 50052  # the SDE's BF Runtime gRPC server
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,9 @@ def parse(data: Any) -> ClusterConfig:
     sw_ip = sw.ip or str(ipaddress.IPv4Network(net.subnet).network_address + 1)
     switch = Switch(name=sw.name, target=sw.target, address=sw.address,
                     device_id=sw.device_id, ip=sw_ip, mac=sw.mac or mac_for_ip(sw_ip),
-                    cpu_port=sw.cpu_port, cable_m=sw.cable_m, speed_gbps=sw.speed_gbps)
+                    cpu_port=sw.cpu_port, cable_m=sw.cable_m, speed_gbps=sw.speed_gbps,
+                    tofino_server=sw.tofino.server, tofino_pipes=sw.tofino.pipes,
+                    bfrt_port=sw.tofino.bfrt_port)
     hosts = tuple(Host(h.name, h.role, h.ip, h.mac or mac_for_ip(h.ip), h.rank, h.partition,
                        h.switch_port) for h in doc.hosts)
     extra = {k: v for k in ("training", "shadow", "testbed")

@@ -76,6 +76,16 @@ class NetworkDoc(_Section):
         return self
 
 
+class TofinoDoc(_Section):
+    """Tofino specifics: which P4Runtime server runs on the switch (it decides how the
+    compiled program is packed, control/pipeline.py), the chip's pipe count (dev ports are
+    pipe-encoded) and the port of the SDE's BF Runtime gRPC server."""
+
+    server: Annotated[str, _one_of(("stratum", "sde"))] = "stratum"
+    pipes: Annotated[int, _int_in(1, 4)] = 4
+    bfrt_port: Annotated[int, _int_in(1, 65535)] = 50052
+
+
 class SwitchDoc(_Section):
     name: Name
     target: Annotated[str, _one_of(TARGETS)] = "kernel"
@@ -86,6 +96,7 @@ class SwitchDoc(_Section):
     cpu_port: Port9 = 64
     cable_m: float = 3.0
     speed_gbps: Annotated[int, _int_in(1, 800)] = 100
+    tofino: Annotated[TofinoDoc, Mapping] = Field(default_factory=TofinoDoc)
 
 
 class HostDoc(_Section):

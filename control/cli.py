@@ -1,6 +1,7 @@
 """`control`: deploy the plan to a switch, show its state, run the handshake service.
 
     control deploy --switch NAME [--config FILE] [--dry-run]
+    (without --config: the shipped config whose switch is NAME, sw0 or tofino0)
     control status --switch NAME [--config FILE] [--json]
     control serve [--config FILE] [--bind IP]
 
@@ -55,8 +56,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Configs shipped with the package (checkmate.testbed), found by their switch's name when
+#: no --config is given: sw0 (kernel testbed) and tofino0 (a Tofino with dev ports).
+SHIPPED = ("default.yaml", "tofino0.yaml")
+
+
+def _shipped(switch: str | None) -> Path:
+    """The shipped config whose switch is ``switch`` (the default one when none is)."""
+    from importlib.resources import files
+
+    if switch is None:
+        return config.default_path()
+    paths = [Path(str(files("checkmate.testbed") / name)) for name in SHIPPED]
+    names = []
+    for p in paths:
+        cfg = config.load(p)
+        if cfg.switch.name == switch:
+            return p
+        names.append(cfg.switch.name)
+    raise CheckmateError(f"unknown switch {switch!r} (the shipped configs have "
+                         f"{', '.join(repr(n) for n in names)}; pass --config FILE)")
+
+
 def _load(args: argparse.Namespace) -> config.ClusterConfig:
-    return config.load(args.config or config.default_path())
+    if args.config is not None:
+        return config.load(args.config)
+    return config.load(_shipped(getattr(args, "switch", None)))
 
 
 def _store(args: argparse.Namespace, cfg: config.ClusterConfig) -> sessions.SessionStore:
@@ -72,9 +97,9 @@ def _dry_run(cfg: config.ClusterConfig, plan: plan_mod.Plan) -> None:
         for e in p4tables.entries(plan):
             print(f"  {e.label()}")
     if cfg.switch.target == "tofino":
-        from checkmate.control.drivers.tofino import bfrt_script
+        from checkmate.control.drivers.tofino import bfrt_script, write_script
 
-        print("bfrt_python port script:")
+        print(f"bfrt_python port script (written to {write_script(plan)}):")
         print(bfrt_script(plan))
 
 
@@ -117,11 +142,16 @@ def _print_status(st: dict) -> None:
         return
     print("table entries:")
     for e in st["entries"]:
-        print(f"  {e['entry']}: {e['packets']} pkts {e['bytes']} bytes")
+        if e["packets"] is None:
+            print(f"  {e['entry']}: counter not readable over P4Runtime")
+        else:
+            print(f"  {e['entry']}: {e['packets']} pkts {e['bytes']} bytes")
     print("multicast groups:")
     for g, reps in sorted(st["groups"].items()):
         print(f"  {g}: {reps}")
     print("ckm counters: " + " ".join(f"{k}={v}" for k, v in st["ckm_stats"].items()))
+    for note in st.get("notes", ()):
+        print(f"note: {note}")
 
 
 def status(args: argparse.Namespace) -> int:

@@ -136,12 +136,25 @@ class P4RuntimeClient:
         return out
 
     def get_p4info(self):
-        """The device's P4Info, or None when no pipeline is loaded."""
+        """The device's P4Info, or None when no pipeline is loaded.
+
+        Real servers (PI's in simple_switch_grpc, Stratum, the SDE's) answer FAILED_PRECONDITION
+        when no pipeline has been set; an empty P4Info is taken to mean the same."""
         pb = self.pb
-        resp = self._unary("GetForwardingPipelineConfig", pb.GetForwardingPipelineConfigRequest(
+        req = pb.GetForwardingPipelineConfigRequest(
             device_id=self.device_id,
-            response_type=pb.GetForwardingPipelineConfigRequest.P4INFO_AND_COOKIE),
-            pb.GetForwardingPipelineConfigResponse)
+            response_type=pb.GetForwardingPipelineConfigRequest.P4INFO_AND_COOKIE)
+        assert self._channel is not None, "connect() first"
+        call = self._channel.unary_unary(
+            p4proto.METHODS["GetForwardingPipelineConfig"],
+            request_serializer=type(req).SerializeToString,
+            response_deserializer=pb.GetForwardingPipelineConfigResponse.FromString)
+        try:
+            resp = call(req, timeout=self.timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                return None
+            raise _rpc_error("GetForwardingPipelineConfig", e) from None
         info = resp.config.p4info
         return info if len(info.tables) else None
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from checkmate.config import CONTROLLER_PORT, ClusterConfig, Host
-from checkmate.control import pfc
+from checkmate.control import devports, pfc
 from checkmate.errors import CheckmateError
 
 #: Multicast group flooding broadcast/unknown destinations (FLOOD_GROUP in the P4 sources).
@@ -134,9 +134,13 @@ class Plan:
 
 def switch_port(cfg: ClusterConfig, host: Host) -> int:
     """Physical switch port of a host on P4 targets: ``switch_port`` from the config, else
-    1 + the host's index in the config (the order mininet_bmv2 attaches the links)."""
+    (bmv2 and kernel only) 1 + the host's index in the config, the order mininet_bmv2
+    attaches the links. A Tofino has pipe-encoded dev ports: no default (devports)."""
     if host.switch_port is not None:
         return host.switch_port
+    if cfg.switch.target == "tofino":
+        raise CheckmateError(f"host {host.name} has no switch_port: a Tofino switch needs "
+                             "each host's dev port (control/devports.py)")
     return 1 + cfg.hosts.index(host)
 
 
@@ -254,6 +258,11 @@ def _gid(g: McastGroup) -> int:
 
 
 def _check_ports(cfg: ClusterConfig, ports: tuple[PortPlan, ...]) -> None:
+    if cfg.switch.target == "tofino":
+        pipes = cfg.switch.tofino_pipes
+        devports.check_cpu_port(cfg.switch.cpu_port, pipes)
+        for p in ports:
+            devports.check_host_port(p.port, p.speed_gbps, pipes, f"host {p.host}")
     seen: dict[int, str] = {cfg.switch.cpu_port: "the CPU port"}
     for p in ports:
         if p.port in seen:

@@ -1,25 +1,33 @@
 /* Checkmate switch for Tofino (TNA).
- * Build (SDE): bf-p4c --target tofino --arch tna --p4runtime-files checkmate_tna.p4info.txtpb \
- *                  -I p4/include -o build/p4/checkmate_tna p4/checkmate_tna.p4
- * Same tables, keys and actions as checkmate_v1model.p4 (the P4Info names differ only by the
- * "pipe." prefix). Differences forced by the architecture:
+ * Build (SDE's bf-p4c, or p4c's Tofino backend), into the folder the controller reads:
+ *   bf-p4c --target tofino --arch tna -I p4/include -o build/p4/checkmate_tna \
+ *       --p4runtime-files build/p4/checkmate_tna/p4info.txtpb,build/p4/checkmate_tna/p4info.binpb \
+ *       [--p4runtime-force-std-externs] p4/checkmate_tna.p4
+ * (the last flag makes counters standard P4Runtime counters, which Stratum serves and
+ * `control status` reads; without it they are Tofino externs, read in bfrt.)
+ * Same tables, keys and actions as checkmate_v1model.p4 (p4c's TNA P4Info prefixes tables
+ * and counters, not actions, with "pipe."). Differences forced by the architecture:
  * - direct counters are counted explicitly in each action;
+ * - an indexed counter (ckm_stats, l2_miss) may be accessed once per packet and never from
+ *   an action that also counts a direct counter, so each outcome is put in a local and
+ *   counted once at the end of the apply block;
  * - unicast and multicast are independent in the traffic manager, so a replicated
  *   datagram sets only mcast_grp_a (the group holds the destination, rid 0, and the shadow,
  *   rid = partition + 1) and L2 forwarding is skipped for it;
- * - ckm traffic is put on queue CKM_QID with ingress_cos CKM_COS, the priority group that
- *   has PFC enabled (thresholds from `control deploy`, docs/pfc.md);
+ * - lossless traffic (CkmLossless: well-formed ckm, DSCP CKM_DSCP or PCP CKM_COS) is put on
+ *   queue CKM_QID with ingress_cos CKM_COS, the priority group that has PFC enabled
+ *   (thresholds from `control deploy`, docs/pfc.md);
  * - the ingress port reaches egress in a bridged header (flood pruning);
  * - the IPv4 checksum of a shadow copy is recomputed in the egress deparser; the UDP
  *   checksum of the copy is set to zero (RFC 768 allows it over IPv4; the ckm CRC32C covers
- *   the payload).
- * Parser errors (a ckm port with a payload shorter than the header) do not drop: the packet
- * continues with hdr.ckm invalid, is counted as malformed and forwarded as plain traffic.
+ *   the payload);
+ * - a parser error drops the frame on Tofino unless ingress reads parser_err: it does, and
+ *   counts STAT_PARSER_ERROR and forwards the frame as far as it was parsed.
  * The same anti-spoofing and length checks as v1model: a REPLICATE datagram is copied only
  * when it entered on the port its replication entry names (the source host's), and only
  * when its count agrees with its UDP length (CkmLengthCheck); otherwise it is forwarded
- * plainly and counted spoofed or malformed. Not compiled here (no SDE): the length check's
- * 32-bit compares are written as assignments then equality tests so bf-p4c can place them.
+ * plainly and counted spoofed or malformed. The length check's 32-bit compares are written
+ * as assignments then equality tests so bf-p4c can place them.
  */
 #include <core.p4>
 #include <tna.p4>
@@ -44,7 +52,10 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
                    in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
                    inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
                    inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    /* Indexed counters are never touched inside table actions (which count their table's
+     * direct counter): each is counted once per packet, in the apply block. */
     Counter<bit<32>, bit<32>>(STAT_SIZE, CounterType_t.PACKETS_AND_BYTES) ckm_stats;
+    Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS_AND_BYTES) l2_miss;
     DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) l2_fwd_counter;
     DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) ckm_punt_counter;
     DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) ckm_replicate_counter;
@@ -81,7 +92,6 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
     action to_cpu(PortId_t port) {
         ig_tm_md.ucast_egress_port = port;
         ckm_punt_counter.count();
-        ckm_stats.count(STAT_HANDSHAKE);
     }
 
     table ckm_punt {
@@ -99,7 +109,8 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
     }
 
     /* The group is used only if the datagram entered on ingress_port (apply block); the
-     * direct counter counts matches, ckm_stats tells copies from spoofed ones. */
+     * direct counter counts matches, ckm_stats tells copies from spoofed ones. A miss has
+     * no entry to count: no_entry does nothing and the apply block counts STAT_NO_ENTRY. */
     action replicate(MulticastGroupId_t group, PortId_t ingress_port) {
         meta.repl_group = group;
         meta.repl_port = ingress_port;
@@ -107,7 +118,6 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
     }
 
     action no_entry() {
-        ckm_stats.count(STAT_NO_ENTRY);
     }
 
     table ckm_replicate {
@@ -127,10 +137,14 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
     }
 
     CkmLengthCheck() ckm_length;
+    CkmLossless() ckm_lossless;
 
     apply {
         bool steered = false;
         bool well_formed = false;
+        bool lossless = false;
+        bool counted = false;     /* a datagram on a ckm port: one ckm_stats outcome */
+        bit<32> outcome = STAT_PLAIN;
         hdr.bridge.setValid();
         hdr.bridge.pad = 0;
         hdr.bridge.ingress_port = ig_intr_md.ingress_port;
@@ -138,28 +152,47 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
             ckm_length.apply(hdr, well_formed);
         }
         if (well_formed) {
-            ckm_stats.count(STAT_CKM);
-            ig_tm_md.qid = (QueueId_t)CKM_QID;  /* bit<5> on Tofino 1, bit<7> on Tofino 2 */
-            ig_tm_md.ingress_cos = CKM_COS;
+            counted = true;
             if ((hdr.ckm.flags & CKM_F_HANDSHAKE) != 0) {
-                steered = ckm_punt.apply().hit;
+                if (ckm_punt.apply().hit) {
+                    steered = true;
+                    outcome = STAT_HANDSHAKE;
+                }
             } else if ((hdr.ckm.flags & CKM_F_REPLICATE) != 0 &&
                        (hdr.ipv4.flags & IPV4_FLAG_MF) == 0) {  /* fragments: never copied */
                 if (ckm_replicate.apply().hit) {
                     if (ig_intr_md.ingress_port == meta.repl_port) {
                         ig_tm_md.mcast_grp_a = meta.repl_group;
-                        ckm_stats.count(STAT_REPLICATED);
                         steered = true;
+                        outcome = STAT_REPLICATED;
                     } else {
-                        ckm_stats.count(STAT_SPOOFED);
+                        outcome = STAT_SPOOFED;
                     }
+                } else {
+                    outcome = STAT_NO_ENTRY;
                 }
             }
+        } else if (ig_prsr_md.parser_err != 0) {
+            /* Consumed here: the frame is counted and forwarded as far as it was parsed. */
+            counted = true;
+            outcome = STAT_PARSER_ERROR;
         } else if (meta.ckm_port == 1) {
-            ckm_stats.count(STAT_MALFORMED);
+            counted = true;
+            outcome = STAT_MALFORMED;
         }
+        if (counted) {
+            ckm_stats.count(outcome);
+        }
+        ckm_lossless.apply(hdr, well_formed, lossless);
+        if (lossless) {
+            ig_tm_md.qid = (QueueId_t)CKM_QID;  /* bit<5> on Tofino 1, bit<7> on Tofino 2 */
+            ig_tm_md.ingress_cos = CKM_COS;
+        }
+        /* A replicated datagram reaches its destination through the group (rid 0). */
         if (!steered && hdr.ethernet.isValid()) {
-            l2_fwd.apply();
+            if (!l2_fwd.apply().hit) {
+                l2_miss.count(0);  /* flooded: the default action has no entry to count */
+            }
         }
     }
 }
@@ -169,6 +202,7 @@ control CkmIngressDeparser(packet_out pkt, inout headers_t hdr, in ckm_meta_t me
     apply {
         pkt.emit(hdr.bridge);
         pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.vlan);
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.ckm);
@@ -243,6 +277,7 @@ control CkmEgressDeparser(packet_out pkt, inout headers_t hdr, in ckm_meta_t met
                 hdr.ipv4.src_addr, hdr.ipv4.dst_addr });
         }
         pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.vlan);
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.ckm);

@@ -1,12 +1,16 @@
 /* Checkmate switch for bmv2 simple_switch_grpc (v1model).
- * Build: p4c-bm2-ss --arch v1model --p4runtime-files checkmate_v1model.p4info.txtpb \
- *            -I p4/include -o build/p4/checkmate_v1model.json p4/checkmate_v1model.p4
+ * Build, into the folder the controller and the bmv2 testbed read:
+ *   p4c-bm2-ss --arch v1model -I p4/include -o build/p4/checkmate_v1model/checkmate_v1model.json \
+ *       --p4runtime-files build/p4/checkmate_v1model/p4info.txtpb p4/checkmate_v1model.p4
  * Needs a v1model.p4 with standard_metadata.priority (p4c >= 1.2.0) and simple_switch
  * started with --priority-queues for the ckm class to get its own queue.
  *
- * Ingress: L2 forwarding by destination MAC (flood group for unknown/broadcast); ckm
- * datagrams whose count agrees with their UDP length (CkmLengthCheck) go to the ckm
- * priority, others are counted malformed and forwarded as plain traffic; unfragmented
+ * Ingress: L2 forwarding by destination MAC (flood group for unknown/broadcast, counted in
+ * l2_miss); ckm datagrams whose count agrees with their UDP length (CkmLengthCheck), and
+ * frames marked with DSCP CKM_DSCP or PCP CKM_COS (CkmLossless), go to the ckm priority;
+ * other datagrams on ckm ports are counted malformed (or parser errors) and forwarded as
+ * plain traffic; every datagram on a ckm port gets one ckm_stats outcome, counted once;
+ * unfragmented
  * REPLICATE datagrams whose (job, src IP, dst IP, partition) match ckm_replicate and that
  * entered on the port the entry names (the source host's: a copy carries the shadow's
  * valid epoch/token, so a forged source's copy would be accepted) are multicast to a group
@@ -41,7 +45,10 @@ control CkmVerifyChecksum(inout headers_t hdr, inout ckm_meta_t meta) {
 
 control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
                    inout standard_metadata_t std_md) {
+    /* Counted as on Tofino (checkmate_tna.p4): each indexed counter once per packet, in
+     * the apply block, never inside a table action. */
     counter(STAT_SIZE, CounterType.packets_and_bytes) ckm_stats;
+    counter(1, CounterType.packets_and_bytes) l2_miss;
     direct_counter(CounterType.packets_and_bytes) l2_fwd_counter;
     direct_counter(CounterType.packets_and_bytes) ckm_punt_counter;
     direct_counter(CounterType.packets_and_bytes) ckm_replicate_counter;
@@ -74,7 +81,6 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
 
     action to_cpu(bit<9> port) {
         std_md.egress_spec = port;
-        ckm_stats.count(STAT_HANDSHAKE);
     }
 
     table ckm_punt {
@@ -97,8 +103,7 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         meta.repl_port = ingress_port;
     }
 
-    action no_entry() {
-        ckm_stats.count(STAT_NO_ENTRY);
+    action no_entry() {  /* the apply block counts STAT_NO_ENTRY */
     }
 
     table ckm_replicate {
@@ -118,36 +123,58 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
     }
 
     CkmLengthCheck() ckm_length;
+    CkmLossless() ckm_lossless;
 
     apply {
         bool steered = false;
         bool well_formed = false;
+        bool lossless = false;
+        bool counted = false;     /* a datagram on a ckm port: one ckm_stats outcome */
+        bit<32> outcome = STAT_PLAIN;
         if (hdr.ckm.isValid()) {
             ckm_length.apply(hdr, well_formed);
         }
         if (well_formed) {
-            ckm_stats.count(STAT_CKM);
-            std_md.priority = CKM_COS;
+            counted = true;
             if ((hdr.ckm.flags & CKM_F_HANDSHAKE) != 0) {
-                steered = ckm_punt.apply().hit;
+                if (ckm_punt.apply().hit) {
+                    steered = true;
+                    outcome = STAT_HANDSHAKE;
+                }
             } else if ((hdr.ckm.flags & CKM_F_REPLICATE) != 0 &&
                        (hdr.ipv4.flags & IPV4_FLAG_MF) == 0) {  /* fragments: never copied */
                 if (ckm_replicate.apply().hit) {
                     if (std_md.ingress_port == meta.repl_port) {
                         std_md.mcast_grp = meta.repl_group;
-                        ckm_stats.count(STAT_REPLICATED);
                         steered = true;
+                        outcome = STAT_REPLICATED;
                     } else {
-                        ckm_stats.count(STAT_SPOOFED);
+                        outcome = STAT_SPOOFED;
                     }
+                } else {
+                    outcome = STAT_NO_ENTRY;
                 }
             }
+        } else if (std_md.parser_error != error.NoError) {
+            /* Consumed here: the frame is counted and forwarded as far as it was parsed. */
+            counted = true;
+            outcome = STAT_PARSER_ERROR;
         } else if (meta.ckm_port == 1) {
-            ckm_stats.count(STAT_MALFORMED);
+            counted = true;
+            outcome = STAT_MALFORMED;
+        }
+        if (counted) {
+            ckm_stats.count(outcome);
+        }
+        ckm_lossless.apply(hdr, well_formed, lossless);
+        if (lossless) {
+            std_md.priority = CKM_COS;
         }
         /* A replicated datagram reaches its destination through the group (rid 0). */
         if (!steered && hdr.ethernet.isValid()) {
-            l2_fwd.apply();
+            if (!l2_fwd.apply().hit) {
+                l2_miss.count(0);  /* flooded: the default action has no entry to count */
+            }
         }
     }
 }
@@ -206,6 +233,7 @@ control CkmComputeChecksum(inout headers_t hdr, inout ckm_meta_t meta) {
 control CkmDeparser(packet_out pkt, in headers_t hdr) {
     apply {
         pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.vlan);
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.ckm);

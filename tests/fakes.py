@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -10,3 +11,276 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -- P4Runtime ---------------------------------------------------------------------------
+# The compiler's P4Info fixtures (tests/fixtures/p4c/README.md) and a P4Runtime switch
+# double for the controller tests.
+
+P4C_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "p4c"
+#: What the p4c fixtures lack against the current sources, by P4 name (README there).
+COMPILED_BEHIND = {"param CkmIngress.replicate.ingress_port/9", "counter CkmIngress.l2_miss"}
+
+
+def fixture_p4info(name: str):
+    """A P4Info fixture as parsed by the controller (Tofino extern payloads dropped)."""
+    from checkmate.control import p4info
+
+    path = P4C_FIXTURES / name
+    return p4info.parse_text(path.read_text(), str(path)).p4info
+
+
+def compiled_p4info(arch: str, current: bool = True):
+    """p4c's P4Info for ``arch``; with ``current``, plus the COMPILED_BEHIND names as p4c
+    would add them (next free parameter id; a counter of size 1, standard on v1model and a
+    Tofino Counter extern instance on TNA), so it describes the sources as they are."""
+    info = fixture_p4info(f"checkmate_{arch}.p4info.txtpb")
+    if not current:
+        return info
+    act = next(a for a in info.actions if a.preamble.name == "CkmIngress.replicate")
+    if "ingress_port" not in {p.name for p in act.params}:
+        act.params.add(id=max(p.id for p in act.params) + 1, name="ingress_port", bitwidth=9)
+    if arch == "v1model":
+        if not any(c.preamble.name == "CkmIngress.l2_miss" for c in info.counters):
+            c = info.counters.add(size=1)
+            c.preamble.id, c.preamble.name, c.preamble.alias = (
+                0x12F0_0001, "CkmIngress.l2_miss", "l2_miss")
+            c.spec.unit = c.spec.BOTH
+    else:
+        ext = next(e for e in info.externs if e.extern_type_name == "Counter")
+        if not any(i.preamble.name == "pipe.CkmIngress.l2_miss" for i in ext.instances):
+            inst = ext.instances.add()
+            inst.preamble.id, inst.preamble.name, inst.preamble.alias = (
+                0x83F0_0001, "pipe.CkmIngress.l2_miss", "l2_miss")
+    return info
+
+
+class FakeSwitch:
+    """P4Runtime TEST DOUBLE of a switch's server, answering as PI's server does (the one in
+    simple_switch_grpc, which Stratum and the SDE's server resemble here): an in-process
+    gRPC server on loopback speaking p4.v1.P4Runtime.
+
+    Modelled, because the controller relies on it: arbitration (the highest election id is
+    primary, a lower one gets ALREADY_EXISTS); FAILED_PRECONDITION for Get/Write/Read while
+    no pipeline is set; SetForwardingPipelineConfig only from the primary and only with a
+    P4Info and a non-empty device config; writes validated against the loaded P4Info as a
+    switch does (unknown table/action ids, incomplete or too wide or non-canonical values,
+    default-only actions in entries, duplicate inserts, missing modify/delete targets);
+    reads of entries, groups, direct counters and indexed counters (every index of the
+    counter's size, from ``counts``); unknown counter ids are NOT_FOUND.
+
+    Not modelled: packet processing (counters move only when a test sets ``counts`` or
+    ``direct_counts``), table capacity, ternary/LPM/range matches, multicast replicas
+    checked against real ports, Tofino extern reads (ExternEntry), packet-in/out, roles,
+    per-update error details (PI answers a failed batch with UNKNOWN and one status per
+    update; this double aborts with the first error's own code), and the device config is
+    stored, not interpreted."""
+
+    def __init__(self, p4info=None) -> None:
+        import threading
+        from concurrent import futures
+
+        import grpc
+
+        from checkmate.control import p4proto
+
+        self.pb = pb = p4proto.p4runtime()
+        self.p4info = p4info
+        self.device_config = b""
+        self.pipeline_sets = 0
+        self.entries: dict[tuple, object] = {}
+        self.groups: dict[int, object] = {}
+        self.updates: list = []  # every applied Update, in order
+        self.primary_election: int | None = None
+        self.direct_counts: dict[tuple, tuple[int, int]] = {}
+        self.counts: dict[tuple[str, int], tuple[int, int]] = {}  # (counter name, index)
+        self.lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        u = grpc.unary_unary_rpc_method_handler
+        handlers = {
+            "Write": u(self.Write, pb.WriteRequest.FromString,
+                       pb.WriteResponse.SerializeToString),
+            "Read": grpc.unary_stream_rpc_method_handler(
+                self.Read, pb.ReadRequest.FromString, pb.ReadResponse.SerializeToString),
+            "GetForwardingPipelineConfig": u(
+                self.GetPipe, pb.GetForwardingPipelineConfigRequest.FromString,
+                pb.GetForwardingPipelineConfigResponse.SerializeToString),
+            "SetForwardingPipelineConfig": u(
+                self.SetPipe, pb.SetForwardingPipelineConfigRequest.FromString,
+                pb.SetForwardingPipelineConfigResponse.SerializeToString),
+            "StreamChannel": grpc.stream_stream_rpc_method_handler(
+                self.Stream, pb.StreamMessageRequest.FromString,
+                pb.StreamMessageResponse.SerializeToString),
+        }
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(p4proto.SERVICE, handlers),))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+    # -- service -------------------------------------------------------------------------
+    def _need_pipeline(self, context) -> None:
+        import grpc
+
+        if self.p4info is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "no forwarding pipeline config set for this device")
+
+    def Stream(self, requests, context):
+        import grpc
+
+        for req in requests:
+            if req.HasField("arbitration"):
+                eid = req.arbitration.election_id.low
+                with self.lock:
+                    if self.primary_election is None or eid >= self.primary_election:
+                        self.primary_election = eid
+                        code = 0
+                    else:
+                        code = grpc.StatusCode.ALREADY_EXISTS.value[0]
+                resp = self.pb.StreamMessageResponse()
+                resp.arbitration.CopyFrom(req.arbitration)
+                resp.arbitration.status.code = code
+                yield resp
+
+    def GetPipe(self, req, context):
+        self._need_pipeline(context)
+        resp = self.pb.GetForwardingPipelineConfigResponse()
+        resp.config.p4info.CopyFrom(self.p4info)
+        return resp
+
+    def SetPipe(self, req, context):
+        import grpc
+
+        if req.election_id.low != self.primary_election:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not primary")
+        if not req.config.p4info.tables or not req.config.p4_device_config:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "P4Info and device config needed")
+        self.p4info = req.config.p4info
+        self.device_config = req.config.p4_device_config
+        self.pipeline_sets += 1
+        return self.pb.SetForwardingPipelineConfigResponse()
+
+    def _check_entry(self, te, context) -> tuple:
+        import grpc
+
+        from checkmate.control import p4proto
+
+        tables = {t.preamble.id: t for t in self.p4info.tables}
+        actions = {a.preamble.id: a for a in self.p4info.actions}
+        t = tables.get(te.table_id)
+        if t is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown table {te.table_id}")
+        widths = {f.id: f.bitwidth for f in t.match_fields}
+        if sorted(m.field_id for m in te.match) != sorted(widths):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "match fields incomplete")
+        for m in te.match:
+            v = m.exact.value
+            if not v or (len(v) > 1 and v[0] == 0) or int.from_bytes(v, "big") >> widths[
+                    m.field_id]:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "non-canonical/too wide")
+        aid = te.action.action.action_id
+        refs = {r.id for r in t.action_refs if r.scope != p4proto.p4info().ActionRef.DEFAULT_ONLY}
+        if aid not in refs:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"action {aid} not in table")
+        pw = {p.id: p.bitwidth for p in actions[aid].params}
+        if sorted(p.param_id for p in te.action.action.params) != sorted(pw):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "action params incomplete")
+        for p in te.action.action.params:
+            if int.from_bytes(p.value, "big") >> pw[p.param_id]:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "param too wide")
+        return (te.table_id, tuple(sorted((m.field_id, m.exact.value) for m in te.match)))
+
+    def Write(self, req, context):
+        import grpc
+
+        self._need_pipeline(context)
+        if req.election_id.low != self.primary_election:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not primary")
+        pb = self.pb
+        with self.lock:
+            for up in req.updates:
+                ent = up.entity
+                if ent.HasField("table_entry"):
+                    key = self._check_entry(ent.table_entry, context)
+                    store = self.entries
+                    val = ent.table_entry
+                else:
+                    g = ent.packet_replication_engine_entry.multicast_group_entry
+                    key, store, val = g.multicast_group_id, self.groups, g
+                if up.type == pb.Update.INSERT and key in store:
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{key} exists")
+                if up.type in (pb.Update.MODIFY, pb.Update.DELETE) and key not in store:
+                    context.abort(grpc.StatusCode.NOT_FOUND, f"{key} missing")
+                if up.type == pb.Update.DELETE:
+                    del store[key]
+                else:
+                    store[key] = type(val)()
+                    store[key].CopyFrom(val)
+                self.updates.append(up)
+        return pb.WriteResponse()
+
+    def Read(self, req, context):
+        import grpc
+
+        self._need_pipeline(context)
+        resp = self.pb.ReadResponse()
+        counters = {c.preamble.id: c for c in self.p4info.counters}
+        with self.lock:
+            for ent in req.entities:
+                if ent.HasField("table_entry"):
+                    for (tid, _), te in sorted(self.entries.items()):
+                        if ent.table_entry.table_id in (0, tid):
+                            resp.entities.add().table_entry.CopyFrom(te)
+                elif ent.HasField("packet_replication_engine_entry"):
+                    for _gid, g in sorted(self.groups.items()):
+                        out = resp.entities.add()
+                        out.packet_replication_engine_entry.multicast_group_entry.CopyFrom(g)
+                elif ent.HasField("direct_counter_entry"):
+                    want = ent.direct_counter_entry.table_entry.table_id
+                    for key, te in sorted(self.entries.items()):
+                        if want in (0, key[0]):
+                            out = resp.entities.add().direct_counter_entry
+                            out.table_entry.CopyFrom(te)
+                            pk, by = self.direct_counts.get(key, (0, 0))
+                            out.data.packet_count, out.data.byte_count = pk, by
+                elif ent.HasField("counter_entry"):
+                    c = counters.get(ent.counter_entry.counter_id)
+                    if c is None:
+                        context.abort(grpc.StatusCode.NOT_FOUND,
+                                      f"unknown counter {ent.counter_entry.counter_id}")
+                    for i in range(c.size):
+                        out = resp.entities.add().counter_entry
+                        out.counter_id = c.preamble.id
+                        out.index.index = i
+                        pk, by = self.counts.get((c.preamble.name, i), (0, 0))
+                        out.data.packet_count, out.data.byte_count = pk, by
+        yield resp
+
+    # -- decoding for assertions, from the P4Info by name (independent of the driver) ---
+    def table(self, alias: str) -> set[tuple]:
+        t = next(t for t in self.p4info.tables if t.preamble.alias == alias)
+        actions = {a.preamble.id: a for a in self.p4info.actions}
+        fnames = {f.id: f.name for f in t.match_fields}
+        out = set()
+        for (tid, _), te in self.entries.items():
+            if tid != t.preamble.id:
+                continue
+            a = actions[te.action.action.action_id]
+            pn = {p.id: p.name for p in a.params}
+            m = tuple(sorted((fnames[x.field_id], int.from_bytes(x.exact.value, "big"))
+                             for x in te.match))
+            p = tuple(sorted((pn[x.param_id], int.from_bytes(x.value, "big"))
+                             for x in te.action.action.params))
+            out.add((m, a.preamble.alias, p))
+        return out
+
+    def group_map(self) -> dict[int, set[tuple[int, int]]]:
+        return {gid: {(r.egress_port, r.instance) for r in g.replicas}
+                for gid, g in self.groups.items()}

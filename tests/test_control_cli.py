@@ -17,6 +17,7 @@ def control(*args: str, state: Path | None = None) -> subprocess.CompletedProces
     env = dict(os.environ)
     if state is not None:
         env["CHECKMATE_CONTROL_STATE"] = str(state)
+        env["CHECKMATE_P4_BUILD"] = str(state.parent / "build")  # scripts out of the repo
     return subprocess.run([sys.executable, "-m", "checkmate.control.cli", *args],
                           capture_output=True, text=True, timeout=60, env=env)
 
@@ -29,9 +30,15 @@ def one_error_line(r: subprocess.CompletedProcess, needle: str) -> None:
     assert lines[0].startswith("control: error: ") and needle in lines[0], lines[0]
 
 
-def write_cfg(tmp_path: Path, **switch) -> Path:
-    data = yaml.safe_load(Path(config.default_path()).read_text())
+TOFINO0 = Path(__file__).resolve().parents[1] / "testbed" / "tofino0.yaml"
+
+
+def write_cfg(tmp_path: Path, base: Path | None = None, **switch) -> Path:
+    data = yaml.safe_load((base or Path(config.default_path())).read_text())
     data["switch"].update(switch)
+    for k, v in list(data["switch"].items()):
+        if v is None:
+            del data["switch"][k]
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(data))
     return p
@@ -46,16 +53,52 @@ def test_dry_run_prints_plan_without_a_switch(tmp_path):
 
 
 def test_tofino_dry_run_prints_p4runtime_entries_and_bfrt_script(tmp_path):
-    path = write_cfg(tmp_path, target="tofino", address="192.0.2.1:9559")
-    r = control("deploy", "--switch", "sw0", "--config", str(path), "--dry-run",
-                state=tmp_path / "s.json")
+    """`control deploy --switch tofino0 --dry-run` as documented: no --config (the shipped
+    tofino0 config is found by its switch's name), no switch; the script lands in the build
+    folder."""
+    env_build = tmp_path / "build"
+    r = subprocess.run([sys.executable, "-m", "checkmate.control.cli", "deploy", "--switch",
+                        "tofino0", "--dry-run"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "CHECKMATE_CONTROL_STATE": str(tmp_path / "s.json"),
+                            "CHECKMATE_P4_BUILD": str(env_build)})
     assert r.returncode == 0, r.stderr
+    assert "plan for switch tofino0 (tofino)" in r.stdout
     assert r.stdout.count("ckm_replicate [") == 8
-    assert "bfrt_python port script:" in r.stdout and "port.add(DEV_PORT=6," in r.stdout
+    assert "P4Runtime entries (tna):" in r.stdout
+    script = (env_build / "tofino0-ports.bfrt.py").read_text()
+    assert f"bfrt_python port script (written to {env_build / 'tofino0-ports.bfrt.py'}):" \
+        in r.stdout
+    assert script in r.stdout and "port.add(DEV_PORT=132," in script
+    assert "tm.ppg.cfg.add_with_dev_port(pipe=1, ppg_id=2, dev_port=132," in script
+    # the host commands map the DSCP the sockets mark to the PFC priority
+    assert "dscp-prio 24:3" in r.stdout
+
+
+def test_tofino_deploy_without_a_switch_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "checkmate.control.cli", "deploy", "--switch",
+                        "tofino0"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "CHECKMATE_CONTROL_STATE": str(tmp_path / "s.json"),
+                            "CHECKMATE_P4_BUILD": str(tmp_path / "build")})
+    one_error_line(r, "no P4Runtime server answers at localhost:9559")
+    assert (tmp_path / "build" / "tofino0-ports.bfrt.py").is_file()
+
+
+def test_tofino_needs_valid_dev_ports(tmp_path):
+    """bmv2's port habit (1 + index) is refused on Tofino, as are misaligned lanes."""
+    path = write_cfg(tmp_path, target="tofino", address="192.0.2.1:9559", cpu_port=320)
+    one_error_line(control("deploy", "--switch", "sw0", "--config", str(path), "--dry-run",
+                           state=tmp_path / "s.json"), "host t0 has no switch_port")
+    data = yaml.safe_load(TOFINO0.read_text())
+    data["hosts"][1]["switch_port"] = 6  # a 100G port must start on a multiple of 4
+    path.write_text(yaml.safe_dump(data))
+    one_error_line(control("deploy", "--switch", "tofino0", "--config", str(path),
+                           "--dry-run", state=tmp_path / "s.json"),
+                   "host t1: a 100G port uses 4 lanes")
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["deploy", "--switch", "nope"], "unknown switch 'nope' (the config has 'sw0')"),
+    (["deploy", "--switch", "nope"],
+     "unknown switch 'nope' (the shipped configs have 'sw0', 'tofino0'"),
     (["status", "--switch", "nope"], "unknown switch 'nope'"),
     (["deploy"], "the following arguments are required: --switch"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -75,11 +118,11 @@ def test_malformed_configs(tmp_path):
 
 
 def test_tofino_without_address_or_reachable_switch(tmp_path):
-    path = write_cfg(tmp_path, target="tofino")
-    one_error_line(control("deploy", "--switch", "sw0", "--config", str(path),
+    path = write_cfg(tmp_path, TOFINO0, address=None)
+    one_error_line(control("deploy", "--switch", "tofino0", "--config", str(path),
                            state=tmp_path / "s.json"), "switch.address")
-    path = write_cfg(tmp_path, target="tofino", address="127.0.0.1:1")
-    one_error_line(control("deploy", "--switch", "sw0", "--config", str(path),
+    path = write_cfg(tmp_path, TOFINO0, address="127.0.0.1:1")
+    one_error_line(control("deploy", "--switch", "tofino0", "--config", str(path),
                            state=tmp_path / "s.json"), "no P4Runtime server answers")
 
 

@@ -1,25 +1,25 @@
-"""The controller against a P4Runtime server.
+"""The controller against a P4Runtime server running a compiler-built Checkmate program.
 
-Nobody here has a Tofino or a bmv2 build, so the switch is a TEST DOUBLE: an in-process gRPC
-server implementing the p4.v1.P4Runtime service (arbitration, Write, Read, pipeline config)
-that validates writes against the P4Info like a switch would (unknown ids, widths, duplicate
-inserts, missing deletes are errors) and records every update. The controller talks to it
-over a real gRPC channel on loopback, exactly as it would to simple_switch_grpc or a Tofino.
+Nobody here has a Tofino or a bmv2 build, so the switch is a TEST DOUBLE (tests/fakes.py,
+FakeSwitch: what it models and what not is in its docstring), loaded with the P4Info the
+open-source p4c emitted for p4/ (tests/fixtures/p4c/: hash-based ids, TNA counters as
+Tofino externs). The controller talks to it over a real gRPC channel on loopback, exactly
+as it would to simple_switch_grpc, Stratum or the SDE's server, and has to find every
+table, action, parameter and counter by name.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import struct
 import subprocess
 import sys
-import threading
-from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
 import pytest
+from fakes import FakeSwitch, compiled_p4info, fixture_p4info
 from google.protobuf import text_format
 
 from checkmate import config
@@ -32,185 +32,6 @@ from checkmate.errors import CheckmateError
 
 REPO = Path(__file__).resolve().parents[1]
 PB = p4proto.p4runtime()
-
-
-def load_p4info(arch: str):
-    text = (REPO / "p4" / f"checkmate_{arch}.p4info.txtpb").read_text()
-    return text_format.Parse(text, p4proto.p4info().P4Info())
-
-
-class FakeSwitch:
-    """P4Runtime test double (see module docstring). Thread-safe; records Write updates."""
-
-    def __init__(self, p4info=None) -> None:
-        self.p4info = p4info
-        self.device_config = b""
-        self.entries: dict[tuple, object] = {}
-        self.groups: dict[int, object] = {}
-        self.updates: list = []  # every applied Update, in order
-        self.primary_election: int | None = None
-        self.direct_counts: dict[tuple, tuple[int, int]] = {}
-        self.lock = threading.Lock()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        u = grpc.unary_unary_rpc_method_handler
-        handlers = {
-            "Write": u(self.Write, PB.WriteRequest.FromString,
-                       PB.WriteResponse.SerializeToString),
-            "Read": grpc.unary_stream_rpc_method_handler(
-                self.Read, PB.ReadRequest.FromString, PB.ReadResponse.SerializeToString),
-            "GetForwardingPipelineConfig": u(
-                self.GetPipe, PB.GetForwardingPipelineConfigRequest.FromString,
-                PB.GetForwardingPipelineConfigResponse.SerializeToString),
-            "SetForwardingPipelineConfig": u(
-                self.SetPipe, PB.SetForwardingPipelineConfigRequest.FromString,
-                PB.SetForwardingPipelineConfigResponse.SerializeToString),
-            "StreamChannel": grpc.stream_stream_rpc_method_handler(
-                self.Stream, PB.StreamMessageRequest.FromString,
-                PB.StreamMessageResponse.SerializeToString),
-        }
-        self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(p4proto.SERVICE, handlers),))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.stop(0)
-
-    # -- service -------------------------------------------------------------------------
-    def Stream(self, requests, context):
-        for req in requests:
-            if req.HasField("arbitration"):
-                eid = req.arbitration.election_id.low
-                with self.lock:
-                    if self.primary_election is None or eid >= self.primary_election:
-                        self.primary_election = eid
-                        code = 0
-                    else:
-                        code = grpc.StatusCode.ALREADY_EXISTS.value[0]
-                resp = PB.StreamMessageResponse()
-                resp.arbitration.CopyFrom(req.arbitration)
-                resp.arbitration.status.code = code
-                yield resp
-
-    def GetPipe(self, req, context):
-        resp = PB.GetForwardingPipelineConfigResponse()
-        if self.p4info is not None:
-            resp.config.p4info.CopyFrom(self.p4info)
-        return resp
-
-    def SetPipe(self, req, context):
-        if req.election_id.low != self.primary_election:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not primary")
-        self.p4info = req.config.p4info
-        self.device_config = req.config.p4_device_config
-        return PB.SetForwardingPipelineConfigResponse()
-
-    def _check_entry(self, te, context) -> tuple:
-        tables = {t.preamble.id: t for t in self.p4info.tables}
-        actions = {a.preamble.id: a for a in self.p4info.actions}
-        t = tables.get(te.table_id)
-        if t is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown table {te.table_id}")
-        widths = {f.id: f.bitwidth for f in t.match_fields}
-        if sorted(m.field_id for m in te.match) != sorted(widths):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "match fields incomplete")
-        for m in te.match:
-            v = m.exact.value
-            if not v or (len(v) > 1 and v[0] == 0) or int.from_bytes(v, "big") >> widths[
-                    m.field_id]:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "non-canonical/too wide")
-        aid = te.action.action.action_id
-        refs = {r.id for r in t.action_refs if r.scope != p4proto.p4info().ActionRef.DEFAULT_ONLY}
-        if aid not in refs:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"action {aid} not in table")
-        pw = {p.id: p.bitwidth for p in actions[aid].params}
-        if sorted(p.param_id for p in te.action.action.params) != sorted(pw):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "action params incomplete")
-        for p in te.action.action.params:
-            if int.from_bytes(p.value, "big") >> pw[p.param_id]:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "param too wide")
-        return (te.table_id, tuple(sorted((m.field_id, m.exact.value) for m in te.match)))
-
-    def Write(self, req, context):
-        if self.p4info is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no pipeline")
-        if req.election_id.low != self.primary_election:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not primary")
-        with self.lock:
-            for up in req.updates:
-                ent = up.entity
-                if ent.HasField("table_entry"):
-                    key = self._check_entry(ent.table_entry, context)
-                    store = self.entries
-                    val = ent.table_entry
-                else:
-                    g = ent.packet_replication_engine_entry.multicast_group_entry
-                    key, store, val = g.multicast_group_id, self.groups, g
-                if up.type == PB.Update.INSERT and key in store:
-                    context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{key} exists")
-                if up.type in (PB.Update.MODIFY, PB.Update.DELETE) and key not in store:
-                    context.abort(grpc.StatusCode.NOT_FOUND, f"{key} missing")
-                if up.type == PB.Update.DELETE:
-                    del store[key]
-                else:
-                    store[key] = type(val)()
-                    store[key].CopyFrom(val)
-                self.updates.append(up)
-        return PB.WriteResponse()
-
-    def Read(self, req, context):
-        resp = PB.ReadResponse()
-        with self.lock:
-            for ent in req.entities:
-                if ent.HasField("table_entry"):
-                    for (tid, _), te in sorted(self.entries.items()):
-                        if ent.table_entry.table_id in (0, tid):
-                            resp.entities.add().table_entry.CopyFrom(te)
-                elif ent.HasField("packet_replication_engine_entry"):
-                    for _gid, g in sorted(self.groups.items()):
-                        out = resp.entities.add()
-                        out.packet_replication_engine_entry.multicast_group_entry.CopyFrom(g)
-                elif ent.HasField("direct_counter_entry"):
-                    want = ent.direct_counter_entry.table_entry.table_id
-                    for key, te in sorted(self.entries.items()):
-                        if want in (0, key[0]):
-                            out = resp.entities.add().direct_counter_entry
-                            out.table_entry.CopyFrom(te)
-                            pk, by = self.direct_counts.get(key, (0, 0))
-                            out.data.packet_count, out.data.byte_count = pk, by
-                elif ent.HasField("counter_entry"):
-                    for i, n in enumerate((5, 3, 1, 1, 2, 4)):
-                        out = resp.entities.add().counter_entry
-                        out.counter_id = ent.counter_entry.counter_id
-                        out.index.index = i
-                        out.data.packet_count = n
-        yield resp
-
-    # -- decoding for assertions, from the P4Info by name (independent of the driver) ---
-    def table(self, alias: str) -> set[tuple]:
-        t = next(t for t in self.p4info.tables if t.preamble.alias == alias)
-        actions = {a.preamble.id: a for a in self.p4info.actions}
-        fnames = {f.id: f.name for f in t.match_fields}
-        out = set()
-        for (tid, _), te in self.entries.items():
-            if tid != t.preamble.id:
-                continue
-            a = actions[te.action.action.action_id]
-            pn = {p.id: p.name for p in a.params}
-            m = tuple(sorted((fnames[x.field_id], int.from_bytes(x.exact.value, "big"))
-                             for x in te.match))
-            p = tuple(sorted((pn[x.param_id], int.from_bytes(x.value, "big"))
-                             for x in te.action.action.params))
-            out.add((m, a.preamble.alias, p))
-        return out
-
-    def group_map(self) -> dict[int, set[tuple[int, int]]]:
-        return {gid: {(r.egress_port, r.instance) for r in g.replicas}
-                for gid, g in self.groups.items()}
 
 
 def ip(s: str) -> int:
@@ -229,7 +50,7 @@ def p4_cfg(target: str, address: str, **changes) -> config.ClusterConfig:
 
 @pytest.fixture
 def bmv2():
-    sw = FakeSwitch(load_p4info("v1model"))
+    sw = FakeSwitch(compiled_p4info("v1model"))
     try:
         yield sw
     finally:
@@ -388,6 +209,10 @@ def test_status_reads_entries_counters_and_groups(bmv2):
         key = next(k for k, te in bmv2.entries.items()
                    if te.table_id == d.schema.table_id("ckm_replicate"))
         bmv2.direct_counts[key] = (42, 42 * 9000)
+        # ckm_stats by index (STAT_* in checkmate_common.p4), l2_miss at index 0.
+        for i, n in enumerate((5, 3, 1, 1, 2, 4, 6)):
+            bmv2.counts[("CkmIngress.ckm_stats", i)] = (n, n * 100)
+        bmv2.counts[("CkmIngress.l2_miss", 0)] = (9, 900)
         st = d.status()
     finally:
         d.close()
@@ -395,17 +220,103 @@ def test_status_reads_entries_counters_and_groups(bmv2):
     assert len(hits) == 1 and hits[0]["bytes"] == 378000
     assert hits[0]["entry"].startswith("ckm_replicate")
     assert len(st["entries"]) == 18
-    assert st["ckm_stats"] == {"ckm": 5, "replicated": 3, "no_entry": 1, "malformed": 1,
-                               "handshake": 2, "spoofed": 4}
+    assert st["ckm_stats"] == {"plain": 5, "replicated": 3, "no_entry": 1, "malformed": 1,
+                               "handshake": 2, "spoofed": 4, "parser_error": 6,
+                               "ckm": 5 + 3 + 1 + 2 + 4, "l2_miss": 9}
     assert set(st["groups"]) == set(EXPECTED_GROUPS)
+    assert st["notes"] == []
 
 
-def test_pipeline_missing_without_build_is_clear_error():
+def test_switch_with_hash_ids_is_programmed_by_name(bmv2):
+    """The double runs p4c's P4Info, whose ids are hashes no file here spells: every entry
+    the controller wrote carries exactly the compiler's table, field, action and
+    parameter ids."""
+    cfg = p4_cfg("bmv2", bmv2.address)
+    d = driver(cfg)
+    try:
+        d.apply(plan_mod.build(cfg))
+    finally:
+        d.close()
+    info = compiled_p4info("v1model")
+    tid = {t.preamble.name: t.preamble.id for t in info.tables}
+    aid = {a.preamble.name: a.preamble.id for a in info.actions}
+    used = {(te.table_id, te.action.action.action_id) for te in bmv2.entries.values()}
+    assert used == {(tid["CkmIngress.l2_fwd"], aid["CkmIngress.forward"]),
+                    (tid["CkmIngress.ckm_punt"], aid["CkmIngress.to_cpu"]),
+                    (tid["CkmIngress.ckm_replicate"], aid["CkmIngress.replicate"]),
+                    (tid["CkmEgress.shadow_rewrite"], aid["CkmEgress.rewrite_shadow"])}
+    assert tid["CkmIngress.l2_fwd"] == 37451960  # p4c's, not a sequential 0x02000001
+    assert bmv2.pipeline_sets == 0  # it had a program: the controller did not replace it
+
+
+def test_stale_compiler_build_on_switch_is_refused_by_name():
+    """The fixture exactly as p4c emitted it predates the replicate entry's ingress_port
+    parameter: the controller names what is missing and writes nothing."""
+    sw = FakeSwitch(compiled_p4info("v1model", current=False))
+    try:
+        cfg = p4_cfg("bmv2", sw.address)
+        d = driver(cfg)
+        with pytest.raises(CheckmateError, match=r"another build.*ingress_port"):
+            d.apply(plan_mod.build(cfg))
+        d.close()
+    finally:
+        sw.stop()
+    assert sw.updates == []
+
+
+def _v1model_build(root: Path, p4info_text: str) -> bytes:
+    d = root / "checkmate_v1model"
+    d.mkdir(parents=True)
+    (d / "p4info.txtpb").write_text(p4info_text)
+    program = b'{"program": "checkmate_v1model.p4", "pipelines": []}'
+    (d / "checkmate_v1model.json").write_bytes(program)
+    return program
+
+
+def test_switch_without_pipeline_gets_the_compiled_program(tmp_path, monkeypatch):
+    """PI's answer to "no pipeline" is FAILED_PRECONDITION: the controller then pushes the
+    compiler's P4Info and JSON from the build folder and programs the switch by name."""
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    program = _v1model_build(tmp_path, text_format.MessageToString(compiled_p4info("v1model")))
     sw = FakeSwitch(None)
     try:
         cfg = p4_cfg("bmv2", sw.address)
         d = driver(cfg)
-        with pytest.raises(CheckmateError, match="no P4 program loaded"):
+        try:
+            res = d.apply(plan_mod.build(cfg))
+        finally:
+            d.close()
+    finally:
+        sw.stop()
+    assert sw.pipeline_sets == 1 and sw.device_config == program
+    assert {t.preamble.name for t in sw.p4info.tables} >= {"CkmIngress.ckm_replicate"}
+    assert sw.table("ckm_replicate") == EXPECTED_REPLICATE
+    assert res.writes == 27
+
+
+def test_stale_compiled_p4info_is_refused_before_the_push(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    _v1model_build(tmp_path, text_format.MessageToString(
+        compiled_p4info("v1model", current=False)))
+    sw = FakeSwitch(None)
+    try:
+        cfg = p4_cfg("bmv2", sw.address)
+        d = driver(cfg)
+        with pytest.raises(CheckmateError, match=r"compiler output .*ingress_port"):
+            d.apply(plan_mod.build(cfg))
+        d.close()
+    finally:
+        sw.stop()
+    assert sw.pipeline_sets == 0 and sw.updates == []
+
+
+def test_pipeline_missing_without_build_is_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    sw = FakeSwitch(None)
+    try:
+        cfg = p4_cfg("bmv2", sw.address)
+        d = driver(cfg)
+        with pytest.raises(CheckmateError, match="no compiled P4Info in .*compile"):
             d.apply(plan_mod.build(cfg))
         d.close()
     finally:
@@ -413,8 +324,8 @@ def test_pipeline_missing_without_build_is_clear_error():
 
 
 def test_other_program_on_switch_is_refused():
-    info = load_p4info("v1model")
-    info.tables[0].preamble.alias = "ipv4_lpm"
+    info = compiled_p4info("v1model")
+    info.tables[0].preamble.name = "MyIngress.ipv4_lpm"
     sw = FakeSwitch(info)
     try:
         cfg = p4_cfg("bmv2", sw.address)
@@ -438,29 +349,173 @@ def test_second_controller_with_lower_election_is_not_primary(bmv2):
         first.close()
 
 
-def test_tofino_deploys_tables_and_writes_bfrt_port_script(tmp_path, monkeypatch):
-    sw = FakeSwitch(load_p4info("tna"))
-    import checkmate.control.drivers.tofino as tofino
+# -- Tofino -----------------------------------------------------------------------------
+def tofino_cfg(address: str) -> config.ClusterConfig:
+    """The shipped tofino0 config (dev ports 0/4/8/12 for t0..t3, 128/132 for s0/s1)."""
+    cfg = config.load(REPO / "testbed" / "tofino0.yaml")
+    return replace(cfg, switch=replace(cfg.switch, address=address))
 
-    monkeypatch.setattr(tofino, "BUILD", tmp_path)
+
+TOFINO_PORT = {"10.77.0.10": 0, "10.77.0.11": 4, "10.77.0.12": 8, "10.77.0.13": 12}
+TOFINO_REPLICATE = {
+    ((("dst_ip", ip(d)), ("job_id", 7), ("partition", p), ("src_ip", ip(s))), "replicate",
+     (("group", 0x1000 + rank * 256 + p), ("ingress_port", TOFINO_PORT[s])))
+    for s, d, rank in RING for p in (0, 1)
+}
+
+
+def _tofino_deploy(sw: FakeSwitch, cfg: config.ClusterConfig):
+    d = TofinoDriver(cfg, P4RuntimeClient(sw.address, timeout=3))
     try:
-        cfg = p4_cfg("tofino", sw.address)
+        return d.apply(plan_mod.build(cfg)), d
+    finally:
+        d.close()
+
+
+def test_tofino_deploys_tables_on_compiled_tna_and_writes_bfrt_script(tmp_path, monkeypatch):
+    """p4c's TNA P4Info: tables with "pipe.", actions without, counters as externs."""
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    sw = FakeSwitch(compiled_p4info("tna"))
+    try:
+        res, _ = _tofino_deploy(sw, tofino_cfg(sw.address))
+    finally:
+        sw.stop()
+    assert sw.table("ckm_replicate") == TOFINO_REPLICATE
+    assert sw.group_map()[0x1000] == {(0, 0), (128, 1)}
+    assert sw.group_map()[1] == {(0, 0), (4, 0), (8, 0), (12, 0), (128, 0), (132, 0), (320, 0)}
+    script = (tmp_path / "tofino0-ports.bfrt.py").read_text()
+    compile(script, "bfrt", "exec")  # valid python for bfrt_python
+    assert any("bfrt_python" in n for n in res.notes)
+
+
+def test_tofino_status_names_extern_counters_it_cannot_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    sw = FakeSwitch(compiled_p4info("tna"))
+    try:
+        cfg = tofino_cfg(sw.address)
+        _tofino_deploy(sw, cfg)
         d = TofinoDriver(cfg, P4RuntimeClient(sw.address, timeout=3))
         try:
-            res = d.apply(plan_mod.build(cfg))
+            st = d.status()
         finally:
             d.close()
     finally:
         sw.stop()
-    assert sw.table("ckm_replicate") == EXPECTED_REPLICATE
-    assert sw.group_map() == EXPECTED_GROUPS
-    script = (tmp_path / "sw0-ports.bfrt.py").read_text()
-    compile(script, "bfrt", "exec")  # valid python for bfrt_python
-    # 100G, 3 m, MTU 9000 (docs/pfc.md): headroom 74480 B = 931 cells of 80 B.
-    assert "port.add(DEV_PORT=5, SPEED='BF_SPEED_100G', FEC='BF_FEC_TYP_REED_SOLOMON'" in script
-    assert "pfc_skid_max_cells=931" in script
-    assert script.count("port.add(") == 6
-    assert any("bfrt_python" in n for n in res.notes)
+    assert len(st["entries"]) == 18 and all(e["packets"] is None for e in st["entries"])
+    assert st["ckm_stats"] == {}
+    assert any("--p4runtime-force-std-externs" in n for n in st["notes"])
+
+
+def _tna_build(root: Path, with_binary_p4info: bool = True) -> dict[str, bytes]:
+    d = root / "checkmate_tna"
+    (d / "pipe").mkdir(parents=True)
+    files = {"bfrt.json": b'{"tables": []}', "pipe/context.json": b'{"tables": [], "x": 1}',
+             "pipe/tofino.bin": bytes(range(256)) * 4}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    info = compiled_p4info("tna")
+    if with_binary_p4info:
+        (d / "p4info.binpb").write_bytes(info.SerializeToString())
+    else:
+        (d / "p4info.txtpb").write_text(
+            (REPO / "tests" / "fixtures" / "p4c" / "checkmate_tna.p4info.txtpb").read_text())
+    return files
+
+
+def _bf_pipeline_config_class():
+    """stratum.hal.barefoot.BfPipelineConfig built from its field list (bf.proto), to
+    decode what the driver packed independently of the driver's own encoder."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    f = descriptor_pb2.FileDescriptorProto(name="bf_test.proto", package="stratum.test",
+                                           syntax="proto3")
+    msg = f.message_type.add(name="BfPipelineConfig")
+    prof = msg.nested_type.add(name="Profile")
+    T = descriptor_pb2.FieldDescriptorProto
+    for num, name, typ, label in ((1, "profile_name", T.TYPE_STRING, T.LABEL_OPTIONAL),
+                                  (2, "context", T.TYPE_BYTES, T.LABEL_OPTIONAL),
+                                  (3, "binary", T.TYPE_BYTES, T.LABEL_OPTIONAL),
+                                  (4, "pipe_scope", T.TYPE_UINT32, T.LABEL_REPEATED)):
+        prof.field.add(name=name, number=num, type=typ, label=label)
+    msg.field.add(name="p4_name", number=1, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
+    msg.field.add(name="bfruntime_info", number=2, type=T.TYPE_BYTES, label=T.LABEL_OPTIONAL)
+    msg.field.add(name="profiles", number=3, type=T.TYPE_MESSAGE, label=T.LABEL_REPEATED,
+                  type_name=".stratum.test.BfPipelineConfig.Profile")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(f)
+    return message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("stratum.test.BfPipelineConfig"))
+
+
+def test_tofino_pushes_bf_p4c_output_packed_for_stratum(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    files = _tna_build(tmp_path)
+    sw = FakeSwitch(None)
+    try:
+        _tofino_deploy(sw, tofino_cfg(sw.address))
+    finally:
+        sw.stop()
+    assert sw.pipeline_sets == 1
+    cfg = _bf_pipeline_config_class().FromString(sw.device_config)
+    assert cfg.p4_name == "checkmate_tna" and cfg.bfruntime_info == files["bfrt.json"]
+    (prof,) = cfg.profiles
+    assert prof.profile_name == "pipe" and list(prof.pipe_scope) == [0, 1, 2, 3]
+    assert prof.context == files["pipe/context.json"]
+    assert prof.binary == files["pipe/tofino.bin"]
+    # The pushed P4Info is the compiler's binary one, extern payloads and all.
+    assert sw.p4info.SerializeToString() == compiled_p4info("tna").SerializeToString()
+    assert sw.table("ckm_replicate") == TOFINO_REPLICATE
+
+
+def test_tofino_pushes_pi_packing_for_the_sde_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    files = _tna_build(tmp_path)
+    sw = FakeSwitch(None)
+    try:
+        cfg = tofino_cfg(sw.address)
+        _tofino_deploy(sw, replace(cfg, switch=replace(cfg.switch, tofino_server="sde")))
+    finally:
+        sw.stop()
+    blob, parts = sw.device_config, []
+    while blob:
+        (n,) = struct.unpack("<i", blob[:4])
+        parts.append(blob[4:4 + n])
+        blob = blob[4 + n:]
+    assert parts == [b"checkmate_tna", files["pipe/tofino.bin"], files["pipe/context.json"]]
+
+
+def test_tofino_refuses_to_push_text_p4info_with_extern_payloads(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    _tna_build(tmp_path, with_binary_p4info=False)
+    sw = FakeSwitch(None)
+    try:
+        with pytest.raises(CheckmateError, match="p4info.binpb"):
+            _tofino_deploy(sw, tofino_cfg(sw.address))
+    finally:
+        sw.stop()
+    assert sw.pipeline_sets == 0
+    # ... but the operator still got the port script.
+    assert (tmp_path / "tofino0-ports.bfrt.py").is_file()
+
+
+def test_hand_written_p4info_spelling_works_too(tmp_path, monkeypatch):
+    """The old hand-written TNA P4Info prefixes actions with "pipe." and has standard
+    counters: the same names resolve, and status reads its counters."""
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    sw = FakeSwitch(fixture_p4info("handwritten_tna.p4info.txtpb"))
+    try:
+        cfg = tofino_cfg(sw.address)
+        _tofino_deploy(sw, cfg)
+        sw.counts[("pipe.CkmIngress.ckm_stats", 1)] = (7, 700)
+        d = TofinoDriver(cfg, P4RuntimeClient(sw.address, timeout=3))
+        try:
+            st = d.status()
+        finally:
+            d.close()
+    finally:
+        sw.stop()
+    assert sw.table("ckm_replicate") == TOFINO_REPLICATE
+    assert st["ckm_stats"]["replicated"] == 7 and st["ckm_stats"]["ckm"] == 7
 
 
 def test_unreachable_target_fails_fast():

@@ -8,24 +8,20 @@ entries, and stale groups last.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from checkmate.config import ClusterConfig
-from checkmate.control import p4proto
+from checkmate.control import p4proto, pipeline
 from checkmate.control.drivers import p4tables
 from checkmate.control.drivers.base import ApplyResult
 from checkmate.control.p4rt_client import P4RuntimeClient
 from checkmate.control.plan import Plan
 from checkmate.errors import CheckmateError
 
-BUILD = p4tables.REPO / "build" / "p4"
-#: Indexes of the P4 ckm_stats counter (STAT_* in p4/include/checkmate_common.p4).
-STAT_NAMES = ("ckm", "replicated", "no_entry", "malformed", "handshake", "spoofed")
-
-
-def device_config_path(arch: str) -> Path:
-    """Where the compiled program is expected (p4c-bm2-ss JSON / bf-p4c output)."""
-    return BUILD / ("checkmate_v1model.json" if arch == "v1model" else "checkmate_tna.bin")
+#: Indexes of the P4 ckm_stats counter (STAT_* in p4/include/checkmate_common.p4). Every
+#: datagram on a ckm port is counted at exactly one index; "ckm" (well-formed datagrams)
+#: is the sum of the outcomes of well-formed ones.
+STAT_NAMES = ("plain", "replicated", "no_entry", "malformed", "handshake", "spoofed",
+              "parser_error")
+WELL_FORMED = ("plain", "replicated", "no_entry", "handshake", "spoofed")
 
 
 class P4RuntimeDriver:
@@ -33,7 +29,7 @@ class P4RuntimeDriver:
                  client: P4RuntimeClient | None = None) -> None:
         self.cfg = cfg
         self.arch = arch
-        self.schema = p4tables.Schema(p4tables.load_p4info(arch))
+        self.schema: p4tables.Schema | None = None
         if client is None:
             if not cfg.switch.address:
                 raise CheckmateError(f"switch.address (P4Runtime host:port) is not set for "
@@ -43,30 +39,33 @@ class P4RuntimeDriver:
         self._connected = False
 
     # -- connection and pipeline -----------------------------------------------------------
-    def _ensure(self) -> None:
-        if self._connected:
-            return
+    def device_config(self) -> bytes:
+        """The compiled program as this target's p4_device_config."""
+        return pipeline.device_config(self.arch)
+
+    def _ensure(self) -> p4tables.Schema:
+        """Connect, load the compiled pipeline if the switch has none, and resolve the
+        switch's own P4Info by name (whatever ids its compiler gave)."""
+        if self._connected and self.schema is not None:
+            return self.schema
         self.client.connect()
         self._connected = True
+        sw = self.cfg.switch.name
         have = self.client.get_p4info()
         if have is None:
-            path = device_config_path(self.arch)
-            if not path.exists():
+            loaded = pipeline.compiled_p4info(self.arch)
+            if loaded.opaque:
                 raise CheckmateError(
-                    f"switch {self.cfg.switch.name} has no P4 program loaded and {path} is "
-                    f"missing; compile p4/checkmate_{self.arch}.p4 first")
-            self.client.set_pipeline(self.schema.p4info, path.read_bytes())
-            return
-        names = {t.preamble.alias for t in have.tables}
-        missing = [t for t in p4tables.Schema.TABLES if t not in names]
-        if missing:
-            raise CheckmateError(f"switch {self.cfg.switch.name} runs another P4 program "
-                                 f"(no table {', '.join(missing)})")
-        ours = {t.preamble.name: t.preamble.id for t in self.schema.p4info.tables}
-        theirs = {t.preamble.name: t.preamble.id for t in have.tables}
-        if any(theirs.get(n) != i for n, i in ours.items()):
-            raise CheckmateError(f"switch {self.cfg.switch.name} runs a different build of "
-                                 f"the Checkmate program (P4Info ids differ)")
+                    f"switch {sw} has no P4 program loaded and {loaded.source} is text with "
+                    "Tofino extern payloads this controller cannot re-encode; have the "
+                    "compiler write p4info.binpb too (--p4runtime-files ...p4info.binpb)")
+            schema = p4tables.Schema(loaded.p4info, f"compiler output {loaded.source}")
+            self.client.set_pipeline(loaded.p4info, self.device_config())
+            self.schema = schema
+        else:
+            self.schema = p4tables.Schema(have, f"switch {sw} runs another P4 program: its "
+                                          "P4Info")
+        return self.schema
 
     def close(self) -> None:
         if self._connected:
@@ -75,12 +74,13 @@ class P4RuntimeDriver:
 
     # -- reading -------------------------------------------------------------------------
     def read_entries(self) -> dict:
+        schema = self._ensure()
         pb = p4proto.p4runtime()
-        ents = [pb.Entity(table_entry=pb.TableEntry(table_id=self.schema.table_id(t)))
+        ents = [pb.Entity(table_entry=pb.TableEntry(table_id=schema.table_id(t)))
                 for t in p4tables.Schema.TABLES]
         out = {}
         for ent in self.client.read(ents):
-            spec = self.schema.from_proto(ent.table_entry)
+            spec = schema.from_proto(ent.table_entry)
             out[spec.key] = spec
         return out
 
@@ -98,6 +98,7 @@ class P4RuntimeDriver:
     # -- deploy --------------------------------------------------------------------------
     def _entry_update(self, kind: int, spec: p4tables.EntrySpec):
         pb = p4proto.p4runtime()
+        assert self.schema is not None
         return pb.Update(type=kind, entity=pb.Entity(table_entry=self.schema.to_proto(spec)))
 
     @staticmethod
@@ -144,33 +145,55 @@ class P4RuntimeDriver:
         return res
 
     # -- status --------------------------------------------------------------------------
+    def _direct_counts(self, short: str) -> dict | None:
+        """Per-entry (packets, bytes) of a table's direct counter, None when unreadable over
+        P4Runtime (a Tofino extern: compile with --p4runtime-force-std-externs)."""
+        schema = self._ensure()
+        c = schema.counter(f"{p4tables.TABLES[short]}_counter")
+        if c.extern:
+            return None
+        pb = p4proto.p4runtime()
+        ent = pb.Entity(direct_counter_entry=pb.DirectCounterEntry(
+            table_entry=pb.TableEntry(table_id=schema.table_id(short))))
+        out = {}
+        for e in self.client.read([ent]):
+            spec = schema.from_proto(e.direct_counter_entry.table_entry)
+            d = e.direct_counter_entry.data
+            out[spec.key] = (d.packet_count, d.byte_count)
+        return out
+
+    def _indexed(self, name: str) -> dict[int, int] | None:
+        """Packets per index of an indexed counter, None when it is a Tofino extern."""
+        c = self._ensure().counter(name)
+        if c.extern:
+            return None
+        pb = p4proto.p4runtime()
+        ent = pb.Entity(counter_entry=pb.CounterEntry(counter_id=c.id))
+        return {e.counter_entry.index.index: e.counter_entry.data.packet_count
+                for e in self.client.read([ent])}
+
     def status(self) -> dict:
         self._ensure()
-        pb = p4proto.p4runtime()
-        entries = []
+        entries, notes = [], []
+        specs = self.read_entries()
         for t in p4tables.Schema.TABLES:
-            tid = self.schema.table_id(t)
-            ent = pb.Entity(direct_counter_entry=pb.DirectCounterEntry(
-                table_entry=pb.TableEntry(table_id=tid)))
-            counts = {}
-            for e in self.client.read([ent]):
-                spec = self.schema.from_proto(e.direct_counter_entry.table_entry)
-                counts[spec.key] = e.direct_counter_entry.data
-            for k, spec in sorted(self.read_entries().items()):
+            counts = self._direct_counts(t)
+            for k, spec in sorted(specs.items()):
                 if spec.table != t:
                     continue
-                d = counts.get(k)
-                entries.append({"entry": spec.label(),
-                                "packets": d.packet_count if d else 0,
-                                "bytes": d.byte_count if d else 0})
-        stats = {}
-        c = self.schema.counters.get("ckm_stats")
-        if c is not None:
-            ent = pb.Entity(counter_entry=pb.CounterEntry(counter_id=c.preamble.id))
-            for e in self.client.read([ent]):
-                i = e.counter_entry.index.index
-                if i < len(STAT_NAMES):
-                    stats[STAT_NAMES[i]] = e.counter_entry.data.packet_count
+                pk, by = (None, None) if counts is None else counts.get(k, (0, 0))
+                entries.append({"entry": spec.label(), "packets": pk, "bytes": by})
+        raw = self._indexed(p4tables.STATS_COUNTER)
+        miss = self._indexed(p4tables.L2_MISS_COUNTER)
+        stats: dict[str, int | None] = {}
+        if raw is None or miss is None:
+            notes.append("counters are Tofino externs in this build: read them in bfrt, or "
+                         "compile with --p4runtime-force-std-externs")
+        if raw is not None:
+            stats = {n: raw.get(i, 0) for i, n in enumerate(STAT_NAMES)}
+            stats["ckm"] = sum(stats[n] or 0 for n in WELL_FORMED)
+        if miss is not None:
+            stats["l2_miss"] = miss.get(0, 0)
         return {"target": self.cfg.switch.target, "switch": self.cfg.switch.name,
                 "entries": entries, "groups": {g: list(r) for g, r in self.read_groups().items()},
-                "ckm_stats": stats}
+                "ckm_stats": stats, "notes": notes}

@@ -1,38 +1,44 @@
 """Plan -> P4Runtime entities for the Checkmate P4 programs, and back (for diffing).
 
-Tables, keys, actions and parameters are looked up by alias in the P4Info checked in next to
-the P4 source (p4/checkmate_<arch>.p4info.txtpb), so the same code serves v1model and TNA,
-whose P4Info names differ only by the "pipe." prefix.
+Every table, key, action and parameter is resolved by its P4 name in the P4Info the switch
+reports (or the compiler wrote, when the controller loads the pipeline itself), never by a
+remembered id: p4c's ids are hashes, and v1model and TNA spell some names differently
+(checkmate.control.p4info folds that). A P4Info that lacks a name the plan writes, or has
+it with another width, is refused before anything is written.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
-from pathlib import Path
 
-from google.protobuf import text_format
-
+from checkmate.control import p4info as p4info_mod
 from checkmate.control import p4proto
 from checkmate.control.plan import Plan
 from checkmate.errors import CheckmateError
 
-REPO = Path(__file__).resolve().parents[2]
-P4_DIR = REPO / "p4"
 ARCHS = {"bmv2": "v1model", "tofino": "tna"}
-
-
-def p4info_path(arch: str) -> Path:
-    return P4_DIR / f"checkmate_{arch}.p4info.txtpb"
-
-
-def load_p4info(arch: str):
-    path = p4info_path(arch)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise CheckmateError(f"cannot read P4Info {path}: {e.strerror}") from None
-    return text_format.Parse(text, p4proto.p4info().P4Info())
+#: Short name -> P4 name (without the TNA pipeline prefix) of the tables the plan fills.
+TABLES = {
+    "l2_fwd": "CkmIngress.l2_fwd",
+    "ckm_punt": "CkmIngress.ckm_punt",
+    "ckm_replicate": "CkmIngress.ckm_replicate",
+    "shadow_rewrite": "CkmEgress.shadow_rewrite",
+}
+#: Every key field, action and parameter the plan writes, with its width: what a P4Info
+#: must offer for the controller to program the switch.
+WRITES = {
+    "l2_fwd": ({"dst_mac": 48}, "CkmIngress.forward", {"port": 9}),
+    "ckm_punt": ({"dst_ip": 32, "udp_dst_port": 16}, "CkmIngress.to_cpu", {"port": 9}),
+    "ckm_replicate": ({"job_id": 32, "src_ip": 32, "dst_ip": 32, "partition": 16},
+                      "CkmIngress.replicate", {"group": 16, "ingress_port": 9}),
+    "shadow_rewrite": ({"egress_rid": 16}, "CkmEgress.rewrite_shadow",
+                       {"smac": 48, "dmac": 48, "ip": 32, "udp_port": 16, "epoch": 32,
+                        "token": 32}),
+}
+#: Indexed counters the program keeps (checkmate_common.p4), by P4 name.
+STATS_COUNTER = "CkmIngress.ckm_stats"
+L2_MISS_COUNTER = "CkmIngress.l2_miss"
 
 
 @dataclass(frozen=True, order=True)
@@ -97,24 +103,54 @@ def encode(value: int, bitwidth: int, what: str) -> bytes:
 
 
 class Schema:
-    """Names <-> ids of one P4Info."""
+    """Names <-> ids of one P4Info (the switch's), checked to hold what the plan writes."""
 
-    TABLES = ("l2_fwd", "ckm_punt", "ckm_replicate", "shadow_rewrite")
+    TABLES = tuple(TABLES)
 
-    def __init__(self, p4info) -> None:
+    def __init__(self, p4info, where: str = "the P4Info") -> None:
         self.p4info = p4info
-        self.tables = {t.preamble.alias: t for t in p4info.tables}
-        self.table_by_id = {t.preamble.id: t for t in p4info.tables}
-        self.actions = {a.preamble.alias: a for a in p4info.actions}
+        by_name = {p4info_mod.canonical(t.preamble.name): t for t in p4info.tables}
+        self.actions = {p4info_mod.canonical(a.preamble.name): a for a in p4info.actions}
         self.action_by_id = {a.preamble.id: a for a in p4info.actions}
-        self.counters = {c.preamble.alias: c for c in p4info.counters}
-        missing = [t for t in self.TABLES if t not in self.tables]
+        missing = [n for n in TABLES.values() if n not in by_name]
         if missing:
-            raise CheckmateError(f"P4Info lacks table(s) {', '.join(missing)}: not the "
+            raise CheckmateError(f"{where} lacks table(s) {', '.join(missing)}: not the "
                                  "Checkmate program")
+        self.tables = {short: by_name[full] for short, full in TABLES.items()}
+        self.short = {t.preamble.id: short for short, t in self.tables.items()}
+        self.counters = p4info_mod.counters(p4info)
+        problems = [p for short in TABLES for p in self._check(short)]
+        if problems:
+            raise CheckmateError(f"{where} is from another build of the Checkmate program: "
+                                 f"{'; '.join(problems)} (recompile p4/ and reload it)")
 
-    def table_id(self, alias: str) -> int:
-        return self.tables[alias].preamble.id
+    def _check(self, short: str) -> list[str]:
+        keys, action, params = WRITES[short]
+        t = self.tables[short]
+        tn = TABLES[short]
+        have = {f.name: f.bitwidth for f in t.match_fields}
+        out = [] if have == keys else [f"table {tn} keys {sorted(have.items())}, expected "
+                                       f"{sorted(keys.items())}"]
+        a = self.actions.get(action)
+        if a is None:
+            return [*out, f"no action {action}"]
+        if a.preamble.id not in {r.id for r in t.action_refs}:
+            out.append(f"table {tn} does not offer action {action}")
+        pw = {p.name: p.bitwidth for p in a.params}
+        if pw != params:
+            out.append(f"action {action} parameters {sorted(pw.items())}, expected "
+                       f"{sorted(params.items())}")
+        return out
+
+    def table_id(self, short: str) -> int:
+        return self.tables[short].preamble.id
+
+    def counter(self, name: str) -> p4info_mod.Counter:
+        c = self.counters.get(name)
+        if c is None:
+            raise CheckmateError(f"the switch's P4Info has no counter {name}: another build "
+                                 "of the Checkmate program (recompile p4/ and reload it)")
+        return c
 
     def to_proto(self, spec: EntrySpec):
         pb = p4proto.p4runtime()
@@ -125,7 +161,7 @@ class Schema:
             f = fields[name]
             te.match.add(field_id=f.id, exact=pb.FieldMatch.Exact(
                 value=encode(value, f.bitwidth, f"{spec.table}.{name}")))
-        a = self.actions[spec.action]
+        a = self.actions[WRITES[spec.table][1]]
         params = {p.name: p for p in a.params}
         act = te.action.action
         act.action_id = a.preamble.id
@@ -136,15 +172,28 @@ class Schema:
         return te
 
     def from_proto(self, te) -> EntrySpec:
-        t = self.table_by_id[te.table_id]
+        t = self.p4info_table(te.table_id)
+        order = [f.name for f in t.match_fields]
         names = {f.id: f.name for f in t.match_fields}
         match = tuple(sorted(
             ((names[m.field_id], int.from_bytes(m.exact.value, "big")) for m in te.match),
-            key=lambda kv: [f.name for f in t.match_fields].index(kv[0])))
-        a = self.action_by_id[te.action.action.action_id]
+            key=lambda kv: order.index(kv[0])))
+        a = self.action_by_id.get(te.action.action.action_id)
+        if a is None:
+            raise CheckmateError(f"switch reports an entry of {t.preamble.name} with action id "
+                                 f"{te.action.action.action_id}, which its P4Info lacks")
+        porder = [p.name for p in a.params]
         pnames = {p.id: p.name for p in a.params}
         params = tuple(sorted(
             ((pnames[p.param_id], int.from_bytes(p.value, "big"))
              for p in te.action.action.params),
-            key=lambda kv: [p.name for p in a.params].index(kv[0])))
-        return EntrySpec(t.preamble.alias, match, a.preamble.alias, params)
+            key=lambda kv: porder.index(kv[0])))
+        short_action = p4info_mod.canonical(a.preamble.name).rsplit(".", 1)[-1]
+        return EntrySpec(self.short[t.preamble.id], match, short_action, params)
+
+    def p4info_table(self, table_id: int):
+        short = self.short.get(table_id)
+        if short is None:
+            raise CheckmateError(f"switch reports an entry of table id {table_id}, which is "
+                                 "not one of the Checkmate tables")
+        return self.tables[short]

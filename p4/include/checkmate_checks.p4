@@ -1,4 +1,6 @@
-/* The ckm length check, shared by both programs as a sub-control.
+/* The ckm length check and the lossless-class test, shared by both programs as
+ * sub-controls.
+ * Length check:
  * A ckm datagram is well-formed only when its UDP payload is the 56-byte header followed by
  * exactly `count` elements of a known dtype (docs/protocol.md); the switch forwards any
  * other as plain traffic and never copies it (the kernel switch applies the same rule,
@@ -31,6 +33,25 @@ control CkmLengthCheck(in headers_t hdr, out bool ok) {
             } else if (hdr.ckm.dtype == CKM_DT_BYTES) {
                 want = hdr.ckm.count * CKM_DT_BYTES_SIZE;
                 ok = want == payload;
+            }
+        }
+    }
+}
+
+/* The lossless ckm class (docs/pfc.md): a well-formed ckm datagram, or any frame its host
+ * marked, by DSCP or by 802.1Q PCP. A host that marks traffic this way is trusted with the
+ * class, as NICs trust it (mlnx_qos --trust dscp). */
+control CkmLossless(in headers_t hdr, in bool well_formed, out bool lossless) {
+    apply {
+        lossless = well_formed;
+        if (hdr.ipv4.isValid()) {
+            if (hdr.ipv4.dscp == CKM_DSCP) {
+                lossless = true;
+            }
+        }
+        if (hdr.vlan.isValid()) {
+            if (hdr.vlan.pcp == CKM_COS) {
+                lossless = true;
             }
         }
     }

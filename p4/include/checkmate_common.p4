@@ -6,6 +6,7 @@
 #include "ckm_headers.p4"
 
 const bit<16> ETHERTYPE_IPV4 = 0x0800;
+const bit<16> ETHERTYPE_VLAN = 0x8100;  /* 802.1Q: one tag is parsed (its PCP classifies) */
 const bit<8> IPPROTO_UDP = 17;
 /* IPv4 flags: more fragments (set on every fragment but the last). */
 const bit<3> IPV4_FLAG_MF = 1;
@@ -15,26 +16,43 @@ const bit<32> CKM_UDP_OVERHEAD = 8 + CKM_HEADER_LEN;
 const bit<16> CKM_CONTROLLER_PORT = CKM_PORT_BASE + CKM_PORT_COUNT - 1;
 /* Multicast group flooding broadcast/unknown frames to every host port and the CPU port. */
 const bit<16> FLOOD_GROUP = 1;
-/* 802.1p priority / ingress cos / queue of ckm traffic: PFC makes this class lossless. */
+/* 802.1p priority / ingress cos / queue of ckm traffic: PFC makes this class lossless. A
+ * frame is in the class when it is a well-formed ckm datagram, when its IPv4 DSCP is
+ * CKM_DSCP (hosts mark ckm sockets with it, docs/pfc.md) or when its 802.1Q PCP is
+ * CKM_COS. */
 const bit<3> CKM_COS = 3;
 const bit<5> CKM_QID = 3;
+const bit<6> CKM_DSCP = 24;
 
-/* Indexes of the ckm_stats counter array (read by `control status`). */
-const bit<32> STAT_CKM = 0;          /* well-formed ckm datagrams seen */
+/* Indexes of the ckm_stats counter array (read by `control status`). Every datagram on a
+ * ckm port gets exactly one outcome, counted once at the end of ingress: Tofino allows one
+ * access per packet to an indexed counter. Well-formed datagrams = the sum of PLAIN,
+ * REPLICATED, NO_ENTRY, HANDSHAKE and SPOOFED. */
+const bit<32> STAT_PLAIN = 0;        /* well-formed, forwarded as it is (not a REPLICATE or a
+                                      * HANDSHAKE for the controller, or a fragment) */
 const bit<32> STAT_REPLICATED = 1;   /* REPLICATE datagrams copied to a shadow */
 const bit<32> STAT_NO_ENTRY = 2;     /* REPLICATE datagrams without an entry: forwarded only */
-const bit<32> STAT_MALFORMED = 3;    /* on a ckm port but bad magic/version, too short, an
-                                      * unknown dtype or a count that disagrees with the
-                                      * UDP length: forwarded as plain traffic */
+const bit<32> STAT_MALFORMED = 3;    /* on a ckm port but bad magic/version, an unknown dtype
+                                      * or a count that disagrees with the UDP length:
+                                      * forwarded as plain traffic */
 const bit<32> STAT_HANDSHAKE = 4;    /* HANDSHAKE datagrams punted to the controller */
 const bit<32> STAT_SPOOFED = 5;      /* REPLICATE datagrams matching an entry that entered
                                       * on another port than their source host's: forwarded
                                       * only */
+const bit<32> STAT_PARSER_ERROR = 6; /* the parser stopped early (a frame shorter than its
+                                      * headers): forwarded as far as it was parsed */
 const bit<32> STAT_SIZE = 8;
 
 header ethernet_h {
     bit<48> dst_addr;
     bit<48> src_addr;
+    bit<16> ether_type;
+}
+
+header vlan_h {
+    bit<3> pcp;
+    bit<1> dei;
+    bit<12> vid;
     bit<16> ether_type;
 }
 
@@ -71,6 +89,7 @@ header ckm_bridge_h {
 struct headers_t {
     ckm_bridge_h bridge;
     ethernet_h ethernet;
+    vlan_h vlan;
     ipv4_h ipv4;
     udp_h udp;
     ckm_h ckm;

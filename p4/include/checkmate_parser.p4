@@ -1,11 +1,14 @@
-/* Ethernet / IPv4 / UDP / ckm parsing, shared by both architectures as a sub-parser.
+/* Ethernet / 802.1Q / IPv4 / UDP / ckm parsing, shared by both architectures as a sub-parser.
+ * One VLAN tag is parsed (hosts that tag ckm frames put CKM_COS in its PCP); a frame with a
+ * second tag is plain traffic.
  * A datagram is parsed as ckm only when its UDP destination port lies in
  * CKM_PORT_BASE .. CKM_PORT_BASE + CKM_PORT_COUNT - 1 (47000..48023) and the first three
  * payload bytes carry the ckm magic and version. The port range is not aligned to a power
  * of two, so it is written as eight value/mask blocks; tests/test_p4_sources.py checks
- * that they cover exactly the Python range. A short or foreign payload on a ckm port leaves
- * hdr.ckm invalid with meta.ckm_port set: ingress counts it as malformed and forwards it
- * as plain traffic. */
+ * that they cover exactly the Python range. A foreign payload on a ckm port leaves hdr.ckm
+ * invalid with meta.ckm_port set: ingress counts it as malformed and forwards it as plain
+ * traffic; a payload shorter than the ckm header is a parser error (PacketTooShort), which
+ * ingress counts and forwards too. */
 #ifndef CHECKMATE_PARSER_P4
 #define CHECKMATE_PARSER_P4
 
@@ -17,6 +20,15 @@ parser CkmPacketParser(packet_in pkt, inout headers_t hdr, inout ckm_meta_t meta
         meta.shadow_copy = 0;
         pkt.extract(hdr.ethernet);
         transition select(hdr.ethernet.ether_type) {
+            ETHERTYPE_VLAN: parse_vlan;
+            ETHERTYPE_IPV4: parse_ipv4;
+            default: accept;
+        }
+    }
+
+    state parse_vlan {
+        pkt.extract(hdr.vlan);
+        transition select(hdr.vlan.ether_type) {
             ETHERTYPE_IPV4: parse_ipv4;
             default: accept;
         }
