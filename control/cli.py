@@ -139,6 +139,13 @@ def _print_status(st: dict) -> None:
         print("ports:")
         for name, d in sorted(c["ports"].items()):
             print(f"  {name}: " + " ".join(f"{k}={v}" for k, v in d.items()))
+        if c.get("dscp") is None:
+            print("ckm by DSCP: not counted by the loaded program (run `testbed up` again)")
+        else:
+            print("ckm by DSCP (well-formed datagrams entering each port):")
+            for name, d in sorted(c["dscp"].items()):
+                print(f"  {name}: " + (" ".join(f"dscp{k}={v}" for k, v in sorted(d.items()))
+                                       or "none"))
         return
     print("table entries:")
     for e in st["entries"]:

@@ -9,6 +9,7 @@ to bytes at the link speed.
 from __future__ import annotations
 
 import math
+import socket
 from dataclasses import dataclass
 
 from checkmate.errors import CheckmateError
@@ -17,6 +18,8 @@ from checkmate.errors import CheckmateError
 CKM_PRIORITY = 3
 #: DSCP that hosts mark ckm datagrams with (CS3), trusted by NICs and the switch.
 CKM_DSCP = 24
+#: The IPv4 TOS byte of ckm datagrams: DSCP in the upper six bits, ECN bits left zero.
+CKM_TOS = CKM_DSCP << 2
 #: Tofino queue id for ckm traffic.
 CKM_QID = 3
 #: Propagation delay in fibre / twinax, ns per metre (signal at roughly 0.66 c).
@@ -39,6 +42,15 @@ DELAY_BIT_TIMES = {
     40: (24576, 60416),
     100: (122880, 201728),
 }
+
+
+def mark_ckm(sock: socket.socket) -> socket.socket:
+    """Put a ckm socket in the lossless class: every datagram it sends carries DSCP
+    CKM_DSCP, which host NICs map to priority CKM_PRIORITY (the plan's host commands) and
+    the switches classify (CkmLossless in the P4 programs, per-DSCP counts in the kernel
+    switch). Marking is for the network only: nothing on a receiver depends on it."""
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, CKM_TOS)
+    return sock
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,16 @@ FAULT = struct.Struct("<QQ")
 #: struct sw_cfg: the switch MAC
 SW_CFG = struct.Struct("<6sH")
 U32 = struct.Struct("<I")
+#: struct dscp_key: ifindex, DSCP; the value is a u64 datagram count
+DSCP_KEY = struct.Struct("<II")
+U64 = struct.Struct("<Q")
 
 MAP_LAYOUT = {
     "ckm_repl": (REPL_KEY.size, REPL_VAL.size),
     "ckm_ports": (U32.size, PORT_STATS.size),
     "ckm_fault": (U32.size, FAULT.size),
     "ckm_cfg": (U32.size, SW_CFG.size),
+    "ckm_dscp": (DSCP_KEY.size, U64.size),
 }
 
 

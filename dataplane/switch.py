@@ -51,6 +51,8 @@ MAP_LAYOUT = {
     "ckm_fault_win": (maps.U32.size, FAULT_WIN.size),
     "ckm_fault_st": (maps.U32.size, FAULT_STATE.size),
 }
+#: maps a switch loaded by an older build lacks; it still runs, without those counts
+OPTIONAL_MAPS = ("ckm_dscp",)
 #: fault_state counters that counters() reports with the port's own
 FRAG_COUNTERS = ("frag_dropped", "frag_corrupted")
 
@@ -178,7 +180,7 @@ class KernelSwitch:
         if not netns_exists(self.netns):
             return False
         need = [self.prog_dir / "ckm_ingress", self.prog_dir / "ckm_egress"]
-        need += [self.map_dir / m for m in MAP_LAYOUT]
+        need += [self.map_dir / m for m in MAP_LAYOUT if m not in OPTIONAL_MAPS]
         return all(p.exists() for p in need)
 
     # -- life cycle ----------------------------------------------------------------------
@@ -289,7 +291,7 @@ class KernelSwitch:
         """{"ports": {ifname: {rx, tx, replicated, ..., spoofed, frag_dropped, frag_corrupted}},
         "faults": {ifname: {drop, corrupt, from_iteration, until_iteration, last_iteration}},
         "entries": [{job_id, src_ip, dst_ip, partition, shadow_ifname, ingress_ifname,
-        packets, bytes}]}
+        packets, bytes}], "dscp": {ifname: {dscp: well-formed ckm datagrams that entered}}}
 
         A port's ``spoofed`` counts REPLICATE datagrams that entered it carrying the source
         address of another port's host (forwarded, not copied); ``malformed`` includes
@@ -320,6 +322,14 @@ class KernelSwitch:
                                        "from_iteration": lo, "until_iteration": hi,
                                        "last_iteration": last}
         names = {v: k for k, v in ports.items()}
+        out["dscp"] = None  # a switch loaded before per-DSCP counting existed has no map
+        if (self.map_dir / "ckm_dscp").exists():
+            out["dscp"] = {name: {} for name in ports}
+            with self._map("ckm_dscp") as m:
+                for k, v in m.items():
+                    idx, dscp = maps.DSCP_KEY.unpack(k)
+                    if idx in names:
+                        out["dscp"][names[idx]][dscp] = maps.U64.unpack(v)[0]
         with self._map("ckm_repl") as m:
             for k, v in m.items():
                 job, src, dst, part, _ = maps.REPL_KEY.unpack(k)

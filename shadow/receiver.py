@@ -31,6 +31,7 @@ import numpy as np
 from crc32c import crc32c
 
 from checkmate import wire
+from checkmate.control.pfc import mark_ckm
 from checkmate.shadow.assembler import Assembler
 from checkmate.shadow.mmsg import BatchReceiver
 from checkmate.shadow.osname import name_thread
@@ -64,7 +65,7 @@ _BAD_FLAGS = int(wire.Flags.HANDSHAKE | wire.Flags.SEED)
 
 def open_socket(bind: str, port: int, rcvbuf: int = RCVBUF) -> tuple[socket.socket, int]:
     """A bound UDP socket with the largest receive buffer the kernel grants."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))  # acks/nacks it sends
     # SO_RCVBUFFORCE (33 on Linux; not exported by Python) passes rmem_max with CAP_NET_ADMIN.
     for opt in (getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF):
         try:

@@ -14,6 +14,7 @@ import socket
 import time
 
 from checkmate import auth, handshake, wire
+from checkmate.control.pfc import mark_ckm
 from checkmate.errors import CheckmateError
 
 log = logging.getLogger("checkmate.shadow")
@@ -38,7 +39,7 @@ def register(
     key = auth.handshake_key(secret)
     end = time.monotonic() + deadline_s
     wait, seq, tries = first_wait, int(time.time() * 1000) & 0x7FFFFFFF, 0
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as s:
         while True:
             tries += 1
             seq = (seq + 1) & 0xFFFFFFFF

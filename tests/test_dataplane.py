@@ -576,3 +576,37 @@ def test_absent_switch_is_unreachable():
         sw.replication_entries()
     with pytest.raises(SwitchUnreachable):
         sw.counters()
+
+
+def test_ckm_is_counted_per_dscp_and_trainer_sockets_mark_it(net):
+    """The trainer's own ckm socket (checkmate.train.transport.open_socket, opened in t0's
+    namespace) sends DSCP 24; an unmarked socket sends DSCP 0; the kernel switch counts
+    well-formed ckm datagrams per ingress port and DSCP, malformed ones not at all."""
+    from checkmate.control import pfc
+    from checkmate.testbed.netsock import call_in_netns
+    from checkmate.train.transport import open_socket
+
+    cfg, sw, rx, tx = net
+    t0, t1 = cfg.host("t0"), cfg.host("t1")
+    trainer = call_in_netns(cfg.netns("t0"), lambda: open_socket(t0.ip, 0))
+    try:
+        before = sw.counters()["dscp"]["tap-t0"]
+        marked = [datagram(cfg, i, flags=0) for i in range(7)]
+        for d in marked:
+            while True:
+                try:
+                    trainer.sendto(d, (t1.ip, t1.port))
+                    break
+                except BlockingIOError:
+                    continue
+        plain = [datagram(cfg, i, flags=0) for i in range(3)]
+        for d in plain:
+            tx.sendto(d, (t1.ip, t1.port))
+        tx.sendto(b"\x00" * 40, (t1.ip, t1.port))  # ckm port, not ckm: not counted
+        assert len(received(rx["t1"])) == len(marked) + len(plain) + 1
+        after = sw.counters()["dscp"]["tap-t0"]
+    finally:
+        trainer.close()
+    assert after.get(pfc.CKM_DSCP, 0) - before.get(pfc.CKM_DSCP, 0) == len(marked)
+    assert after.get(0, 0) - before.get(0, 0) == len(plain)
+    assert set(after) <= {0, pfc.CKM_DSCP}

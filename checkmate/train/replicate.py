@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkmate import datamac, wire
+from checkmate.control.pfc import mark_ckm
 
 _F = wire.Flags
 _PACK = wire.STRUCT.pack
@@ -45,7 +46,7 @@ class ShadowSender:
         self.data_key = datamac.data_key(secret) if secret is not None else None
         self.control_key = datamac.control_key(secret) if secret is not None else None
         self.targets = {t.partition: t for t in targets}
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock = mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
         self._seq = 0
         self._lock = threading.Lock()
         self.sent_bytes = 0

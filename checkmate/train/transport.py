@@ -15,6 +15,8 @@ import random
 import socket
 from dataclasses import dataclass, field
 
+from checkmate.control.pfc import mark_ckm
+
 #: Kernel buffer asked for in each direction (bytes).
 SOCKET_BUFFER = 32 * 1024 * 1024
 _SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
@@ -23,7 +25,7 @@ _SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 
 def open_socket(ip: str, port: int, buffer: int = SOCKET_BUFFER) -> socket.socket:
     """A non-blocking UDP socket bound to ``ip:port`` with buffers as large as allowed."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
     for force, plain in ((_SO_RCVBUFFORCE, socket.SO_RCVBUF), (_SO_SNDBUFFORCE, socket.SO_SNDBUF)):
         try:
             s.setsockopt(socket.SOL_SOCKET, force, buffer)

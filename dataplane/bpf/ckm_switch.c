@@ -11,6 +11,9 @@
  *     addressing rewritten, then restores the original, which the bridge forwards unchanged.
  *     A datagram from another port (a spoofed source) or one whose count disagrees with its
  *     length is forwarded plainly and counted, never copied or stamped.
+ *     Every well-formed ckm datagram entering is also counted per port and DSCP (ckm_dscp):
+ *     hosts mark the ckm class with DSCP 24 (docs/pfc.md), and these counts show whether
+ *     they do.
  *   ckm_egress (frames leaving the switch towards a host): counts tx and applies the port's
  *     fault knobs (drop / corrupt probability, optionally only inside an iteration window)
  *     to ckm-port UDP datagrams, shadow copies included, and to IPv4/UDP fragments: the
@@ -99,6 +102,12 @@ struct sw_cfg {
 	__u16 pad;
 };
 
+/* Well-formed ckm datagrams that entered a port, by their IPv4 DSCP. */
+struct dscp_key {
+	__u32 ifindex;
+	__u32 dscp;
+};
+
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, MAX_ENTRIES);
@@ -140,6 +149,13 @@ struct {
 	__type(key, __u32);
 	__type(value, struct sw_cfg);
 } ckm_cfg SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_PORTS * 64);
+	__type(key, struct dscp_key);
+	__type(value, __u64);
+} ckm_dscp SEC(".maps");
 
 /* Offsets of a ckm-port IPv4/UDP datagram; filled by parse_ip() and parse_ckm_udp(). */
 struct pkt {
@@ -225,6 +241,22 @@ static __always_inline void count(__u64 *field)
 	__sync_fetch_and_add(field, 1);
 }
 
+static __always_inline void count_dscp(__u32 ifindex, const struct iphdr *ip)
+{
+	struct dscp_key k = {.ifindex = ifindex, .dscp = ip->tos >> 2};
+	__u64 one = 1, *c = bpf_map_lookup_elem(&ckm_dscp, &k);
+
+	if (c) {
+		count(c);
+		return;
+	}
+	if (bpf_map_update_elem(&ckm_dscp, &k, &one, BPF_NOEXIST) < 0) {
+		c = bpf_map_lookup_elem(&ckm_dscp, &k); /* another CPU inserted it first */
+		if (c)
+			count(c);
+	}
+}
+
 #define CSUM_UDP(sz) (BPF_F_MARK_MANGLED_0 | (sz))
 #define STORE_F BPF_F_RECOMPUTE_CSUM
 
@@ -293,6 +325,7 @@ int ckm_ingress(struct __sk_buff *skb)
 		count(&ps->malformed);
 		return TC_ACT_OK;
 	}
+	count_dscp(ifindex, &p.ip);
 	if (!(h.flags & CKM_F_REPLICATE))
 		return TC_ACT_OK;
 
