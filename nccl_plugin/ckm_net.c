@@ -10,6 +10,8 @@
 #include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/tcp.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -77,6 +79,8 @@ struct stats {
 
 struct comm {
 	int kind, fd, fd_taken, failed;
+	pthread_mutex_t mu;          /* the caller's thread and the progress thread */
+	struct comm *next, *prev;    /* connected comms, for the progress thread */
 	uint32_t token;
 	struct ckm_ctx *ctx;
 	struct stats st;
@@ -84,14 +88,16 @@ struct comm {
 	struct req *q[MAX_REQS]; /* send: requests still being cut; recv: posted receives */
 	int qh, qn;
 	uint32_t msg;
-	/* listen */
+	/* listen: the UDP socket the accepted connection takes over, and a TCP listener for
+	 * the setup exchange (TCP retransmits it, so setup survives a lossy path) */
 	uint64_t listen_id;
-	int accepted;
+	int accepted, tcp, peer_fd, got;
+	uint8_t intro[24];
+	double since;
 	/* send */
 	uint64_t tx_next, tx_base, tx_credit;
 	double ack_at;
 	struct txslot tx[WINDOW];
-	uint8_t hello[8];
 	int channel;
 	uint64_t coll, ci;
 	/* recv */
@@ -105,8 +111,9 @@ struct comm {
 
 struct handle {
 	uint32_t magic, ip;
-	uint16_t port, pad;
+	uint16_t udp_port, tcp_port;
 	uint64_t listen_id;
+	struct comm *pending; /* connect's state between NCCL's calls; NULL from the peer */
 };
 _Static_assert(sizeof(struct handle) <= NCCL_NET_HANDLE_MAXSIZE, "handle size");
 
@@ -523,11 +530,8 @@ static ncclResult_t progress_recv(struct comm *c)
 			continue;
 		}
 		uint64_t seq = unwrap(c->rx_cons, ntohl(h.seq));
-		if ((h.flags & CKM_F_HANDSHAKE) || seq < c->rx_cons || c->rxlive[seq % WINDOW]) {
-			if (h.flags & CKM_F_HANDSHAKE && seq != 0)
-				c->st.malformed++;
-			else
-				c->st.duplicate++;
+		if (seq < c->rx_cons || c->rxlive[seq % WINDOW]) {
+			c->st.duplicate++;
 			c->ack_due = 1;
 			continue;
 		}
@@ -554,6 +558,87 @@ static ncclResult_t progress_recv(struct comm *c)
 	if (changed || c->ack_due || ((gaps || c->qn) && t - c->last_ack >= (gaps ? NACK_GAP : RTO)))
 		send_ack(c, t);
 	return ncclSuccess;
+}
+
+/* ------------------------------------------------------------------ progress thread
+ * NCCL stops calling test() on a connection once its requests are done, but a peer may
+ * still need our acknowledgement (its last ACK was lost) or our resend. One thread per
+ * process keeps every connected comm moving every 2 ms; it exits when none is left, and a
+ * destructor joins it before the library is unloaded. */
+static pthread_mutex_t g_list = PTHREAD_MUTEX_INITIALIZER;
+static struct comm *g_comms;
+static pthread_t g_thread;
+static int g_thread_on, g_thread_joinable, g_stop;
+
+static ncclResult_t progress_send(struct comm *c);
+static ncclResult_t progress_recv(struct comm *c);
+
+static void *progress_main(void *arg)
+{
+	(void)arg;
+	for (;;) {
+		pthread_mutex_lock(&g_list);
+		if (!g_comms || g_stop) {
+			g_thread_on = 0;
+			pthread_mutex_unlock(&g_list);
+			return NULL;
+		}
+		for (struct comm *c = g_comms; c; c = c->next)
+			if (!c->failed && pthread_mutex_trylock(&c->mu) == 0) {
+				if (c->kind == K_SEND)
+					progress_send(c);
+				else
+					progress_recv(c);
+				pthread_mutex_unlock(&c->mu);
+			}
+		pthread_mutex_unlock(&g_list);
+		usleep(2000);
+	}
+}
+
+static void track(struct comm *c)
+{
+	pthread_mutex_init(&c->mu, NULL);
+	pthread_mutex_lock(&g_list);
+	c->next = g_comms;
+	if (g_comms)
+		g_comms->prev = c;
+	g_comms = c;
+	if (!g_thread_on) {
+		if (g_thread_joinable)
+			pthread_join(g_thread, NULL); /* it already left its loop */
+		g_thread_joinable = g_thread_on = pthread_create(&g_thread, NULL, progress_main, NULL) == 0;
+		if (!g_thread_on)
+			say("could not start the progress thread: a lost final acknowledgement will "
+			    "stall until CKM_NCCL_TIMEOUT");
+	}
+	pthread_mutex_unlock(&g_list);
+}
+
+static void untrack(struct comm *c)
+{
+	pthread_mutex_lock(&g_list);
+	pthread_mutex_lock(&c->mu); /* the thread is not inside it */
+	if (c->prev)
+		c->prev->next = c->next;
+	else
+		g_comms = c->next;
+	if (c->next)
+		c->next->prev = c->prev;
+	pthread_mutex_unlock(&c->mu);
+	pthread_mutex_unlock(&g_list);
+	pthread_mutex_destroy(&c->mu);
+}
+
+__attribute__((destructor)) static void stop_thread(void)
+{
+	pthread_mutex_lock(&g_list);
+	g_stop = 1;
+	int join = g_thread_joinable;
+	g_thread_joinable = 0;
+	pthread_mutex_unlock(&g_list);
+	if (join)
+		pthread_join(g_thread, NULL);
 }
 
 /* ------------------------------------------------------------------ the interface */
@@ -654,7 +739,8 @@ static ncclResult_t ckm_set_net_attr(void *ctx, ncclNetAttr_t *attr)
 
 static ncclResult_t ckm_listen(void *ctx, int dev, void *handle, void **listenComm)
 {
-	struct sockaddr_in self;
+	struct sockaddr_in self, tself = {.sin_family = AF_INET};
+	socklen_t tl = sizeof tself;
 	if (dev != 0)
 		return ncclInvalidArgument;
 	struct comm *c = calloc(1, sizeof *c);
@@ -667,24 +753,46 @@ static ncclResult_t ckm_listen(void *ctx, int dev, void *handle, void **listenCo
 		    g_cfg.port_base + g_cfg.port_count - 1, inet_ntoa(g_cfg.ip), strerror(errno));
 		return ncclSystemError;
 	}
+	c->tcp = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	tself.sin_addr = g_cfg.ip;
+	if (c->tcp < 0 || bind(c->tcp, (struct sockaddr *)&tself, sizeof tself) < 0 ||
+	    listen(c->tcp, 16) < 0 || getsockname(c->tcp, (struct sockaddr *)&tself, &tl) < 0) {
+		say("listen: TCP setup socket on %s: %s", inet_ntoa(g_cfg.ip), strerror(errno));
+		if (c->tcp >= 0)
+			close(c->tcp);
+		close(c->fd);
+		free(c);
+		return ncclSystemError;
+	}
 	c->kind = K_LISTEN;
 	c->ctx = ctx;
+	c->peer_fd = -1;
 	c->listen_id = rand64();
-	struct handle hd = {htonl(HANDLE_MAGIC), self.sin_addr.s_addr, self.sin_port, 0,
-			    htobe64(c->listen_id)};
+	struct handle hd = {htonl(HANDLE_MAGIC), self.sin_addr.s_addr, self.sin_port,
+			    tself.sin_port, htobe64(c->listen_id), NULL};
 	memset(handle, 0, NCCL_NET_HANDLE_MAXSIZE);
 	memcpy(handle, &hd, sizeof hd);
 	*listenComm = c;
 	return ncclSuccess;
 }
 
-/* Never blocks: the HELLO is the connection's first datagram (seq 0), resent like data
- * until the receiver's accept takes it, so the comm is usable at once. */
+static void free_comm(struct comm *c)
+{
+	if (c->fd >= 0)
+		close(c->fd);
+	if (c->peer_fd >= 0)
+		close(c->peer_fd);
+	free(c->rx);
+	free(c);
+}
+
+/* Setup exchange, sender side: TCP to the listener, 24 bytes {magic, listen id, token, UDP
+ * port, address}, then one byte back once the receiver is ready. Never blocks: returns
+ * *sendComm = NULL until done, keeping its state in the handle as NCCL's own plugins do. */
 static ncclResult_t ckm_connect(void *ctx, int dev, void *handle, void **sendComm,
 				ncclNetDeviceHandle_t **sendDevComm)
 {
 	struct handle hd;
-	struct sockaddr_in self, peer = {.sin_family = AF_INET};
 	struct ckm_ctx *x = ctx;
 	(void)sendDevComm;
 	*sendComm = NULL;
@@ -695,100 +803,168 @@ static ncclResult_t ckm_connect(void *ctx, int dev, void *handle, void **sendCom
 		say("connect: the handle is not a ckm handle (another plugin on the peer?)");
 		return ncclInvalidUsage;
 	}
-	if (x->tagging && x->conns >= g_cfg.sched.channels) {
-		say("connection %d of a communicator with %d channels (CKM_NCCL_CHANNELS): NCCL "
-		    "opened more connections than the schedule model knows; refusing to tag",
-		    x->conns + 1, g_cfg.sched.channels);
-		return ncclInvalidUsage;
+	struct comm *c = hd.pending;
+	if (!c) {
+		struct sockaddr_in self, peer = {.sin_family = AF_INET}, tself = {.sin_family = AF_INET};
+		if (x->tagging && x->conns >= g_cfg.sched.channels) {
+			say("connection %d of a communicator with %d channels (CKM_NCCL_CHANNELS): "
+			    "NCCL opened more connections than the schedule model knows; refusing to tag",
+			    x->conns + 1, g_cfg.sched.channels);
+			return ncclInvalidUsage;
+		}
+		if (!(c = calloc(1, sizeof *c)))
+			return ncclSystemError;
+		c->peer_fd = -1;
+		c->fd = open_udp(0, &self);
+		peer.sin_addr.s_addr = hd.ip;
+		peer.sin_port = hd.udp_port;
+		tself.sin_addr = g_cfg.ip;
+		if (c->fd < 0 || connect(c->fd, (struct sockaddr *)&peer, sizeof peer) < 0 ||
+		    (c->peer_fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)) < 0 ||
+		    bind(c->peer_fd, (struct sockaddr *)&tself, sizeof tself) < 0) {
+			say("connect to %s: %s", inet_ntoa(peer.sin_addr), strerror(errno));
+			free_comm(c);
+			return ncclSystemError;
+		}
+		peer.sin_port = hd.tcp_port;
+		if (connect(c->peer_fd, (struct sockaddr *)&peer, sizeof peer) < 0 &&
+		    errno != EINPROGRESS) {
+			say("connect to %s: %s", inet_ntoa(peer.sin_addr), strerror(errno));
+			free_comm(c);
+			return ncclSystemError;
+		}
+		c->kind = K_SEND;
+		c->ctx = x;
+		c->token = (uint32_t)rand64();
+		c->tx_credit = WINDOW;
+		c->channel = x->conns++;
+		c->since = now_s();
+		uint32_t m = htonl(HANDLE_MAGIC), tok = htonl(c->token), ip = self.sin_addr.s_addr;
+		uint16_t port = self.sin_port, pad = 0;
+		memcpy(c->intro, &m, 4);
+		memcpy(c->intro + 4, &hd.listen_id, 8);
+		memcpy(c->intro + 12, &tok, 4);
+		memcpy(c->intro + 16, &ip, 4);
+		memcpy(c->intro + 20, &port, 2);
+		memcpy(c->intro + 22, &pad, 2);
+		hd.pending = c;
+		memcpy(handle, &hd, sizeof hd);
+		return ncclSuccess;
 	}
-	struct comm *c = calloc(1, sizeof *c);
-	if (!c)
-		return ncclSystemError;
-	c->fd = open_udp(0, &self);
-	peer.sin_addr.s_addr = hd.ip;
-	peer.sin_port = hd.port;
-	if (c->fd < 0 || connect(c->fd, (struct sockaddr *)&peer, sizeof peer) < 0) {
-		say("connect to %s:%d: %s", inet_ntoa(peer.sin_addr), ntohs(hd.port),
-		    strerror(errno));
-		if (c->fd >= 0)
-			close(c->fd);
-		free(c);
-		return ncclSystemError;
+	struct pollfd p = {c->peer_fd, c->got < 24 ? POLLOUT : POLLIN, 0};
+	if (poll(&p, 1, 0) > 0) {
+		int err = 0;
+		socklen_t el = sizeof err;
+		getsockopt(c->peer_fd, SOL_SOCKET, SO_ERROR, &err, &el);
+		ssize_t n;
+		uint8_t ok = 0;
+		if (err) {
+			errno = err;
+			n = -1;
+		} else if (c->got < 24) {
+			n = send(c->peer_fd, c->intro + c->got, (size_t)(24 - c->got), MSG_NOSIGNAL);
+			if (n > 0)
+				c->got += (int)n;
+		} else {
+			n = recv(c->peer_fd, &ok, 1, 0);
+			if (n == 1 && ok == 1) {
+				close(c->peer_fd);
+				c->peer_fd = -1;
+				hd.pending = NULL;
+				memcpy(handle, &hd, sizeof hd);
+				track(c);
+				*sendComm = c;
+				return ncclSuccess;
+			}
+			if (n == 0)
+				errno = ECONNRESET;
+		}
+		if (n <= 0 && errno != EAGAIN && errno != EINTR) {
+			say("connect: setup exchange with the next rank failed: %s", strerror(errno));
+			free_comm(c);
+			hd.pending = NULL;
+			memcpy(handle, &hd, sizeof hd);
+			return ncclRemoteError;
+		}
 	}
-	c->kind = K_SEND;
-	c->ctx = x;
-	c->token = (uint32_t)rand64();
-	c->tx_credit = WINDOW;
-	c->channel = x->conns++;
-	uint64_t id = htobe64(be64toh(hd.listen_id));
-	memcpy(c->hello, &id, 8);
-	struct txslot *s = &c->tx[0];
-	fill_hdr(&s->hdr, CKM_F_HANDSHAKE, c->token, 0, 0, 8, 0, 0, 0, CKM_DT_BYTES,
-		 ckm_crc32c(c->hello, 8));
-	s->data = (const char *)c->hello;
-	s->len = 8;
-	ncclResult_t r = queue_slot(c, s);
-	if (r) {
-		close(c->fd);
-		free(c);
-		return r;
+	if (now_s() - c->since > g_cfg.timeout_s) {
+		say("connect: no answer from the peer for %.0f s (CKM_NCCL_TIMEOUT)", g_cfg.timeout_s);
+		free_comm(c);
+		hd.pending = NULL;
+		memcpy(handle, &hd, sizeof hd);
+		return ncclRemoteError;
 	}
-	*sendComm = c;
 	return ncclSuccess;
 }
 
-/* Returns *recvComm = NULL until the peer's HELLO arrived (NCCL calls again). */
+/* Receiver side of the setup exchange: *recvComm = NULL until a sender that knows this
+ * listen id introduced itself (NCCL calls again). Anything else is dropped and counted. */
 static ncclResult_t ckm_accept(void *listenComm, void **recvComm,
 			       ncclNetDeviceHandle_t **recvDevComm)
 {
 	struct comm *l = listenComm;
-	uint8_t buf[DG_MAX];
-	struct ckm_hdr h;
-	struct sockaddr_in src;
 	(void)recvDevComm;
 	*recvComm = NULL;
 	if (l->accepted) {
 		say("accept called twice on one listen handle: NCCL opens one connection per listen");
 		return ncclInvalidUsage;
 	}
-	for (int k = 0; k < 64; k++) {
-		socklen_t sl = sizeof src;
-		ssize_t n = recvfrom(l->fd, buf, sizeof buf, MSG_DONTWAIT, (struct sockaddr *)&src, &sl);
-		if (n < 0)
+	if (l->peer_fd < 0) {
+		l->peer_fd = accept4(l->tcp, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (l->peer_fd < 0)
 			return ncclSuccess;
-		if (check_dgram(l, buf, n, &h, 1))
-			continue;
-		uint64_t id = 0;
-		if (n == CKM_HEADER_LEN + 8)
-			memcpy(&id, buf + CKM_HEADER_LEN, 8);
-		if (!(h.flags & CKM_F_HANDSHAKE) || ntohl(h.seq) != 0 || n != CKM_HEADER_LEN + 8 ||
-		    be64toh(id) != l->listen_id) {
-			l->st.foreign++; /* data that raced its HELLO is resent later */
-			continue;
-		}
-		struct comm *c = calloc(1, sizeof *c);
-		uint8_t *rx = malloc((size_t)(WINDOW + 1) * DG_MAX);
-		if (!c || !rx || connect(l->fd, (struct sockaddr *)&src, sizeof src) < 0) {
-			free(c);
-			free(rx);
-			say("accept: %s", strerror(errno ? errno : ENOMEM));
-			return ncclSystemError;
-		}
-		c->kind = K_RECV;
-		c->ctx = l->ctx;
-		c->fd = l->fd;
-		l->fd_taken = 1;
-		l->accepted = 1;
-		c->rx = rx;
-		c->token = ntohl(h.token);
-		c->rx_cons = c->rx_next = c->rx_max = 1; /* the HELLO is seq 0 */
-		c->ack_due = 1;
-		c->acked_next = c->acked_cons = 0;
-		c->st.foreign = l->st.foreign;
-		send_ack(c, now_s());
-		*recvComm = c;
+		l->got = 0;
+		l->since = now_s();
+	}
+	ssize_t n = recv(l->peer_fd, l->intro + l->got, (size_t)(24 - l->got), 0);
+	if (n > 0)
+		l->got += (int)n;
+	int bad = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR) ||
+		  now_s() - l->since > 10.0;
+	uint32_t m, tok, ip;
+	uint64_t id;
+	uint16_t port;
+	if (!bad && l->got < 24)
+		return ncclSuccess;
+	if (!bad) {
+		memcpy(&m, l->intro, 4);
+		memcpy(&id, l->intro + 4, 8);
+		memcpy(&tok, l->intro + 12, 4);
+		memcpy(&ip, l->intro + 16, 4);
+		memcpy(&port, l->intro + 20, 2);
+		bad = ntohl(m) != HANDLE_MAGIC || be64toh(id) != l->listen_id;
+	}
+	if (bad) {
+		l->st.foreign++; /* not our peer: drop it, keep listening */
+		close(l->peer_fd);
+		l->peer_fd = -1;
 		return ncclSuccess;
 	}
+	struct sockaddr_in src = {.sin_family = AF_INET, .sin_port = port};
+	src.sin_addr.s_addr = ip;
+	struct comm *c = calloc(1, sizeof *c);
+	uint8_t *rx = malloc((size_t)(WINDOW + 1) * DG_MAX);
+	uint8_t ok = 1;
+	if (!c || !rx || connect(l->fd, (struct sockaddr *)&src, sizeof src) < 0 ||
+	    send(l->peer_fd, &ok, 1, MSG_NOSIGNAL) != 1) {
+		say("accept: %s", strerror(errno ? errno : ENOMEM));
+		free(c);
+		free(rx);
+		return ncclSystemError;
+	}
+	close(l->peer_fd);
+	l->peer_fd = -1;
+	c->kind = K_RECV;
+	c->ctx = l->ctx;
+	c->fd = l->fd;
+	c->peer_fd = -1;
+	l->fd_taken = 1;
+	l->accepted = 1;
+	c->rx = rx;
+	c->token = ntohl(tok);
+	c->st.foreign = l->st.foreign;
+	track(c);
+	*recvComm = c;
 	return ncclSuccess;
 }
 
@@ -868,8 +1044,8 @@ static ncclResult_t place(struct comm *c, struct req *r, size_t size, int tag)
 	return ncclSuccess;
 }
 
-static ncclResult_t ckm_isend(void *sendComm, void *data, size_t size, int tag, void *mhandle,
-			      void *phandle, void **request)
+static ncclResult_t isend_locked(void *sendComm, void *data, size_t size, int tag,
+				 void *mhandle, void *phandle, void **request)
 {
 	struct comm *c = sendComm;
 	(void)mhandle;
@@ -895,8 +1071,8 @@ static ncclResult_t ckm_isend(void *sendComm, void *data, size_t size, int tag, 
 	return ncclSuccess;
 }
 
-static ncclResult_t ckm_irecv(void *recvComm, int n, void **data, size_t *sizes, int *tags,
-			      void **mhandles, void **phandles, void **request)
+static ncclResult_t irecv_locked(void *recvComm, int n, void **data, size_t *sizes, int *tags,
+				 void **mhandles, void **phandles, void **request)
 {
 	struct comm *c = recvComm;
 	(void)tags;
@@ -930,7 +1106,7 @@ static ncclResult_t ckm_iflush(void *recvComm, int n, void **data, int *sizes, v
 	return ncclSuccess;
 }
 
-static ncclResult_t ckm_test(void *request, int *done, int *sizes)
+static ncclResult_t test_locked(void *request, int *done, int *sizes)
 {
 	struct req *r = request;
 	struct comm *c = r->c;
@@ -947,6 +1123,35 @@ static ncclResult_t ckm_test(void *request, int *done, int *sizes)
 		r->used = 0;
 	}
 	return ncclSuccess;
+}
+
+static ncclResult_t ckm_isend(void *sendComm, void *data, size_t size, int tag, void *mhandle,
+			      void *phandle, void **request)
+{
+	struct comm *c = sendComm;
+	pthread_mutex_lock(&c->mu);
+	ncclResult_t r = isend_locked(sendComm, data, size, tag, mhandle, phandle, request);
+	pthread_mutex_unlock(&c->mu);
+	return r;
+}
+
+static ncclResult_t ckm_irecv(void *recvComm, int n, void **data, size_t *sizes, int *tags,
+			      void **mhandles, void **phandles, void **request)
+{
+	struct comm *c = recvComm;
+	pthread_mutex_lock(&c->mu);
+	ncclResult_t r = irecv_locked(recvComm, n, data, sizes, tags, mhandles, phandles, request);
+	pthread_mutex_unlock(&c->mu);
+	return r;
+}
+
+static ncclResult_t ckm_test(void *request, int *done, int *sizes)
+{
+	struct comm *c = ((struct req *)request)->c;
+	pthread_mutex_lock(&c->mu);
+	ncclResult_t r = test_locked(request, done, sizes);
+	pthread_mutex_unlock(&c->mu);
+	return r;
 }
 
 /* CKM_NCCL_STATS=FILE: one JSON line of counters per closed comm (the harness reads it). */
@@ -979,6 +1184,7 @@ static void dump_stats(struct comm *c)
 static ncclResult_t ckm_close_send(void *sendComm)
 {
 	struct comm *c = sendComm;
+	untrack(c);
 	/* Give the peer a moment to acknowledge the tail (NCCL closes after its tests). */
 	double until = now_s() + 0.2;
 	while (!c->failed && c->tx_base < c->tx_next && now_s() < until) {
@@ -986,18 +1192,16 @@ static ncclResult_t ckm_close_send(void *sendComm)
 		usleep(1000);
 	}
 	dump_stats(c);
-	close(c->fd);
-	free(c);
+	free_comm(c);
 	return ncclSuccess;
 }
 
 static ncclResult_t ckm_close_recv(void *recvComm)
 {
 	struct comm *c = recvComm;
+	untrack(c);
 	dump_stats(c);
-	close(c->fd);
-	free(c->rx);
-	free(c);
+	free_comm(c);
 	return ncclSuccess;
 }
 
@@ -1006,6 +1210,9 @@ static ncclResult_t ckm_close_listen(void *listenComm)
 	struct comm *l = listenComm;
 	if (!l->fd_taken)
 		close(l->fd);
+	if (l->peer_fd >= 0)
+		close(l->peer_fd);
+	close(l->tcp);
 	free(l);
 	return ncclSuccess;
 }

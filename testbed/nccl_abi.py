@@ -1,0 +1,179 @@
+"""The NCCL net-plugin ABI (ncclNet_v10/v11/v12) as ctypes declarations, and the documented
+layout they must have (docs/nccl_plugin.md, "ABI"): the harness calls the plugin through
+these, and tests/test_nccl_abi.py checks both the declarations and the plugin against
+``LAYOUT``. Written from NCCL's plugin interface documentation (plugins/net), LP64."""
+
+from __future__ import annotations
+
+import ctypes as C
+
+RESULT = C.c_int  # ncclResult_t
+SUCCESS, SYSTEM_ERROR, INTERNAL_ERROR, INVALID_ARGUMENT, INVALID_USAGE, REMOTE_ERROR = (
+    0, 2, 3, 4, 5, 6)
+HANDLE_MAXSIZE = 128
+PTR_HOST = 1
+#: The versions the loader tries, newest first (NCCL 2.30 tries v12 down to v6).
+LOADER_ORDER = ("v12", "v11", "v10", "v9", "v8", "v7", "v6")
+
+
+class DeviceHandle(C.Structure):
+    _fields_ = [("netDeviceType", C.c_int), ("netDeviceVersion", C.c_int),
+                ("handle", C.c_void_p), ("size", C.c_size_t), ("needsProxyProgress", C.c_int)]
+
+
+class VProps10(C.Structure):
+    _fields_ = [("ndevs", C.c_int), ("devs", C.c_int * 4)]
+
+
+class VProps12(C.Structure):
+    _fields_ = [("ndevs", C.c_int), ("devs", C.c_int * 8)]
+
+
+def _props_fields(vprops: type) -> list[tuple[str, object]]:
+    return [("name", C.c_char_p), ("pciPath", C.c_char_p), ("guid", C.c_uint64),
+            ("ptrSupport", C.c_int), ("regIsGlobal", C.c_int), ("forceFlush", C.c_int),
+            ("speed", C.c_int), ("port", C.c_int), ("latency", C.c_float),
+            ("maxComms", C.c_int), ("maxRecvs", C.c_int), ("netDeviceType", C.c_int),
+            ("netDeviceVersion", C.c_int), ("vProps", vprops), ("maxP2pBytes", C.c_size_t),
+            ("maxCollBytes", C.c_size_t)]
+
+
+class Properties10(C.Structure):
+    _fields_ = _props_fields(VProps10)
+
+
+class Properties11(C.Structure):
+    _fields_ = [*_props_fields(VProps10), ("maxMultiRequestSize", C.c_int)]
+
+
+class Properties12(C.Structure):
+    _fields_ = [*_props_fields(VProps12), ("maxMultiRequestSize", C.c_int),
+                ("railId", C.c_int16), ("planeId", C.c_int16)]
+
+
+class CommConfig(C.Structure):
+    _fields_ = [("trafficClass", C.c_int)]
+
+
+class CommAttr(C.Structure):
+    _fields_ = [("maxConcurrentPeers", C.c_int32), ("minConcurrentPeers", C.c_int32),
+                ("maxFlowsPerPeer", C.c_int32), ("minFlowsPerPeer", C.c_int32)]
+
+
+class NetAttr(C.Structure):
+    _fields_ = [("sendCommAttr", CommAttr), ("recvCommAttr", CommAttr), ("op", C.c_uint32),
+                ("algo", C.c_uint32), ("proto", C.c_uint32)]
+
+
+_P, _PP, _SZ = C.c_void_p, C.POINTER(C.c_void_p), C.c_size_t
+_F = C.CFUNCTYPE
+
+
+def _tail(vprops: type) -> list[tuple[str, object]]:
+    """The members every version from v10 on has after ``accept``, in order."""
+    return [
+        ("regMr", _F(RESULT, _P, _P, _SZ, C.c_int, _PP)),
+        ("regMrDmaBuf", _F(RESULT, _P, _P, _SZ, C.c_int, C.c_uint64, C.c_int, _PP)),
+        ("deregMr", _F(RESULT, _P, _P)),
+        ("isend", _F(RESULT, _P, _P, _SZ, C.c_int, _P, _P, _PP)),
+        ("irecv", _F(RESULT, _P, C.c_int, _PP, C.POINTER(_SZ), C.POINTER(C.c_int), _PP, _PP,
+                     _PP)),
+        ("iflush", _F(RESULT, _P, C.c_int, _PP, C.POINTER(C.c_int), _PP, _PP)),
+        ("test", _F(RESULT, _P, C.POINTER(C.c_int), C.POINTER(C.c_int))),
+        ("closeSend", _F(RESULT, _P)),
+        ("closeRecv", _F(RESULT, _P)),
+        ("closeListen", _F(RESULT, _P)),
+        ("getDeviceMr", _F(RESULT, _P, _P, _PP)),
+        ("irecvConsumed", _F(RESULT, _P, C.c_int, _P)),
+        ("makeVDevice", _F(RESULT, C.POINTER(C.c_int), C.POINTER(vprops))),
+    ]
+
+
+def _v11_like(props: type, vprops: type) -> list[tuple[str, object]]:
+    return [
+        ("name", C.c_char_p),
+        # logFunction (variadic) and profFunction: raw pointers; the harness passes NULL
+        ("init", _F(RESULT, _PP, C.c_uint64, C.POINTER(CommConfig), _P, _P)),
+        ("devices", _F(RESULT, C.POINTER(C.c_int))),
+        ("getProperties", _F(RESULT, C.c_int, C.POINTER(props))),
+        ("listen", _F(RESULT, _P, C.c_int, _P, _PP)),
+        ("connect", _F(RESULT, _P, C.c_int, _P, _PP, C.POINTER(C.POINTER(DeviceHandle)))),
+        ("accept", _F(RESULT, _P, _PP, C.POINTER(C.POINTER(DeviceHandle)))),
+        *_tail(vprops),
+        ("finalize", _F(RESULT, _P)),
+        ("setNetAttr", _F(RESULT, _P, C.POINTER(NetAttr))),
+    ]
+
+
+class Net12(C.Structure):
+    _fields_ = _v11_like(Properties12, VProps12)
+
+
+class Net11(C.Structure):
+    _fields_ = _v11_like(Properties11, VProps10)
+
+
+class Net10(C.Structure):
+    _fields_ = [
+        ("name", C.c_char_p),
+        ("init", _F(RESULT, _P, _P)),
+        ("devices", _F(RESULT, C.POINTER(C.c_int))),
+        ("getProperties", _F(RESULT, C.c_int, C.POINTER(Properties10))),
+        ("listen", _F(RESULT, C.c_int, _P, _PP)),
+        ("connect", _F(RESULT, C.c_int, C.POINTER(CommConfig), _P, _PP,
+                       C.POINTER(C.POINTER(DeviceHandle)))),
+        ("accept", _F(RESULT, _P, _PP, C.POINTER(C.POINTER(DeviceHandle)))),
+        *_tail(VProps10),
+    ]
+
+
+VTABLES = {"v12": Net12, "v11": Net11, "v10": Net10}
+
+_VT_COMMON = ["name", "init", "devices", "getProperties", "listen", "connect", "accept",
+              "regMr", "regMrDmaBuf", "deregMr", "isend", "irecv", "iflush", "test",
+              "closeSend", "closeRecv", "closeListen", "getDeviceMr", "irecvConsumed",
+              "makeVDevice"]
+_PROPS_COMMON = {"name": 0, "pciPath": 8, "guid": 16, "ptrSupport": 24, "regIsGlobal": 28,
+                 "forceFlush": 32, "speed": 36, "port": 40, "latency": 44, "maxComms": 48,
+                 "maxRecvs": 52, "netDeviceType": 56, "netDeviceVersion": 60, "vProps": 64}
+
+#: The documented layout: member -> byte offset, and "sizeof". A vtable is its members in
+#: this order, one pointer (8 bytes) each.
+LAYOUT: dict[str, dict[str, int]] = {
+    "ncclNet_v12_t": {**{n: 8 * i for i, n in enumerate(_VT_COMMON + ["finalize",
+                                                                        "setNetAttr"])},
+                      "sizeof": 176},
+    "ncclNet_v11_t": {**{n: 8 * i for i, n in enumerate(_VT_COMMON + ["finalize",
+                                                                        "setNetAttr"])},
+                      "sizeof": 176},
+    "ncclNet_v10_t": {**{n: 8 * i for i, n in enumerate(_VT_COMMON)}, "sizeof": 160},
+    "ncclNetProperties_v12_t": {**_PROPS_COMMON, "maxP2pBytes": 104, "maxCollBytes": 112,
+                                "maxMultiRequestSize": 120, "railId": 124, "planeId": 126,
+                                "sizeof": 128},
+    "ncclNetProperties_v11_t": {**_PROPS_COMMON, "maxP2pBytes": 88, "maxCollBytes": 96,
+                                "maxMultiRequestSize": 104, "sizeof": 112},
+    "ncclNetProperties_v10_t": {**_PROPS_COMMON, "maxP2pBytes": 88, "maxCollBytes": 96,
+                                "sizeof": 104},
+    "ncclNetDeviceHandle_t": {"netDeviceType": 0, "netDeviceVersion": 4, "handle": 8,
+                              "size": 16, "needsProxyProgress": 24, "sizeof": 32},
+    "ncclNetAttr_t": {"sendCommAttr": 0, "recvCommAttr": 16, "op": 32, "algo": 36,
+                      "proto": 40, "sizeof": 44},
+}
+
+CTYPES = {"ncclNet_v12_t": Net12, "ncclNet_v11_t": Net11, "ncclNet_v10_t": Net10,
+          "ncclNetProperties_v12_t": Properties12, "ncclNetProperties_v11_t": Properties11,
+          "ncclNetProperties_v10_t": Properties10, "ncclNetDeviceHandle_t": DeviceHandle,
+          "ncclNetAttr_t": NetAttr}
+
+
+def load(path: str) -> tuple[C.CDLL, str, C.Structure]:
+    """NCCL's rule: the newest ``ncclNetPlugin_vN`` the library exports. Returns (library,
+    version, vtable)."""
+    lib = C.CDLL(path)
+    for v in LOADER_ORDER:
+        if v in VTABLES:
+            try:
+                return lib, v, VTABLES[v].in_dll(lib, f"ncclNetPlugin_{v}")
+            except ValueError:
+                continue
+    raise OSError(f"{path} exports no ncclNetPlugin_v10..v12")
