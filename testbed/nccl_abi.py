@@ -177,3 +177,25 @@ def load(path: str) -> tuple[C.CDLL, str, C.Structure]:
             except ValueError:
                 continue
     raise OSError(f"{path} exports no ncclNetPlugin_v10..v12")
+
+
+def resolve(net_plugin: str, order: tuple[str, ...] = LOADER_ORDER
+            ) -> tuple[str, str] | None:
+    """NCCL's loader rules for ``NCCL_NET_PLUGIN``: a comma list; each name is tried as a
+    path, then as ``libnccl-net-<name>.so`` (the dynamic linker's search path); the first
+    library that opens is asked for ``ncclNetPlugin_<v>`` in ``order``. Returns (library
+    name that opened, version) or None: NCCL then uses its internal transports."""
+    for name in (n.strip() for n in net_plugin.split(",") if n.strip()):
+        for cand in (name, f"libnccl-net-{name}.so"):
+            try:
+                lib = C.CDLL(cand)
+            except OSError:
+                continue
+            for v in order:
+                try:
+                    C.c_void_p.in_dll(lib, f"ncclNetPlugin_{v}")
+                except ValueError:
+                    continue
+                return cand, v
+            break  # opened but exports no version this NCCL knows: next name
+    return None

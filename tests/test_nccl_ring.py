@@ -1,0 +1,121 @@
+"""The ckm NCCL plugin driven as NCCL's ring allreduce (Simple protocol) drives it, by the
+harness (checkmate.testbed.nccl_harness, the NCCL stand-in): 4 rank processes, 4 channels,
+buckets that are not chunk multiples, several iterations in a row.
+
+On loopback (no switch), an AF_PACKET tap on lo sees every REPLICATE datagram, i.e. what
+a switch would copy; the namespace test in test_nccl_switch.py runs it through the kernel
+switch to real shadows."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkmate import auth, datamac
+from checkmate.testbed import nccl_harness as H
+
+REPO = Path(__file__).resolve().parent.parent
+LIB = REPO / "build" / "nccl" / "libnccl-net-ckm.so"
+BUCKETS = [70_001, 5_003, 3]  # flat order; none a multiple of the chunk
+BUFFSIZE = 1 << 15  # 4096-element chunks: bucket 0 takes two loops of the ring
+ITERATIONS = 3
+
+
+@pytest.fixture(scope="module")
+def plugin() -> Path:
+    import subprocess
+
+    p = subprocess.run(["make", "-s", "-C", str(REPO / "nccl_plugin"), f"OUT={LIB.parent}"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return LIB
+
+
+def expected_flat(seed: int, it: int, world: int) -> np.ndarray:
+    return np.concatenate([H.expected(seed, it, b, world, n) for b, n in enumerate(BUCKETS)])
+
+
+def python_ring_replicas(ring_kit, seed: int, world: int, partitions: int) -> dict:
+    """What the Python ring (checkmate.train.ring) hands the shadows for the same inputs:
+    iteration -> flat reduced vector assembled from its REPLICATE pieces."""
+    total = sum(BUCKETS)
+    got = {it: np.full(total, np.nan, np.float32) for it in range(1, ITERATIONS + 1)}
+    cover = {it: np.zeros(total, np.int32) for it in got}
+
+    def on_reduced(rank, it, bucket, off, part, payload):
+        v = np.frombuffer(payload, "<f4")
+        got[it][off:off + v.size] = v
+        cover[it][off:off + v.size] += 1
+
+    rings = ring_kit.make(world, total, partitions, chunk=2229, on_reduced=on_reduced)
+    try:
+        for it in got:
+            base = 0
+            for b, n in enumerate(BUCKETS):
+                futs = [rg.submit(torch.from_numpy(H.inputs(seed, it, b, r, n)), base, it, b)
+                        for r, rg in enumerate(rings)]
+                for f in futs:
+                    f.wait()
+                base += n
+    finally:
+        ring_kit.close_all(rings)
+    for it in got:
+        assert cover[it].min() == 1 and cover[it].max() == 1
+    return got
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the tap on lo is an AF_PACKET socket (root)")
+def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(plugin, tmp_path,
+                                                                       ring_kit):
+    world, partitions, seed = 4, 2, 11
+    job = random.randrange(1 << 20, 1 << 31)
+    net = f"127.{random.randrange(20, 99)}.{random.randrange(1, 250)}"
+    tap = H.ReplicaTap("lo", job)
+    try:
+        outs = H.launch(world, tmp_path / "run", str(plugin),
+                        [f"{net}.{10 + r}" for r in range(world)], channels=4,
+                        buffsize=BUFFSIZE, buckets=BUCKETS, iterations=ITERATIONS, seed=seed,
+                        partitions=partitions, job=job)
+    finally:
+        datagrams = tap.close()
+    expect = {it: expected_flat(seed, it, world) for it in range(1, ITERATIONS + 1)}
+    for r in range(world):  # the allreduce result is exact on every rank
+        for i, it in enumerate(expect):
+            assert np.array_equal(outs[r][i], expect[it]), (r, it)
+    key = datamac.data_key(auth.load_secret())
+    summary = H.check_replicas(datagrams, key, job, BUCKETS, 1, ITERATIONS, partitions, expect)
+    assert summary["pieces"] > 3 * len(BUCKETS)
+    # the check fails on a lost piece, and on a second, different copy of a piece
+    with pytest.raises(AssertionError, match="missing"):
+        H.check_replicas(datagrams[1:], key, job, BUCKETS, 1, ITERATIONS, partitions, expect)
+    forged = bytearray(datagrams[0])
+    forged[-1] ^= 1
+    with pytest.raises(Exception, match="CRC|MAC|payload"):
+        H.check_replicas([*datagrams, bytes(forged)], key, job, BUCKETS, 1, ITERATIONS,
+                         partitions, expect)
+    # the plugin's own counters agree: every reduced element once per iteration
+    stats = H.stats(tmp_path / "run", world)
+    sends = [s for per in stats for s in per if s["kind"] == "send"]
+    assert len(sends) == world * 4
+    assert sum(s["repl_elems"] for s in sends) == ITERATIONS * sum(BUCKETS)
+    assert all(s["malformed"] == s["corrupt"] == 0 for per in stats for s in per)
+    # and the shadows get exactly the bytes the Python ring gives them for these inputs
+    py = python_ring_replicas(ring_kit, seed, world, partitions)
+    for it in expect:
+        assert np.array_equal(py[it], expect[it])
+
+
+def test_nccl_ring_plain_mode_two_ranks_one_channel(plugin, tmp_path):
+    """Without CKM_NCCL_BUCKETS the plugin is a plain reliable transport: nothing tagged."""
+    outs = H.launch(2, tmp_path / "run", str(plugin), ["127.0.0.1"] * 2, channels=1,
+                    buffsize=BUFFSIZE, buckets=[9_999, 1], iterations=2, seed=3, tag=False)
+    for i, it in enumerate((1, 2)):
+        exp = np.concatenate([H.expected(3, it, b, 2, n) for b, n in enumerate([9_999, 1])])
+        assert np.array_equal(outs[0][i], exp) and np.array_equal(outs[1][i], exp)
+    stats = H.stats(tmp_path / "run", 2)
+    assert all(s["replicated"] == 0 for per in stats for s in per)
