@@ -35,6 +35,24 @@ TNA_PIPE = "pipe"
 SERVERS = ("stratum", "sde")
 
 
+def p4_source(arch: str) -> Path:
+    """The program's source, its includes in ``include/`` beside it. A wheel installs p4/
+    as package data (checkmate/p4/, no __init__: a top-level ``p4`` package would shadow
+    the p4runtime wheel's); an editable install or a clone keeps it at the repository's
+    top, next to the checkmate package."""
+    from importlib.resources import files
+
+    name = f"{PROGRAMS[arch]}.p4"
+    installed = Path(str(files("checkmate"))) / "p4" / name
+    if installed.is_file():
+        return installed
+    clone = Path(str(files("checkmate"))).parent / "p4" / name
+    if clone.is_file():
+        return clone
+    raise CheckmateError(f"P4 source {name} is not installed (looked in {installed.parent} "
+                         f"and {clone.parent})")
+
+
 def build_dir() -> Path:
     """Where compiled programs and generated switch scripts live."""
     return Path(os.environ.get("CHECKMATE_P4_BUILD", "build/p4"))

@@ -1,8 +1,14 @@
 """The cluster config as a mininet network around bmv2 simple_switch_grpc running the v1model
 Checkmate program; `control deploy` then programs it over P4Runtime like any switch.
 
+The switch starts empty (``--no-p4``) and receives the program the way a production switch
+does: the compiler's P4Info and JSON through P4Runtime SetForwardingPipelineConfig
+(:func:`push_pipeline`). The program is compiled into the one build folder the controller
+reads too (checkmate.control.pipeline: ``build/p4/checkmate_v1model/`` or
+``$CHECKMATE_P4_BUILD``), from the P4 sources installed as package data (checkmate.p4).
+
 Needs mininet, p4c (p4c-bm2-ss) and bmv2 (simple_switch_grpc), which this machine does not
-have; :func:`missing` names what is absent and the tests skip with that reason. Port
+have; :func:`missing` names everything absent and the tests skip with that reason. Port
 numbers follow the controller's rule (``switch_port`` from the config, else 1 + the host's
 index in the config), and the switch's CPU port is a link to a "ctl" host that carries the
 switch's own IP and MAC, where `control serve` runs and receives the punted handshake
@@ -22,24 +28,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from checkmate import config
+from checkmate.control import pipeline
 from checkmate.control.plan import switch_port
 from checkmate.errors import CheckmateError, cli_guard
 
-REPO = Path(__file__).resolve().parent.parent
-P4_SRC = REPO / "p4" / "checkmate_v1model.p4"
-BUILD = REPO / "build" / "p4"
 GRPC_PORT = 9559
 CTL_HOST = "ctl"
+BINARIES = ("p4c-bm2-ss", "simple_switch_grpc")
+
+
+def _have_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
 def missing() -> str | None:
-    """Why this topology cannot run here, or None when everything is installed."""
-    if importlib.util.find_spec("mininet") is None:
-        return "mininet (python package) is not installed"
-    for tool in ("p4c-bm2-ss", "simple_switch_grpc"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    return None
+    """Why this topology cannot run here (every absent piece, by name), or None."""
+    absent = [t for t in BINARIES if shutil.which(t) is None]
+    if not _have_module("mininet"):
+        absent.insert(0, "mininet (python package)")
+    if not absent:
+        return None
+    return f"{', '.join(absent)} {'is' if len(absent) == 1 else 'are'} not installed"
 
 
 @dataclass(frozen=True)
@@ -60,29 +69,47 @@ def links(cfg: config.ClusterConfig) -> list[Link]:
     return out
 
 
-def switch_argv(cfg: config.ClusterConfig, json_path: Path) -> list[str]:
-    """simple_switch_grpc command line: every link's interface bound to its port number,
-    a priority queue per class so the ckm class (priority 3) has its own queue."""
+def switch_argv(cfg: config.ClusterConfig) -> list[str]:
+    """simple_switch_grpc command line: every link's interface bound to its port number, a
+    priority queue per class so the ckm class (priority 3) has its own queue, and no program
+    (--no-p4): the pipeline arrives over P4Runtime."""
     argv = ["simple_switch_grpc", "--device-id", str(cfg.switch.device_id),
             "--priority-queues", "8"]
     for link in links(cfg):
         argv += ["-i", f"{link.port}@{link.intf}"]
-    argv += [str(json_path), "--", "--grpc-server-addr", f"0.0.0.0:{GRPC_PORT}"]
+    argv += ["--no-p4", "--", "--grpc-server-addr", f"0.0.0.0:{GRPC_PORT}"]
     return argv
 
 
-def compile_p4(out_dir: Path = BUILD) -> Path:
-    """p4c-bm2-ss the v1model program into out_dir; returns the JSON path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "checkmate_v1model.json"
-    cmd = ["p4c-bm2-ss", "--arch", "v1model", "-I", str(P4_SRC.parent / "include"),
-           "--p4runtime-files", str(out_dir / "checkmate_v1model.p4info.txtpb"),
-           "-o", str(json_path), str(P4_SRC)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+def compile_argv() -> list[str]:
+    """p4c-bm2-ss into the build folder the controller reads (JSON and P4Info)."""
+    src = pipeline.p4_source("v1model")
+    out = pipeline.program_dir("v1model")
+    return ["p4c-bm2-ss", "--arch", "v1model", "-I", str(src.parent / "include"),
+            "--p4runtime-files", str(out / "p4info.txtpb"),
+            "-o", str(out / f"{pipeline.PROGRAMS['v1model']}.json"), str(src)]
+
+
+def compile_p4() -> Path:
+    """Compile the v1model program (compile_argv); returns the JSON path."""
+    argv = compile_argv()
+    pipeline.program_dir("v1model").mkdir(parents=True, exist_ok=True)
+    res = subprocess.run(argv, capture_output=True, text=True)
     if res.returncode != 0:
         first = (res.stderr.strip().splitlines() or ["no output"])[0]
         raise CheckmateError(f"p4c-bm2-ss failed: {first}")
-    return json_path
+    return Path(argv[argv.index("-o") + 1])
+
+
+def push_pipeline(cfg: config.ClusterConfig, timeout: float = 10.0) -> None:
+    """Load the compiled program into the switch: P4Info and bmv2 JSON through
+    SetForwardingPipelineConfig, as the switch's primary controller."""
+    from checkmate.control.p4rt_client import P4RuntimeClient
+
+    loaded = pipeline.compiled_p4info("v1model")
+    assert cfg.switch.address is not None
+    with P4RuntimeClient(cfg.switch.address, cfg.switch.device_id, timeout=timeout) as c:
+        c.set_pipeline(loaded.p4info, pipeline.device_config("v1model"))
 
 
 def bmv2_config(cfg: config.ClusterConfig) -> config.ClusterConfig:
@@ -91,7 +118,7 @@ def bmv2_config(cfg: config.ClusterConfig) -> config.ClusterConfig:
                                        address=f"127.0.0.1:{GRPC_PORT}"))
 
 
-def build_network(cfg: config.ClusterConfig, json_path: Path):  # pragma: no cover - mininet
+def build_network(cfg: config.ClusterConfig):  # pragma: no cover - mininet
     """A started mininet Mininet with the hosts, the ctl host and the bmv2 switch."""
     from mininet.net import Mininet
     from mininet.node import Switch
@@ -102,7 +129,7 @@ def build_network(cfg: config.ClusterConfig, json_path: Path):  # pragma: no cov
 
         def start(self, controllers) -> None:
             log = open(f"/tmp/{self.name}-bmv2.log", "w")  # noqa: SIM115
-            self.proc = subprocess.Popen(switch_argv(cfg, json_path), stdout=log,
+            self.proc = subprocess.Popen(switch_argv(cfg), stdout=log,
                                          stderr=subprocess.STDOUT)
 
         def stop(self, deleteIntfs: bool = True) -> None:
@@ -137,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - needs mini
     if why:
         raise CheckmateError(f"cannot run the bmv2 topology: {why}")
     cfg = bmv2_config(config.load(args.config or config.default_path()))
-    json_path = compile_p4()
-    net = build_network(cfg, json_path)
+    compile_p4()
+    net = build_network(cfg)
     try:
-        cfg_path = BUILD / "mininet-bmv2.yaml"
+        push_pipeline(cfg)
+        cfg_path = pipeline.build_dir() / "mininet-bmv2.yaml"
         import yaml
 
         from checkmate.testbed.topology import config_to_dict
