@@ -1,0 +1,161 @@
+"""The ckm NCCL plugin through the kernel switch to real shadows (root): 4 harness ranks
+(the NCCL stand-in, checkmate.testbed.nccl_harness) in the testbed's trainer namespaces, 4
+channels, buckets that are not chunk multiples, 3 iterations; 2 `shadow serve` processes
+registered with the controller, which installs the replication entries. The switch copies
+each REPLICATE datagram the plugin sends; rank 0's control messages come from the test.
+
+Checks: every rank's allreduce is exact, and each shadow commits, bit for bit, the state of
+an optimizer fed the Python ring's reduced gradients for the same inputs."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_nccl_ring import BUCKETS, BUFFSIZE, ITERATIONS, LIB, REPO, python_ring_replicas
+
+from checkmate import config as cfgmod
+from checkmate.testbed import nccl_harness as H
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces and BPF"),
+]
+
+JOB = 7
+LR = 0.01
+CONFIG = """\
+job: {id: 7, name: ckn}
+switch: {name: sw0, target: kernel}
+network: {subnet: 10.78.0.0/24, mtu: 9000, prefix: PREFIX}
+hosts:
+  - {name: t0, role: trainer, rank: 0, ip: 10.78.0.10}
+  - {name: t1, role: trainer, rank: 1, ip: 10.78.0.11}
+  - {name: t2, role: trainer, rank: 2, ip: 10.78.0.12}
+  - {name: t3, role: trainer, rank: 3, ip: 10.78.0.13}
+  - {name: s0, role: shadow, partition: 0, ip: 10.78.0.100}
+  - {name: s1, role: shadow, partition: 1, ip: 10.78.0.101}
+"""
+
+
+@pytest.fixture(scope="module")
+def plugin() -> Path:
+    p = subprocess.run(["make", "-s", "-C", str(REPO / "nccl_plugin"), f"OUT={LIB.parent}"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return LIB
+
+
+def _wait(what: str, fn, timeout: float = 60.0):
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            v = fn()
+            if v:
+                return v
+        except Exception as e:  # noqa: BLE001 - not up yet
+            err = e
+        else:
+            err = None
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} timed out ({err!r})")
+        time.sleep(0.2)
+
+
+def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(plugin, tmp_path, ring_kit):
+    from checkmate.shadow.feed import control_body, control_datagrams
+    from checkmate.shadow.state import make_optimizer
+    from checkmate.shadow_client import ShadowClient, seed_share
+    from checkmate.spec import ModelSpec
+    from checkmate.testbed.netsock import call_in_netns, udp_socket_in
+    from checkmate.testbed.topology import Testbed
+    from checkmate.train.session import query_sessions
+
+    cfg_path = tmp_path / "ckn.yaml"
+    cfg_path.write_text(CONFIG.replace("PREFIX", f"cn{random.randrange(1000):03d}"))
+    cfg = cfgmod.load(cfg_path)
+    world, parts, seed = 4, 2, 23
+    total = sum(BUCKETS)
+    spec = ModelSpec.build(JOB, [("w", (total,))], "sgd",
+                           [{"params": ["w"], "lr": LR, "momentum": 0.9}], parts)
+    rng = np.random.default_rng(seed)
+    flat = {s: np.zeros(total, np.float32) for s in spec.slots}
+    flat["param"][:] = rng.standard_normal(total).astype(np.float32)
+    tns = None
+    with Testbed(cfg, controller=True, config_path=cfg_path) as tb:
+        tns = tb.netns_of("t0")
+        for h in cfg.shadows:
+            log = open(tmp_path / f"shadow-{h.name}.log", "wb")  # noqa: SIM115
+            tb.spawn(h.name, [sys.executable, "-m", "checkmate.shadow.cli", "serve",
+                              "--partition", f"{h.partition}/{parts}", "--config",
+                              str(cfg_path), "--host", h.name, "--bind", h.ip, "--window",
+                              "64"], f"shadow-{h.name}", stdout=log, stderr=log,
+                     stdin=subprocess.DEVNULL, env={**os.environ, "NUMBA_NUM_THREADS": "1"})
+            log.close()
+        shadows = [(h.ip, cfgmod.RESTORE_PORT) for h in cfg.shadows]
+        ctl = (cfg.switch.ip, cfgmod.CONTROLLER_PORT)
+        sess = _wait("shadow registration", lambda: (
+            s if len(s := call_in_netns(tns, lambda: query_sessions(ctl, JOB))) == parts
+            else None))
+        for r in range(world):
+            call_in_netns(tns, lambda r=r: seed_share(shadows, spec, flat, r, world))
+        logs = []
+
+        def popen(r, argv, env):
+            logs.append(open(tmp_path / f"rank{r}.out", "wb"))  # noqa: SIM115
+            return tb.popen_in(f"t{r}", argv, env=env, stdout=logs[-1], stderr=logs[-1],
+                               cwd=REPO)
+
+        try:
+            outs = H.launch(world, tmp_path / "run", str(plugin),
+                            [h.ip for h in cfg.trainers], channels=4, buffsize=BUFFSIZE,
+                            buckets=BUCKETS, iterations=ITERATIONS, seed=seed,
+                            partitions=parts, job=JOB, popen=popen)
+        finally:
+            for f in logs:
+                f.close()
+        # rank 0's control message per iteration, to each shadow's session
+        tx = udp_socket_in(tns, (cfg.trainers[0].ip, 0))
+        try:
+            for it in range(1, ITERATIONS + 1):
+                for p, (ip, _) in enumerate(shadows):
+                    for d in control_datagrams(JOB, it, control_body(it, [LR]),
+                                               epoch=sess[p]["epoch"], token=sess[p]["token"],
+                                               partition=p):
+                        tx.sendto(d, (ip, cfgmod.SHADOW_PORT))
+        finally:
+            tx.close()
+        def committed():
+            st = [call_in_netns(tns, lambda a=a: ShadowClient(a, 5).status()) for a in shadows]
+            return st if all(s["latest"] == ITERATIONS for s in st) else None
+
+        sts = _wait("shadows committing every iteration", committed, timeout=60)
+        got = [call_in_netns(tns, lambda a=a: ShadowClient(a, 10).fetch(ITERATIONS))
+               for a in shadows]
+        counters = tb.switch.counters()
+    # every rank's result is exact
+    for r in range(world):
+        for i, it in enumerate(range(1, ITERATIONS + 1)):
+            exp = np.concatenate([H.expected(seed, it, b, world, n)
+                                  for b, n in enumerate(BUCKETS)])
+            assert np.array_equal(outs[r][i], exp), (r, it)
+    # each shadow's state = an optimizer fed the Python ring's reduced gradients
+    py = python_ring_replicas(ring_kit, seed, world, parts)
+    ref = make_optimizer(spec, 0, total)
+    ref.load(flat, 0)
+    for it in range(1, ITERATIONS + 1):
+        ref.step(py[it], [LR], None)
+    for p, g in enumerate(got):
+        a, b = spec.bounds(p)
+        for s in spec.slots:
+            assert np.array_equal(g.slots[s], ref.state[s][a:b]), (p, s)
+    # the copies came from the switch, and every datagram the shadows took had a good MAC
+    assert sum(v.get("replicated", 0) for v in counters["ports"].values()) > 0, counters
+    for st in sts:
+        assert st["drops"].get("mac", 0) == 0, st["drops"]
