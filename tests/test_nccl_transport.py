@@ -1,0 +1,158 @@
+"""The ckm NCCL plugin's transport and its refusals, one process talking to itself over
+loopback through the plugin's interface (ctypes, as NCCL calls it): many requests in
+flight, a full request pool, datagrams from outside the session, a message larger than the
+posted receive, and isends the schedule model did not predict."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from checkmate.testbed.nccl_harness import plugin_env
+
+REPO = Path(__file__).resolve().parent.parent
+LIB = REPO / "build" / "nccl" / "libnccl-net-ckm.so"
+
+# One connection from this process to itself; SCENARIO picks what to do with it.
+PROGRAM = textwrap.dedent("""
+    import ctypes as C, json, socket, sys, time
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from checkmate import wire
+    from checkmate.testbed import nccl_abi as abi
+    lib, v, net = abi.load(sys.argv[1])
+    scenario, out = sys.argv[3], {}
+    ctx = C.c_void_p()
+    assert net.init(C.byref(ctx), 1, C.byref(abi.CommConfig(-1)), None, None) == 0
+    def connect_pair(junk=False):
+        h, lc = (C.c_char * 128)(), C.c_void_p()
+        assert net.listen(ctx, 0, h, C.byref(lc)) == 0
+        if junk:  # datagrams from outside any session, queued before accept
+            ip = socket.inet_ntoa(bytes(h)[4:8]); port = int.from_bytes(bytes(h)[8:10], "big")
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.sendto(b"short", (ip, port))
+            s.sendto(wire.encode(wire.Header(job_id=99, count=4, dtype=3), b"abcd"), (ip, port))
+            s.close()
+        sc, rc = C.c_void_p(), C.c_void_p()
+        dev = C.POINTER(abi.DeviceHandle)()
+        end = time.monotonic() + 20
+        while not (sc.value and rc.value):
+            if not sc.value:
+                r = net.connect(ctx, 0, h, C.byref(sc), C.byref(dev))
+                if r:
+                    return r, None, None
+            if not rc.value:
+                assert net.accept(lc, C.byref(rc), C.byref(dev)) == 0
+            assert time.monotonic() < end
+        net.closeListen(lc)
+        return 0, sc, rc
+    def wait(req):
+        done, size = C.c_int(), C.c_int()
+        end = time.monotonic() + 20
+        while True:
+            r = net.test(req, C.byref(done), C.byref(size))
+            if r or done.value:
+                return r, size.value
+            assert time.monotonic() < end
+    def post_recv(rc, buf):
+        req = C.c_void_p()
+        r = net.irecv(rc, 1, (C.c_void_p * 1)(buf.ctypes.data), (C.c_size_t * 1)(buf.nbytes),
+                      (C.c_int * 1)(0), None, None, C.byref(req))
+        return r, req
+    def isend(sc, arr, tag=1):
+        req = C.c_void_p()
+        r = net.isend(sc, C.c_void_p(arr.ctypes.data), arr.nbytes, tag, None, None,
+                      C.byref(req))
+        return r, req
+    if scenario == "inflight":
+        _, sc, rc = connect_pair(junk=True)
+        msgs = [np.arange(i * 1000, i * 1000 + 3000 + i, dtype=np.float32) for i in range(64)]
+        sends = [isend(sc, m) for m in msgs]
+        out["sends_posted"] = sum(1 for r, q in sends if r == 0 and q.value)
+        out["65th"] = isend(sc, msgs[0])[1].value  # the pool is full: NULL, try again
+        bufs = [np.zeros(4000 + 64, np.float32) for _ in msgs]
+        recvs = [post_recv(rc, b) for b in bufs]
+        out["recvs_posted"] = sum(1 for r, q in recvs if r == 0 and q.value)
+        sizes = [wait(q)[1] for _, q in recvs]
+        out["send_results"] = [wait(q)[0] for _, q in sends]
+        out["exact"] = all(s == m.nbytes and np.array_equal(b[:m.size], m)
+                           for s, b, m in zip(sizes, bufs, msgs))
+        zero = np.zeros(0, np.float32)
+        _, q = isend(sc, zero)
+        _, rq = post_recv(rc, bufs[0])
+        out["zero"] = [wait(rq)[1], wait(q)[0]]
+        net.closeSend(sc)
+        net.closeRecv(rc)
+    elif scenario == "too_big":
+        _, sc, rc = connect_pair()
+        _, q = isend(sc, np.ones(5000, np.float32))
+        _, rq = post_recv(rc, np.zeros(100, np.float32))
+        out["recv"] = wait(rq)[0]
+    elif scenario == "wrong_size":
+        _, sc, rc = connect_pair()
+        out["isend"] = isend(sc, np.ones(7, np.float32))[0]
+    elif scenario == "wrong_peer":
+        _, sc, rc = connect_pair()
+        out["isend"] = isend(sc, np.ones(0, np.float32), tag=0)[0]
+    elif scenario == "channels":
+        out["connects"] = [connect_pair()[0] for _ in range(3)]
+    net.finalize(ctx)
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def plugin() -> Path:
+    p = subprocess.run(["make", "-s", "-C", str(REPO / "nccl_plugin"), f"OUT={LIB.parent}"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return LIB
+
+
+def _run(plugin: Path, scenario: str, tmp_path: Path, tagging: bool = False
+         ) -> tuple[dict, list[str], list[dict]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKM_NCCL", "NCCL_"))}
+    # rank 0 of 2 talking to itself; with tagging, 2 channels and one bucket of 1000
+    env.update(plugin_env(0, 2, 2, 1 << 15, [1000] if tagging else [], 2, 7, "127.0.0.1"))
+    env["CKM_NCCL_STATS"] = str(tmp_path / f"{scenario}.jsonl")
+    p = subprocess.run([sys.executable, "-c", PROGRAM, str(plugin), str(REPO), scenario],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    stats_file = tmp_path / f"{scenario}.jsonl"
+    stats = ([json.loads(x) for x in stats_file.read_text().splitlines()]
+             if stats_file.exists() else [])
+    return (json.loads(p.stdout.splitlines()[-1]),
+            [x for x in p.stderr.splitlines() if x.startswith("ckm-nccl:")], stats)
+
+
+def test_nccl_transport_64_requests_in_flight_and_outsiders_dropped(plugin, tmp_path):
+    out, lines, stats = _run(plugin, "inflight", tmp_path)
+    assert out["sends_posted"] == 64 and out["65th"] is None and out["recvs_posted"] == 64
+    assert out["send_results"] == [0] * 64 and out["exact"] is True
+    assert out["zero"] == [0, 0] and lines == []
+    recv = [s for s in stats if s["kind"] == "recv"]
+    assert len(recv) == 1 and recv[0]["foreign"] + recv[0]["malformed"] == 2
+
+
+def test_nccl_transport_message_larger_than_receive_fails_loudly(plugin, tmp_path):
+    out, lines, _ = _run(plugin, "too_big", tmp_path)
+    assert out["recv"] != 0
+    assert len(lines) == 1 and "for a receive of 400" in lines[0]
+
+
+@pytest.mark.parametrize("scenario,why", [
+    ("wrong_size", "where the schedule model expects"),
+    ("wrong_peer", "the ring model sends only to the next rank 1"),
+    ("channels", "NCCL opened more connections than the schedule model knows"),
+])
+def test_nccl_tagging_refuses_what_the_model_did_not_predict(plugin, tmp_path, scenario, why):
+    out, lines, _ = _run(plugin, scenario, tmp_path, tagging=True)
+    results = out.get("isend", None), out.get("connects")
+    assert results[0] not in (None, 0) or results[1] == [0, 0, 5]
+    assert len(lines) == 1 and why in lines[0], lines
