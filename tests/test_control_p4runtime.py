@@ -34,6 +34,12 @@ REPO = Path(__file__).resolve().parents[1]
 PB = p4proto.p4runtime()
 
 
+def load_p4info(arch: str):
+    """The P4Info a switch running the compiler-built program reports (the handshake tests
+    import this and FakeSwitch from here)."""
+    return compiled_p4info(arch)
+
+
 def ip(s: str) -> int:
     return int(ipaddress.IPv4Address(s))
 
