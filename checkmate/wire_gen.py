@@ -41,11 +41,14 @@ def _constants(fmt: str) -> list[str]:
     return [fmt.format(k, v) for k, v in consts.items()]
 
 
-def c_header(types: dict[int, str], guard: str, includes: list[str], note: str) -> str:
-    """A packed C struct; multi-byte fields are in network byte order on the wire."""
+def c_header(types: dict[int, str], guard: str, includes: list[str], note: str,
+             extra: dict[str, int] | None = None) -> str:
+    """A packed C struct; multi-byte fields are in network byte order on the wire.
+    ``extra``: more constants for this view only."""
     lines = [f"/* {_BANNER} */", f"/* {note} */", f"#ifndef {guard}", f"#define {guard}", ""]
     lines += [f"#include <{inc}>" for inc in includes] + [""]
     lines += _constants("#define {} {}")
+    lines += [f"#define {k} {v}" for k, v in (extra or {}).items()]
     lines += [""] + _flag_lines("CKM_F_", "#define {} 0x{:02x}")
     lines += [""] + _dtype_lines("CKM_DT_", "#define {} {}")
     lines += _dtype_size_lines("CKM_DT_", "#define {} {}")
@@ -75,6 +78,8 @@ def nccl_view() -> str:
         "CKM_WIRE_NCCL_H",
         ["stdint.h"],
         "NCCL plugin view of the ckm header; fields are big-endian on the wire (htons/htonl).",
+        # The plugin cuts REPLICATE pieces to one jumbo frame, as the Python ring does.
+        {"CKM_MAX_PAYLOAD_JUMBO": wire.MAX_PAYLOAD_JUMBO},
     )
 
 

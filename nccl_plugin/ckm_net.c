@@ -33,7 +33,7 @@
 
 #define WINDOW 256                 /* datagrams in flight per connection */
 #define MAX_REQS 64                /* requests in flight per comm (NCCL needs 32) */
-#define PAY_MAX 8916               /* one 9000-byte frame: 9000 - IPv4 - UDP - ckm header */
+#define PAY_MAX CKM_MAX_PAYLOAD_JUMBO /* one 9000-byte frame: 9000 - IPv4 - UDP - ckm header */
 #define REPL_ELEMS (PAY_MAX / 4)   /* float32 per REPLICATE piece: the switch copies frames */
 #define DG_MAX (CKM_HEADER_LEN + PAY_MAX)
 #define NACK_MAX 64
