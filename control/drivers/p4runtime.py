@@ -63,8 +63,7 @@ class P4RuntimeDriver:
             self.client.set_pipeline(loaded.p4info, self.device_config())
             self.schema = schema
         else:
-            self.schema = p4tables.Schema(have, f"switch {sw} runs another P4 program: its "
-                                          "P4Info")
+            self.schema = p4tables.Schema(have, f"switch {sw}'s P4Info")
         return self.schema
 
     def close(self) -> None:

@@ -114,8 +114,8 @@ class Schema:
         self.action_by_id = {a.preamble.id: a for a in p4info.actions}
         missing = [n for n in TABLES.values() if n not in by_name]
         if missing:
-            raise CheckmateError(f"{where} lacks table(s) {', '.join(missing)}: not the "
-                                 "Checkmate program")
+            raise CheckmateError(f"{where} lacks table(s) {', '.join(missing)}: another P4 "
+                                 "program, not Checkmate's")
         self.tables = {short: by_name[full] for short, full in TABLES.items()}
         self.short = {t.preamble.id: short for short, t in self.tables.items()}
         self.counters = p4info_mod.counters(p4info)
