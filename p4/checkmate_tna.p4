@@ -227,6 +227,8 @@ control CkmEgress(inout headers_t hdr, inout ckm_meta_t meta,
                   inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
                   inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
     DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) shadow_rewrite_counter;
+    /* A replica for a shadow without a rewrite entry: the miss has no entry to count. */
+    Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS_AND_BYTES) rewrite_miss;
 
     action rewrite_shadow(bit<48> smac, bit<48> dmac, bit<32> ip, bit<16> udp_port,
                           bit<32> epoch, bit<32> token) {
@@ -256,7 +258,9 @@ control CkmEgress(inout headers_t hdr, inout ckm_meta_t meta,
 
     apply {
         if (eg_intr_md.egress_rid != 0 && hdr.ckm.isValid()) {
-            shadow_rewrite.apply();
+            if (!shadow_rewrite.apply().hit) {
+                rewrite_miss.count(0);
+            }
         } else if (eg_intr_md.egress_port == hdr.bridge.ingress_port) {
             eg_dprsr_md.drop_ctl = 1;  /* never send a frame back where it came from */
         }

@@ -182,6 +182,8 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
 control CkmEgress(inout headers_t hdr, inout ckm_meta_t meta,
                   inout standard_metadata_t std_md) {
     direct_counter(CounterType.packets_and_bytes) shadow_rewrite_counter;
+    /* A replica for a shadow without a rewrite entry: the miss has no entry to count. */
+    counter(1, CounterType.packets_and_bytes) rewrite_miss;
 
     action rewrite_shadow(bit<48> smac, bit<48> dmac, bit<32> ip, bit<16> udp_port,
                           bit<32> epoch, bit<32> token) {
@@ -210,7 +212,9 @@ control CkmEgress(inout headers_t hdr, inout ckm_meta_t meta,
 
     apply {
         if (std_md.egress_rid != 0 && hdr.ckm.isValid()) {
-            shadow_rewrite.apply();
+            if (!shadow_rewrite.apply().hit) {
+                rewrite_miss.count(0);
+            }
         } else if (std_md.egress_port == std_md.ingress_port) {
             mark_to_drop(std_md);  /* never send a frame back where it came from (floods) */
         }

@@ -219,6 +219,7 @@ def test_status_reads_entries_counters_and_groups(bmv2):
         for i, n in enumerate((5, 3, 1, 1, 2, 4, 6)):
             bmv2.counts[("CkmIngress.ckm_stats", i)] = (n, n * 100)
         bmv2.counts[("CkmIngress.l2_miss", 0)] = (9, 900)
+        bmv2.counts[("CkmEgress.rewrite_miss", 0)] = (2, 200)
         st = d.status()
     finally:
         d.close()
@@ -228,7 +229,7 @@ def test_status_reads_entries_counters_and_groups(bmv2):
     assert len(st["entries"]) == 18
     assert st["ckm_stats"] == {"plain": 5, "replicated": 3, "no_entry": 1, "malformed": 1,
                                "handshake": 2, "spoofed": 4, "parser_error": 6,
-                               "ckm": 5 + 3 + 1 + 2 + 4, "l2_miss": 9}
+                               "ckm": 5 + 3 + 1 + 2 + 4, "l2_miss": 9, "rewrite_miss": 2}
     assert set(st["groups"]) == set(EXPECTED_GROUPS)
     assert st["notes"] == []
 

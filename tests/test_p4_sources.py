@@ -157,8 +157,8 @@ def test_tables_keys_actions_agree_with_p4info(arch):
     assert {d.preamble.name for d in info.direct_counters} == {prefix + n for n in prog["direct"]}
     assert {c.preamble.name for c in info.counters} == {prefix + n for n in prog["counters"]}
     stat_size = int(re.search(r"STAT_SIZE\s*=\s*(\d+)", include("checkmate_common.p4"))[1])
-    assert {c.preamble.alias: c.size for c in info.counters} == {"ckm_stats": stat_size,
-                                                                 "l2_miss": 1}
+    assert {c.preamble.alias: c.size for c in info.counters} == {
+        "ckm_stats": stat_size, "l2_miss": 1, "rewrite_miss": 1}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -357,7 +357,8 @@ def test_indexed_counters_are_counted_once_outside_actions(arch):
             assert all(re.search(rf"{c}\.count\(\)", a) or f"{c}." not in a
                        for a in _actions(body).values())
             assert f"{c}." not in block(body, body.index("apply {")), c
-    assert {c.split(".")[1] for c in prog["counters"]} == {"ckm_stats", "l2_miss"}
+    assert prog["counters"] == {"CkmIngress.ckm_stats", "CkmIngress.l2_miss",
+                                "CkmEgress.rewrite_miss"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -390,6 +391,11 @@ def test_parser_errors_are_consumed_and_misses_counted(arch):
     assert "drop" not in branch and "mark_to_drop" not in apply
     miss = block(apply, apply.index("if (!l2_fwd.apply().hit)"))
     assert miss.strip().startswith("l2_miss.count(0);")
+    text = source(arch)
+    eg = block(text, text.index("control CkmEgress("))
+    eg_apply = block(eg, eg.index("apply {"))
+    miss = block(eg_apply, eg_apply.index("if (!shadow_rewrite.apply().hit)"))
+    assert miss.strip() == "rewrite_miss.count(0);"
 
 
 LOSSLESS = {"v1model": ["std_md.priority = CKM_COS;"],

@@ -183,16 +183,17 @@ class P4RuntimeDriver:
                 pk, by = (None, None) if counts is None else counts.get(k, (0, 0))
                 entries.append({"entry": spec.label(), "packets": pk, "bytes": by})
         raw = self._indexed(p4tables.STATS_COUNTER)
-        miss = self._indexed(p4tables.L2_MISS_COUNTER)
-        stats: dict[str, int | None] = {}
-        if raw is None or miss is None:
+        misses = {k: self._indexed(n) for k, n in p4tables.MISS_COUNTERS.items()}
+        stats: dict[str, int] = {}
+        if raw is None or None in misses.values():
             notes.append("counters are Tofino externs in this build: read them in bfrt, or "
                          "compile with --p4runtime-force-std-externs")
         if raw is not None:
             stats = {n: raw.get(i, 0) for i, n in enumerate(STAT_NAMES)}
-            stats["ckm"] = sum(stats[n] or 0 for n in WELL_FORMED)
-        if miss is not None:
-            stats["l2_miss"] = miss.get(0, 0)
+            stats["ckm"] = sum(stats[n] for n in WELL_FORMED)
+        for k, m in misses.items():
+            if m is not None:
+                stats[k] = m.get(0, 0)
         return {"target": self.cfg.switch.target, "switch": self.cfg.switch.name,
                 "entries": entries, "groups": {g: list(r) for g, r in self.read_groups().items()},
                 "ckm_stats": stats, "notes": notes}

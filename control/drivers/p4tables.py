@@ -38,7 +38,8 @@ WRITES = {
 }
 #: Indexed counters the program keeps (checkmate_common.p4), by P4 name.
 STATS_COUNTER = "CkmIngress.ckm_stats"
-L2_MISS_COUNTER = "CkmIngress.l2_miss"
+#: Misses with no entry for a direct counter to count: l2_fwd floods, shadow_rewrite misses.
+MISS_COUNTERS = {"l2_miss": "CkmIngress.l2_miss", "rewrite_miss": "CkmEgress.rewrite_miss"}
 
 
 @dataclass(frozen=True, order=True)
