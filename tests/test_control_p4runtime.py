@@ -330,6 +330,20 @@ def test_pipeline_missing_without_build_is_clear_error(tmp_path, monkeypatch):
         sw.stop()
 
 
+def test_status_of_a_switch_without_pipeline_loads_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    _v1model_build(tmp_path, text_format.MessageToString(compiled_p4info("v1model")))
+    sw = FakeSwitch(None)
+    try:
+        d = driver(p4_cfg("bmv2", sw.address))
+        with pytest.raises(CheckmateError, match="no P4 program loaded; `control deploy"):
+            d.status()
+        d.close()
+    finally:
+        sw.stop()
+    assert sw.pipeline_sets == 0
+
+
 def test_other_program_on_switch_is_refused():
     info = compiled_p4info("v1model")
     info.tables[0].preamble.name = "MyIngress.ipv4_lpm"

@@ -43,15 +43,20 @@ class P4RuntimeDriver:
         """The compiled program as this target's p4_device_config."""
         return pipeline.device_config(self.arch)
 
-    def _ensure(self) -> p4tables.Schema:
-        """Connect, load the compiled pipeline if the switch has none, and resolve the
-        switch's own P4Info by name (whatever ids its compiler gave)."""
+    def _ensure(self, load: bool = True) -> p4tables.Schema:
+        """Connect, load the compiled pipeline if the switch has none (``load``; deploys
+        only), and resolve the switch's own P4Info by name (whatever ids its compiler
+        gave)."""
         if self._connected and self.schema is not None:
             return self.schema
-        self.client.connect()
-        self._connected = True
+        if not self._connected:
+            self.client.connect()
+            self._connected = True
         sw = self.cfg.switch.name
         have = self.client.get_p4info()
+        if have is None and not load:
+            raise CheckmateError(f"switch {sw} has no P4 program loaded; `control deploy "
+                                 f"--switch {sw}` loads and programs it")
         if have is None:
             loaded = pipeline.compiled_p4info(self.arch)
             if loaded.opaque:
@@ -172,7 +177,7 @@ class P4RuntimeDriver:
                 for e in self.client.read([ent])}
 
     def status(self) -> dict:
-        self._ensure()
+        self._ensure(load=False)
         entries, notes = [], []
         specs = self.read_entries()
         for t in p4tables.Schema.TABLES:
