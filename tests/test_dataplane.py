@@ -610,3 +610,37 @@ def test_ckm_is_counted_per_dscp_and_trainer_sockets_mark_it(net):
     assert after.get(pfc.CKM_DSCP, 0) - before.get(pfc.CKM_DSCP, 0) == len(marked)
     assert after.get(0, 0) - before.get(0, 0) == len(plain)
     assert set(after) <= {0, pfc.CKM_DSCP}
+
+
+def test_priority_tagged_ckm_is_classified_and_copied(net):
+    """A ckm REPLICATE frame carrying an 802.1Q priority tag (VID 0, PCP 3, how a host
+    without DSCP trust marks the lossless class) and DSCP 24 is still ckm to the kernel
+    switch: counted under its DSCP, copied to the shadow, delivered to its destination.
+    (Linux moves the tag into skb metadata before tc ingress; this checks that it does.)"""
+    from scapy.layers.inet import IP, UDP
+    from scapy.layers.l2 import Dot1Q, Ether
+
+    from checkmate.control import pfc
+    from checkmate.testbed.netsock import packet_socket_in
+
+    cfg, sw, rx, tx = net
+    t0, t1 = cfg.host("t0"), cfg.host("t1")
+    sw.add_replication(entry(cfg, "t0", "t1", 0))
+    before = sw.counters()
+    d = datagram(cfg, 1)
+    frame = bytes(Ether(src=t0.mac, dst=t1.mac) / Dot1Q(prio=pfc.CKM_PRIORITY, vlan=0)
+                  / IP(src=t0.ip, dst=t1.ip, tos=pfc.CKM_TOS) / UDP(sport=40001, dport=t1.port)
+                  / d)
+    cap = packet_socket_in(cfg.netns("t0"), cfg.host_ifname("t0"))
+    try:
+        for _ in range(3):
+            cap.send(frame)
+    finally:
+        cap.close()
+    assert received(rx["t1"]) == [d] * 3
+    assert len(received(rx["s0"])) == 3
+    after = sw.counters()
+    assert port_delta(after, before, "tap-t0", "replicated") == 3
+    dscp = after["dscp"]["tap-t0"].get(pfc.CKM_DSCP, 0) - \
+        before["dscp"]["tap-t0"].get(pfc.CKM_DSCP, 0)
+    assert dscp == 3

@@ -171,7 +171,10 @@ struct pkt {
 #define IP_MF_OFFSET 0x3fff /* frag_off bits: more fragments, fragment offset */
 #define IP_OFFSET 0x1fff
 
-/* 0: an IPv4/UDP frame (a fragment, too) with p->ip and p->udp_off set; -1: anything else. */
+/* 0: an IPv4/UDP frame (a fragment, too) with p->ip and p->udp_off set; -1: anything else.
+ * An 802.1Q-tagged frame needs no case here: the receive path moves the tag into the skb's
+ * metadata (skb->vlan_tci) before tc ingress runs, and the bridge keeps it for egress
+ * (tests/test_dataplane.py sends priority-tagged ckm through the switch). */
 static __always_inline int parse_ip(struct __sk_buff *skb, struct pkt *p)
 {
 	struct ethhdr eth;
