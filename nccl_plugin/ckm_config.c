@@ -145,6 +145,13 @@ int ckm_config_load(struct ckm_config *c, char *err, int errlen)
 	if (!buckets || !*buckets)
 		return 0; /* plain transport: nothing is tagged */
 	c->tagging = 1;
+	const char *ident = getenv("CKM_NCCL_IDENTITY");
+	if (!ident || !*ident || strcmp(ident, "model") == 0)
+		c->identity = CKM_IDENTITY_MODEL;
+	else if (strcmp(ident, "profiler") == 0)
+		c->identity = CKM_IDENTITY_PROFILER;
+	else
+		FAIL("CKM_NCCL_IDENTITY=%s: expected model or profiler", ident);
 	if (load_buckets(c, buckets, err, errlen))
 		return -1;
 	const char *rank = first_env("CKM_NCCL_RANK", "RANK");

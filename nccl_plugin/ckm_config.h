@@ -9,6 +9,8 @@
 #include "ckm_sched.h"
 
 #define CKM_MAX_BUCKETS 4096
+#define CKM_IDENTITY_MODEL 0    /* the ring-schedule model alone */
+#define CKM_IDENTITY_PROFILER 1 /* each isend's profiler step handle */
 
 struct ckm_config {
 	struct in_addr ip;     /* CKM_NCCL_IP: address to bind and advertise */
@@ -17,6 +19,7 @@ struct ckm_config {
 	uint32_t job;          /* CKM_NCCL_JOB */
 	/* Tagging (on when CKM_NCCL_BUCKETS is set). */
 	int tagging;
+	int identity;          /* CKM_NCCL_IDENTITY: model (default) or profiler */
 	struct ckm_sched sched;
 	int nbuckets;
 	uint64_t bucket[CKM_MAX_BUCKETS], base[CKM_MAX_BUCKETS], total;

@@ -176,4 +176,78 @@ _Static_assert(sizeof(ncclNet_v12_t) == 176, "v12 vtable size");
 _Static_assert(sizeof(ncclNet_v11_t) == 176, "v11 vtable size");
 _Static_assert(sizeof(ncclNet_v10_t) == 160, "v10 vtable size");
 
+/* ---- the profiler plugin interface (ncclProfiler_v6), the part the identity path uses ---- */
+#include <sys/types.h>
+
+#define CKM_PROFILE_COLL (1 << 1)       /* ncclProfileColl */
+#define CKM_PROFILE_PROXY_OP (1 << 3)   /* ncclProfileProxyOp */
+#define CKM_PROFILE_PROXY_STEP (1 << 4) /* ncclProfileProxyStep */
+#define CKM_PROFILE_NET_PLUGIN (1 << 7) /* ncclProfileNetPlugin */
+#define CKM_PROF_NET_EVENT_START 0      /* ncclProfilerNetEventStart */
+#define CKM_PROF_NET_EVENT_STOP 1       /* ncclProfilerNetEventStop */
+
+typedef struct {
+	uint64_t type;   /* one ncclProfile* bit */
+	void *parentObj; /* the parent event's handle (ours) */
+	int rank;
+	union {
+		struct {
+			uint64_t seqNumber;
+			const char *func;
+			const void *sendBuff;
+			void *recvBuff;
+			size_t count;
+			int root;
+			const char *datatype;
+			uint8_t nChannels;
+			uint8_t nWarps;
+			const char *algo;
+			const char *proto;
+			void *parentGroup;
+		} coll;
+		struct {
+			pid_t pid;
+			uint8_t channelId;
+			int peer;
+			int nSteps;
+			int chunkSize;
+			int isSend;
+		} proxyOp;
+		struct {
+			int step;
+		} proxyStep;
+		struct {
+			int64_t id;
+			void *data;
+		} netPlugin;
+		char largest[88]; /* the CE collective descriptor, the union's largest member */
+	};
+} ncclProfilerEventDescr_v6_t;
+
+typedef struct {
+	const char *name;
+	ncclResult_t (*init)(void **context, uint64_t commId, int *eActivationMask,
+			     const char *commName, int nNodes, int nranks, int rank,
+			     ncclDebugLogger_t logfn);
+	ncclResult_t (*startEvent)(void *context, void **eHandle, ncclProfilerEventDescr_v6_t *eDescr);
+	ncclResult_t (*stopEvent)(void *eHandle);
+	ncclResult_t (*recordEventState)(void *eHandle, int eState, void *eStateArgs);
+	ncclResult_t (*finalize)(void *context);
+} ncclProfiler_v6_t;
+
+_Static_assert(sizeof(ncclProfilerEventDescr_v6_t) == 112, "profiler descriptor size");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, coll.seqNumber) == 24, "coll.seqNumber");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, coll.count) == 56, "coll.count");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, coll.datatype) == 72, "coll.datatype");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, coll.nChannels) == 80, "coll.nChannels");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, coll.algo) == 88, "coll.algo");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, coll.proto) == 96, "coll.proto");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, proxyOp.channelId) == 28, "op.channelId");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, proxyOp.peer) == 32, "op.peer");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, proxyOp.nSteps) == 36, "op.nSteps");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, proxyOp.isSend) == 44, "op.isSend");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, proxyStep.step) == 24, "step.step");
+_Static_assert(offsetof(ncclProfilerEventDescr_v6_t, netPlugin.data) == 32, "netPlugin.data");
+_Static_assert(sizeof(ncclProfiler_v6_t) == 48, "profiler vtable size");
+
 #endif /* CKM_NCCL_ABI_H */

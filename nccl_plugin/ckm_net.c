@@ -26,6 +26,8 @@
 #include "ckm_config.h"
 #include "ckm_crypto.h"
 #include "ckm_nccl_abi.h"
+#include "ckm_plugin.h"
+#include "ckm_prof.h"
 #include "ckm_sched.h"
 #include "ckm_wire.h"
 
@@ -48,6 +50,8 @@ struct ckm_ctx {
 	uint64_t comm_id;
 	int index;   /* order of init calls in this process */
 	int tagging; /* this communicator's allreduces follow the schedule model */
+	int prof;    /* this communicator's isends are placed by their profiler step handle */
+	ncclProfilerCallback_t prof_fn; /* NCCL's profiler callback, from init */
 	int conns;   /* send connections made: connection k is channel k */
 };
 
@@ -118,7 +122,7 @@ struct handle {
 _Static_assert(sizeof(struct handle) <= NCCL_NET_HANDLE_MAXSIZE, "handle size");
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct ckm_config g_cfg;
+struct ckm_config g_cfg; /* ckm_plugin.h */
 static int g_loaded; /* 1 ok, -1 refused */
 static char g_err[400];
 static ncclDebugLogger_t g_log;
@@ -126,8 +130,7 @@ static int g_inits;
 static struct ckm_ctx g_v10_ctx;
 
 /* One clear line on stderr and in NCCL's log. */
-static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void say(const char *fmt, ...)
+void say(const char *fmt, ...)
 {
 	char line[512];
 	va_list ap;
@@ -169,7 +172,7 @@ static uint64_t rand64(void)
 	return x;
 }
 
-static ncclResult_t load_config(void)
+ncclResult_t load_config(void)
 {
 	pthread_mutex_lock(&g_lock);
 	if (!g_loaded)
@@ -706,7 +709,6 @@ static ncclResult_t ckm_init(void **ctx, uint64_t commId, ncclNetCommConfig_t *c
 			     ncclDebugLogger_t logFunction, ncclProfilerCallback_t profFunction)
 {
 	(void)config;
-	(void)profFunction;
 	if (logFunction)
 		g_log = logFunction;
 	ncclResult_t r = load_config();
@@ -716,9 +718,12 @@ static ncclResult_t ckm_init(void **ctx, uint64_t commId, ncclNetCommConfig_t *c
 	if (!x)
 		return ncclSystemError;
 	x->comm_id = commId;
+	x->prof_fn = profFunction;
 	x->index = __atomic_fetch_add(&g_inits, 1, __ATOMIC_RELAXED);
 	const char *which = getenv("CKM_NCCL_COMM");
-	x->tagging = g_cfg.tagging && x->index == (which && *which ? atoi(which) : 0);
+	int selected = g_cfg.tagging && x->index == (which && *which ? atoi(which) : 0);
+	x->tagging = selected && g_cfg.identity == CKM_IDENTITY_MODEL;
+	x->prof = selected && g_cfg.identity == CKM_IDENTITY_PROFILER;
 	*ctx = x;
 	return ncclSuccess;
 }
@@ -1044,12 +1049,61 @@ static ncclResult_t place(struct comm *c, struct req *r, size_t size, int tag)
 	return ncclSuccess;
 }
 
+/* The profiler path: the step handle names collective, channel and step; the model
+ * still gives the elements of that step. */
+static ncclResult_t place_profiled(struct comm *c, struct req *r, size_t size, int tag,
+				   void *phandle)
+{
+	const struct ckm_sched *s = &g_cfg.sched;
+	struct ckm_ident id;
+	struct ckm_query q = {.magic = CKM_QUERY_MAGIC};
+	int known = ckm_prof_identity(phandle, &id) == 0;
+	if (!known && phandle && c->ctx->prof_fn) {
+		void *eh = NULL;
+		if (c->ctx->prof_fn(&eh, CKM_PROF_NET_EVENT_START, phandle, CKM_PROF_NET_ID, &q) ==
+		    ncclSuccess && eh)
+			c->ctx->prof_fn(&eh, CKM_PROF_NET_EVENT_STOP, phandle, CKM_PROF_NET_ID, NULL);
+		if ((known = q.found))
+			id = q.id;
+	}
+	if (!known)
+		return fail(c, ncclInvalidUsage, "CKM_NCCL_IDENTITY=profiler but an isend of the "
+			    "tagged communicator carries no ckm profiler step: set NCCL_PROFILER_PLUGIN "
+			    "to this library");
+	if (id.bad)
+		return fail(c, ncclInvalidUsage, "%s", id.why);
+	if (!id.tagged)
+		return ncclSuccess; /* not a gradient bucket: plain */
+	int next = (s->rank + 1) % s->nranks;
+	if (!id.is_send || id.peer != next || tag != next || id.channel >= s->channels)
+		return fail(c, ncclInvalidUsage, "profiler step of a %s op to rank %d (isend tag %d, "
+			    "channel %d): the ring model sends only to the next rank %d on channels "
+			    "below %d", id.is_send ? "send" : "recv", id.peer, tag, id.channel, next,
+			    s->channels);
+	uint64_t i = (uint64_t)id.step / 2; /* ALLREDUCE_SLICESTEPS steps per isend */
+	if (id.step < 0 || id.step % 2 || i >= ckm_sched_sends(s, id.count))
+		return fail(c, ncclInvalidUsage, "profiler step %d outside the %llu slices of the "
+			    "ring model", id.step, (unsigned long long)ckm_sched_sends(s, id.count));
+	struct ckm_slice sl;
+	ckm_sched_slice(s, id.count, id.channel, i, &sl);
+	if (size != sl.count * 4)
+		return fail(c, ncclInvalidUsage, "isend of %zu bytes at step %d of channel %d where "
+			    "the schedule model expects %llu: nothing was tagged", size, id.step,
+			    id.channel, (unsigned long long)(sl.count * 4));
+	if (sl.final && sl.count) {
+		int b = (int)(id.tag_index % (uint64_t)g_cfg.nbuckets);
+		r->repl = 1;
+		r->flat = g_cfg.base[b] + sl.offset;
+		r->iteration = g_cfg.first_iteration + id.tag_index / (uint64_t)g_cfg.nbuckets;
+	}
+	return ncclSuccess;
+}
+
 static ncclResult_t isend_locked(void *sendComm, void *data, size_t size, int tag,
 				 void *mhandle, void *phandle, void **request)
 {
 	struct comm *c = sendComm;
 	(void)mhandle;
-	(void)phandle;
 	*request = NULL;
 	if (c->failed)
 		return ncclRemoteError;
@@ -1057,7 +1111,8 @@ static ncclResult_t isend_locked(void *sendComm, void *data, size_t size, int ta
 	if (!r)
 		return ncclSuccess; /* full: NCCL calls again */
 	ncclResult_t res;
-	if (c->ctx && c->ctx->tagging && (res = place(c, r, size, tag))) {
+	if (c->ctx && ((c->ctx->tagging && (res = place(c, r, size, tag))) ||
+		       (c->ctx->prof && (res = place_profiled(c, r, size, tag, phandle))))) {
 		r->used = 0;
 		return res;
 	}

@@ -129,6 +129,64 @@ class Net10(C.Structure):
 
 VTABLES = {"v12": Net12, "v11": Net11, "v10": Net10}
 
+# ----- the profiler plugin (ncclProfiler_v6): the events the identity path uses ----------
+PROFILE_COLL, PROFILE_PROXY_OP, PROFILE_PROXY_STEP, PROFILE_NET_PLUGIN = 2, 8, 16, 128
+NET_EVENT_START, NET_EVENT_STOP = 0, 1
+
+
+class _Coll(C.Structure):
+    _fields_ = [("seqNumber", C.c_uint64), ("func", C.c_char_p), ("sendBuff", C.c_void_p),
+                ("recvBuff", C.c_void_p), ("count", C.c_size_t), ("root", C.c_int),
+                ("datatype", C.c_char_p), ("nChannels", C.c_uint8), ("nWarps", C.c_uint8),
+                ("algo", C.c_char_p), ("proto", C.c_char_p), ("parentGroup", C.c_void_p)]
+
+
+class _ProxyOp(C.Structure):
+    _fields_ = [("pid", C.c_int), ("channelId", C.c_uint8), ("peer", C.c_int),
+                ("nSteps", C.c_int), ("chunkSize", C.c_int), ("isSend", C.c_int)]
+
+
+class _ProxyStep(C.Structure):
+    _fields_ = [("step", C.c_int)]
+
+
+class _NetPlugin(C.Structure):
+    _fields_ = [("id", C.c_int64), ("data", C.c_void_p)]
+
+
+class _Descr(C.Union):
+    _fields_ = [("coll", _Coll), ("proxyOp", _ProxyOp), ("proxyStep", _ProxyStep),
+                ("netPlugin", _NetPlugin), ("largest", C.c_char * 88)]
+
+
+class EventDescr6(C.Structure):
+    _anonymous_ = ("u",)
+    _fields_ = [("type", C.c_uint64), ("parentObj", C.c_void_p), ("rank", C.c_int),
+                ("u", _Descr)]
+
+
+PROF_CALLBACK = C.CFUNCTYPE(RESULT, _PP, C.c_int, _P, C.c_int64, _P)
+
+
+class Profiler6(C.Structure):
+    _fields_ = [
+        ("name", C.c_char_p),
+        ("init", _F(RESULT, _PP, C.c_uint64, C.POINTER(C.c_int), C.c_char_p, C.c_int, C.c_int,
+                    C.c_int, _P)),
+        ("startEvent", _F(RESULT, _P, _PP, C.POINTER(EventDescr6))),
+        ("stopEvent", _F(RESULT, _P)),
+        ("recordEventState", _F(RESULT, _P, C.c_int, _P)),
+        ("finalize", _F(RESULT, _P)),
+    ]
+
+
+#: Offsets inside the descriptor's union members (from the descriptor's start).
+DESCR_MEMBERS = {"coll.seqNumber": 24, "coll.count": 56, "coll.datatype": 72,
+                 "coll.nChannels": 80, "coll.algo": 88, "coll.proto": 96,
+                 "proxyOp.channelId": 28, "proxyOp.peer": 32, "proxyOp.nSteps": 36,
+                 "proxyOp.isSend": 44, "proxyStep.step": 24, "netPlugin.id": 24,
+                 "netPlugin.data": 32}
+
 _VT_COMMON = ["name", "init", "devices", "getProperties", "listen", "connect", "accept",
               "regMr", "regMrDmaBuf", "deregMr", "isend", "irecv", "iflush", "test",
               "closeSend", "closeRecv", "closeListen", "getDeviceMr", "irecvConsumed",
@@ -158,12 +216,17 @@ LAYOUT: dict[str, dict[str, int]] = {
                               "size": 16, "needsProxyProgress": 24, "sizeof": 32},
     "ncclNetAttr_t": {"sendCommAttr": 0, "recvCommAttr": 16, "op": 32, "algo": 36,
                       "proto": 40, "sizeof": 44},
+    "ncclProfilerEventDescr_v6_t": {"type": 0, "parentObj": 8, "rank": 16, "u": 24,
+                                    "sizeof": 112},
+    "ncclProfiler_v6_t": {"name": 0, "init": 8, "startEvent": 16, "stopEvent": 24,
+                          "recordEventState": 32, "finalize": 40, "sizeof": 48},
 }
 
 CTYPES = {"ncclNet_v12_t": Net12, "ncclNet_v11_t": Net11, "ncclNet_v10_t": Net10,
           "ncclNetProperties_v12_t": Properties12, "ncclNetProperties_v11_t": Properties11,
           "ncclNetProperties_v10_t": Properties10, "ncclNetDeviceHandle_t": DeviceHandle,
-          "ncclNetAttr_t": NetAttr}
+          "ncclNetAttr_t": NetAttr, "ncclProfilerEventDescr_v6_t": EventDescr6,
+          "ncclProfiler_v6_t": Profiler6}
 
 
 def load(path: str) -> tuple[C.CDLL, str, C.Structure]:

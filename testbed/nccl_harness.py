@@ -8,9 +8,10 @@ testbed/nccl_schedule.py, one isend/irecv per slice, at most NCCL_STEPS / SLICES
 flight each way, receives posted ahead, every request polled with test() until done. The
 reduction is done here on the host (NCCL does it on the GPU) in the kernel's step order.
 
+With ``--profiler direct|callback`` it also plays NCCL's profiler core (NcclProfiler).
+
 What it does not model: GPU kernels and their timing, NCCL's tuner (it always runs the
-pinned ring/Simple schedule), LL/LL128, tree and NVLS algorithms, several communicators,
-and the profiler plugin's callbacks (the plugin does not use them yet).
+pinned ring/Simple schedule), LL/LL128, tree and NVLS algorithms, several communicators.
 
     python -m checkmate.testbed.nccl_harness --rank R --nranks N --dir D --plugin LIB --ip A ...
 """
@@ -84,19 +85,96 @@ class _Channel:
     done_recv: int = 0
 
 
+class NcclProfiler:
+    """NCCL's profiler core as far as the identity path needs it: ``ncclProfiler_v6`` from
+    the plugin's library, Coll / ProxyOp / ProxyStep events started and stopped as NCCL
+    does (a collective at enqueue, a send and a recv op per channel, a step per posted
+    slice), and the net plugin's profiler callback answered as NCCL's core answers it (a
+    NetPlugin event whose parent is the step's event). ``via_callback``: the phandle given
+    to isend is an opaque token of ours (as NCCL passes its own object), so the plugin must
+    take the callback route; else it is the step's event handle itself."""
+
+    _MEMBER = {abi.PROFILE_COLL: "coll", abi.PROFILE_PROXY_OP: "proxyOp",
+               abi.PROFILE_PROXY_STEP: "proxyStep", abi.PROFILE_NET_PLUGIN: "netPlugin"}
+
+    def __init__(self, lib: C.CDLL, rank: int, nranks: int, comm_id: int, algo: str,
+                 via_callback: bool) -> None:
+        self.prof = abi.Profiler6.in_dll(lib, "ncclProfiler_v6")
+        self.ctx, mask = C.c_void_p(), C.c_int(0)
+        _ok(self.prof.init(C.byref(self.ctx), comm_id, C.byref(mask), b"harness", 1, nranks,
+                           rank, None), "profiler init")
+        self.mask, self.rank, self.algo = mask.value, rank, algo.encode()
+        self.via_callback, self.seq = via_callback, 0
+        self.tokens: dict[int, int] = {}
+        self._token = 0x1000
+        self.callback = abi.PROF_CALLBACK(self._callback)  # kept alive with self
+
+    def _start(self, kind: int, parent: int | None, **fields: object) -> int | None:
+        if not self.mask & kind:
+            return None  # NCCL starts only the events the plugin activated
+        d = abi.EventDescr6(type=kind, parentObj=parent, rank=self.rank)
+        for k, v in fields.items():
+            setattr(getattr(d, self._MEMBER[kind]), k, v)
+        h = C.c_void_p()
+        _ok(self.prof.startEvent(self.ctx, C.byref(h), C.byref(d)), "startEvent")
+        return h.value
+
+    def stop(self, h: int | None) -> None:
+        if h:
+            _ok(self.prof.stopEvent(h), "stopEvent")
+
+    def coll(self, count: int, channels: int) -> int | None:
+        self.seq += 1
+        return self._start(abi.PROFILE_COLL, None, seqNumber=self.seq - 1, func=b"AllReduce",
+                           count=count, datatype=b"ncclFloat32", nChannels=channels, nWarps=16,
+                           algo=self.algo, proto=b"Simple")
+
+    def op(self, coll: int | None, ch: int, peer: int, nsteps: int, chunk: int,
+           is_send: bool) -> int | None:
+        return self._start(abi.PROFILE_PROXY_OP, coll, pid=os.getpid(), channelId=ch,
+                           peer=peer, nSteps=nsteps, chunkSize=chunk, isSend=int(is_send))
+
+    def step(self, op: int | None, step: int) -> tuple[int | None, int | None]:
+        """(the step's event, the phandle NCCL would pass to isend/irecv for it)."""
+        h = self._start(abi.PROFILE_PROXY_STEP, op, step=step)
+        if not self.via_callback or h is None:
+            return h, h
+        self._token += 8
+        self.tokens[self._token] = h
+        return h, self._token
+
+    def end_step(self, h: int | None, phandle: int | None) -> None:
+        self.tokens.pop(phandle, None)
+        self.stop(h)
+
+    def _callback(self, ehandle, kind, phandle, plugin_id, data):  # noqa: ANN001, ANN202
+        if kind == abi.NET_EVENT_START:
+            parent = self.tokens.get(phandle) if self.via_callback else phandle
+            h = self._start(abi.PROFILE_NET_PLUGIN, parent, id=plugin_id, data=data)
+            ehandle[0] = h
+        elif kind == abi.NET_EVENT_STOP and ehandle[0]:
+            self.stop(ehandle[0])
+        return abi.SUCCESS
+
+
 class Rank:
     """One rank: the plugin loaded, its ring connections, and allreduce()."""
 
     def __init__(self, plugin: str, rank: int, nranks: int, channels: int, buffsize: int,
-                 rendezvous: Path) -> None:
+                 rendezvous: Path, profiler: str = "off", algo: str = "Ring") -> None:
         self.lib, self.version, self.net = abi.load(plugin)
         if self.version != "v12":
             raise PluginError(f"expected ncclNetPlugin_v12, the loader found {self.version}")
         self.rank, self.nranks, self.ring = rank, nranks, Ring(nranks, channels, buffsize)
         self.slice_bytes = buffsize // 8 * 2  # a receive buffer: SLICESTEPS steps
+        comm_id = 0x636B6D
+        # NCCL initializes the profiler plugin before the net plugin of a communicator.
+        self.prof = (NcclProfiler(self.lib, rank, nranks, comm_id, algo,
+                                  profiler == "callback") if profiler != "off" else None)
         self.ctx = C.c_void_p()
-        _ok(self.net.init(C.byref(self.ctx), 0x636B6D, C.byref(abi.CommConfig(-1)), None,
-                          None), "init")
+        _ok(self.net.init(C.byref(self.ctx), comm_id, C.byref(abi.CommConfig(-1)), None,
+                          C.cast(self.prof.callback, C.c_void_p) if self.prof else None),
+            "init")
         n = C.c_int()
         _ok(self.net.devices(C.byref(n)), "devices")
         if n.value < 1:
@@ -165,6 +243,11 @@ class Rank:
                 if t == 0:  # send: own data, ready at once
                     st.sends.append((i, np.ascontiguousarray(x[a:b])))
             plans.append((plan, rplan))
+        prof, chunk_bytes = self.prof, ring.chunk * 4
+        coll = prof.coll(count, len(self.chans)) if prof else None
+        ops = [(prof.op(coll, ch, (r + 1) % n, 2 * len(plans[ch][0]), chunk_bytes, True),
+                prof.op(coll, ch, (r - 1) % n, 2 * len(plans[ch][1]), chunk_bytes, False))
+               if prof else (None, None) for ch in range(len(self.chans))]
         pending = {ch: sorted(st.sends) for ch, st in enumerate(self.chans)}
         for ch, st in enumerate(self.chans):
             st.sends = deque(pending[ch])
@@ -184,19 +267,24 @@ class Rank:
                     ptr = (C.c_void_p * 1)(buf.ctypes.data)
                     size = (C.c_size_t * 1)(self.slice_bytes)
                     tag = (C.c_int * 1)((r - 1) % n)
-                    _ok(self.net.irecv(st.recv, 1, ptr, size, tag, None, None, C.byref(req)),
-                        "irecv")
+                    ev, ph = prof.step(ops[ch][1], 2 * st.next_recv) if prof else (None, None)
+                    _ok(self.net.irecv(st.recv, 1, ptr, size, tag, None,
+                                       (C.c_void_p * 1)(ph), C.byref(req)), "irecv")
                     if not req.value:
+                        if prof:
+                            prof.end_step(ev, ph)
                         break
-                    st.recv_busy.append((req, buf, st.next_recv))
+                    st.recv_busy.append((req, buf, st.next_recv, ev, ph))
                     st.next_recv += 1
                 while st.recv_busy:
-                    req, buf, i = st.recv_busy[0]
+                    req, buf, i, ev, ph = st.recv_busy[0]
                     done, got = C.c_int(), C.c_int()
                     _ok(self.net.test(req, C.byref(done), C.byref(got)), "test(recv)")
                     if not done.value:
                         break
                     st.recv_busy.popleft()
+                    if prof:
+                        prof.end_step(ev, ph)
                     st.done_recv += 1
                     a, b, t, _ = rplan[i]
                     if got.value != 4 * (b - a):
@@ -218,18 +306,28 @@ class Rank:
                        and next_send[ch] in ready[ch]):
                     arr = ready[ch][next_send[ch]]
                     req = C.c_void_p()
+                    ev, ph = prof.step(ops[ch][0], 2 * next_send[ch]) if prof else (None, None)
                     _ok(self.net.isend(st.send, C.c_void_p(arr.ctypes.data), arr.nbytes,
-                                       (r + 1) % n, None, None, C.byref(req)), "isend")
+                                       (r + 1) % n, None, ph, C.byref(req)), "isend")
                     if not req.value:
+                        if prof:
+                            prof.end_step(ev, ph)
                         break
                     del ready[ch][next_send[ch]]
-                    st.send_busy.append((req, arr))
+                    st.send_busy.append((req, arr, ev, ph))
                     next_send[ch] += 1
                 for item in list(st.send_busy):
                     done, got = C.c_int(), C.c_int()
                     _ok(self.net.test(item[0], C.byref(done), C.byref(got)), "test(send)")
                     if done.value:
                         st.send_busy.remove(item)
+                        if prof:
+                            prof.end_step(item[2], item[3])
+        if prof:
+            for sop, rop in ops:
+                prof.stop(sop)
+                prof.stop(rop)
+            prof.stop(coll)
         return y
 
     def close(self) -> None:
@@ -237,12 +335,15 @@ class Rank:
             _ok(self.net.closeSend(st.send), "closeSend")
             _ok(self.net.closeRecv(st.recv), "closeRecv")
         _ok(self.net.finalize(self.ctx), "finalize")
+        if self.prof:
+            _ok(self.prof.prof.finalize(self.prof.ctx), "profiler finalize")
 
 
 def run_rank(args: argparse.Namespace) -> None:
     buckets = [int(b) for b in args.buckets.split(",")]
     rdv = Path(args.dir)
-    rank = Rank(args.plugin, args.rank, args.nranks, args.channels, args.buffsize, rdv)
+    rank = Rank(args.plugin, args.rank, args.nranks, args.channels, args.buffsize, rdv,
+                args.profiler, args.algo)
     outs = []
     for it in range(args.first_iteration, args.first_iteration + args.iterations):
         outs.append(np.concatenate([rank.allreduce(inputs(args.seed, it, b, args.rank, n))
@@ -261,9 +362,12 @@ def run_rank(args: argparse.Namespace) -> None:
 def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels: int = 4,
            buffsize: int = 1 << 16, buckets: list[int], iterations: int, seed: int = 1,
            partitions: int = 2, job: int = 7, first_iteration: int = 1, tag: bool = True,
-           popen=None, timeout: float = 150.0) -> list[np.ndarray]:
+           popen=None, timeout: float = 150.0, profiler: str = "off",
+           algo: str = "Ring") -> list[np.ndarray]:
     """Run ``nranks`` rank processes (``popen(rank, argv, env)`` starts one, default a plain
-    subprocess) and return each rank's results, shape (iterations, sum(buckets))."""
+    subprocess) and return each rank's results, shape (iterations, sum(buckets)).
+    ``profiler``: off (the plugin places isends by the schedule model), direct or callback
+    (by the profiler events the harness issues, see NcclProfiler)."""
     workdir.mkdir(parents=True, exist_ok=True)
     procs = []
     try:
@@ -276,7 +380,10 @@ def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels:
                     "--nranks", str(nranks), "--dir", str(workdir), "--plugin", plugin,
                     "--channels", str(channels), "--buffsize", str(buffsize),
                     "--buckets", ",".join(map(str, buckets)), "--iterations", str(iterations),
-                    "--seed", str(seed), "--first-iteration", str(first_iteration)]
+                    "--seed", str(seed), "--first-iteration", str(first_iteration),
+                    "--profiler", profiler, "--algo", algo]
+            if profiler != "off":
+                env["CKM_NCCL_IDENTITY"] = "profiler"
             log = open(workdir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
             start = popen or (lambda _r, a, e, log=log: subprocess.Popen(
                 a, env=e, stdout=log, stderr=log, cwd=Path(__file__).resolve().parent.parent))
@@ -316,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--first-iteration", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--profiler", choices=["off", "direct", "callback"], default="off")
+    ap.add_argument("--algo", default="Ring", help="what the Coll events report")
     run_rank(ap.parse_args(argv))
     return 0
 

@@ -35,7 +35,8 @@ def test_nccl_exports_only_the_plugin_versions(plugin):
     out = subprocess.run(["nm", "-D", "--defined-only", str(plugin)], capture_output=True,
                          text=True, check=True).stdout
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
-    assert names == {"ncclNetPlugin_v12", "ncclNetPlugin_v11", "ncclNetPlugin_v10"}
+    assert names == {"ncclNetPlugin_v12", "ncclNetPlugin_v11", "ncclNetPlugin_v10",
+                     "ncclProfiler_v6"}
 
 
 @pytest.mark.parametrize("struct_name", sorted(abi.LAYOUT))
@@ -46,6 +47,43 @@ def test_nccl_ctypes_declarations_follow_the_documented_layout(struct_name):
     assert got == {k: v for k, v in layout.items() if k != "sizeof"}
     if struct_name.startswith("ncclNet_"):  # a vtable: the fields in documented order
         assert [n for n, _ in ct._fields_] == sorted(got, key=got.get)
+
+
+def test_nccl_profiler_descriptor_members_at_documented_offsets():
+    base = abi.EventDescr6.u.offset
+    for path, want in abi.DESCR_MEMBERS.items():
+        member, field = path.split(".")
+        assert getattr(abi._Descr, member).offset == 0  # a union: every member at its start
+        st = {"coll": abi._Coll, "proxyOp": abi._ProxyOp, "proxyStep": abi._ProxyStep,
+              "netPlugin": abi._NetPlugin}[member]
+        assert base + getattr(st, field).offset == want, path
+
+
+def test_nccl_profiler_vtable_and_activation(plugin, tmp_path):
+    """The profiler half asks NCCL for nothing unless the profiler identity is on."""
+    prog = textwrap.dedent("""
+        import ctypes as C, sys
+        sys.path.insert(0, sys.argv[2])
+        from checkmate.testbed import nccl_abi as abi
+        lib = C.CDLL(sys.argv[1])
+        p = abi.Profiler6.in_dll(lib, "ncclProfiler_v6")
+        ctx, mask = C.c_void_p(), C.c_int(-1)
+        r = p.init(C.byref(ctx), 1, C.byref(mask), b"c", 1, 4, 1, None)
+        print(p.name.decode(), r, mask.value)
+    """)
+    from checkmate.testbed.nccl_harness import plugin_env
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("CKM_NCCL", "NCCL_"))}
+    base.update(plugin_env(1, 4, 4, 1 << 22, [1000, 24], 2, 7, "127.0.0.1"))
+    outs = []
+    for ident in ("model", "profiler"):
+        env = {**base, "CKM_NCCL_IDENTITY": ident}
+        outs.append(subprocess.run([sys.executable, "-c", prog, str(plugin), str(REPO)],
+                                   env=env, capture_output=True, text=True,
+                                   check=True).stdout.split())
+    want = abi.PROFILE_COLL | abi.PROFILE_PROXY_OP | abi.PROFILE_PROXY_STEP | \
+        abi.PROFILE_NET_PLUGIN
+    assert outs == [["ckm", "0", "0"], ["ckm", "0", str(want)]]
 
 
 def _raw(lib: C.CDLL, version: str) -> bytes:
@@ -168,6 +206,7 @@ def _init(plugin: Path, env: dict[str, str]) -> tuple[int, list[str]]:
     ({"CKM_NCCL_PARTITIONS": None}, "CKM_NCCL_PARTITIONS"),
     ({"CKM_NCCL_IP": "10.0.0.999"}, "not an IPv4 address"),
     ({"CKM_NCCL_PORT_BASE": "1000"}, "CKM_NCCL_PORT_BASE=1000"),
+    ({"CKM_NCCL_IDENTITY": "guess"}, "expected model or profiler"),
 ])
 def test_nccl_init_refuses_settings_that_break_the_model_with_one_line(plugin, env, why):
     res, lines = _init(plugin, env)

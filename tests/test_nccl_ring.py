@@ -70,8 +70,12 @@ def python_ring_replicas(ring_kit, seed: int, world: int, partitions: int) -> di
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the tap on lo is an AF_PACKET socket (root)")
+@pytest.mark.parametrize("profiler", ["off", "direct", "callback"])
 def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(plugin, tmp_path,
-                                                                       ring_kit):
+                                                                       ring_kit, profiler):
+    """profiler off: the plugin places isends by the schedule model alone; direct/callback:
+    by the profiler events the harness issues as NCCL does (phandle = the step's event, or
+    NCCL's own object and the plugin asks through the profiler callback)."""
     world, partitions, seed = 4, 2, 11
     job = random.randrange(1 << 20, 1 << 31)
     net = f"127.{random.randrange(20, 99)}.{random.randrange(1, 250)}"
@@ -80,7 +84,7 @@ def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(plugin, t
         outs = H.launch(world, tmp_path / "run", str(plugin),
                         [f"{net}.{10 + r}" for r in range(world)], channels=4,
                         buffsize=BUFFSIZE, buckets=BUCKETS, iterations=ITERATIONS, seed=seed,
-                        partitions=partitions, job=job)
+                        partitions=partitions, job=job, profiler=profiler)
     finally:
         datagrams = tap.close()
     expect = {it: expected_flat(seed, it, world) for it in range(1, ITERATIONS + 1)}
@@ -104,6 +108,8 @@ def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(plugin, t
     assert len(sends) == world * 4
     assert sum(s["repl_elems"] for s in sends) == ITERATIONS * sum(BUCKETS)
     assert all(s["malformed"] == s["corrupt"] == 0 for per in stats for s in per)
+    if profiler != "off":
+        return
     # and the shadows get exactly the bytes the Python ring gives them for these inputs
     py = python_ring_replicas(ring_kit, seed, world, partitions)
     for it in expect:
@@ -119,3 +125,14 @@ def test_nccl_ring_plain_mode_two_ranks_one_channel(plugin, tmp_path):
         assert np.array_equal(outs[0][i], exp) and np.array_equal(outs[1][i], exp)
     stats = H.stats(tmp_path / "run", 2)
     assert all(s["replicated"] == 0 for per in stats for s in per)
+
+
+def test_nccl_profiler_refuses_a_gradient_allreduce_it_cannot_tag(plugin, tmp_path):
+    """A gradient bucket NCCL runs as Tree: every rank's first tagged isend fails with one
+    line, nothing is sent untagged in its place."""
+    with pytest.raises(H.PluginError) as e:
+        H.launch(2, tmp_path / "run", str(plugin), ["127.0.0.1"] * 2, channels=1,
+                 buffsize=BUFFSIZE, buckets=[5000], iterations=1, profiler="callback",
+                 algo="Tree", timeout=60)
+    lines = [x for x in str(e.value).splitlines() if x.startswith("ckm-nccl:")]
+    assert len(lines) == 2 and all("ran as Tree/Simple" in x for x in lines), lines

@@ -68,7 +68,11 @@ def _wait(what: str, fn, timeout: float = 60.0):
         time.sleep(0.2)
 
 
-def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(plugin, tmp_path, ring_kit):
+@pytest.mark.parametrize("profiler", ["off", "callback"])
+def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(plugin, tmp_path, ring_kit,
+                                                                 profiler):
+    """profiler off: tagging by the schedule model; callback: by profiler events (the
+    harness plays NCCL's profiler core, the plugin asks through the profiler callback)."""
     from checkmate.shadow.feed import control_body, control_datagrams
     from checkmate.shadow.state import make_optimizer
     from checkmate.shadow_client import ShadowClient, seed_share
@@ -116,26 +120,38 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(plugin, tmp_pat
             outs = H.launch(world, tmp_path / "run", str(plugin),
                             [h.ip for h in cfg.trainers], channels=4, buffsize=BUFFSIZE,
                             buckets=BUCKETS, iterations=ITERATIONS, seed=seed,
-                            partitions=parts, job=JOB, popen=popen)
+                            partitions=parts, job=JOB, popen=popen, profiler=profiler)
         finally:
             for f in logs:
                 f.close()
-        # rank 0's control message per iteration, to each shadow's session
+        # rank 0's control message per iteration, to each shadow's current session; sent
+        # again every 2 s until committed, standing in for rank 0's answers to the shadows'
+        # control repair requests and its session refresh
         tx = udp_socket_in(tns, (cfg.trainers[0].ip, 0))
-        try:
-            for it in range(1, ITERATIONS + 1):
-                for p, (ip, _) in enumerate(shadows):
-                    for d in control_datagrams(JOB, it, control_body(it, [LR]),
-                                               epoch=sess[p]["epoch"], token=sess[p]["token"],
-                                               partition=p):
-                        tx.sendto(d, (ip, cfgmod.SHADOW_PORT))
-        finally:
-            tx.close()
+        last: list = []
+        sent_at = [0.0]
+
         def committed():
+            if time.monotonic() - sent_at[0] > 2.0:
+                sent_at[0] = time.monotonic()
+                # a shadow that re-registered has a new epoch: ask, as trainers do
+                sess.update(call_in_netns(tns, lambda: query_sessions(ctl, JOB)))
+                for it in range(1, ITERATIONS + 1):
+                    for p, (ip, _) in enumerate(shadows):
+                        for d in control_datagrams(JOB, it, control_body(it, [LR]),
+                                                   epoch=sess[p]["epoch"],
+                                                   token=sess[p]["token"], partition=p):
+                            tx.sendto(d, (ip, cfgmod.SHADOW_PORT))
             st = [call_in_netns(tns, lambda a=a: ShadowClient(a, 5).status()) for a in shadows]
+            last[:] = st
             return st if all(s["latest"] == ITERATIONS for s in st) else None
 
-        sts = _wait("shadows committing every iteration", committed, timeout=60)
+        try:
+            sts = _wait("shadows committing every iteration", committed, timeout=60)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; shadow status: {last}") from None
+        finally:
+            tx.close()
         got = [call_in_netns(tns, lambda a=a: ShadowClient(a, 10).fetch(ITERATIONS))
                for a in shadows]
         counters = tb.switch.counters()
