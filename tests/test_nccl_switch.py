@@ -4,8 +4,10 @@ channels, buckets that are not chunk multiples, 3 iterations; 2 `shadow serve` p
 registered with the controller, which installs the replication entries. The switch copies
 each REPLICATE datagram the plugin sends; rank 0's control messages come from the test.
 
-Checks: every rank's allreduce is exact, and each shadow commits, bit for bit, the state of
-an optimizer fed the Python ring's reduced gradients for the same inputs."""
+The switch drops and corrupts 3% of the ckm frames it sends to ranks 1 and 2.
+Checks: every rank's allreduce is exact, the transport resent what was lost or damaged,
+and each shadow commits, bit for bit, the state of an optimizer fed the Python ring's
+reduced gradients for the same inputs."""
 
 from __future__ import annotations
 
@@ -109,6 +111,10 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(plugin, tmp_pat
             else None))
         for r in range(world):
             call_in_netns(tns, lambda r=r: seed_share(shadows, spec, flat, r, world))
+        # a lossy path between ranks: the switch drops and corrupts ckm frames leaving
+        # towards t1 and t2 (the copies to the shadows leave by the shadows' ports)
+        for h in ("t1", "t2"):
+            tb.switch.set_fault(cfg.switch_ifname(h), drop=0.03, corrupt=0.03)
         logs = []
 
         def popen(r, argv, env):
@@ -171,6 +177,12 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(plugin, tmp_pat
         a, b = spec.bounds(p)
         for s in spec.slots:
             assert np.array_equal(g.slots[s], ref.state[s][a:b]), (p, s)
+    # the faults were there, and the transport repaired them
+    ports = counters["ports"]
+    assert sum(ports[cfg.switch_ifname(h)]["dropped"] for h in ("t1", "t2")) > 0
+    assert sum(ports[cfg.switch_ifname(h)]["corrupted"] for h in ("t1", "t2")) > 0
+    stats = [s for per in H.stats(tmp_path / "run", world) for s in per]
+    assert sum(s["resent"] for s in stats) > 0 and sum(s["corrupt"] for s in stats) > 0
     # the copies came from the switch, and every datagram the shadows took had a good MAC
     assert sum(v.get("replicated", 0) for v in counters["ports"].values()) > 0, counters
     for st in sts:
