@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from checkmate import gockpt_worker
 from checkmate.errors import CheckmateError
 from checkmate.spec import ModelSpec, difference
 
@@ -51,6 +52,8 @@ class GoCkpt:
         steps: k, the steps one checkpoint's state transfer is spread over.
         rank, world: this trainer's partition and the number of partitions.
         keep: checkpoints kept per partition; threads: DCP writer threads.
+        start_timeout: seconds the process may take to start (it waits for a previous
+            incarnation of this rank to finish its write first).
 
     Per iteration: ``before_clip(it)`` after backward (the gradient as reduced, before any
     clipping), then the optimizer and scheduler step, then ``after_step(it, step, control)``.
@@ -58,12 +61,11 @@ class GoCkpt:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  root: str | Path, every: int, steps: int, rank: int = 0, world: int = 1,
-                 job: int = 0, keep: int = 3, threads: int = 4) -> None:
+                 job: int = 0, keep: int = 3, threads: int = 4,
+                 start_timeout: float = 180.0) -> None:
         if steps < 1 or every < steps:
             raise CheckmateError(f"gockpt: need 1 <= steps <= every, got steps {steps}, "
                                  f"every {every}")
-        from checkmate import gockpt_worker
-
         self.spec = ModelSpec.from_torch(job, model, optimizer, max(1, world))
         self.params = dict(model.named_parameters())
         self.optimizer = optimizer
@@ -83,10 +85,23 @@ class GoCkpt:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=gockpt_worker.main, name=f"ckm-gockpt-{rank}",
-                                 args=(child, str(self.root), keep, threads), daemon=True)
+                                 args=(child, str(self.root), rank, self.spec.to_json(), keep,
+                                       threads), daemon=True)
         self._proc.start()
         child.close()
         self._closed = False
+        # Training starts once the process runs, holds its lock and has compiled its
+        # kernels: a window never waits for them, and a kill never finds it half started.
+        try:
+            ready = self._conn.poll(start_timeout) and self._conn.recv() == ("ready",)
+        except (EOFError, OSError):  # it died while starting
+            ready = False
+        if not ready:
+            self._proc.kill()
+            self._proc.join()
+            raise CheckmateError(f"gockpt: the checkpoint process of rank {rank} did not "
+                                 f"start within {start_timeout:.0f} s (exit code "
+                                 f"{self._proc.exitcode})")
 
     # ------------------------------------------------------------------ per iteration
     def before_clip(self, it: int) -> None:
@@ -181,21 +196,40 @@ def _control(body: dict[str, Any]) -> dict[str, Any]:
             "hyper": body.get("hyper")}
 
 
+def wait_idle(root: str | Path, world: int, timeout: float = 60.0) -> bool:
+    """Wait (at most ``timeout`` s) until no rank's GoCkpt process of an earlier incarnation
+    lives: a killed trainer's process still writes what it received. True when idle."""
+    import fcntl
+
+    deadline = time.monotonic() + timeout
+    for rank in range(world):
+        path = gockpt_worker.lock_path(root, rank)
+        if not path.exists():
+            continue
+        with open(path, "a") as f:
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(f, fcntl.LOCK_UN)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        log.warning("gockpt: rank %d's checkpoint process of the previous "
+                                    "attempt is still busy after %.0f s", rank, timeout)
+                        return False
+                    time.sleep(0.05)
+    return True
+
+
 def restore(root: str | Path, spec: ModelSpec, iteration: int | None = None,
             settle: float = 60.0) -> tuple[int, int, dict, dict, dict]:
     """The newest iteration every partition under ``root`` wrote (or ``iteration``), as
     ``(iteration, optimizer steps, model_sd, optim_sd, extra)`` for a job whose spec is
     ``spec``; CheckmateError in one line when there is none or the job differs. Waits (at
-    most ``settle`` s) for checkpoints that live processes are still writing."""
+    most ``settle`` s) for the processes of a killed incarnation to finish their writes."""
     from checkmate.shadow import persist
 
-    deadline = time.monotonic() + settle
-    while any(persist.writers(d) for d in Path(root).glob("part*")):
-        if time.monotonic() > deadline:  # restore from what is complete
-            log.warning("gockpt: a checkpoint under %s is still being written after %.0f s",
-                        root, settle)
-            break
-        time.sleep(0.05)  # a killed trainer's process finishes the checkpoint it writes
+    wait_idle(root, len(list(Path(root).glob(".rank*.lock"))), settle)
     try:
         full = persist.load_full_state(root, iteration)
     except CheckmateError as e:

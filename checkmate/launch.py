@@ -1,16 +1,19 @@
 """``checkmate launch``: torchrun for a Checkmate job on one machine.
 
-    checkmate launch --nproc-per-node N [--shadows n | --shadow ADDR ...] [--mode host|off]
-                     [--max-restarts R] [--dir DIR] [--persist-every K] [--resume]
-                     [--progress-every K] [--seed S] [--job-id J] SCRIPT [ARGS ...]
+    checkmate launch --nproc-per-node N [--shadows n | --shadow ADDR ...]
+                     [--mode host|off|gockpt] [--gockpt EVERY,STEPS] [--max-restarts R]
+                     [--dir DIR] [--persist-every K] [--resume] [--progress-every K]
+                     [--seed S] [--job-id J] SCRIPT [ARGS ...]
 
 It starts ``n`` shadows on loopback (or checks the ones ``--shadow`` names), puts the job's
 addresses in the environment (checkmate.train.env), and runs N workers of SCRIPT through
 torch's elastic agent (torch.distributed.launcher.api), exactly as ``torchrun --standalone``
 would. When a worker dies the agent stops the group and starts it again, up to R times;
 the new workers see TORCHELASTIC_RESTART_COUNT > 0 and ``CheckmateSession.from_env``
-restores them from the shadows. Shadows started here are stopped by PID at exit, also on
-Ctrl-C, an error, or a SIGKILL of the launcher (parent-death signal). See docs/usage.md.
+restores them from the shadows (in GoCkpt mode: from the newest checkpoint under
+DIR/gockpt, written by a local process per rank; no shadows). Shadows started here are
+stopped by PID at exit, also on Ctrl-C, an error, or a SIGKILL of the launcher
+(parent-death signal). See docs/usage.md.
 """
 
 from __future__ import annotations
@@ -70,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="use a running shadow (TCP service address, default port 47100; "
                         "UDP on 47001 of the same host), once per partition, in order")
     p.add_argument("--mode", choices=envmod.ENV_MODES, default="host",
-                   help="host: trainers send the shadow copies; off: no shadows")
+                   help="host: trainers send the shadow copies; off: no shadows; gockpt: no "
+                        "shadows, periodic GoCkpt checkpoints under --dir (see --gockpt)")
+    p.add_argument("--gockpt", default="50,4", metavar="EVERY,STEPS",
+                   help="GoCkpt mode: a checkpoint every EVERY iterations, its transfer "
+                        "spread over STEPS steps (default 50,4)")
     p.add_argument("--max-restarts", type=_count(0, 1000), default=0, metavar="R",
                    help="restarts of the worker group after a failure (default 0)")
     p.add_argument("--dir", type=Path, metavar="DIR",
@@ -97,6 +104,16 @@ def _check(args: argparse.Namespace) -> None:
     if args.mode == "off" and (args.shadows or args.shadow or args.resume):
         raise CheckmateError("--mode off runs without shadows: drop --shadows/--shadow/"
                              "--resume")
+    if args.mode == "gockpt":
+        if args.shadows or args.shadow or args.persist_every:
+            raise CheckmateError("--mode gockpt runs without shadows: drop --shadows/--shadow/"
+                                 "--persist-every")
+        if args.dir is None:
+            raise CheckmateError("--mode gockpt writes its checkpoints under --dir: give --dir")
+        every, _, steps = args.gockpt.partition(",")
+        if not (every.isdigit() and steps.isdigit() and 1 <= int(steps) <= int(every)):
+            raise CheckmateError(f"--gockpt must be EVERY,STEPS with 1 <= STEPS <= EVERY, got "
+                                 f"{args.gockpt!r}")
     if args.persist_every and args.dir is None:
         raise CheckmateError("--persist-every writes under --dir: give --dir")
     if args.persist_every and args.shadow:
@@ -124,11 +141,16 @@ def _quiet_agent() -> None:
         if "will restart worker group" in msg:
             left = msg.split(". ", 1)[1].split(";")[0] if ". " in msg else ""
             print(f"{PROG}: a trainer failed; restarting the worker group ({left}); it "
-                  "resumes from the shadows", flush=True)
+                  "resumes from its checkpoints", flush=True)
         return False
 
     only_restarts.checkmate = True  # type: ignore[attr-defined]
     agent_log.addFilter(only_restarts)
+
+
+def gockpt_dir(args: argparse.Namespace) -> Path:
+    """GoCkpt mode's checkpoint directory (part<rank>/ per rank, the joins beside)."""
+    return (args.dir / "gockpt").resolve()
 
 
 def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list) -> None:
@@ -143,6 +165,8 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
     if tcp:
         os.environ[envmod.SHADOWS] = envmod.format_addrs(tcp)
         os.environ.pop(envmod.SHADOWS_UDP, None)
+    if args.mode == "gockpt":
+        os.environ[envmod.GOCKPT] = f"{gockpt_dir(args)},{args.gockpt}"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every address is on loopback
     if args.nproc_per_node > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
@@ -229,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    count = 0 if args.mode == "off" else (len(args.shadow) or args.shadows or 2)
+    count = 0 if args.mode in ("off", "gockpt") else (len(args.shadow) or args.shadows or 2)
     # Without --dir the logs go to a temporary directory, kept only if the job fails.
     own_logdir = args.dir is None
     logdir = args.dir or Path(tempfile.mkdtemp(prefix="checkmate-launch-"))
@@ -271,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         except SignalException as e:
             print(f"{PROG}: stopped by {e.sigval.name}", file=sys.stderr)
             return 130
+        if args.mode == "gockpt":
+            from checkmate.shadow.persist import newest_common
+
+            print(f"{PROG}: done; the newest GoCkpt checkpoint is of iteration "
+                  f"{newest_common(gockpt_dir(args), args.nproc_per_node)} (under "
+                  f"{gockpt_dir(args)})", flush=True)
         if tcp:
             latest = shadows_latest(tcp)
             print(f"{PROG}: done; the shadows hold iteration "

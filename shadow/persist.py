@@ -301,28 +301,6 @@ def prune(pdir: Path, keep: int, partitions: int | None = None) -> list[int]:
     return removed
 
 
-def writers(pdir: Path) -> set[int]:
-    """PIDs of live processes writing a checkpoint into ``pdir`` now (from the names of
-    their temp dirs); a dead writer's leftovers do not count."""
-    out = set()
-    for name in os.listdir(pdir) if pdir.is_dir() else []:
-        if name.startswith(f"{_TMP_PREFIX}{_ITER_PREFIX}"):
-            pid = name.rsplit("-", 2)[-2]
-            if pid.isdigit() and _alive(int(pid)):
-                out.add(int(pid))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: existence check only
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_temp(pdir: Path) -> list[str]:
     """Remove leftovers of interrupted writes; returns their names."""
     gone = []

@@ -147,10 +147,11 @@ class Workload:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build_gpt(seed: int, steps: int, batch: int = 8, width: int = 64) -> Workload:
+def build_gpt(seed: int, steps: int, batch: int = 8, width: int = 64, layers: int = 2
+              ) -> Workload:
     from checkmate.optim import AdamW
 
-    c = GPTConfig(width=width)
+    c = GPTConfig(width=width, layers=layers)
     torch.manual_seed(seed)
     model = TinyGPT(c)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -176,6 +177,40 @@ def build_cnn(seed: int, steps: int, batch: int = 16, width: int = 16) -> Worklo
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < half else 0.2)
     return Workload("cnn", model, opt, sched, None,
                     lambda r, i: cnn_batch(seed, r, i, batch), F.cross_entropy)
+
+
+class StandIn:
+    """Accelerator stand-in: forward and backward replaced by a configured compute time.
+
+    A GPU job's CPU idles while the GPU computes; this trainer sleeps ``seconds`` instead,
+    then produces gradients of the real size that are real: one true backward of the
+    initial model on this rank's first batch, taken at construction, scaled per iteration
+    by an exact float32 factor (deterministic, so a restore redraws the same). They reach
+    the parameters through autograd (``loss = c · Σ p·g``), so the gradient path -- DDP
+    hooks, the ring, the shadows -- runs as for a real backward. Loss values mean nothing.
+    """
+
+    def __init__(self, w: Workload, rank: int, seconds: float) -> None:
+        if not 0 <= seconds <= 60:
+            raise CheckmateError(f"stand_in must be seconds in [0, 60], got {seconds}")
+        self.seconds = seconds
+        self.params = [p for p in w.model.parameters() if p.requires_grad]
+        x, y = w.batch(rank, 0)
+        w.model.zero_grad(set_to_none=True)
+        w.loss(w.model(x), y).backward()
+        self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                      for p in self.params]
+        w.model.zero_grad(set_to_none=True)
+
+    def loss(self, iteration: int) -> torch.Tensor:
+        """Wait the compute time; return a loss whose backward gives this iteration's
+        gradients."""
+        import time
+
+        time.sleep(self.seconds)
+        scale = 1.0 + (iteration % 8) / 32  # exact in float32
+        return scale * sum((p * g).sum() for p, g in zip(self.params, self.grads,
+                                                          strict=True))
 
 
 MODELS: dict[str, Callable[..., Workload]] = {"gpt": build_gpt, "cnn": build_cnn}

@@ -19,8 +19,11 @@ from checkmate.train.replicate import ShadowTarget
 
 #: ckm job id (default 1).
 JOB_ID = "CHECKMATE_JOB_ID"
-#: host (trainers send the shadow copies) or off (no shadows: the no-checkpoint baseline).
+#: host (trainers send the shadow copies), off (no shadows: the no-checkpoint baseline) or
+#: gockpt (no shadows: periodic GoCkpt checkpoints by a local process per rank).
 MODE = "CHECKMATE_MODE"
+#: GoCkpt mode's ``DIR,EVERY,STEPS``: checkpoint directory, interval, steps per transfer.
+GOCKPT = "CHECKMATE_GOCKPT"
 #: every rank's ring address ``IP:PORT``, comma separated, in rank order.
 TRAINERS = "CHECKMATE_TRAINERS"
 #: every shadow's TCP service address ``IP:PORT``, comma separated, in partition order.
@@ -39,7 +42,7 @@ KILL_AT = "CHECKMATE_KILL_AT"
 #: Set by torch's elastic agent: how many times the worker group was restarted.
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
-ENV_MODES = ("host", "off")
+ENV_MODES = ("host", "off", "gockpt")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class EnvJob:
     restart_count: int
     resume: bool
     kill_at: tuple[int, int] | None
+    gockpt: tuple[str, int, int] | None = None
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -105,7 +109,15 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
                              f"{world}")
     tcp: list[tuple[str, int]] = []
     udp: list[tuple[str, int]] = []
-    if mode != "off":
+    gockpt = None
+    if mode == "gockpt":
+        d, _, rest = env.get(GOCKPT, "").rpartition(",")
+        d, _, every = d.rpartition(",")
+        if not d or not every.isdigit() or not rest.isdigit():
+            raise CheckmateError(f"environment variable {GOCKPT} must be DIR,EVERY,STEPS, got "
+                                 f"{env.get(GOCKPT, '')!r}")
+        gockpt = (d, int(every), int(rest))
+    elif mode != "off":
         tcp = _addrs(env, SHADOWS)
         udp = (_addrs(env, SHADOWS_UDP) if env.get(SHADOWS_UDP)
                else [(h, config.SHADOW_PORT) for h, _ in tcp])
@@ -126,4 +138,5 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         job_id=_int(env, JOB_ID, 1), mode=mode, rank=rank, world=world, trainers=trainers,
         shadow_tcp=tcp, shadows=[ShadowTarget(p, h, port) for p, (h, port) in enumerate(udp)],
         seed=_int(env, SEED, 0), progress_every=_int(env, PROGRESS_EVERY, 0),
-        restart_count=_int(env, RESTART_COUNT, 0), resume=resume == "1", kill_at=kill_at)
+        restart_count=_int(env, RESTART_COUNT, 0), resume=resume == "1", kill_at=kill_at,
+        gockpt=gockpt)

@@ -249,7 +249,8 @@ class CheckmateSession:
             group = dist.new_group(backend="gloo")
         lay = JobLayout(job_id=job.job_id, rank=job.rank, world=job.world,
                         trainers=job.trainers, shadows=job.shadows, shadow_tcp=job.shadow_tcp,
-                        mode=job.mode, seed=job.seed, **layout)
+                        mode="off" if job.mode == "gockpt" else job.mode, seed=job.seed,
+                        gockpt=job.gockpt, **layout)
         sess = cls(model, optimizer, scheduler, lay, max_grad_norm, group)
         sess.progress_every = job.progress_every
         if job.kill_at is not None and job.kill_at[0] == job.rank and not job.restart_count:
@@ -260,21 +261,34 @@ class CheckmateSession:
         if not hasattr(sess, "restored_extra"):
             sess.restored_extra = {}
         if job.rank == 0:
-            how = (f"resumed from the shadows at iteration {done}" if resume
+            how = (f"resumed from the shadows at iteration {done}" if resume and not lay.gockpt
+                   else f"resumed from GoCkpt checkpoint {done}" if resume
                    else f"seeded {len(lay.shadows)} shadow(s)" if lay.mode != "off"
-                   else "no shadows (mode off)")
+                   else "GoCkpt checkpoints every {} iterations over {} steps".format(
+                       *lay.gockpt[1:]) if lay.gockpt else "no shadows (mode off)")
             print(f"checkmate: rank 0 of {job.world}, attempt {job.restart_count}: {how}",
                   flush=True)
         return sess
 
     def _resume_wanted(self, job: Any) -> bool:
-        """The same resume decision on every rank (rank 0 asks the shadows, see from_env)."""
-        if self.layout.mode == "off" or not (job.restart_count or job.resume):
+        """The same resume decision on every rank (rank 0 asks the shadows, or looks for
+        a GoCkpt checkpoint; see from_env)."""
+        gk = self.layout.gockpt
+        if (self.layout.mode == "off" and gk is None) or not (job.restart_count or job.resume):
             return False
         if job.resume:
             return True
         answer: list[Any] = [True]
-        if self.layout.rank == 0:
+        if self.layout.rank == 0 and gk is not None:
+            from checkmate.gockpt import wait_idle
+            from checkmate.shadow import persist
+
+            wait_idle(gk[0], self.layout.world)  # the killed attempt's writes finish first
+            answer[0] = persist.newest_common(gk[0], self.layout.world) is not None
+            if answer[0] is False:
+                print("checkmate: no GoCkpt checkpoint was written before the restart: "
+                      "starting fresh", flush=True)
+        elif self.layout.rank == 0:
             from checkmate.shadow_client import ShadowClient
 
             try:
@@ -338,16 +352,16 @@ class CheckmateSession:
             self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
                                                name="ckm-sessions")
             self._refresher.start()
-        if lay.gockpt is not None:
-            from checkmate.gockpt import GoCkpt
-
-            root, every, steps = lay.gockpt
-            self.gockpt = GoCkpt(self.module, self.optimizer, root, every, steps, lay.rank,
-                                 lay.world, lay.job_id)
         if lay.mode == "off":
-            if resume and self.gockpt is None:
+            if resume and lay.gockpt is None:
                 raise CheckmateError("nothing to resume from without shadows (mode off)")
             self.iteration = self._gockpt_restore() if resume else 0
+            if lay.gockpt is not None:  # after the restore: its process starts from there
+                from checkmate.gockpt import GoCkpt
+
+                root, every, steps = lay.gockpt
+                self.gockpt = GoCkpt(self.module, self.optimizer, root, every, steps,
+                                     lay.rank, lay.world, lay.job_id)
         elif resume:
             from checkmate.train.restore import restore_session
 
@@ -384,17 +398,18 @@ class CheckmateSession:
         from checkmate.gockpt import restore
         from checkmate.train.restore import load_trainer_state
 
+        lay = self.layout
+        spec = ModelSpec.from_torch(lay.job_id, self.module, self.optimizer, lay.world)
         got: list[Any] = [None, None]
-        if self.layout.rank == 0:
+        if lay.rank == 0:
             try:
-                got[0] = restore(self.layout.gockpt[0], self.gockpt.spec)[0]
+                got[0] = restore(lay.gockpt[0], spec)[0]
             except CheckmateError as e:
                 got[1] = str(e)
         dist.broadcast_object_list(got, src=0, group=self.group)
         if got[1] is not None:
             raise CheckmateError(got[1])
-        it, step, model_sd, optim_sd, extra = restore(self.layout.gockpt[0],
-                                                      self.gockpt.spec, got[0])
+        it, step, model_sd, optim_sd, extra = restore(lay.gockpt[0], spec, got[0])
         load_trainer_state(self.module, self.optimizer, self.scheduler, model_sd, optim_sd,
                            extra)
         self.restored_extra = extra.get("user", {})

@@ -21,48 +21,9 @@ import torch
 import torch.distributed as dist
 
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.train.baselines import Baseline
 from checkmate.train.replicate import ShadowTarget
 from checkmate.train.session import CheckmateSession, JobLayout
-
-
-class Baseline:
-    """The per-iteration checkpoint a benchmark compares Checkmate with.
-
-    ``checkmate``, ``gockpt`` (the session's GoCkpt process does it) and ``none`` save
-    nothing here; ``dcp`` calls
-    torch.distributed.checkpoint.async_save every iteration (waiting for the previous save
-    first, as its docs require); ``torchsave`` has rank 0 torch.save model and optimizer.
-    """
-
-    KINDS = ("checkmate", "none", "dcp", "torchsave", "gockpt")
-
-    def __init__(self, kind: str, directory: str | None, rank: int) -> None:
-        if kind not in self.KINDS:
-            raise CheckmateError(f"ckpt must be one of {', '.join(self.KINDS)}, got {kind!r}")
-        if kind in ("dcp", "torchsave", "gockpt") and not directory:
-            raise CheckmateError(f"ckpt {kind} needs ckpt_dir")
-        self.kind, self.dir, self.rank = kind, Path(directory or "."), rank
-        self._pending = None
-
-    def save(self, it: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if self.kind == "dcp":
-            import torch.distributed.checkpoint as dcp
-
-            if self._pending is not None:
-                self._pending.result()
-            state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-            self._pending = dcp.async_save(state, checkpoint_id=str(self.dir / f"step-{it}"))
-        elif self.kind == "torchsave" and self.rank == 0:
-            tmp = self.dir / "latest.pt.tmp"
-            torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
-                        "iteration": it}, tmp)
-            tmp.replace(self.dir / "latest.pt")
-
-    def finish(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-
 
 #: Failure injector for scenarios: "ITERATION:PHASE" makes this trainer SIGKILL itself at that
 #: point of that iteration (phase "before-control": after the optimizer step, before the
@@ -137,11 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         raise CheckmateError(f"job file {args.job}: bad entry ({e})") from None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from checkmate.testbed.models import build
+    from checkmate.testbed.models import StandIn, build
 
     steps = int(job["steps"])
     w = build(job["model"], int(job.get("seed", 0)), steps, **job.get("model_kw", {}))
-    ckpt = Baseline(job.get("ckpt", "checkmate"), job.get("ckpt_dir"), rank)
+    # The accelerator stand-in: a real gradient taken once from the initial model, then a
+    # configured compute time per iteration (checkmate.testbed.models.StandIn).
+    stand_in = (StandIn(w, rank, float(job["stand_in"])) if job.get("stand_in") is not None
+                else None)
+    ckpt = Baseline(job.get("ckpt", "checkmate"), job.get("ckpt_dir"), rank,
+                    int(job.get("ckpt_every", 1)))
     sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout, w.max_grad_norm)
     sess.injector = _injector(os.environ.get(FAIL_AT_ENV))
     t0 = time.perf_counter()
@@ -150,10 +116,14 @@ def main(argv: list[str] | None = None) -> int:
           seconds=time.perf_counter() - t0)
     for it in range(start + 1, steps + 1):
         sess.begin(it)
-        x, y = w.batch(rank, it)
         w.optimizer.zero_grad()
-        loss = w.loss(sess.model(x), y)
+        if stand_in is not None:
+            loss = stand_in.loss(it)
+        else:
+            x, y = w.batch(rank, it)
+            loss = w.loss(sess.model(x), y)
         loss.backward()
+        ckpt.before_step()
         sess.step(extra={"data": {"iteration": it}})
         ckpt.save(it, w.model, w.optimizer)
         _emit(event="iter", rank=rank, iteration=it, loss=round(float(loss.detach()), 5),
@@ -169,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
           control_bytes=sess.control_bytes, copy_bytes=sess.sender.copy_bytes,
           parity_bytes=sess.sender.parity_bytes,
           protected=prot["protected"], repair=prot.get("repair"),
-          reseeds=prot.get("reseeds", 0),
+          reseeds=prot.get("reseeds", 0), saves=ckpt.saves,
           gockpt=None if sess.gockpt is None else {**sess.gockpt.stats,
                                                    "committed": sess.gockpt.committed,
                                                    "errors": sess.gockpt.errors})

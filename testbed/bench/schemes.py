@@ -1,0 +1,257 @@
+"""`testbed bench schemes`: every checkpoint scheme on one workload where checkpoints matter.
+
+One harness, one model, one run; the schemes are alternated in ``--rounds`` rounds (the
+order reversed every other round) and reported as medians:
+
+  none           no checkpoint (the reference)
+  torchsave      rank 0 torch.save of model + optimizer, synchronous
+  dcp            torch.distributed.checkpoint.async_save, defaults (thread)
+  dcp-process    async_save in process mode with the DefaultStager (shared memory, staging
+                 in the background; pinned memory only where an accelerator exists)
+  checkfreq      CheckFreq-style: synchronous snapshot to CPU buffers, background persist
+  gockpt         GoCkpt mode: state transfer spread over k steps, rolled forward on a local
+                 CPU process per rank, persisted with DCP (checkmate.gockpt)
+  checkmate      Checkmate host mode: trainers send the copies, shadows on this machine
+  none-switch,   the same two on the namespace testbed through the kernel (eBPF) switch, where
+  checkmate-switch  the switch copies the gradients (root only; --no-switch skips them)
+
+Periodic schemes run at every iteration (GoCkpt with k = 1 there) and at ``--interval``
+(GoCkpt with k = min(4, interval)). Throughput is rank 0's mean rate over the timed
+iterations (a median step interval would hide a checkpoint taken every 8th step). From the
+every-iteration runs the bench derives each scheme's stall per checkpoint and, with
+``--mtbf`` and ``--load``, its Young/Daly best interval and effective throughput
+(checkmate.plan); the ``--interval`` runs check that model against a measurement.
+
+The workload (``--width``/``--layers``, default 25.4 M parameters: 102 MB of parameters, 305
+MB of model + AdamW state) runs with the accelerator stand-in by default (``--stand-in``
+seconds of compute per step instead of forward/backward: checkmate.testbed.models.StandIn),
+so the checkpoint-cost-to-step-time ratio is that of a GPU job, not of this CPU's forward
+pass; the allreduce, the checkpoint work and the shadows are real and share this machine's
+cores. Ends with ``checkmate vs dcp-async ratio: <x>`` (every-iteration throughputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from checkmate import config as cfgmod
+from checkmate.errors import CheckmateError, cli_guard
+
+SCHEMES = ("none", "torchsave", "dcp", "dcp-process", "checkfreq", "gockpt", "checkmate",
+           "none-switch", "checkmate-switch")
+PERIODIC = ("torchsave", "dcp", "dcp-process", "checkfreq", "gockpt")
+
+
+def mean_rate(times: list[float], warmup: int) -> float:
+    """Iterations per second over the timed window (first timed step to the last)."""
+    t = times[warmup:]
+    if len(t) < 3:
+        raise CheckmateError("too few iterations to measure; raise --steps")
+    return (len(t) - 1) / (t[-1] - t[0])
+
+
+def _keep_logs(d: Path) -> Path:
+    """Copy a failed run's logs out of the bench's temporary directory."""
+    import shutil
+
+    keep = Path(tempfile.mkdtemp(prefix=f"ckm-bench-failed-{d.name}-"))
+    for f in d.glob("*.log"):
+        shutil.copy(f, keep)
+    return keep
+
+
+def _configs(schemes: list[str], interval: int, switch: bool) -> list[tuple[str, int]]:
+    out = []
+    for s in schemes:
+        if s.endswith("-switch") and not switch:
+            continue
+        out.append((s, 1))
+        if s in PERIODIC and interval > 1:
+            out.append((s, interval))
+    return out
+
+
+def _job(scheme: str, every: int, ckdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    base = scheme.removesuffix("-switch")
+    job: dict[str, Any] = {"ckpt": base, "ckpt_dir": str(ckdir), "ckpt_every": every,
+                           "model_kw": {"width": args.width, "layers": args.layers},
+                           "stand_in": args.stand_in if args.stand_in > 0 else None}
+    if base == "gockpt":
+        job["ckpt_steps"] = min(4, every)
+    return job
+
+
+def planned(results: dict[str, Any], mtbf_s: float, load_s: float) -> dict[str, Any]:
+    """Per scheme, from the every-iteration medians: stall per checkpoint, best interval,
+    waste and effective throughput by the Young/Daly model (checkmate.plan)."""
+    from checkmate.plan import Scheme, plan
+
+    out: dict[str, Any] = {}
+    for key, ref in (("", "none"), ("-switch", "none-switch")):
+        base = results.get(f"{ref}@1")
+        if base is None:
+            continue
+        step = 1.0 / base
+        for name, rate in results.items():
+            scheme, every = name.split("@")
+            if every != "1" or scheme == ref or not scheme.endswith(key) or (
+                    not key and scheme.endswith("-switch")):
+                continue
+            stall = max(0.0, 1.0 / rate - step)
+            every_step = scheme.startswith("checkmate")
+            # Checkmate's checkpoint is every step and its cost is in the step itself (its
+            # measured rate), not a stall the model adds on top.
+            p = plan(Scheme(scheme, 0.0 if every_step else stall, load_s, every_step), step,
+                     mtbf_s)
+            eff = (rate / base if every_step else 1.0) * p.throughput
+            out[scheme] = {"stall_s": stall, "best_interval": p.interval,
+                           "n_star": p.n_star, "waste": p.waste,
+                           "lost_per_failure_s": p.lost_per_failure_s,
+                           "effective_vs_none": eff}
+    return out
+
+
+@cli_guard("testbed bench schemes")
+def main(argv: list[str] | None = None) -> int:
+    from checkmate.plan import _seconds
+    from checkmate.testbed.bench.training import _Window
+    from checkmate.testbed.run import LOOPBACK_NET, Cluster, Run, Scenario
+    from checkmate.testbed.topology import config_to_dict
+
+    ap = argparse.ArgumentParser(prog="testbed bench schemes", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schemes", default=",".join(SCHEMES),
+                    help="comma-separated subset (none is always run)")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--stand-in", type=float, default=0.5, metavar="SECONDS",
+                    help="accelerator stand-in compute per step; 0: real CPU forward/backward")
+    ap.add_argument("--steps", type=int, default=26)
+    ap.add_argument("--warmup", type=int, default=8,
+                    help="untimed iterations; at least --interval, so that every scheme's "
+                    "first checkpoint (process start-up, compilation) is not timed")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--interval", type=int, default=8,
+                    help="the periodic schemes' second interval (0: every iteration only)")
+    ap.add_argument("--mtbf", default="3h", help="for the Young/Daly best interval")
+    ap.add_argument("--load", default="30s", help="time to load a checkpoint after a failure")
+    ap.add_argument("--no-switch", action="store_true",
+                    help="skip the switch-mode pair (needs root and the namespace testbed)")
+    ap.add_argument("--json", metavar="OUT")
+    args = ap.parse_args(argv)
+    if args.steps < args.warmup + 3 or args.rounds < 1 or args.interval < 0:
+        raise CheckmateError("need --steps > --warmup + 2, --rounds >= 1, --interval >= 0")
+    if args.interval and args.steps - args.warmup < 2 * args.interval:
+        raise CheckmateError("--steps must time at least two --interval periods")
+    chosen = ["none"] + [s for s in args.schemes.split(",") if s and s != "none"]
+    unknown = sorted(set(chosen) - set(SCHEMES))
+    if unknown:
+        raise CheckmateError(f"unknown scheme(s) {', '.join(unknown)} (known: "
+                             f"{', '.join(SCHEMES)})")
+    if any(s.endswith("-switch") for s in chosen) and "none-switch" not in chosen:
+        chosen.append("none-switch")
+    switch = not args.no_switch and os.geteuid() == 0
+    mtbf_s, load_s = _seconds(args.mtbf), _seconds(args.load)
+    configs = _configs(chosen, args.interval, switch)
+    rates: dict[str, list[float]] = {f"{s}@{e}": [] for s, e in configs}
+    cpu: dict[str, list[float]] = {k: [] for k in rates}
+    shadow_cpu: dict[str, list[float]] = {k: [] for k in rates}
+    saves: dict[str, int] = {}
+    sc = Scenario("bench-schemes", "gpt", args.steps, 0)
+    with ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckm-bench-")))
+        clusters: dict[str, Any] = {}
+        for kind in ("host", "switch") if switch else ("host",):
+            cfg = cfgmod.with_prefix(cfgmod.load(cfgmod.default_path()), "tebs")
+            cfg_path = work / f"cluster-{kind}.yaml"
+            cfg_path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+            clusters[kind] = Cluster(cfg, kind, cfg_path,
+                                     "127.77.11" if kind == "host" else LOOPBACK_NET, stack)
+        for rnd in range(args.rounds):
+            for scheme, every in (configs if rnd % 2 == 0 else configs[::-1]):
+                key = f"{scheme}@{every}"
+                cl = clusters["switch" if scheme.endswith("-switch") else "host"]
+                win = _Window(args.warmup + 1, args.steps)
+                run = Run(cl, sc, work, f"{scheme}-{every}-{rnd}", win.progress)
+                win.run = run
+                ckdir = work / f"ckpt-{scheme}-{every}-{rnd}"
+                ckdir.mkdir()
+                run.extra_job = _job(scheme, every, ckdir, args)
+                try:
+                    if scheme.startswith("checkmate"):
+                        run.start_shadows()
+                    run.start_trainers(resume=False)
+                    run.follow(None, timeout=900)
+                except CheckmateError as e:
+                    raise CheckmateError(f"{e} (logs kept in {_keep_logs(run.dir)})") from None
+                finally:
+                    run.stop()
+                rates[key].append(mean_rate(run.result.times, args.warmup))
+                cpu[key].append(win.per_iter_ms("trainers"))
+                shadow_cpu[key].append(win.per_iter_ms("shadows"))
+                saves[key] = run.result.stats[0].get("saves", 0) if run.result.stats else 0
+                print(f"round {rnd + 1} {key:<22} {rates[key][-1]:7.3f} it/s  trainers "
+                      f"{cpu[key][-1]:7.1f} CPU ms/it  shadows {shadow_cpu[key][-1]:6.1f}",
+                      flush=True)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    plan = planned(med, mtbf_s, load_s)
+    _print(med, plan, cpu, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "width": args.width, "layers": args.layers, "stand_in": args.stand_in,
+            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+            "interval": args.interval, "mtbf_s": mtbf_s, "load_s": load_s,
+            "rates": rates, "median": med, "plan": plan,
+            "trainer_cpu_ms": {k: statistics.median(v) for k, v in cpu.items()},
+            "shadow_cpu_ms": {k: statistics.median(v) for k, v in shadow_cpu.items()},
+            "state_mb": state_mb(args.width, args.layers)}, indent=1))
+    ratio = med["checkmate@1"] / med["dcp@1"] if {"checkmate@1", "dcp@1"} <= set(med) \
+        else float("nan")
+    print(f"checkmate vs dcp-async ratio: {ratio:.3f}")
+    return 0
+
+
+def state_mb(width: int, layers: int) -> dict[str, float]:
+    """Parameter and model + AdamW state sizes of the bench's GPT, in MB."""
+    from checkmate.testbed.models import build
+
+    w = build("gpt", 0, 2, width=width, layers=layers)
+    n = sum(p.numel() for p in w.model.parameters())
+    return {"params_m": n / 1e6, "params_mb": 4 * n / 1e6, "state_mb": 12 * n / 1e6}
+
+
+def _print(med: dict[str, float], plan: dict[str, Any], cpu: dict[str, list[float]],
+           args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"checkpoint schemes: gpt width {args.width} x {args.layers} layers, "
+                    f"stand-in {args.stand_in} s/step, mean of iterations "
+                    f"{args.warmup + 1}..{args.steps}, median of {args.rounds} rounds")
+    for col in ("scheme @ interval", "it/s", "vs none", "trainer CPU ms/it",
+                "stall/ckpt s", "best N", "effective (Young/Daly)"):
+        t.add_column(col, justify="right" if col != "scheme @ interval" else "left")
+    for key, rate in med.items():
+        scheme, every = key.split("@")
+        ref = med["none-switch@1" if scheme.endswith("-switch") else "none@1"]
+        p = plan.get(scheme) if every == "1" else None
+        t.add_row(key, f"{rate:.3f}", f"{rate / ref:.3f}",
+                  f"{statistics.median(cpu[key]):.0f}",
+                  "-" if p is None else f"{p['stall_s']:.3f}",
+                  "-" if p is None else str(p["best_interval"]),
+                  "-" if p is None else f"{p['effective_vs_none']:.3f}")
+    Console(width=140).print(t)
+    for a, b in (("checkmate@1", "torchsave@1"), ("checkmate@1", "dcp-process@1"),
+                 ("checkmate@1", "gockpt@1"), ("checkmate@1", "checkfreq@1"),
+                 ("checkmate-switch@1", "none-switch@1"), ("checkmate@1", "none@1")):
+        if a in med and b in med:
+            print(f"{a} / {b} throughput: {med[a] / med[b]:.3f}")

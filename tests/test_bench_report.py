@@ -1,0 +1,75 @@
+"""`testbed bench report` and the scheme harness's arithmetic, without running a bench.
+
+The report is rendered from a schemes JSON written here by hand (the numbers are made up;
+the bench itself is not a timed test): the Markdown must carry the table, the targets with
+the verdict their ratios give, the stand-in statement and four real PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def _schemes_json(checkmate: float, dcp: float, torchsave: float) -> dict:
+    from checkmate.testbed.bench.schemes import planned
+
+    med = {"none@1": 1.0, "torchsave@1": torchsave, "torchsave@8": 0.9, "dcp@1": dcp,
+           "dcp@8": 0.95, "gockpt@1": 0.5, "gockpt@8": 0.9, "checkmate@1": checkmate,
+           "none-switch@1": 1.1, "checkmate-switch@1": 1.0}
+    return {"width": 1024, "layers": 2, "stand_in": 0.5, "steps": 26, "warmup": 8,
+            "rounds": 2, "interval": 8, "mtbf_s": 3 * 3600.0, "load_s": 30.0,
+            "rates": {k: [v, v] for k, v in med.items()}, "median": med,
+            "plan": planned(med, 3 * 3600.0, 30.0),
+            "trainer_cpu_ms": {k: 800.0 for k in med},
+            "shadow_cpu_ms": {k: 0.0 for k in med},
+            "state_mb": {"params_m": 25.4, "params_mb": 101.6, "state_mb": 304.8}}
+
+
+def test_planned_derives_stall_and_best_interval_from_the_every_iteration_runs():
+    d = _schemes_json(0.9, 0.8, 0.5)
+    p = d["plan"]
+    assert p["dcp"]["stall_s"] == pytest.approx(1 / 0.8 - 1)  # seconds per checkpoint
+    assert p["torchsave"]["stall_s"] == pytest.approx(1.0)
+    assert p["torchsave"]["best_interval"] > p["dcp"]["best_interval"] > 1
+    assert p["checkmate"]["best_interval"] == 1  # every step by construction
+    # Checkmate's effective throughput carries its per-step cost; the switch pair is
+    # judged against its own no-checkpoint run
+    assert p["checkmate"]["effective_vs_none"] < 0.9
+    assert p["checkmate-switch"]["stall_s"] == pytest.approx(1 / 1.0 - 1 / 1.1)
+    assert "none-switch" not in p and "none" not in p
+
+
+@pytest.mark.parametrize("checkmate,verdicts", [(0.9, ("not met", "met")),
+                                                (2.0, ("met", "met"))])
+def test_report_renders_table_targets_and_plots(tmp_path, checkmate, verdicts):
+    from checkmate.testbed.bench import report
+
+    src = tmp_path / "schemes.json"
+    src.write_text(json.dumps(_schemes_json(checkmate, 0.8, 0.5)))
+    out = tmp_path / "evaluation.md"
+    assert report.main(["--from", str(src), "--out", str(out)]) == 0
+    md = out.read_text()
+    assert "| checkmate@1 |" in md and "| gockpt@8 |" in md
+    assert "Accelerator stand-in: every figure below comes from it" in md
+    dcp_line = next(x for x in md.splitlines() if "/ dcp every iteration" in x)
+    ts_line = next(x for x in md.splitlines() if "/ torchsave every iteration" in x)
+    assert f"**{checkmate / 0.8:.3f}**" in dcp_line
+    assert dcp_line.endswith(f": {'**not met**' if verdicts[0] == 'not met' else 'met'}.")
+    assert ts_line.endswith(": met.")  # 0.9 / 0.5 = 1.8 >= 1.5
+    pngs = sorted((tmp_path / "figures").glob("*.png"))
+    assert len(pngs) == 4
+    for png in pngs:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+        assert f"figures/{png.name}" in md
+
+
+def test_report_of_a_bad_file_is_one_line(tmp_path, capsys):
+    from checkmate.testbed.bench import report
+
+    bad = tmp_path / "x.json"
+    bad.write_text('{"median": {}}')
+    assert report.main(["--from", str(bad), "--out", str(tmp_path / "e.md")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a `testbed bench schemes --json` file" in err[0]
