@@ -248,8 +248,7 @@ static int dtype_size(uint8_t dt)
 }
 
 /* Checks a received datagram of this session; 0 = take it, else it was counted. */
-static int check_dgram(struct comm *c, const uint8_t *buf, ssize_t n, struct ckm_hdr *h,
-		       int accept_any_token)
+static int check_dgram(struct comm *c, const uint8_t *buf, ssize_t n, struct ckm_hdr *h)
 {
 	if (n < CKM_HEADER_LEN) {
 		c->st.malformed++;
@@ -262,7 +261,7 @@ static int check_dgram(struct comm *c, const uint8_t *buf, ssize_t n, struct ckm
 		c->st.malformed++;
 		return -1;
 	}
-	if (ntohl(h->job_id) != g_cfg.job || (!accept_any_token && ntohl(h->token) != c->token)) {
+	if (ntohl(h->job_id) != g_cfg.job || ntohl(h->token) != c->token) {
 		c->st.foreign++;
 		return -1;
 	}
@@ -416,7 +415,7 @@ static ncclResult_t progress_send(struct comm *c)
 		ssize_t n = recv(c->fd, buf, sizeof buf, MSG_DONTWAIT);
 		if (n < 0)
 			break;
-		if (check_dgram(c, buf, n, &h, 0))
+		if (check_dgram(c, buf, n, &h))
 			continue;
 		if (!(h.flags & CKM_F_ACK)) {
 			c->st.malformed++;
@@ -526,7 +525,7 @@ static ncclResult_t progress_recv(struct comm *c)
 		ssize_t n = recv(c->fd, tmp, DG_MAX, MSG_DONTWAIT);
 		if (n < 0)
 			break;
-		if (check_dgram(c, tmp, n, &h, 0))
+		if (check_dgram(c, tmp, n, &h))
 			continue;
 		if (h.flags & (CKM_F_ACK | CKM_F_NACK)) {
 			c->st.malformed++;
@@ -990,9 +989,7 @@ static ncclResult_t ckm_reg_mr_dmabuf(void *comm, void *data, size_t size, int t
 				      uint64_t offset, int fd, void **mhandle)
 {
 	(void)offset;
-	(void)fd;
-	if (type != NCCL_PTR_HOST)
-		return ckm_reg_mr(comm, data, size, type, mhandle);
+	(void)fd; /* DMA-BUF is device memory: refused like any type but host */
 	return ckm_reg_mr(comm, data, size, type, mhandle);
 }
 
