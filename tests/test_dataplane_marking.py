@@ -74,6 +74,29 @@ def test_shadow_receiver_socket_marks_its_acks(receiver):
     assert tos_of_next(receiver) == pfc.CKM_TOS
 
 
+def test_trainer_repair_answers_mark_ckm(receiver):
+    from checkmate.train.repair import RepairServer
+    from checkmate.train.replica_log import ReplicaLog
+
+    srv = RepairServer(("127.0.0.1", 0), 7, ReplicaLog(2), {})
+    try:
+        srv.sock.sendto(_datagram(), receiver.getsockname())
+    finally:
+        srv.close()
+    assert tos_of_next(receiver) == pfc.CKM_TOS
+
+
+def test_trainer_session_query_marks_ckm(receiver):
+    """query_sessions (switch mode) asks the controller over the ckm class too."""
+    from checkmate.errors import CheckmateError
+    from checkmate.train.session import query_sessions
+
+    with pytest.raises(CheckmateError, match="did not answer"):
+        query_sessions(receiver.getsockname(), 7, timeout=0.2, tries=1,
+                       secret=bytes(32))
+    assert tos_of_next(receiver) == pfc.CKM_TOS
+
+
 def test_unmarked_socket_is_not_ckm_class(receiver):
     """The check can fail: a plain socket arrives with TOS 0."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

@@ -65,7 +65,9 @@ class RepairServer:
         self.targets = targets
         self.bucket = TokenBucket(rate, burst)
         self.stats: Counter = Counter()
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        from checkmate.control.pfc import mark_ckm
+
+        self.sock = mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))  # the ckm class
         try:
             self.sock.bind(bind)
         except OSError as e:

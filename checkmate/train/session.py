@@ -118,9 +118,10 @@ def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.
     """The controller's current registrations: partition -> {epoch, token, ip, port}
     (an authenticated ``session`` request; ``secret`` defaults to $CHECKMATE_SECRET_FILE's)."""
     from checkmate import auth
+    from checkmate.control.pfc import mark_ckm
 
     key = auth.handshake_key(secret if secret is not None else auth.load_secret())
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as s:
         seq, nonces = secrets.randbits(31), []
         for _ in range(tries):
             req, nonce = handshake.request(key, job_id, seq, {"op": "session", "job": job_id})
