@@ -154,6 +154,19 @@ def _testbed(prefix: str) -> Iterator[object]:
         bed.down()
 
 
+# ----- the NCCL net plugin -------------------------------------------------------------
+NCCL_PLUGIN = Path(__file__).resolve().parents[1] / "build" / "nccl" / "libnccl-net-ckm.so"
+
+
+@pytest.fixture(scope="session")
+def nccl_plugin() -> Path:
+    """The plugin as `make setup` builds it (gcc -Wall -Wextra -Werror; rebuilt if stale)."""
+    p = subprocess.run(["make", "-s", "-C", str(NCCL_PLUGIN.parents[2] / "nccl_plugin"),
+                        f"OUT={NCCL_PLUGIN.parent}"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return NCCL_PLUGIN
+
+
 @pytest.fixture(scope="session")
 def testbed_of():
     """``with testbed_of("ta") as tb:`` -- a module's own testbed (needs root)."""

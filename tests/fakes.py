@@ -288,3 +288,94 @@ class FakeSwitch:
     def group_map(self) -> dict[int, set[tuple[int, int]]]:
         return {gid: {(r.egress_port, r.instance) for r in g.replicas}
                 for gid, g in self.groups.items()}
+
+
+# ----- the NCCL harness's workload (tests/test_nccl_ring.py, tests/test_nccl_switch.py) -----
+BUCKETS = [70_001, 5_003, 3]  # flat order; none a multiple of the chunk
+BUFFSIZE = 1 << 15  # 4096-element chunks: bucket 0 takes two loops of the ring
+ITERATIONS = 3
+
+
+def python_ring_replicas(ring_kit, seed: int, world: int, partitions: int) -> dict:
+    """What the Python ring (checkmate.train.ring) hands the shadows for the harness's
+    inputs: iteration -> flat reduced vector assembled from its REPLICATE pieces."""
+    import numpy as np
+    import torch
+
+    from checkmate.testbed import nccl_harness as H
+
+    total = sum(BUCKETS)
+    got = {it: np.full(total, np.nan, np.float32) for it in range(1, ITERATIONS + 1)}
+    cover = {it: np.zeros(total, np.int32) for it in got}
+
+    def on_reduced(rank, it, bucket, off, part, payload):
+        v = np.frombuffer(payload, "<f4")
+        got[it][off:off + v.size] = v
+        cover[it][off:off + v.size] += 1
+
+    rings = ring_kit.make(world, total, partitions, chunk=2229, on_reduced=on_reduced)
+    try:
+        for it in got:
+            base = 0
+            for b, n in enumerate(BUCKETS):
+                futs = [rg.submit(torch.from_numpy(H.inputs(seed, it, b, r, n)), base, it, b)
+                        for r, rg in enumerate(rings)]
+                for f in futs:
+                    f.wait()
+                base += n
+    finally:
+        ring_kit.close_all(rings)
+    for it in got:
+        assert cover[it].min() == 1 and cover[it].max() == 1
+    return got
+
+
+# ----- multi-process trainer tests (test_ddp_hook, test_fsdp2, test_gockpt) -----------------
+def run_ranks(script: str, arg: str, world: int, timeout: float = 240,
+              env: dict[str, str] | None = None) -> list:
+    """Run ``python script arg`` once per rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT set, one
+    thread each) and wait for all; the CompletedProcess of each rank, in rank order. A rank
+    still running at ``timeout`` is killed."""
+    import os
+    import subprocess
+    import sys
+
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [subprocess.Popen([sys.executable, script, arg], env={**base, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    done = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
+    return done
+
+
+def assert_state_equal(a: dict, b: dict, what: str) -> None:
+    """Two state dicts hold the same keys and bit-identical tensors."""
+    import torch
+
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k}"
+
+
+def assert_optim_equal(a: dict, b: dict, what: str, lrs: bool = True) -> None:
+    """Two optimizer state dicts hold bit-identical state (and the same rates)."""
+    import torch
+
+    assert a["state"].keys() == b["state"].keys(), what
+    for i, st in a["state"].items():
+        assert st.keys() == b["state"][i].keys(), f"{what}: state {i}"
+        for slot, t in st.items():
+            assert torch.equal(torch.as_tensor(t), torch.as_tensor(b["state"][i][slot])), \
+                f"{what}: state {i} {slot}"
+    if lrs:
+        assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]], \
+            what

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import free_port
+from fakes import assert_optim_equal, assert_state_equal, free_port, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -132,39 +132,9 @@ def _worker(cfg: dict) -> int:
         dist.destroy_process_group()
 
 
-def _run(cfg: dict, world: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, json.dumps(cfg)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
-    done = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=timeout)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
-    return done
-
-
-def _assert_equal(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{what}: {k}"
-
-
-def _assert_optim_equal(a: dict, b: dict, what: str, lrs: bool = True) -> None:
-    assert a["state"].keys() == b["state"].keys(), what
-    for i, st in a["state"].items():
-        for slot, t in st.items():
-            assert torch.equal(torch.as_tensor(t), torch.as_tensor(b["state"][i][slot])), \
-                f"{what}: state {i} {slot}"
-    if lrs:
-        assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]], \
-            what
+def _run(cfg: dict, world: int = 2) -> list[subprocess.CompletedProcess]:
+    """Every rank of this file's worker with ``cfg``."""
+    return run_ranks(__file__, json.dumps(cfg), world)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -196,12 +166,12 @@ def test_stock_ddp_kill_restore_bit_identical(loopback_shadows, tmp_path):
     assert got["repair"]["requests"] > 0 and got["repair"]["answered_elements"] > 0
     assert got["repair"]["gone"] == 0
     # the trainers after kill + restore equal stock DDP that never saw Checkmate
-    _assert_equal(got["model"], plain["model"], "restored run vs stock DDP")
-    _assert_optim_equal(got["optimizer"], plain["optimizer"], "restored run vs stock DDP")
+    assert_state_equal(got["model"], plain["model"], "restored run vs stock DDP")
+    assert_optim_equal(got["optimizer"], plain["optimizer"], "restored run vs stock DDP")
     # the shadows equal the trainers (their param groups hold the rate of the last step,
     # the trainers' the next one's: a restore takes it from the scheduler)
-    _assert_equal(got["shadow_model"], got["model"], "shadows vs trainers")
-    _assert_optim_equal(got["shadow_optimizer"], got["optimizer"], "shadows vs trainers",
+    assert_state_equal(got["shadow_model"], got["model"], "shadows vs trainers")
+    assert_optim_equal(got["shadow_optimizer"], got["optimizer"], "shadows vs trainers",
                         lrs=False)
 
 
@@ -248,8 +218,8 @@ def test_launch_restarts_a_killed_stock_ddp_trainer_bit_identical(tmp_path):
     assert "restarting the worker group" in killed, (why, killed[-3000:])
     m = re.search(r"attempt 1: resumed from the shadows at iteration (\d+)", killed)
     assert m and at - 1 <= int(m.group(1)) <= at, (why, killed[-3000:])
-    _assert_equal(got["model"], ref["model"], f"model ({why})")
-    _assert_optim_equal(got["optimizer"], ref["optimizer"], f"optimizer ({why})")
+    assert_state_equal(got["model"], ref["model"], f"model ({why})")
+    assert_optim_equal(got["optimizer"], ref["optimizer"], f"optimizer ({why})")
     assert got["scheduler"] == ref["scheduler"], why
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import free_port
+from fakes import assert_optim_equal, assert_state_equal, run_ranks
 from torch import nn
 
 pytestmark = pytest.mark.slow
@@ -158,40 +158,9 @@ def _worker(cfg: dict) -> int:
         dist.destroy_process_group()
 
 
-def _run(cfg: dict, world: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, json.dumps(cfg)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
-    done = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=timeout)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
-    return done
-
-
-def _assert_equal(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{what}: {k}"
-
-
-def _assert_optim_equal(a: dict, b: dict, what: str, lrs: bool = True) -> None:
-    assert a["state"].keys() == b["state"].keys(), what
-    for i, st in a["state"].items():
-        assert st.keys() == b["state"][i].keys(), f"{what}: state {i}"
-        for slot, t in st.items():
-            assert torch.equal(torch.as_tensor(t), torch.as_tensor(b["state"][i][slot])), \
-                f"{what}: state {i} {slot}"
-    if lrs:
-        assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]], \
-            what
+def _run(cfg: dict, world: int = 2) -> list[subprocess.CompletedProcess]:
+    """Every rank of this file's worker with ``cfg``."""
+    return run_ranks(__file__, json.dumps(cfg), world)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -217,11 +186,11 @@ def test_fsdp2_kill_restore_bit_identical_to_stock_fsdp2(loopback_shadows, tmp_p
     assert got["repair"]["requests"] > 0 and got["repair"]["answered_elements"] > 0
     # the trainers after kill + restore equal stock FSDP2 that never saw Checkmate; the
     # BatchNorm statistics are rank 0's in both (FSDPSession broadcasts rank 0's, as DDP does)
-    _assert_equal(got["model"], stock["model"], "restored run vs stock FSDP2")
-    _assert_optim_equal(got["optimizer"], stock["optimizer"], "restored run vs stock FSDP2")
+    assert_state_equal(got["model"], stock["model"], "restored run vs stock FSDP2")
+    assert_optim_equal(got["optimizer"], stock["optimizer"], "restored run vs stock FSDP2")
     # the shadows equal the trainers (their groups hold the last step's rate)
-    _assert_equal(got["shadow_model"], got["model"], "shadows vs trainers")
-    _assert_optim_equal(got["shadow_optimizer"], got["optimizer"], "shadows vs trainers",
+    assert_state_equal(got["shadow_model"], got["model"], "shadows vs trainers")
+    assert_optim_equal(got["shadow_optimizer"], got["optimizer"], "shadows vs trainers",
                         lrs=False)
 
 
@@ -259,8 +228,8 @@ def test_launch_restarts_a_killed_fsdp2_trainer_bit_identical(tmp_path):
     assert "restarting the worker group" in killed, (why, killed[-3000:])
     m = re.search(r"attempt 1: resumed from the shadows at iteration (\d+)", killed)
     assert m and at - 1 <= int(m.group(1)) <= at, (why, killed[-3000:])
-    _assert_equal(got["model"], ref["model"], f"model ({why})")
-    _assert_optim_equal(got["optimizer"], ref["optimizer"], f"optimizer ({why})")
+    assert_state_equal(got["model"], ref["model"], f"model ({why})")
+    assert_optim_equal(got["optimizer"], ref["optimizer"], f"optimizer ({why})")
     assert got["scheduler"] == ref["scheduler"], why
 
 
@@ -341,20 +310,9 @@ def _refusals() -> int:
 
 
 def test_sessions_that_cannot_replicate_an_fsdp2_model_refuse_it_in_one_line():
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "refusals"],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=120)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        assert p.returncode == 0, e[-2000:]
-        got = json.loads(o.strip().splitlines()[-1])
+    for p in run_ranks(__file__, "refusals", 2, timeout=120):
+        assert p.returncode == 0, p.stderr[-2000:]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
         assert all("\n" not in v for v in got.values()), got
         assert "checkmate.train.FSDPSession" in got["CheckmateSession"]
         assert "needs a torch DistributedDataParallel" in got["DDPSession"]

@@ -19,20 +19,11 @@ import pytest
 from checkmate.testbed import nccl_abi as abi
 
 REPO = Path(__file__).resolve().parent.parent
-LIB = REPO / "build" / "nccl" / "libnccl-net-ckm.so"
 
 
-@pytest.fixture(scope="module")
-def plugin() -> Path:
-    """The plugin as `make setup` builds it (gcc -Wall -Wextra -Werror; rebuilt if stale)."""
-    p = subprocess.run(["make", "-s", "-C", str(REPO / "nccl_plugin"),
-                        f"OUT={LIB.parent}"], capture_output=True, text=True)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return LIB
 
-
-def test_nccl_exports_only_the_plugin_versions(plugin):
-    out = subprocess.run(["nm", "-D", "--defined-only", str(plugin)], capture_output=True,
+def test_nccl_exports_only_the_plugin_versions(nccl_plugin):
+    out = subprocess.run(["nm", "-D", "--defined-only", str(nccl_plugin)], capture_output=True,
                          text=True, check=True).stdout
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
     assert names == {"ncclNetPlugin_v12", "ncclNetPlugin_v11", "ncclNetPlugin_v10",
@@ -59,7 +50,7 @@ def test_nccl_profiler_descriptor_members_at_documented_offsets():
         assert base + getattr(st, field).offset == want, path
 
 
-def test_nccl_profiler_vtable_and_activation(plugin, tmp_path):
+def test_nccl_profiler_vtable_and_activation(nccl_plugin, tmp_path):
     """The profiler half asks NCCL for nothing unless the profiler identity is on."""
     prog = textwrap.dedent("""
         import ctypes as C, sys
@@ -78,7 +69,7 @@ def test_nccl_profiler_vtable_and_activation(plugin, tmp_path):
     outs = []
     for ident in ("model", "profiler"):
         env = {**base, "CKM_NCCL_IDENTITY": ident}
-        outs.append(subprocess.run([sys.executable, "-c", prog, str(plugin), str(REPO)],
+        outs.append(subprocess.run([sys.executable, "-c", prog, str(nccl_plugin), str(REPO)],
                                    env=env, capture_output=True, text=True,
                                    check=True).stdout.split())
     want = abi.PROFILE_COLL | abi.PROFILE_PROXY_OP | abi.PROFILE_PROXY_STEP | \
@@ -95,8 +86,8 @@ def _slot(raw: bytes, version: str, name: str) -> int:
     return struct.unpack_from("<Q", raw, abi.LAYOUT[f"ncclNet_{version}_t"][name])[0]
 
 
-def test_nccl_vtables_hold_each_function_at_its_documented_slot(plugin):
-    lib = C.CDLL(str(plugin))
+def test_nccl_vtables_hold_each_function_at_its_documented_slot(nccl_plugin):
+    lib = C.CDLL(str(nccl_plugin))
     raws = {v: _raw(lib, v) for v in ("v12", "v11", "v10")}
     for v, raw in raws.items():
         assert C.string_at(_slot(raw, v, "name")) == b"ckm"
@@ -120,8 +111,8 @@ def test_nccl_vtables_hold_each_function_at_its_documented_slot(plugin):
 
 
 @pytest.mark.parametrize("version", ["v12", "v11", "v10"])
-def test_nccl_get_properties_fills_the_documented_offsets_and_no_more(plugin, version):
-    lib = C.CDLL(str(plugin))
+def test_nccl_get_properties_fills_the_documented_offsets_and_no_more(nccl_plugin, version):
+    lib = C.CDLL(str(nccl_plugin))
     lay = abi.LAYOUT[f"ncclNetProperties_{version}_t"]
     fn = C.CFUNCTYPE(C.c_int, C.c_int, C.c_void_p)(_slot(_raw(lib, version), version,
                                                           "getProperties"))
@@ -143,7 +134,7 @@ def test_nccl_get_properties_fills_the_documented_offsets_and_no_more(plugin, ve
     assert fn(1, buf) == abi.INVALID_ARGUMENT  # one device only
 
 
-def test_nccl_loader_rules_name_list_and_version_fallback(plugin):
+def test_nccl_loader_rules_name_list_and_version_fallback(nccl_plugin):
     """NCCL_NET_PLUGIN as NCCL resolves it, in a fresh process with the plugin's folder on
     the dynamic linker's path (as LD_LIBRARY_PATH puts it on a cluster)."""
     prog = textwrap.dedent(f"""
@@ -152,18 +143,18 @@ def test_nccl_loader_rules_name_list_and_version_fallback(plugin):
         from checkmate.testbed import nccl_abi as abi
         print(json.dumps([
             abi.resolve("nosuch,ckm"),
-            abi.resolve({str(plugin)!r}),
+            abi.resolve({str(nccl_plugin)!r}),
             abi.resolve("ckm", ("v10", "v9", "v8")),
             abi.resolve("ckm", ("v9", "v8", "v7", "v6")),
             abi.resolve("nosuch"),
         ]))
     """)
-    env = {**os.environ, "LD_LIBRARY_PATH": str(plugin.parent)}
+    env = {**os.environ, "LD_LIBRARY_PATH": str(nccl_plugin.parent)}
     out = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True,
                          text=True, check=True).stdout
     import json
 
-    assert json.loads(out) == [["libnccl-net-ckm.so", "v12"], [str(plugin), "v12"],
+    assert json.loads(out) == [["libnccl-net-ckm.so", "v12"], [str(nccl_plugin), "v12"],
                                ["libnccl-net-ckm.so", "v10"], None, None]
 
 
@@ -208,15 +199,15 @@ def _init(plugin: Path, env: dict[str, str]) -> tuple[int, list[str]]:
     ({"CKM_NCCL_PORT_BASE": "1000"}, "CKM_NCCL_PORT_BASE=1000"),
     ({"CKM_NCCL_IDENTITY": "guess"}, "expected model or profiler"),
 ])
-def test_nccl_init_refuses_settings_that_break_the_model_with_one_line(plugin, env, why):
-    res, lines = _init(plugin, env)
+def test_nccl_init_refuses_settings_that_break_the_model_with_one_line(nccl_plugin, env, why):
+    res, lines = _init(nccl_plugin, env)
     assert res == abi.INVALID_USAGE
     assert len(lines) == 1 and why in lines[0], lines
 
 
-def test_nccl_init_accepts_the_pinned_environment_and_plain_mode(plugin):
-    assert _init(plugin, {}) == (abi.SUCCESS, [])
+def test_nccl_init_accepts_the_pinned_environment_and_plain_mode(nccl_plugin):
+    assert _init(nccl_plugin, {}) == (abi.SUCCESS, [])
     # without CKM_NCCL_BUCKETS the plugin is a plain transport and needs none of it
-    assert _init(plugin, {"CKM_NCCL_BUCKETS": None, "NCCL_ALGO": None, "NCCL_PROTO": None,
+    assert _init(nccl_plugin, {"CKM_NCCL_BUCKETS": None, "NCCL_ALGO": None, "NCCL_PROTO": None,
                           "NCCL_BUFFSIZE": None, "CHECKMATE_SECRET_FILE": None}) == (
         abi.SUCCESS, [])

@@ -14,64 +14,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from fakes import BUCKETS, BUFFSIZE, ITERATIONS, python_ring_replicas
 
 from checkmate import auth, datamac
 from checkmate.testbed import nccl_harness as H
 
 REPO = Path(__file__).resolve().parent.parent
-LIB = REPO / "build" / "nccl" / "libnccl-net-ckm.so"
-BUCKETS = [70_001, 5_003, 3]  # flat order; none a multiple of the chunk
-BUFFSIZE = 1 << 15  # 4096-element chunks: bucket 0 takes two loops of the ring
-ITERATIONS = 3
-
-
-@pytest.fixture(scope="module")
-def plugin() -> Path:
-    import subprocess
-
-    p = subprocess.run(["make", "-s", "-C", str(REPO / "nccl_plugin"), f"OUT={LIB.parent}"],
-                       capture_output=True, text=True)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return LIB
-
-
 def expected_flat(seed: int, it: int, world: int) -> np.ndarray:
     return np.concatenate([H.expected(seed, it, b, world, n) for b, n in enumerate(BUCKETS)])
 
 
-def python_ring_replicas(ring_kit, seed: int, world: int, partitions: int) -> dict:
-    """What the Python ring (checkmate.train.ring) hands the shadows for the same inputs:
-    iteration -> flat reduced vector assembled from its REPLICATE pieces."""
-    total = sum(BUCKETS)
-    got = {it: np.full(total, np.nan, np.float32) for it in range(1, ITERATIONS + 1)}
-    cover = {it: np.zeros(total, np.int32) for it in got}
-
-    def on_reduced(rank, it, bucket, off, part, payload):
-        v = np.frombuffer(payload, "<f4")
-        got[it][off:off + v.size] = v
-        cover[it][off:off + v.size] += 1
-
-    rings = ring_kit.make(world, total, partitions, chunk=2229, on_reduced=on_reduced)
-    try:
-        for it in got:
-            base = 0
-            for b, n in enumerate(BUCKETS):
-                futs = [rg.submit(torch.from_numpy(H.inputs(seed, it, b, r, n)), base, it, b)
-                        for r, rg in enumerate(rings)]
-                for f in futs:
-                    f.wait()
-                base += n
-    finally:
-        ring_kit.close_all(rings)
-    for it in got:
-        assert cover[it].min() == 1 and cover[it].max() == 1
-    return got
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="the tap on lo is an AF_PACKET socket (root)")
 @pytest.mark.parametrize("profiler", ["off", "direct", "callback"])
-def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(plugin, tmp_path,
+def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(nccl_plugin, tmp_path,
                                                                        ring_kit, profiler):
     """profiler off: the plugin places isends by the schedule model alone; direct/callback:
     by the profiler events the harness issues as NCCL does (phandle = the step's event, or
@@ -81,7 +36,7 @@ def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(plugin, t
     net = f"127.{random.randrange(20, 99)}.{random.randrange(1, 250)}"
     tap = H.ReplicaTap("lo", job)
     try:
-        outs = H.launch(world, tmp_path / "run", str(plugin),
+        outs = H.launch(world, tmp_path / "run", str(nccl_plugin),
                         [f"{net}.{10 + r}" for r in range(world)], channels=4,
                         buffsize=BUFFSIZE, buckets=BUCKETS, iterations=ITERATIONS, seed=seed,
                         partitions=partitions, job=job, profiler=profiler)
@@ -116,9 +71,9 @@ def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(plugin, t
         assert np.array_equal(py[it], expect[it])
 
 
-def test_nccl_ring_plain_mode_two_ranks_one_channel(plugin, tmp_path):
+def test_nccl_ring_plain_mode_two_ranks_one_channel(nccl_plugin, tmp_path):
     """Without CKM_NCCL_BUCKETS the plugin is a plain reliable transport: nothing tagged."""
-    outs = H.launch(2, tmp_path / "run", str(plugin), ["127.0.0.1"] * 2, channels=1,
+    outs = H.launch(2, tmp_path / "run", str(nccl_plugin), ["127.0.0.1"] * 2, channels=1,
                     buffsize=BUFFSIZE, buckets=[9_999, 1], iterations=2, seed=3, tag=False)
     for i, it in enumerate((1, 2)):
         exp = np.concatenate([H.expected(3, it, b, 2, n) for b, n in enumerate([9_999, 1])])
@@ -127,11 +82,11 @@ def test_nccl_ring_plain_mode_two_ranks_one_channel(plugin, tmp_path):
     assert all(s["replicated"] == 0 for per in stats for s in per)
 
 
-def test_nccl_profiler_refuses_a_gradient_allreduce_it_cannot_tag(plugin, tmp_path):
+def test_nccl_profiler_refuses_a_gradient_allreduce_it_cannot_tag(nccl_plugin, tmp_path):
     """A gradient bucket NCCL runs as Tree: every rank's first tagged isend fails with one
     line, nothing is sent untagged in its place."""
     with pytest.raises(H.PluginError) as e:
-        H.launch(2, tmp_path / "run", str(plugin), ["127.0.0.1"] * 2, channels=1,
+        H.launch(2, tmp_path / "run", str(nccl_plugin), ["127.0.0.1"] * 2, channels=1,
                  buffsize=BUFFSIZE, buckets=[5000], iterations=1, profiler="callback",
                  algo="Tree", timeout=60)
     lines = [x for x in str(e.value).splitlines() if x.startswith("ckm-nccl:")]

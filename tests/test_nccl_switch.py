@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_nccl_ring import BUCKETS, BUFFSIZE, ITERATIONS, LIB, REPO, python_ring_replicas
+from fakes import BUCKETS, BUFFSIZE, ITERATIONS, python_ring_replicas
 
 from checkmate import config as cfgmod
 from checkmate.testbed import nccl_harness as H
@@ -30,6 +30,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces and BPF"),
 ]
 
+REPO = Path(__file__).resolve().parents[1]
 JOB = 7
 LR = 0.01
 CONFIG = """\
@@ -45,13 +46,6 @@ hosts:
   - {name: s1, role: shadow, partition: 1, ip: 10.78.0.101}
 """
 
-
-@pytest.fixture(scope="module")
-def plugin() -> Path:
-    p = subprocess.run(["make", "-s", "-C", str(REPO / "nccl_plugin"), f"OUT={LIB.parent}"],
-                       capture_output=True, text=True)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return LIB
 
 
 def _wait(what: str, fn, timeout: float = 60.0):
@@ -71,7 +65,7 @@ def _wait(what: str, fn, timeout: float = 60.0):
 
 
 @pytest.mark.parametrize("profiler", ["off", "callback"])
-def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(plugin, tmp_path, ring_kit,
+def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(nccl_plugin, tmp_path, ring_kit,
                                                                  profiler):
     """profiler off: tagging by the schedule model; callback: by profiler events (the
     harness plays NCCL's profiler core, the plugin asks through the profiler callback)."""
@@ -123,7 +117,7 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(plugin, tmp_pat
                                cwd=REPO)
 
         try:
-            outs = H.launch(world, tmp_path / "run", str(plugin),
+            outs = H.launch(world, tmp_path / "run", str(nccl_plugin),
                             [h.ip for h in cfg.trainers], channels=4, buffsize=BUFFSIZE,
                             buckets=BUCKETS, iterations=ITERATIONS, seed=seed,
                             partitions=parts, job=JOB, popen=popen, profiler=profiler)

@@ -17,7 +17,6 @@ import pytest
 from checkmate.testbed.nccl_harness import plugin_env
 
 REPO = Path(__file__).resolve().parent.parent
-LIB = REPO / "build" / "nccl" / "libnccl-net-ckm.so"
 
 # One connection from this process to itself; SCENARIO picks what to do with it.
 PROGRAM = textwrap.dedent("""
@@ -107,13 +106,6 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def plugin() -> Path:
-    p = subprocess.run(["make", "-s", "-C", str(REPO / "nccl_plugin"), f"OUT={LIB.parent}"],
-                       capture_output=True, text=True)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return LIB
-
 
 def _run(plugin: Path, scenario: str, tmp_path: Path, tagging: bool = False
          ) -> tuple[dict, list[str], list[dict]]:
@@ -131,8 +123,8 @@ def _run(plugin: Path, scenario: str, tmp_path: Path, tagging: bool = False
             [x for x in p.stderr.splitlines() if x.startswith("ckm-nccl:")], stats)
 
 
-def test_nccl_transport_64_requests_in_flight_and_outsiders_dropped(plugin, tmp_path):
-    out, lines, stats = _run(plugin, "inflight", tmp_path)
+def test_nccl_transport_64_requests_in_flight_and_outsiders_dropped(nccl_plugin, tmp_path):
+    out, lines, stats = _run(nccl_plugin, "inflight", tmp_path)
     assert out["sends_posted"] == 64 and out["65th"] is None and out["recvs_posted"] == 64
     assert out["send_results"] == [0] * 64 and out["exact"] is True
     assert out["zero"] == [0, 0] and lines == []
@@ -140,8 +132,8 @@ def test_nccl_transport_64_requests_in_flight_and_outsiders_dropped(plugin, tmp_
     assert len(recv) == 1 and recv[0]["foreign"] + recv[0]["malformed"] == 2
 
 
-def test_nccl_transport_message_larger_than_receive_fails_loudly(plugin, tmp_path):
-    out, lines, _ = _run(plugin, "too_big", tmp_path)
+def test_nccl_transport_message_larger_than_receive_fails_loudly(nccl_plugin, tmp_path):
+    out, lines, _ = _run(nccl_plugin, "too_big", tmp_path)
     assert out["recv"] != 0
     assert len(lines) == 1 and "for a receive of 400" in lines[0]
 
@@ -151,8 +143,8 @@ def test_nccl_transport_message_larger_than_receive_fails_loudly(plugin, tmp_pat
     ("wrong_peer", "the ring model sends only to the next rank 1"),
     ("channels", "NCCL opened more connections than the schedule model knows"),
 ])
-def test_nccl_tagging_refuses_what_the_model_did_not_predict(plugin, tmp_path, scenario, why):
-    out, lines, _ = _run(plugin, scenario, tmp_path, tagging=True)
+def test_nccl_tagging_refuses_what_the_model_did_not_predict(nccl_plugin, tmp_path, scenario, why):
+    out, lines, _ = _run(nccl_plugin, scenario, tmp_path, tagging=True)
     results = out.get("isend", None), out.get("connects")
     assert results[0] not in (None, 0) or results[1] == [0, 0, 5]
     assert len(lines) == 1 and why in lines[0], lines

@@ -205,9 +205,7 @@ class DDPSession(CheckmateSession):
         it = self.iteration
         if self.layout.mode == "off":
             return super().step(extra)
-        if it <= self.done_iteration:
-            raise CheckmateError(f"step() again for iteration {it}: call begin(iteration) "
-                                 "before each iteration's forward and backward")
+        self._check_new_step()
         with self._lock:
             reduced = self._reduced.pop(it, {})
             twice = self._twice.pop(it, [])

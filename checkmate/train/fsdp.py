@@ -209,9 +209,7 @@ class FSDPSession(CheckmateSession):
         it = self.iteration
         if self.layout.mode == "off":
             return super().step(extra)
-        if it <= self.done_iteration:
-            raise CheckmateError(f"step() again for iteration {it}: call begin(iteration) "
-                                 "before each iteration's forward and backward")
+        self._check_new_step()
         named = dict(self.module.named_parameters())
         missing = [p.name for p in self.spec.params if named[p.name].grad is None]
         if missing:

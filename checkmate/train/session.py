@@ -558,6 +558,14 @@ class CheckmateSession:
             self.monitor.capture(self.iteration, self.opt_step)
         return coef
 
+    def _check_new_step(self) -> None:
+        """A session over a user's own gradient path sees no backward of its own: one
+        step per begin() is all it can check here."""
+        it = self.iteration
+        if it <= self.done_iteration:
+            raise CheckmateError(f"step() again for iteration {it}: call begin(iteration) "
+                                 "before each iteration's forward and backward")
+
     def _control_body(self, lrs: list[float], coef: float | None, hyper: list[dict[str, Any]],
                       extra: dict[str, Any] | None) -> dict[str, Any]:
         """This step's control message: what a shadow (or GoCkpt's process) needs to repeat

@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -213,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             "rates": rates, "median": med, "plan": plan,
             "trainer_cpu_ms": {k: statistics.median(v) for k, v in cpu.items()},
             "shadow_cpu_ms": {k: statistics.median(v) for k, v in shadow_cpu.items()},
-            "state_mb": state_mb(args.width, args.layers)}, indent=1))
+            "state_mb": state_mb(args.width, args.layers),
+            "command": " ".join(["testbed bench schemes", *(argv if argv is not None
+                                                            else sys.argv[1:])])},
+            indent=1))
     ratio = med["checkmate@1"] / med["dcp@1"] if {"checkmate@1", "dcp@1"} <= set(med) \
         else float("nan")
     print(f"checkmate vs dcp-async ratio: {ratio:.3f}")
