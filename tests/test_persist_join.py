@@ -322,11 +322,11 @@ def test_a_write_in_flight_when_the_shadow_is_reseeded_is_discarded(tmp_path, mo
     sh = _Shadow(tmp_path, spec, 0)
     real_save, gate, entered = torch_layout.save, threading.Event(), threading.Event()
 
-    def slow_save(sd, path):  # iteration 4's files are written only when the gate opens
+    def slow_save(sd, path, threads=1):  # iteration 4's files wait for the gate
         if "iter-000000000004" in str(path):
             entered.set()
             assert gate.wait(30)
-        real_save(sd, path)
+        real_save(sd, path, threads)
 
     monkeypatch.setattr(torch_layout, "save", slow_save)
     try:
