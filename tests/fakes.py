@@ -357,6 +357,21 @@ def run_ranks(script: str, arg: str, world: int, timeout: float = 240,
     return done
 
 
+def exit_worker(code: int) -> None:
+    """End a ``run_ranks`` worker with ``code`` the way ``checkmate launch`` ends its workers
+    (checkmate.train.run_script): flush, then ``os._exit``. After ``destroy_process_group``
+    the interpreter's teardown of torch's native gloo/store threads aborts the process now
+    and then ("terminate called without an active exception", exit -6; seen in 1 of about
+    30 runs on a loaded 2-core machine, every rank having already printed its line and
+    chosen its status). The tests assert what the worker decided, not torch's teardown."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def assert_state_equal(a: dict, b: dict, what: str) -> None:
     """Two state dicts hold the same keys and bit-identical tensors."""
     import torch

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import assert_optim_equal, assert_state_equal, free_port, run_ranks
+from fakes import assert_optim_equal, assert_state_equal, exit_worker, free_port, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -300,4 +300,4 @@ def test_bad_setup_is_one_clear_error():
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(json.loads(sys.argv[1])))
+    exit_worker(_worker(json.loads(sys.argv[1])))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import assert_optim_equal, assert_state_equal, run_ranks
+from fakes import assert_optim_equal, assert_state_equal, exit_worker, run_ranks
 from torch import nn
 
 pytestmark = pytest.mark.slow
@@ -321,4 +321,4 @@ def test_sessions_that_cannot_replicate_an_fsdp2_model_refuse_it_in_one_line():
 
 
 if __name__ == "__main__":
-    sys.exit(_refusals() if sys.argv[1] == "refusals" else _worker(json.loads(sys.argv[1])))
+    exit_worker(_refusals() if sys.argv[1] == "refusals" else _worker(json.loads(sys.argv[1])))

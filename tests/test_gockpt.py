@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import assert_optim_equal, assert_state_equal, run_ranks
+from fakes import assert_optim_equal, assert_state_equal, exit_worker, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -135,4 +135,4 @@ def test_resume_without_a_checkpoint_is_one_error_line_on_every_rank(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(json.loads(sys.argv[1])))
+    exit_worker(_worker(json.loads(sys.argv[1])))
