@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -370,6 +371,56 @@ def exit_worker(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def rank_main(train: Callable[[int, int], int]) -> None:
+    """The whole life of a ``run_ranks`` worker: ``train(rank, world)`` inside a gloo process
+    group (one torch thread). A CheckmateError is what a user sees from the session: the one
+    line ``checkmate: error: ...`` and status 2. Never returns (``exit_worker``)."""
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from checkmate.errors import CheckmateError
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        code = train(rank, world)
+    except CheckmateError as e:
+        print(f"checkmate: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    finally:
+        dist.destroy_process_group()
+    exit_worker(code)
+
+
+def host_layout(net: str, ips: list[str], rank: int, world: int, seed: int, **kw: object):
+    """A host-mode JobLayout for job 7: trainers at ``net``.10+rank on loopback, the shadows
+    of ``loopback_shadows`` at ``ips`` (partition i at ips[i]), the standard ports."""
+    from checkmate import config as cfgmod
+    from checkmate.train import JobLayout, ShadowTarget
+
+    return JobLayout(
+        job_id=7, rank=rank, world=world,
+        trainers=[(f"{net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
+        shadows=[ShadowTarget(p, ip, cfgmod.SHADOW_PORT) for p, ip in enumerate(ips)],
+        shadow_tcp=[(ip, cfgmod.RESTORE_PORT) for ip in ips], mode="host", seed=seed, **kw)
+
+
+def lose_every(sess: object, k: int) -> None:
+    """Drop every ``k``-th copy a session sends to the shadows, on its way: the shadows must
+    repair what they miss."""
+    send, sent = sess.sender.copy, [0]
+
+    def lossy(*a: object) -> None:
+        sent[0] += 1
+        if sent[0] % k:
+            send(*a)
+    sess.sender.copy = lossy
 
 
 def assert_state_equal(a: dict, b: dict, what: str) -> None:

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import assert_optim_equal, assert_state_equal, exit_worker, free_port, run_ranks
+from fakes import (
+    assert_optim_equal,
+    assert_state_equal,
+    free_port,
+    host_layout,
+    lose_every,
+    rank_main,
+    run_ranks,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -44,92 +52,68 @@ def _backward(w: object, ddp: object, rank: int, it: int, accumulate: bool) -> N
     w.loss(ddp(x[h:]), y[h:]).backward()
 
 
-def _worker(cfg: dict) -> int:
+def _worker(cfg: dict, rank: int, world: int) -> int:
     """One trainer rank: optionally stock DDP alone first (the reference), then DDPSession
     with a kill or a resume."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from checkmate import config as cfgmod
-    from checkmate.errors import CheckmateError
     from checkmate.testbed.models import build
-    from checkmate.train import JobLayout, ShadowTarget
     from checkmate.train.ddp_hook import DDPSession
     from checkmate.train.session import rng_seed
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     out = Path(cfg["out"])
-    try:
-        if cfg.get("reference"):  # stock DDP without Checkmate, the same data and seeds
-            w = build(cfg["model"], SEED, STEPS)
-            ddp = DDP(w.model, bucket_cap_mb=BUCKET_MB)
-            for it in range(1, STEPS + 1):
-                torch.manual_seed(rng_seed(SEED, rank, it))
-                w.optimizer.zero_grad()
-                _backward(w, ddp, rank, it, cfg.get("accumulate", False))
-                if w.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(w.model.parameters(), w.max_grad_norm)
-                w.optimizer.step()
-                w.scheduler.step()
-            if rank == 0:
-                torch.save({"model": w.model.state_dict(),
-                            "optimizer": w.optimizer.state_dict()}, cfg["reference"])
-            del ddp
+    if cfg.get("reference"):  # stock DDP without Checkmate, the same data and seeds
         w = build(cfg["model"], SEED, STEPS)
         ddp = DDP(w.model, bucket_cap_mb=BUCKET_MB)
-        net, ips = cfg["net"], cfg["ips"]
-        layout = JobLayout(
-            job_id=7, rank=rank, world=world,
-            trainers=[(f"{net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
-            shadows=[ShadowTarget(p, ip, cfgmod.SHADOW_PORT) for p, ip in enumerate(ips)],
-            shadow_tcp=[(ip, cfgmod.RESTORE_PORT) for ip in ips], mode="host", seed=SEED,
-            bucket_elems=cfg.get("bucket_elems", 4096))
-        sess = DDPSession(ddp, w.optimizer, w.scheduler, layout, w.max_grad_norm)
-        if cfg.get("drop_every"):  # lose every k-th copy on its way: the shadows must repair
-            send, sent = sess.sender.copy, [0]
-
-            def lossy(*a: object) -> None:
-                sent[0] += 1
-                if sent[0] % cfg["drop_every"]:
-                    send(*a)
-            sess.sender.copy = lossy
-        start = sess.start(resume=cfg["resume"])
-        if cfg["resume"]:
-            assert sess.restored_extra == {"data": {"iteration": start}}
-        for it in range(start + 1, STEPS + 1):
-            sess.begin(it)
+        for it in range(1, STEPS + 1):
+            torch.manual_seed(rng_seed(SEED, rank, it))
             w.optimizer.zero_grad()
-            _backward(w, sess.model, rank, it, cfg.get("accumulate", False))
-            if cfg.get("misuse") == "second-backward" and it == 2:
-                x, y = w.batch(rank, it)
-                w.loss(sess.model(x), y).backward()
-            if cfg.get("misuse") == "no_sync-after-reduce" and it == 2:
-                x, y = w.batch(rank, it)
-                with sess.model.no_sync():
-                    w.loss(sess.model(x), y).backward()
-            sess.step(extra={"data": {"iteration": it}})
-            if it == cfg.get("kill_at"):
-                os.kill(os.getpid(), signal.SIGKILL)
-        prot = sess.finish(timeout=30)
+            _backward(w, ddp, rank, it, cfg.get("accumulate", False))
+            if w.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(w.model.parameters(), w.max_grad_norm)
+            w.optimizer.step()
+            w.scheduler.step()
         if rank == 0:
-            from checkmate.shadow_client import restore_state_dicts
+            torch.save({"model": w.model.state_dict(),
+                        "optimizer": w.optimizer.state_dict()}, cfg["reference"])
+        del ddp
+    w = build(cfg["model"], SEED, STEPS)
+    ddp = DDP(w.model, bucket_cap_mb=BUCKET_MB)
+    layout = host_layout(cfg["net"], cfg["ips"], rank, world, SEED,
+                         bucket_elems=cfg.get("bucket_elems", 4096))
+    sess = DDPSession(ddp, w.optimizer, w.scheduler, layout, w.max_grad_norm)
+    if cfg.get("drop_every"):
+        lose_every(sess, cfg["drop_every"])
+    start = sess.start(resume=cfg["resume"])
+    if cfg["resume"]:
+        assert sess.restored_extra == {"data": {"iteration": start}}
+    for it in range(start + 1, STEPS + 1):
+        sess.begin(it)
+        w.optimizer.zero_grad()
+        _backward(w, sess.model, rank, it, cfg.get("accumulate", False))
+        if cfg.get("misuse") == "second-backward" and it == 2:
+            x, y = w.batch(rank, it)
+            w.loss(sess.model(x), y).backward()
+        if cfg.get("misuse") == "no_sync-after-reduce" and it == 2:
+            x, y = w.batch(rank, it)
+            with sess.model.no_sync():
+                w.loss(sess.model(x), y).backward()
+        sess.step(extra={"data": {"iteration": it}})
+        if it == cfg.get("kill_at"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    prot = sess.finish(timeout=30)
+    if rank == 0:
+        from checkmate.shadow_client import restore_state_dicts
 
-            msd, osd, sit, _, _ = restore_state_dicts(layout.shadow_tcp, sess.spec, STEPS)
-            torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
-                        "shadow_model": msd, "shadow_optimizer": osd, "shadow_iteration": sit,
-                        "start": start, "protected": prot["protected"],
-                        "hook_stats": sess.hook_stats, "copy_bytes": sess.sender.copy_bytes,
-                        "repair": sess.repair.status()},
-                       out)
-        sess.close()
-        return 0
-    except CheckmateError as e:
-        print(f"checkmate: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        dist.destroy_process_group()
+        msd, osd, sit, _, _ = restore_state_dicts(layout.shadow_tcp, sess.spec, STEPS)
+        torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
+                    "shadow_model": msd, "shadow_optimizer": osd, "shadow_iteration": sit,
+                    "start": start, "protected": prot["protected"],
+                    "hook_stats": sess.hook_stats, "copy_bytes": sess.sender.copy_bytes,
+                    "repair": sess.repair.status()},
+                   out)
+    sess.close()
+    return 0
 
 
 def _run(cfg: dict, world: int = 2) -> list[subprocess.CompletedProcess]:
@@ -300,4 +284,5 @@ def test_bad_setup_is_one_clear_error():
 
 
 if __name__ == "__main__":
-    exit_worker(_worker(json.loads(sys.argv[1])))
+    cfg = json.loads(sys.argv[1])
+    rank_main(lambda rank, world: _worker(cfg, rank, world))

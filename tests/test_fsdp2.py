@@ -21,7 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import assert_optim_equal, assert_state_equal, exit_worker, run_ranks
+from fakes import (
+    assert_optim_equal,
+    assert_state_equal,
+    host_layout,
+    lose_every,
+    rank_main,
+    run_ranks,
+)
 from torch import nn
 
 pytestmark = pytest.mark.slow
@@ -87,75 +94,51 @@ def _sched(opt: torch.optim.Optimizer) -> object:
 
 
 # ----------------------------------------------------------------------------- worker
-def _worker(cfg: dict) -> int:
-    import torch.distributed as dist
+def _worker(cfg: dict, rank: int, world: int) -> int:
+    from checkmate.train import FSDPSession
 
-    from checkmate import config as cfgmod
-    from checkmate.errors import CheckmateError
-    from checkmate.train import FSDPSession, JobLayout, ShadowTarget
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        if cfg.get("reference"):  # stock FSDP2 and torch.optim, no Checkmate
-            m = _shard(_model())
-            opt = _optimizer(m)
-            sched = _sched(opt)
-            for it in range(1, STEPS + 1):
-                opt.zero_grad()
-                _backward(m, rank, it)
-                torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)
-                opt.step()
-                sched.step()
-            ref = _full_state(m, opt)
-            if rank == 0:
-                torch.save(ref, cfg["reference"])
+    if cfg.get("reference"):  # stock FSDP2 and torch.optim, no Checkmate
         m = _shard(_model())
         opt = _optimizer(m)
         sched = _sched(opt)
-        net, ips = cfg["net"], cfg["ips"]
-        layout = JobLayout(
-            job_id=7, rank=rank, world=world,
-            trainers=[(f"{net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
-            shadows=[ShadowTarget(p, ip, cfgmod.SHADOW_PORT) for p, ip in enumerate(ips)],
-            shadow_tcp=[(ip, cfgmod.RESTORE_PORT) for ip in ips], mode="host", seed=SEED)
-        sess = FSDPSession(m, opt, sched, layout, MAX_NORM)
-        if cfg.get("drop_every"):  # lose every k-th copy on its way: the shadows must repair
-            send, sent = sess.sender.copy, [0]
-
-            def lossy(*a: object) -> None:
-                sent[0] += 1
-                if sent[0] % cfg["drop_every"]:
-                    send(*a)
-            sess.sender.copy = lossy
-        start = sess.start(resume=cfg["resume"])
-        for it in range(start + 1, STEPS + 1):
-            sess.begin(it)
+        for it in range(1, STEPS + 1):
             opt.zero_grad()
-            if cfg.get("misuse") != "no-backward" or it != 2:
-                _backward(sess.model, rank, it)
-            sess.step(extra={"data": {"iteration": it}})
-            if it == cfg.get("kill_at"):
-                os.kill(os.getpid(), signal.SIGKILL)
-        prot = sess.finish(timeout=30)
-        got = _full_state(m, opt)
+            _backward(m, rank, it)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)
+            opt.step()
+            sched.step()
+        ref = _full_state(m, opt)
         if rank == 0:
-            from checkmate.shadow_client import restore_state_dicts
+            torch.save(ref, cfg["reference"])
+    m = _shard(_model())
+    opt = _optimizer(m)
+    sched = _sched(opt)
+    layout = host_layout(cfg["net"], cfg["ips"], rank, world, SEED)
+    sess = FSDPSession(m, opt, sched, layout, MAX_NORM)
+    if cfg.get("drop_every"):
+        lose_every(sess, cfg["drop_every"])
+    start = sess.start(resume=cfg["resume"])
+    for it in range(start + 1, STEPS + 1):
+        sess.begin(it)
+        opt.zero_grad()
+        if cfg.get("misuse") != "no-backward" or it != 2:
+            _backward(sess.model, rank, it)
+        sess.step(extra={"data": {"iteration": it}})
+        if it == cfg.get("kill_at"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    prot = sess.finish(timeout=30)
+    got = _full_state(m, opt)
+    if rank == 0:
+        from checkmate.shadow_client import restore_state_dicts
 
-            msd, osd, sit, _, _ = restore_state_dicts(layout.shadow_tcp, sess.spec, STEPS)
-            torch.save({**got, "shadow_model": msd, "shadow_optimizer": osd,
-                        "shadow_iteration": sit, "start": start, "protected": prot["protected"],
-                        "extra": sess.restored_extra if cfg["resume"] else None,
-                        "stats": sess.shard_stats, "repair": sess.repair.status()},
-                       cfg["out"])
-        sess.close()
-        return 0
-    except CheckmateError as e:
-        print(f"checkmate: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        dist.destroy_process_group()
+        msd, osd, sit, _, _ = restore_state_dicts(layout.shadow_tcp, sess.spec, STEPS)
+        torch.save({**got, "shadow_model": msd, "shadow_optimizer": osd,
+                    "shadow_iteration": sit, "start": start, "protected": prot["protected"],
+                    "extra": sess.restored_extra if cfg["resume"] else None,
+                    "stats": sess.shard_stats, "repair": sess.repair.status()},
+                   cfg["out"])
+    sess.close()
+    return 0
 
 
 def _run(cfg: dict, world: int = 2) -> list[subprocess.CompletedProcess]:
@@ -269,9 +252,8 @@ def test_shards_follow_torch_chunk_and_the_owners_cover_every_element_once(world
     assert torch.equal(hits, torch.ones_like(hits))
 
 
-def _refusals() -> int:
+def _refusals(rank: int, world: int) -> int:
     """Sessions over FSDP2 models they cannot replicate: each one CheckmateError line."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from checkmate.errors import CheckmateError
@@ -284,8 +266,6 @@ def _refusals() -> int:
         ShadowTarget,
     )
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     layout = JobLayout(job_id=7, rank=rank, world=world, trainers=[("127.0.0.1", 1)] * world,
                        shadows=[ShadowTarget(0, "127.0.0.1", 9)],
                        shadow_tcp=[("127.0.0.1", 9)], mode="host")
@@ -305,7 +285,6 @@ def _refusals() -> int:
         except CheckmateError as e:
             out[name] = str(e)
     print(json.dumps(out), flush=True)
-    dist.destroy_process_group()
     return 0
 
 
@@ -321,4 +300,7 @@ def test_sessions_that_cannot_replicate_an_fsdp2_model_refuse_it_in_one_line():
 
 
 if __name__ == "__main__":
-    exit_worker(_refusals() if sys.argv[1] == "refusals" else _worker(json.loads(sys.argv[1])))
+    if sys.argv[1] == "refusals":
+        rank_main(_refusals)
+    cfg = json.loads(sys.argv[1])
+    rank_main(lambda rank, world: _worker(cfg, rank, world))

@@ -19,60 +19,48 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import assert_optim_equal, assert_state_equal, exit_worker, run_ranks
+from fakes import assert_optim_equal, assert_state_equal, rank_main, run_ranks
 
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY, K, SEED = 13, 4, 3, 3  # windows open after 4, 8, 12; checkpoints of 7, 11
 
 
-def _worker(cfg: dict) -> int:
-    import torch.distributed as dist
-
+def _worker(cfg: dict, rank: int, world: int) -> int:
     from checkmate import config as cfgmod
-    from checkmate.errors import CheckmateError
     from checkmate.testbed.models import build
     from checkmate.train import CheckmateSession, JobLayout
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        w = build(cfg["model"], SEED, STEPS)
-        net = cfg["net"]
-        layout = JobLayout(
-            job_id=9, rank=rank, world=world,
-            trainers=[(f"{net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
-            shadows=[], shadow_tcp=[], mode="off", seed=SEED,
-            gockpt=(cfg["dir"], EVERY, K))
-        sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout, w.max_grad_norm)
-        start = sess.start(resume=cfg["resume"])
-        for it in range(start + 1, STEPS + 1):
-            sess.begin(it)
-            x, y = w.batch(rank, it)
-            w.optimizer.zero_grad()
-            w.loss(sess.model(x), y).backward()
-            sess.step(extra={"data": {"iteration": it}})
-            if rank == 0 and it in cfg.get("record", []):
-                torch.save({"model": w.model.state_dict(),
-                            "optimizer": w.optimizer.state_dict(),
-                            "scheduler": w.scheduler.state_dict()},
-                           Path(cfg["out"]) / f"at-{it}.pt")
-            if it == cfg.get("kill_at"):
-                os.kill(os.getpid(), signal.SIGKILL)
-        sess.close()  # waits for the checkpoint being written
-        if rank == 0:
-            torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
-                        "scheduler": w.scheduler.state_dict(), "start": start,
-                        "extra": getattr(sess, "restored_extra", None),
-                        "stats": sess.gockpt.stats, "committed": sess.gockpt.committed,
-                        "errors": sess.gockpt.errors}, Path(cfg["out"]) / "final.pt")
-        return 0
-    except CheckmateError as e:
-        print(f"checkmate: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        dist.destroy_process_group()
+    w = build(cfg["model"], SEED, STEPS)
+    net = cfg["net"]
+    layout = JobLayout(
+        job_id=9, rank=rank, world=world,
+        trainers=[(f"{net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
+        shadows=[], shadow_tcp=[], mode="off", seed=SEED,
+        gockpt=(cfg["dir"], EVERY, K))
+    sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout, w.max_grad_norm)
+    start = sess.start(resume=cfg["resume"])
+    for it in range(start + 1, STEPS + 1):
+        sess.begin(it)
+        x, y = w.batch(rank, it)
+        w.optimizer.zero_grad()
+        w.loss(sess.model(x), y).backward()
+        sess.step(extra={"data": {"iteration": it}})
+        if rank == 0 and it in cfg.get("record", []):
+            torch.save({"model": w.model.state_dict(),
+                        "optimizer": w.optimizer.state_dict(),
+                        "scheduler": w.scheduler.state_dict()},
+                       Path(cfg["out"]) / f"at-{it}.pt")
+        if it == cfg.get("kill_at"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    sess.close()  # waits for the checkpoint being written
+    if rank == 0:
+        torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
+                    "scheduler": w.scheduler.state_dict(), "start": start,
+                    "extra": getattr(sess, "restored_extra", None),
+                    "stats": sess.gockpt.stats, "committed": sess.gockpt.committed,
+                    "errors": sess.gockpt.errors}, Path(cfg["out"]) / "final.pt")
+    return 0
 
 
 def _run(cfg: dict, world: int = 2) -> list[subprocess.CompletedProcess]:
@@ -135,4 +123,5 @@ def test_resume_without_a_checkpoint_is_one_error_line_on_every_rank(tmp_path):
 
 
 if __name__ == "__main__":
-    exit_worker(_worker(json.loads(sys.argv[1])))
+    cfg = json.loads(sys.argv[1])
+    rank_main(lambda rank, world: _worker(cfg, rank, world))
