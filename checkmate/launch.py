@@ -215,7 +215,8 @@ def _failure_line(err: Any, restarts: int) -> str:
             f"{', '.join(parts) or 'see the output above'}")
 
 
-def _run_agent(args: argparse.Namespace) -> None:
+def _run_agent(args: argparse.Namespace, logdir: Path) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # A restarted group must not meet the previous attempt's keys: with the agent's shared
@@ -225,7 +226,10 @@ def _run_agent(args: argparse.Namespace) -> None:
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc_per_node,
                        run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                        rdzv_endpoint="localhost:0", max_restarts=args.max_restarts,
-                       monitor_interval=0.1, local_addr="127.0.0.1")
+                       monitor_interval=0.1, local_addr="127.0.0.1",
+                       # the agent's per-attempt files go with the job's logs (torch's
+                       # default is a /tmp/torchelastic_* directory nobody removes)
+                       logs_specs=DefaultLogsSpecs(log_dir=str(logdir / "elastic")))
     elastic_launch(cfg, sys.executable)("-u", "-m", "checkmate.train.run_script",
                                         args.script, *args.args)
 
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
               f"max {args.max_restarts} restart(s)", flush=True)
         _quiet_agent()
         try:
-            _run_agent(args)
+            _run_agent(args, Path(logdir))
         except ChildFailedError as e:
             raise CheckmateError(_failure_line(e, args.max_restarts)) from None
         except SignalException as e:

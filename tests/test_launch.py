@@ -39,9 +39,13 @@ def _launch(tmp_path: Path, name: str, steps: int, env: dict[str, str] | None = 
             "--shadows", "2", "--max-restarts", "1", "--progress-every", "4",
             "--dir", str(tmp_path / name), str(EXAMPLE), "--steps", str(steps),
             "--out", str(out)]
+    tmp = tmp_path / f"{name}-tmp"  # the launch's TMPDIR: it must leave nothing there
+    tmp.mkdir()
     p = subprocess.run(argv, capture_output=True, text=True, timeout=400,
-                       env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
+                       env={**os.environ, "NUMBA_NUM_THREADS": "1", "TMPDIR": str(tmp),
+                            **(env or {})})
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert not list(tmp.glob("torchelastic_*")), "the elastic agent's files were left in /tmp"
     return p, torch.load(out, weights_only=False)
 
 
