@@ -185,6 +185,16 @@ def check_batch(k0, k1, ring, lens, slot, ok):  # noqa: ANN001, ANN201
 
 
 @njit(cache=True)
+def check_at(k0, k1, buf, bases, lens, ok):  # noqa: ANN001, ANN201
+    """``ok[i]`` = 1 when the datagram at ``buf[bases[i]:]`` (``lens[i]`` bytes) is good
+    (_good): for receive rings whose completions name any slot (the verbs ring)."""
+    msg = np.zeros(40, np.uint8)
+    for i in range(lens.shape[0]):
+        ok[i] = 1 if _good(k0, k1, buf, bases[i], lens[i], msg) else 0
+    return ok
+
+
+@njit(cache=True)
 def _mask_of(k0, k1, ring, msgs, n, slot, stride, len_off):  # noqa: ANN001, ANN202
     """check_batch over a recvmmsg batch in place: lengths read from the mmsghdr array
     (``stride`` bytes apart, msg_len at ``len_off``, little-endian u32); bit i set when

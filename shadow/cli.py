@@ -100,6 +100,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--register-timeout", type=_nonneg_float, default=30.0)
     s.add_argument("--secret-file", default=None,
                    help="the job secret's file (default: $CHECKMATE_SECRET_FILE)")
+    s.add_argument("--transport", choices=("udp", "verbs"), default="udp",
+                   help="verbs: also take the replica stream on a UD queue pair of --device "
+                   "(docs/verbs.md); repair stays on UDP")
+    s.add_argument("--device", default="", metavar="RDMA_DEV",
+                   help="RDMA device for --transport verbs (e.g. rxe0)")
     s.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics on --bind:PORT (0: any free port; "
                         "CHECKMATE_METRICS_PORT overrides)")
@@ -183,8 +188,19 @@ def _serve(args: argparse.Namespace) -> int:
         gap_timeout=args.gap_timeout, epoch=args.epoch, token=args.token,
         controller=controller, host=host.name if host else "", ip=host.ip if host else "",
         mac=host.mac if host else "", register_deadline=args.register_timeout,
+        **_transport(args),
     )
     return _run_node(args, opts)
+
+
+def _transport(args: argparse.Namespace) -> dict[str, str]:
+    """NodeOptions' transport fields; --device without verbs, or verbs without a device, is
+    one error line."""
+    if args.transport == "verbs" and not args.device:
+        raise CheckmateError("--transport verbs needs --device (an RDMA device, e.g. rxe0)")
+    if args.device and args.transport != "verbs":
+        raise CheckmateError("--device only applies with --transport verbs")
+    return {"transport": args.transport, "device": args.device}
 
 
 def _serve_without_config(args: argparse.Namespace, index: int, count: int) -> int:
@@ -205,6 +221,7 @@ def _serve_without_config(args: argparse.Namespace, index: int, count: int) -> i
         dir=args.dir, persist_every=args.persist_every, persist_seconds=args.persist_seconds,
         keep=max(args.keep, 1), retain=max(args.retain, 1), window=max(args.window, 1),
         gap_timeout=args.gap_timeout, epoch=args.epoch, token=args.token, controller=None,
+        **_transport(args),
     )
     return _run_node(args, opts)
 

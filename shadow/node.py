@@ -50,6 +50,11 @@ class NodeOptions:
     register_deadline: float = 30.0
     #: The job secret (checkmate.auth); None: read $CHECKMATE_SECRET_FILE's.
     secret: bytes | None = None
+    #: "udp", or "verbs": the replica stream also arrives on a UD queue pair of RDMA
+    #: device ``device`` (checkmate.shadow.verbs); repair traffic stays on UDP.
+    transport: str = "udp"
+    device: str = ""
+    verbs_slots: int = 1024  # receive ring slots (buffers posted at once)
 
 
 class ShadowNode:
@@ -82,6 +87,23 @@ class ShadowNode:
                                       key=datamac.data_key(self.secret))
         self.restored_from: str | None = None
         self._peers: dict[str, Any] | None = None  # validated when the spec is known
+        self.verbs: Any = None  # checkmate.shadow.verbs.VerbsReceiver with transport verbs
+        if opts.transport == "verbs":
+            from checkmate.shadow.verbs import VerbsReceiver
+
+            try:
+                self.verbs = VerbsReceiver(self.receiver, opts.device,
+                                           slots=opts.verbs_slots)
+            except BaseException:
+                self.service.stop()
+                self.sock.close()
+                raise
+        elif opts.transport != "udp":
+            self.service.stop()
+            self.sock.close()
+            from checkmate.errors import CheckmateError
+
+            raise CheckmateError(f"unknown transport {opts.transport!r} (udp or verbs)")
 
     def _on_assembler(self, asm: Assembler) -> None:
         assert self.state.spec is not None
@@ -127,6 +149,8 @@ class ShadowNode:
                                         o.register_deadline)
                 self.receiver.set_session(epoch, token)
             self.receiver.start()
+            if self.verbs is not None:
+                self.verbs.start()
         except BaseException:
             self.stop()
             raise
@@ -155,6 +179,8 @@ class ShadowNode:
                  m["iteration"])
 
     def stop(self) -> None:
+        if self.verbs is not None:
+            self.verbs.close()
         self.receiver.stop()
         self.service.stop()
         self.state.stop()
@@ -199,6 +225,7 @@ class ShadowNode:
             "persist": self.persister.status() if self.persister else None,
             "restored_from": self.restored_from,
             "rcvbuf": self.rcvbuf,
+            "verbs": self.verbs.status() if self.verbs is not None else None,
             "range": [st.start, st.end] if st.spec else None,
             **({"commit_times": [[i, round(t, 4)] for i, t in list(st.commit_times)]}
                if commit_times else {}),

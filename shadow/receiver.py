@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,8 @@ _PARITY = int(wire.Flags.PARITY)
 # Fewest seconds between two assembler ticks while datagrams stream in (bounds its CPU).
 MIN_TICK = 0.002
 _BAD_FLAGS = int(wire.Flags.HANDSHAKE | wire.Flags.SEED)
+_SIZES = {int(k): v for k, v in wire.DTYPE_SIZE.items()}
+_BYTES_DT = int(wire.DType.BYTES)
 
 
 def open_socket(bind: str, port: int, rcvbuf: int = RCVBUF) -> tuple[socket.socket, int]:
@@ -112,6 +115,9 @@ class Receiver:
         #: what a healthy stream pays for repair on the shadow's CPU.
         self.ticks = 0
         self.tick_seconds = 0.0
+        #: Held while a batch is placed or the assembler ticks: another transport's thread
+        #: (checkmate.shadow.verbs) places into the same assembler.
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -172,12 +178,7 @@ class Receiver:
                                              np.asarray(lens, np.int64), slot, oks)
                     return sum(1 << i for i in range(k) if ok[i])
         mask, all_ok = 0, True
-        unpack = wire.STRUCT.unpack_from
-        hl = wire.HEADER_LEN
-        sizes = {int(k): v for k, v in wire.DTYPE_SIZE.items()}
-        drops = self.drops
-        magic_ok, version_ok = wire.MAGIC, wire.VERSION
-        bytes_dt = int(wire.DType.BYTES)
+        handle, lock = self.handle, self._lock
         stop = self._stop.is_set
         next_tick = time.monotonic()
         linger, sleep = self.linger, time.sleep
@@ -210,111 +211,12 @@ class Receiver:
                 # a repair request falls due, so a hole is asked for within milliseconds.
                 wait = self._tick(now) if self.asm is not None else 0.1
                 next_tick = now + max(wait, MIN_TICK)
-            job_ok, epoch_ok, token_ok = self.job, self.epoch, self.token
             if check is not None:
                 k = len(lens)
                 mask = check(k)
                 all_ok = mask == (1 << k) - 1
-            base = -slot
-            for i, n in enumerate(lens):
-                base += slot
-                if n < hl:
-                    drops["short"] += 1
-                    continue
-                (magic, version, flags, job, epoch, token, it, offset, count, _seq, _bucket,
-                 part, dtype, _fi, _fk, _fm, group, crc) = unpack(ring, base)
-                if magic != magic_ok:
-                    drops["magic"] += 1
-                    continue
-                if version != version_ok:
-                    drops["version"] += 1
-                    continue
-                if flags & _BAD_FLAGS:
-                    drops["flags"] += 1
-                    continue
-                if not all_ok and not mask >> i & 1:
-                    drops["mac"] += 1  # not made with the job secret (or changed on the way)
-                    continue
-                if flags & _NACK:
-                    # Only a trainer's "gone" answer may carry NACK here; requests go to
-                    # trainers, never to a shadow.
-                    if not flags & _ACK or count or n != hl:
-                        drops["flags"] += 1
-                        continue
-                if flags & _ACK:
-                    if job != self.job:
-                        drops["job"] += 1
-                        continue
-                    if flags & _NACK:
-                        if epoch != self.epoch or token != self.token:
-                            drops["epoch" if epoch != self.epoch else "token"] += 1
-                            continue
-                        self.repair_stats["gone"] += 1
-                        if self.asm is not None:
-                            self.asm.on_gone(it)
-                        continue
-                    self.repair_stats["answers"] += 1
-                    self.repair_stats["answer_bytes"] += n - hl
-                if job != job_ok:
-                    drops["job"] += 1
-                    continue
-                if epoch != epoch_ok:
-                    drops["epoch"] += 1
-                    continue
-                if token != token_ok:
-                    drops["token"] += 1
-                    continue
-                size = sizes.get(dtype)
-                if size is None or count * size != n - hl:
-                    drops["length"] += 1
-                    continue
-                payload = view[base + hl:base + n]
-                if crc32c(payload) != crc:
-                    drops["crc"] += 1
-                    continue
-                asm = self.asm
-                if asm is None:
-                    drops["not_ready"] += 1
-                    continue
-                if flags & _CTRL:
-                    if dtype != bytes_dt:
-                        drops["dtype"] += 1
-                        continue
-                    asm.place_control(it, offset, count, group, payload)
-                    continue
-                if flags & _PARITY:
-                    if dtype != bytes_dt or part != self.partition:
-                        drops["dtype" if dtype != bytes_dt else "partition"] += 1
-                        continue
-                    asm.place_parity(it, _fi, payload)
-                    continue
-                if dtype != self.grad_dtype:
-                    drops["dtype"] += 1
-                    continue
-                if part != self.partition:
-                    drops["partition"] += 1
-                    continue
-                if offset < asm.start or offset + count > asm.end or count == 0:
-                    drops["range"] += 1
-                    continue
-                # Fast path: float32 that extends the newest run of an open iteration (a
-                # sender streaming its chunk in order); everything else takes asm.place.
-                st = asm.open.get(it) if dtype == 0 else None
-                if st is not None and asm._reset_to is None:
-                    cov = st.cov
-                    ends = cov.ends
-                    a = offset - asm.start
-                    if ends and ends[-1] == a:
-                        b = a + count
-                        ends[-1] = b
-                        cov.total += count
-                        st.raw[4 * a:4 * b] = payload
-                        asm.placed_bytes += 4 * count
-                        if cov.total == asm.size and st.control is not None \
-                                and it == asm.next_dispatch:
-                            asm._dispatch()
-                        continue
-                asm.place(it, offset, count, dtype, payload)
+            with lock:
+                handle(ring, view, range(0, len(lens) * slot, slot), lens, mask, all_ok)
             if linger and len(lens) < LINGER_BATCH:
                 # A few datagrams per call means the sender trickles at about our pace: each
                 # call then costs its syscall and per-batch work for one or two datagrams and
@@ -324,9 +226,123 @@ class Receiver:
                 self.wakeups += 1
                 sleep(linger)
 
+    def handle(self, buf: Any, view: memoryview, bases: Iterable[int], lens: Sequence[int],
+               mask: int, all_ok: bool) -> None:
+        """Validate and place one batch: datagram i is ``lens[i]`` bytes at ``buf[bases[i]:]``
+        (``view`` is a memoryview of ``buf``); bit i of ``mask`` says its data MAC verified
+        (``all_ok``: every bit set). Every transport's receive path ends here (UDP's recvmmsg
+        ring, the verbs receive ring: checkmate.shadow.verbs), so the checks exist once.
+        Callers hold ``self._lock``: the assembler is not thread-safe."""
+        unpack = wire.STRUCT.unpack_from
+        hl = wire.HEADER_LEN
+        sizes = _SIZES
+        drops = self.drops
+        magic_ok, version_ok = wire.MAGIC, wire.VERSION
+        bytes_dt = _BYTES_DT
+        job_ok, epoch_ok, token_ok = self.job, self.epoch, self.token
+        for i, (base, n) in enumerate(zip(bases, lens, strict=True)):
+            if n < hl:
+                drops["short"] += 1
+                continue
+            (magic, version, flags, job, epoch, token, it, offset, count, _seq, _bucket,
+             part, dtype, _fi, _fk, _fm, group, crc) = unpack(buf, base)
+            if magic != magic_ok:
+                drops["magic"] += 1
+                continue
+            if version != version_ok:
+                drops["version"] += 1
+                continue
+            if flags & _BAD_FLAGS:
+                drops["flags"] += 1
+                continue
+            if not all_ok and not mask >> i & 1:
+                drops["mac"] += 1  # not made with the job secret (or changed on the way)
+                continue
+            if flags & _NACK:
+                # Only a trainer's "gone" answer may carry NACK here; requests go to
+                # trainers, never to a shadow.
+                if not flags & _ACK or count or n != hl:
+                    drops["flags"] += 1
+                    continue
+            if flags & _ACK:
+                if job != self.job:
+                    drops["job"] += 1
+                    continue
+                if flags & _NACK:
+                    if epoch != self.epoch or token != self.token:
+                        drops["epoch" if epoch != self.epoch else "token"] += 1
+                        continue
+                    self.repair_stats["gone"] += 1
+                    if self.asm is not None:
+                        self.asm.on_gone(it)
+                    continue
+                self.repair_stats["answers"] += 1
+                self.repair_stats["answer_bytes"] += n - hl
+            if job != job_ok:
+                drops["job"] += 1
+                continue
+            if epoch != epoch_ok:
+                drops["epoch"] += 1
+                continue
+            if token != token_ok:
+                drops["token"] += 1
+                continue
+            size = sizes.get(dtype)
+            if size is None or count * size != n - hl:
+                drops["length"] += 1
+                continue
+            payload = view[base + hl:base + n]
+            if crc32c(payload) != crc:
+                drops["crc"] += 1
+                continue
+            asm = self.asm
+            if asm is None:
+                drops["not_ready"] += 1
+                continue
+            if flags & _CTRL:
+                if dtype != bytes_dt:
+                    drops["dtype"] += 1
+                    continue
+                asm.place_control(it, offset, count, group, payload)
+                continue
+            if flags & _PARITY:
+                if dtype != bytes_dt or part != self.partition:
+                    drops["dtype" if dtype != bytes_dt else "partition"] += 1
+                    continue
+                asm.place_parity(it, _fi, payload)
+                continue
+            if dtype != self.grad_dtype:
+                drops["dtype"] += 1
+                continue
+            if part != self.partition:
+                drops["partition"] += 1
+                continue
+            if offset < asm.start or offset + count > asm.end or count == 0:
+                drops["range"] += 1
+                continue
+            # Fast path: float32 that extends the newest run of an open iteration (a
+            # sender streaming its chunk in order); everything else takes asm.place.
+            st = asm.open.get(it) if dtype == 0 else None
+            if st is not None and asm._reset_to is None:
+                cov = st.cov
+                ends = cov.ends
+                a = offset - asm.start
+                if ends and ends[-1] == a:
+                    b = a + count
+                    ends[-1] = b
+                    cov.total += count
+                    st.raw[4 * a:4 * b] = payload
+                    asm.placed_bytes += 4 * count
+                    if cov.total == asm.size and st.control is not None \
+                            and it == asm.next_dispatch:
+                        asm._dispatch()
+                    continue
+            asm.place(it, offset, count, dtype, payload)
+
     def _tick(self, now: float | None) -> float:
         t0 = time.perf_counter()
-        wait = self.asm.tick(now)
+        with self._lock:
+            wait = self.asm.tick(now)
         self.ticks += 1
         self.tick_seconds += time.perf_counter() - t0
         return wait
