@@ -8,9 +8,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.checkmate-installed
 APT_PKGS := clang llvm libbpf-dev bpftool iproute2 ethtool gcc
 
-.PHONY: setup run test lint bpf nccl clean
+.PHONY: setup run test lint bpf nccl guest clean
 
-setup: $(STAMP) bpf nccl
+setup: $(STAMP) bpf nccl guest
 
 # System packages (clang/libbpf for the BPF switch). Skipped when already present.
 .apt-stamp:
@@ -34,6 +34,17 @@ bpf: $(STAMP)
 # The NCCL net plugin (build/nccl/libnccl-net-ckm.so; docs/nccl_plugin.md): gcc only.
 nccl: .apt-stamp
 	$(MAKE) -C nccl_plugin OUT=$(CURDIR)/build/nccl
+
+# The soft-RoCE guest for the verbs receiver (docs/verbs.md): QEMU, busybox-static, the
+# kernel package's modules (depmod) and Debian's pyverbs; the kernel is downloaded into
+# build/guest. Without them the verbs guest tests skip and say what is missing.
+GUEST_PKGS := qemu-system-x86 busybox-static kmod cpio file rdma-core ibverbs-providers \
+              python3-pyverbs iproute2
+guest: $(STAMP)
+	@dpkg -s $(GUEST_PKGS) >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	  $(GUEST_PKGS) >/dev/null; } || echo "guest packages not installed: verbs guest tests skip"
+	@$(PY) -m checkmate.testbed.guest build || echo "no soft-RoCE guest: verbs guest tests skip"
 
 run: setup
 	$(VENV)/bin/testbed run --scenario kill-restore

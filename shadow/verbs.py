@@ -300,6 +300,9 @@ class VerbsReceiver:
         self._thread.start()
 
     def _run(self) -> None:
+        from checkmate.shadow.osname import name_thread
+
+        name_thread()
         try:
             while not self._stop.is_set():
                 if not self.poll_once():

@@ -174,7 +174,39 @@ def _checks(pair: Pair, iterations: int) -> dict[str, Any]:
     out["bad_input"] = {n: {k: after[n].get(k, 0) - before[n].get(k, 0) for k in
                             set(after[n]) | set(before[n])} for n in pair.nodes}
     out["latest_after_bad"] = {n: pair.status(n)["latest"] for n in pair.nodes}
+
+    # the trainers' own sender in host mode over verbs (ShadowSender.use_verbs): the whole
+    # partition's gradient as one copy, cut into UD-sized pieces, and the control message
+    from checkmate.train.replicate import ShadowSender, ShadowTarget
+
+    it = iterations + 1
+    grad = rng.standard_normal(spec.total).astype(np.float32)
+    sender = ShadowSender(JOB, [ShadowTarget(0, "127.0.0.1", pair.verbs.udp_port)],
+                          pair.secret)
+    sender.use_verbs(0, VerbsSender(_device(), pair.verbs.verbs.address, slot_bytes=1024))
+    try:
+        sender.copy(it, 0, 0, 0, grad.tobytes())
+        body = json.loads(control_body(it, LRS, None, False,
+                                       {"bn.mean": "AAAAAAAAAAAAAAAA"}, {"it": it}))
+        sender.control(it, body)
+        sender.verbs[0].flush()
+        pieces = sender.sent_datagrams
+    finally:
+        sender.close()
+    for d in pair.datagrams(it, grad):
+        pair.tx.sendto(d, ("127.0.0.1", pair.udp.udp_port))
+    pair.ref.step(grad, LRS, None)
+    pair.wait(lambda st: st["latest"] == it, f"iteration {it} from ShadowSender")
+    ref = pair.ref.snapshot()
+    full = fetch_all([("127.0.0.1", pair.verbs.tcp_port)], it, spec=spec)
+    out["trainer_sender"] = {
+        "pieces": pieces, "floats": int(spec.total),
+        "equals_reference": all(np.array_equal(full.slots[s], ref[s]) for s in spec.slots)}
     return out
+
+
+def _device() -> str:
+    return os.environ.get("CKM_VERBS_DEVICE", "rxe0")
 
 
 def _thread_cpu(name: str) -> float:
@@ -230,7 +262,7 @@ def _bench(pair: Pair, rounds: int, iterations: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     mode, out_path = argv[0], argv[1]
-    device = os.environ.get("CKM_VERBS_DEVICE", "rxe0")
+    device = _device()
     secret = auth.load_secret()  # $CHECKMATE_SECRET_FILE, made by the harness
     pair = Pair(device, secret, int(os.environ.get("CKM_VERBS_SLOTS", "1024")))
     try:

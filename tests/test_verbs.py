@@ -165,3 +165,22 @@ def test_verbs_bad_input_is_dropped_and_counted_like_udp(guest_checks):
     for name in ("verbs", "udp"):
         got = {k: v for k, v in bad[name].items() if v}
         assert got == want, (name, bad)
+
+
+@pytest.mark.slow
+def test_verbs_trainer_sender_cuts_copies_to_ud_messages(guest_checks):
+    """ShadowSender.use_verbs (host mode over RDMA): one copy of the whole partition is cut
+    into pieces that fit a 1024-byte UD message; the shadow commits the reference bytes."""
+    ts = guest_checks["trainer_sender"]
+    assert ts["equals_reference"], ts
+    per_piece = (1024 - 56) // 4
+    assert ts["pieces"] == -(-ts["floats"] // per_piece) + 1, ts  # + the control message
+
+
+def test_verbs_device_is_for_host_mode_only():
+    from checkmate.train import JobLayout, ShadowTarget
+
+    with pytest.raises(CheckmateError, match="host mode"):
+        JobLayout(job_id=1, rank=0, world=1, trainers=[("127.0.0.1", 1)],
+                  shadows=[ShadowTarget(0, "127.0.0.1", 2)], shadow_tcp=[("127.0.0.1", 3)],
+                  mode="switch", verbs_device="rxe0")

@@ -53,9 +53,18 @@ class ShadowSender:
         self.sent_datagrams = 0
         self.copy_bytes = 0  # host replication only (the extra traffic of host mode)
         self.parity_bytes = 0  # FEC parity sent (checkmate.train.fec_sender)
+        #: partition -> checkmate.shadow.verbs.VerbsSender: that shadow takes its datagrams
+        #: on a UD queue pair (docs/verbs.md); pieces are cut to its message size.
+        self.verbs: dict[int, Any] = {}
+
+    def use_verbs(self, partition: int, sender: Any) -> None:
+        """Send everything for ``partition`` through ``sender`` (a VerbsSender)."""
+        self.verbs[partition] = sender
 
     def close(self) -> None:
         self.sock.close()
+        for v in self.verbs.values():
+            v.close()
 
     def update_sessions(self, sessions: dict[int, tuple[int, int]]) -> None:
         """New (epoch, token) per partition, e.g. after a shadow re-registered."""
@@ -80,8 +89,13 @@ class ShadowSender:
                                                count, t.partition, dtype, c)
         hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, t.epoch, t.token, iteration,
                     offset, count, seq, bucket, t.partition, dtype, *fec, fec_group, c)
+        v = self.verbs.get(t.partition)
         try:
-            self.sock.sendto(hdr + payload, (t.ip, t.port))
+            if v is not None:
+                with self._lock:  # one send ring per shadow, shared by the sending threads
+                    v.send(hdr + payload)
+            else:
+                self.sock.sendto(hdr + payload, (t.ip, t.port))
         except OSError:
             return  # a shadow that is down misses this copy; its gap report says so
         self.sent_bytes += len(payload)
@@ -91,10 +105,15 @@ class ShadowSender:
              payload: bytes) -> None:
         """Host replication of one fully reduced chunk (the ring's ``on_reduced`` hook)."""
         t = self.targets.get(partition)
-        if t is not None:
-            self.copy_bytes += len(payload)
-            self._send(t, _F.REPLICATE, iteration, offset, len(payload) // 4, bucket,
-                       wire.DType.FLOAT32, payload)
+        if t is None:
+            return
+        self.copy_bytes += len(payload)
+        v = self.verbs.get(partition)
+        step = len(payload) if v is None else (v.slot_bytes - wire.HEADER_LEN) // 4 * 4
+        for a in range(0, len(payload), max(step, 4)):  # UD: one piece per message
+            piece = payload[a:a + step]
+            self._send(t, _F.REPLICATE, iteration, offset + a // 4, len(piece) // 4, bucket,
+                       wire.DType.FLOAT32, piece)
 
     def parity(self, iteration: int, partition: int, group: int, index: int, k: int, m: int,
                first_offset: int, payload: bytes) -> None:
@@ -112,8 +131,10 @@ class ShadowSender:
         if self.control_key is not None:  # the shadow checks the message whole
             data += datamac.control_mac(self.control_key, self.job_id, iteration, data)
         for t in self.targets.values():
-            for off in range(0, max(len(data), 1), CONTROL_FRAGMENT):
-                frag = data[off:off + CONTROL_FRAGMENT]
+            v = self.verbs.get(t.partition)
+            size = CONTROL_FRAGMENT if v is None else v.slot_bytes - wire.HEADER_LEN
+            for off in range(0, max(len(data), 1), size):
+                frag = data[off:off + size]
                 self._send(t, _F.CONTROL, iteration, off, len(frag), 0, wire.DType.BYTES,
                            frag, fec_group=len(data))
         return data

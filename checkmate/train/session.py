@@ -75,6 +75,9 @@ class JobLayout:
         gockpt: ``(directory, every, steps)`` for GoCkpt mode (checkmate.gockpt): no
             shadows (mode ``off``), a periodic checkpoint every ``every`` iterations whose
             transfer is spread over ``steps`` steps, written by a local process per rank.
+        verbs_device: host mode only: send the copies over RDMA UD from this device to the
+            queue pair each shadow publishes in its status (``shadow serve --transport
+            verbs``; docs/verbs.md). Empty (default): UDP.
     """
 
     job_id: int
@@ -98,8 +101,12 @@ class JobLayout:
     lag_warn: int = LAG_WARN
     fec: tuple[int, int] | None = None
     gockpt: tuple[str, int, int] | None = None
+    verbs_device: str = ""
 
     def __post_init__(self) -> None:
+        if self.verbs_device and self.mode != "host":
+            raise CheckmateError(f"verbs_device applies to host mode (trainers send the "
+                                 f"copies), not mode {self.mode!r}")
         if self.gockpt is not None and self.mode != "off":
             raise CheckmateError(f"GoCkpt mode checkpoints without shadows: it needs mode "
                                  f"off, got {self.mode!r}")
@@ -375,6 +382,8 @@ class CheckmateSession:
             wait_seeded(lay.shadow_tcp, timeout=seed_timeout)
             self.iteration = 0
         self.done_iteration = self.iteration
+        if lay.verbs_device:
+            self._use_verbs()
         if lay.mode != "off":
             self._start_reliability()
         dist.barrier(group=self.group)
@@ -382,6 +391,20 @@ class CheckmateSession:
         # Every ring socket must be bound before anyone sends.
         dist.barrier(group=self.group)
         return self.iteration
+
+    def _use_verbs(self) -> None:
+        """Host mode over RDMA: a UD sender per shadow, to the queue pair it publishes."""
+        from checkmate.shadow.verbs import QPAddress, VerbsSender
+        from checkmate.shadow_client import ShadowClient
+
+        for p, a in enumerate(self.layout.shadow_tcp):
+            with ShadowClient(a) as c:
+                qp = c.status().get("verbs")
+            if not qp:
+                raise CheckmateError(f"shadow {p} at {a[0]}:{a[1]} does not receive over "
+                                     "verbs (start it with --transport verbs --device DEV)")
+            self.sender.use_verbs(p, VerbsSender(self.layout.verbs_device, QPAddress(
+                qp["gid"], int(qp["qpn"]), int(qp["qkey"]))))
 
     def _seed_flat(self) -> dict[str, Any]:
         """Every slot of the whole model as flat arrays: what this rank seeds a share of."""
