@@ -161,11 +161,31 @@ def _modules_dep(path: Path) -> dict[str, tuple[str, list[str]]]:
     return out
 
 
+def warm_numba(share: Path) -> str | None:
+    """Compile the checks' Numba code here, natively, into the guest's cache (see
+    checkmate.testbed.guest_warm: under TCG that compile takes minutes); None when done,
+    else why not (the guest then compiles for itself, slowly)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(share / "numba-cache"),
+           "NUMBA_CPU_NAME": "generic", "CHECKMATE_SECRET_FILE": str(share / "secret.key")}
+    env.pop("NUMBA_CPU_FEATURES", None)
+    try:
+        r = subprocess.run([sys.executable, "-m", "checkmate.testbed.guest_warm"], env=env,
+                           capture_output=True, text=True, timeout=600, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return "the warm-up took over 600 s"
+    if r.returncode != 0:
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        return lines[-1] if lines else f"the warm-up exited {r.returncode}"
+    return None
+
+
 def run(command: str, timeout: float = 900.0, env: dict[str, str] | None = None,
-        memory_mb: int = 3072) -> tuple[int, str, Path]:
+        memory_mb: int = 3072, warm: bool = True) -> tuple[int, str, Path]:
     """Boot the guest, run ``command`` (sh, in the project root) with ``env``; returns its
     exit status, its output and the share folder (where it wrote its files: /tmp in the
-    guest). The share is build/guest/share: the Numba cache there outlives runs."""
+    guest). The share is build/guest/share: the Numba cache there outlives runs. With
+    ``warm`` the checks' Numba code is compiled here first (warm_numba); guest and warm-up
+    both target the generic CPU so that the guest can load it."""
     why = unavailable()
     if why is not None:
         raise CheckmateError(f"the soft-RoCE guest cannot boot: {why}")
@@ -184,7 +204,13 @@ def run(command: str, timeout: float = 900.0, env: dict[str, str] | None = None,
     key = share / "secret.key"
     if not key.exists():
         auth.create_secret(key)
-    base = {"HOME": "/tmp", "NUMBA_CACHE_DIR": "/tmp/numba-cache", "PYTHONPATH": "/tmp/pylib",
+    if warm:
+        why_not = warm_numba(share)
+        if why_not is not None:
+            print(f"guest: Numba warm-up skipped ({why_not}); the guest compiles, slowly",
+                  file=sys.stderr)
+    base = {"HOME": "/tmp", "NUMBA_CACHE_DIR": "/tmp/numba-cache", "NUMBA_CPU_NAME": "generic",
+            "PYTHONPATH": "/tmp/pylib",
             "PYTHONDONTWRITEBYTECODE": "1", "CHECKMATE_SECRET_FILE": "/tmp/secret.key",
             "PYTHONUNBUFFERED": "1"}
     lines = [f"export {k}='{v}'" for k, v in {**base, **(env or {})}.items()]

@@ -1,0 +1,91 @@
+"""Compile, on this machine, the Numba code the soft-RoCE guest's checks run, into the
+guest's Numba cache (checkmate.testbed.guest).
+
+Why: under TCG, Numba compiling the shadow's optimizer and MAC kernels takes most of ten
+minutes (measured from a fresh clone: 706 s for tests/test_verbs.py, all but about two
+of them before the first shadow started); natively it takes well under a minute. Numba's
+cache is keyed by the source file's path and stamp and by the target CPU; the guest sees
+this machine's files at the same paths, so with ``NUMBA_CPU_NAME=generic`` on both sides
+(no host-specific CPU features in the key or the code) the guest loads what was compiled
+here. Run as ``NUMBA_CACHE_DIR=... NUMBA_CPU_NAME=generic python -m
+checkmate.testbed.guest_warm``; guest.run() does that before it boots.
+
+The warm-up is the checks' own workload, minus the device: a UDP-fed shadow of the same
+job spec takes one iteration and commits it, the reference optimizer steps, and the verbs
+ring's batch MAC check runs once, so every kernel is compiled for the types it gets there.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+import numpy as np
+
+from checkmate import auth, datamac
+from checkmate.errors import CheckmateError
+from checkmate.shadow.node import NodeOptions, ShadowNode
+from checkmate.shadow.state import make_optimizer
+from checkmate.shadow_client import ShadowClient, seed_share
+from checkmate.testbed.verbs_checks import JOB, LRS, Pair, _spec
+
+
+def warm(timeout: float = 300.0) -> None:
+    """One iteration through a UDP-fed shadow, one reference step, one ring MAC check."""
+    spec = _spec()
+    secret = auth.load_secret()
+    node = ShadowNode(NodeOptions(0, 1, JOB, bind="127.0.0.1", port=0,
+                                  restore_bind="127.0.0.1", restore_port=0, secret=secret,
+                                  controller=None)).start()
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        rng = np.random.default_rng(5)
+        flat = {s: np.zeros(spec.total, np.float32) for s in spec.slots}
+        flat["param"][:] = rng.standard_normal(spec.total).astype(np.float32)
+        ref = make_optimizer(spec, 0, spec.total)
+        ref.load(flat, 0)
+        seed_share([("127.0.0.1", node.tcp_port)], spec, flat, 0, 1)
+        grad = rng.standard_normal(spec.total).astype(np.float32)
+        fake = Pair.__new__(Pair)  # only its datagram builder: no shadows, no device
+        fake.secret = secret
+        dgrams = Pair.datagrams(fake, 1, grad)
+        for d in dgrams:
+            tx.sendto(d, ("127.0.0.1", node.udp_port))
+        ref.step(grad, LRS, None)
+        end = time.monotonic() + timeout
+        while True:
+            with ShadowClient(("127.0.0.1", node.tcp_port)) as c:
+                if c.status()["latest"] == 1:
+                    break
+            if time.monotonic() > end:
+                raise CheckmateError(f"guest warm-up: the shadow did not commit within "
+                                     f"{timeout:.0f} s")
+            time.sleep(0.05)
+        # the verbs ring's batch check (RingConsumer), with the types it passes
+        d = dgrams[0]
+        buf = np.zeros(40 + len(d), np.uint8)
+        buf[40:] = np.frombuffer(d, np.uint8)
+        k0, k1 = datamac.data_key(secret)
+        ok = datamac.check_at(np.uint64(k0), np.uint64(k1), buf, np.asarray([40], np.int64),
+                              np.asarray([len(d)], np.int64), np.zeros(1, np.uint8))
+        if not ok[0]:
+            raise CheckmateError("guest warm-up: a good datagram failed the ring MAC check")
+    finally:
+        tx.close()
+        node.stop()
+
+
+def main() -> int:
+    try:
+        t = time.monotonic()
+        warm()
+        print(f"guest warm-up: compiled in {time.monotonic() - t:.0f} s")
+        return 0
+    except CheckmateError as e:
+        print(f"guest warm-up: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
