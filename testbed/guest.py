@@ -47,14 +47,27 @@ _INIT = """#!/bin/busybox sh
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 for m in {modules}; do insmod /mods/$m.ko || echo "ckm-guest: insmod $m failed"; done
 mount -t 9p -o trans=virtio,version=9p2000.L,ro hostroot /host || echo "ckm-guest: no host root"
-mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 share /host/tmp
 mount -t proc proc /host/proc; mount -t sysfs sys /host/sys
 mount -t devtmpfs dev /host/dev; mount -t tmpfs tmpfs /host/run
+mkdir -p /host/run/ckm
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 share /host/run/ckm
 mkdir -p /host/dev/shm 2>/dev/null; mount -t tmpfs tmpfs /host/dev/shm
 ip link set lo up; ip link set eth0 up; ip addr add 10.99.0.2/24 dev eth0
-chroot /host /bin/sh /tmp/boot.sh
+chroot /host /bin/sh /run/ckm/boot.sh
 poweroff -f
 """
+
+
+#: Where the run share appears in the guest: under the guest's own tmpfs /run, so that it
+#: hides none of this machine's files (a project under /tmp stays visible).
+SHARE = "/run/ckm"
+
+
+def _stamp() -> str:
+    """What the initramfs is made from: a changed init or module list rebuilds it."""
+    import hashlib
+
+    return hashlib.sha256((_INIT + " ".join(MODULES)).encode()).hexdigest()[:16]
 
 
 def guest_dir() -> Path:
@@ -79,8 +92,10 @@ def unavailable() -> str | None:
     if miss:
         return "not installed: " + ", ".join(miss) + " (sudo make setup installs them)"
     d = guest_dir()
-    if not (d / "vmlinuz").is_file() or not (d / "initrd.gz").is_file():
-        return f"no guest built in {d} (python -m checkmate.testbed.guest build)"
+    stamp = d / "initrd.stamp"
+    if not (d / "vmlinuz").is_file() or not stamp.is_file() \
+            or stamp.read_text().strip() != _stamp():
+        return f"no current guest built in {d} (python -m checkmate.testbed.guest build)"
     return None
 
 
@@ -96,7 +111,9 @@ def _busybox() -> str:
 def build(force: bool = False) -> Path:
     """Kernel and initramfs under guest_dir(); nothing is done when both exist."""
     d = guest_dir()
-    if not force and (d / "vmlinuz").is_file() and (d / "initrd.gz").is_file():
+    stamp = d / "initrd.stamp"
+    if not force and (d / "vmlinuz").is_file() and (d / "initrd.gz").is_file() \
+            and stamp.is_file() and stamp.read_text().strip() == _stamp():
         return d
     miss = missing_tools()
     if miss:
@@ -141,6 +158,7 @@ def build(force: bool = False) -> Path:
         (d / "initrd.gz").write_bytes(gzip.compress(cpio, 1))
         shutil.copy(tree / "boot" / f"vmlinuz-{release}", d / "vmlinuz")
         (d / "kernel-release").write_text(release + "\n")
+        stamp.write_text(_stamp() + "\n")
     except subprocess.CalledProcessError as e:
         raise CheckmateError(f"guest build step failed: {' '.join(map(str, e.cmd))}: "
                              f"{(e.stderr or b'').decode(errors='replace').strip()[-300:]}"
@@ -182,10 +200,10 @@ def warm_numba(share: Path) -> str | None:
 def run(command: str, timeout: float = 900.0, env: dict[str, str] | None = None,
         memory_mb: int = 3072, warm: bool = True) -> tuple[int, str, Path]:
     """Boot the guest, run ``command`` (sh, in the project root) with ``env``; returns its
-    exit status, its output and the share folder (where it wrote its files: /tmp in the
-    guest). The share is build/guest/share: the Numba cache there outlives runs. With
-    ``warm`` the checks' Numba code is compiled here first (warm_numba); guest and warm-up
-    both target the generic CPU so that the guest can load it."""
+    exit status, its output and the share folder (where it wrote its files: /run/ckm in
+    the guest, also $CKM_SHARE there). The share is build/guest/share: the Numba cache
+    there outlives runs. With ``warm`` the checks' Numba code is compiled here first
+    (warm_numba); guest and warm-up both target the generic CPU so the guest loads it."""
     why = unavailable()
     if why is not None:
         raise CheckmateError(f"the soft-RoCE guest cannot boot: {why}")
@@ -209,16 +227,17 @@ def run(command: str, timeout: float = 900.0, env: dict[str, str] | None = None,
         if why_not is not None:
             print(f"guest: Numba warm-up skipped ({why_not}); the guest compiles, slowly",
                   file=sys.stderr)
-    base = {"HOME": "/tmp", "NUMBA_CACHE_DIR": "/tmp/numba-cache", "NUMBA_CPU_NAME": "generic",
-            "PYTHONPATH": "/tmp/pylib",
-            "PYTHONDONTWRITEBYTECODE": "1", "CHECKMATE_SECRET_FILE": "/tmp/secret.key",
-            "PYTHONUNBUFFERED": "1"}
+    (share / "tmp").mkdir(exist_ok=True)
+    base = {"HOME": SHARE, "TMPDIR": f"{SHARE}/tmp", "CKM_SHARE": SHARE,
+            "NUMBA_CACHE_DIR": f"{SHARE}/numba-cache", "NUMBA_CPU_NAME": "generic",
+            "PYTHONPATH": f"{SHARE}/pylib", "PYTHONDONTWRITEBYTECODE": "1",
+            "CHECKMATE_SECRET_FILE": f"{SHARE}/secret.key", "PYTHONUNBUFFERED": "1"}
     lines = [f"export {k}='{v}'" for k, v in {**base, **(env or {})}.items()]
     (share / "cmd.sh").write_text("\n".join([*lines, command, ""]))
     (share / "boot.sh").write_text(
-        "rdma link add rxe0 type rxe netdev eth0 && rdma link > /tmp/rdma-link || exit 1\n"
-        f"cd {ROOT} && sh /tmp/cmd.sh > /tmp/out.log 2>&1\n"
-        "echo $? > /tmp/rc\n")
+        f"rdma link add rxe0 type rxe netdev eth0 && rdma link > {SHARE}/rdma-link || exit 1\n"
+        f"cd {ROOT} && sh {SHARE}/cmd.sh > {SHARE}/out.log 2>&1\n"
+        f"echo $? > {SHARE}/rc\n")
     argv = ["qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", str(memory_mb),
             "-smp", "2", "-nographic", "-no-reboot", "-kernel", str(d / "vmlinuz"),
             "-initrd", str(d / "initrd.gz"), "-append", "console=ttyS0 quiet panic=-1",

@@ -107,19 +107,41 @@ def test_verbs_shadow_cli_errors_are_one_line(capsys):
 
 
 # ----------------------------------------------------------------------------- guest
+_GUEST: dict[str, object] = {}  # the one guest run's result, or why it failed
+
+
+def _run_guest_checks() -> dict | str:
+    from checkmate.testbed import guest
+
+    try:
+        rc, out, share = guest.run(
+            ".venv/bin/python -m checkmate.testbed.verbs_checks checks "
+            "$CKM_SHARE/result.json",
+            timeout=900, env={"CKM_VERBS_SLOTS": "128", "CKM_VERBS_ITERATIONS": "16"})
+    except CheckmateError as e:
+        return f"the guest run failed: {e}"
+    if rc != 0:
+        return f"the guest's checks exited {rc}: {out[-4000:]}"
+    if "rxe0" not in (share / "rdma-link").read_text():
+        return "no rxe0 in the guest's rdma link list"
+    return json.loads((share / "result.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def guest_checks():
+    """The guest boots once per session: a failed run fails every guest test with its
+    reason instead of booting again for each."""
     from checkmate.testbed import guest
 
     why = guest.unavailable()
     if why is not None:
         pytest.skip(f"soft-RoCE guest unavailable: {why}")
-    rc, out, share = guest.run(
-        ".venv/bin/python -m checkmate.testbed.verbs_checks checks /tmp/result.json",
-        timeout=900, env={"CKM_VERBS_SLOTS": "128", "CKM_VERBS_ITERATIONS": "16"})
-    assert rc == 0, out[-4000:]
-    assert "rxe0" in (share / "rdma-link").read_text()
-    return json.loads((share / "result.json").read_text())
+    if "result" not in _GUEST:
+        _GUEST["result"] = _run_guest_checks()
+    result = _GUEST["result"]
+    if isinstance(result, str):
+        pytest.fail(result)
+    return result
 
 
 @pytest.mark.slow

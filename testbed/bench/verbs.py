@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rc, out, share = guest.run(
-            ".venv/bin/python -m checkmate.testbed.verbs_checks bench /tmp/bench.json",
+            ".venv/bin/python -m checkmate.testbed.verbs_checks bench $CKM_SHARE/bench.json",
             timeout=1800, env={"CKM_VERBS_ROUNDS": str(args.rounds),
                                "CKM_VERBS_ITERATIONS": str(args.iterations)})
     except CheckmateError as e:
