@@ -207,9 +207,23 @@ def run(command: str, timeout: float = 900.0, env: dict[str, str] | None = None,
     why = unavailable()
     if why is not None:
         raise CheckmateError(f"the soft-RoCE guest cannot boot: {why}")
-    d = guest_dir()
-    share = d / "share"
+    import fcntl
+
+    share = guest_dir() / "share"
     share.mkdir(exist_ok=True)
+    # One run at a time per checkout (they share the folder): a second one waits its turn.
+    with open(share / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("guest: another run of this checkout's guest is on; waiting", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return _run_locked(share, command, timeout, env, memory_mb, warm)
+
+
+def _run_locked(share: Path, command: str, timeout: float, env: dict[str, str] | None,
+                memory_mb: int, warm: bool) -> tuple[int, str, Path]:
+    d = share.parent
     for f in ("rc", "out.log", "rdma-link", "cmd.sh", "boot.sh"):
         (share / f).unlink(missing_ok=True)
     pylib = share / "pylib"
