@@ -218,15 +218,20 @@ def test_failed_group_without_restarts_is_one_line_per_process(tmp_path):
         "dist.init_process_group('gloo')\n"
         "if dist.get_rank() == 1:\n    os._exit(3)\n"
         "dist.barrier()\ndist.barrier()\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     p = subprocess.run([sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node",
                         "2", "--mode", "off", str(script)], capture_output=True, text=True,
-                       timeout=300)
+                       timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     out = p.stdout + p.stderr
     assert p.returncode == 2 and "Traceback" not in out, out
     assert "checkmate: rank 0: a peer of the process group is gone" in out, out
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("checkmate launch: error: the trainers failed after 0 restart(s)")
     assert "rank 1 (exit code 3)" in last, last
+    # a failed job keeps its log directory, with the agent's files in it
+    kept = list(tmp.glob("checkmate-launch-*"))
+    assert len(kept) == 1 and (kept[0] / "elastic").is_dir(), list(tmp.rglob("*"))
 
 
 def _children(pid: int) -> list[int]:
