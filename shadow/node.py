@@ -73,7 +73,9 @@ class ShadowNode:
         try:
             self.service = Service(self.state, self.status, opts.restore_bind,
                                    opts.restore_port, self.secret, self.drops,
-                                   self._on_peers, self._on_progress)
+                                   self._on_peers, self._on_progress,
+                                   persist.part_dir(opts.dir, opts.partition)
+                                   if opts.dir else None)
         except Exception:
             self.sock.close()
             raise
