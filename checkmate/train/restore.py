@@ -141,7 +141,7 @@ def restore_session(sess: Any) -> int:
     if sess.layout.rank == 0:
         try:
             verdict[0] = check_resume(addrs, sess.spec)
-            print(verdict[0].line, flush=True)
+            resume_point.say_line(verdict[0].line)
         except CheckmateError as e:
             verdict[1] = str(e)
     dist.broadcast_object_list(verdict, src=0, group=sess.group)

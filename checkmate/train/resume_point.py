@@ -15,6 +15,7 @@ what each partition holds, or that it cannot be reached.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,11 @@ from dataclasses import dataclass, field
 from checkmate.errors import CheckmateError
 
 Addr = tuple[str, int]
+
+def say_line(line: str) -> None:
+    """Diagnostics go to stderr: a worker's stdout may be a machine-read event stream."""
+    print(line, file=sys.stderr, flush=True)
+
 
 #: Seconds a resume waits for a shadow that cannot be reached (a restarting one).
 RESUME_WAIT = 60.0
@@ -92,7 +98,7 @@ def ask(addrs: Sequence[Addr], timeout: float = 10.0) -> list[Holding]:
 
 
 def survey(addrs: Sequence[Addr], wait: float = RESUME_WAIT,
-           say: Callable[[str], None] = lambda s: print(s, flush=True)) -> list[Holding]:
+           say: Callable[[str], None] = say_line) -> list[Holding]:
     """Holdings of every shadow, waiting up to ``wait`` seconds for unreachable ones."""
     deadline = time.monotonic() + wait
     told = False
@@ -143,6 +149,6 @@ def choose(hs: Sequence[Holding]) -> ResumePoint:
 
 
 def find(addrs: Sequence[Addr], wait: float = RESUME_WAIT,
-         say: Callable[[str], None] = lambda s: print(s, flush=True)) -> ResumePoint:
+         say: Callable[[str], None] = say_line) -> ResumePoint:
     """:func:`survey` then :func:`choose`."""
     return choose(survey(addrs, wait, say))
