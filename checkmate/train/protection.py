@@ -15,10 +15,12 @@ committed, each shadow's lag, and what is being done about it. It acts on what i
 
 Liveness: a shadow that has not answered a status poll for ``LIVENESS_SECONDS`` (dead,
 unreachable, or silent: stopped, partitioned) is down. While any shadow is down, or not
-seeded, or being re-seeded, the job is unprotected: ``protection()`` says ``protected``
-False and ``unprotected_since`` (the first iteration no complete checkpoint covers), its
-``newest_consistent`` is None (no iteration is known to exist in every partition), and
-rank 0 prints one line when protection is lost and one when it returns by itself. A lag is
+seeded, or being re-seeded, the job is unprotected: ``protection()`` says
+``protected_now`` False and ``unprotected_since`` (the first iteration no complete
+checkpoint covers), ``newest_consistent`` is None while any shadow is down (no iteration is
+known to exist in every partition) and otherwise the oldest of their newest commits, and
+rank 0 prints one line when protection is lost and one when it returns by itself: once
+every shadow answers and holds an iteration at or after the first uncovered one. A lag is
 measured at one instant: the trainers' iteration when the shadow answered minus the
 iteration it reported (never stale by a poll).
 """
@@ -147,14 +149,22 @@ class ProtectionMonitor:
         return now - self.views[p].last_ok > self.liveness
 
     def _why_unprotected(self, now: float) -> list[str]:
+        """Why the newest iterations are not being checkpointed ([] when they are). While
+        protection is lost it returns only once every shadow holds an iteration at or after
+        the first uncovered one (a shadow back from disk holds an older one until it is
+        re-seeded or catches up)."""
+        since = self.unprotected_since
         out = []
         for p, v in enumerate(self.views):
             where = f"shadow of partition {p} ({self.addrs[p][0]}:{self.addrs[p][1]})"
             if self.down(p, now):
                 out.append(f"{where} has not answered for {now - v.last_ok:.1f}s"
                            + (f" ({v.error})" if v.error else ""))
-            elif not v.seeded or v.active or p in self.reseeding:
-                out.append(f"{where} holds no current state (being re-seeded)")
+            elif not v.seeded or v.active or v.wanted or p in self.reseeding:
+                out.append(f"{where} holds no current state (re-seed "
+                           f"{'running' if v.active or p in self.reseeding else 'needed'})")
+            elif since is not None and (v.latest is None or v.latest < since):
+                out.append(f"{where} holds iteration {v.latest}, not yet {since}")
         return out
 
     def _liveness(self) -> None:
@@ -249,7 +259,7 @@ class ProtectionMonitor:
                 since = (self._consistent or 0) + 1
         return {"iteration": done,
                 "newest_consistent": (min(latests) if latests and None not in latests
-                                      and not why else None),
+                                      else None),
                 "protected_now": not why, "unprotected_since": since if why else None,
                 "unprotected_why": why, "protection_lost": self.lost,
                 "shadows": shadows, "reseeds": self.reseeds_started}
