@@ -39,6 +39,10 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     for s in ("s0", "s1"):
         out[f"replica-corrupt-1%-{s}"] = {"faults": [{"port": s, "corrupt": 0.01}],
                                           "kill_at": late}
+    # Every datagram of one iteration to s0 is lost, repair answers included: the shadow
+    # must give up on repair, ask for a re-seed and end protected.
+    out["blackout-one-iteration-s0"] = {"faults": [{"port": "s0", "drop": 1.0,
+                                                    "from": steps // 3, "until": steps // 3}]}
     for p in (0.01, 0.05):
         out[f"trainer-drop-{p * 100:g}%-t1"] = {"faults": [{"port": "t1", "drop": p}],
                                                 "kill_at": late}
