@@ -638,11 +638,13 @@ def reliability_summary(r: RunResult) -> dict[str, Any]:
     # What the shadows received as repair answers (payload bytes): complete even when a
     # trainer incarnation was killed before reporting what it sent.
     received = sum(x.get("answer_bytes", 0) for x in repair)
-    # Every iteration must be committed by every shadow that was never restarted.
+    # Every iteration must be committed by every shadow that was never restarted nor
+    # re-seeded (a re-seed replaces the state, skipping the iterations in between; the
+    # re-seeds are counted below and the final state is compared with the trainers').
     restarted = {rs["partition"] for rs in r.restarts}
     missing = {}
     for st in r.shadow_status:
-        if st.get("partition") in restarted:
+        if st.get("partition") in restarted or (st.get("reseed") or {}).get("count"):
             continue
         done = {i for i, _ in st.get("commit_times") or []}
         gone = sorted(set(first_done) - done)
