@@ -41,6 +41,7 @@ from typing import Any
 from checkmate import auth
 from checkmate import config as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.testbed import lifeline
 from checkmate.testbed.scenario import (  # noqa: F401 - re-exported for the benches
     KILL_PHASES,
     SCENARIO_DIR,
@@ -72,6 +73,7 @@ class Cluster:
             from checkmate.testbed.topology import Testbed
 
             tb = Testbed(cfg, controller=True, config_path=config_path)
+            tb.tied = True  # what this command starts ends with it (testbed.lifeline)
             if not KernelSwitch(cfg).is_up():
                 stack.enter_context(tb)
             self.testbed = tb
@@ -108,7 +110,7 @@ class Cluster:
         if self.testbed is not None:
             return self.testbed.spawn(host, argv, name, env=full_env, **kw)
         full_env[auth.SECRET_ENV] = str(self.secret_file)
-        p = subprocess.Popen(argv, env=full_env, start_new_session=True, **kw)
+        p = lifeline.popen(argv, env=full_env, start_new_session=True, **kw)
         self._record(p.pid)
         return p
 

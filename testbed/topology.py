@@ -159,6 +159,9 @@ class Testbed:
         self.config_path = Path(config_path).resolve() if config_path else None
         self.switch = KernelSwitch(cfg)
         self.state_dir = STATE_ROOT / cfg.network.prefix
+        #: Processes started end with this process (a command that owns them); False for
+        #: `testbed up`, whose controller outlives it.
+        self.tied = False
 
     # -- names ---------------------------------------------------------------------------
     def netns_of(self, host: str) -> str:
@@ -355,7 +358,13 @@ class Testbed:
         return subprocess.run(self.argv_in(host, argv), **self._with_secret(kw))
 
     def popen_in(self, host: str, argv: list[str], **kw: Any) -> subprocess.Popen:
-        """Start ``argv`` inside ``host``'s namespace; the caller stops it by its PID."""
+        """Start ``argv`` inside ``host``'s namespace; the caller stops it by its PID. With
+        ``tied`` set (a command that owns what it starts), the process ends with this one
+        (checkmate.testbed.lifeline)."""
+        if self.tied:
+            from checkmate.testbed import lifeline
+
+            return lifeline.popen(self.argv_in(host, argv), **self._with_secret(kw))
         return subprocess.Popen(self.argv_in(host, argv), **self._with_secret(kw))
 
     def spawn(self, host: str, argv: list[str], name: str, **kw: Any) -> subprocess.Popen:
