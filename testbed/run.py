@@ -75,6 +75,7 @@ class Cluster:
             tb = Testbed(cfg, controller=True, config_path=config_path)
             tb.tied = True  # what this command starts ends with it (testbed.lifeline)
             if not KernelSwitch(cfg).is_up():
+                tb.tied_controller = True  # this command builds the testbed: it owns all
                 stack.enter_context(tb)
             self.testbed = tb
             self.ip = {h.name: h.ip for h in cfg.hosts}
