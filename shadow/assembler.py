@@ -424,6 +424,10 @@ class Assembler:
             self._want_reseed(f"iteration {it} is missing and no longer retained by the "
                               "trainers")
 
+    def want_reseed(self, reason: str) -> None:
+        """Ask the trainers for a re-seed (from any thread: one string assignment)."""
+        self._want_reseed(reason)
+
     def _want_reseed(self, reason: str) -> None:
         if not self.reseed_wanted:
             self.reseed_wanted = reason

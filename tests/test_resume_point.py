@@ -125,3 +125,48 @@ def test_restart_from_disk_while_the_other_runs_on_resumes_from_disk(tmp_path):
         c.close()
         if fresh is not None:
             fresh.stop()
+
+
+def test_restart_from_disk_far_behind_asks_for_a_reseed_at_once(tmp_path):
+    """A shadow back from its disk whose trainers report progress more than its window
+    ahead asks for the re-seed on that report (the restart starts it), not after a repair
+    round answered "gone"."""
+    spec = make_spec()
+    c = Cluster(spec, dir=str(tmp_path), persist_every=2, window=4)
+    fresh = None
+    try:
+        c.seed()
+        _run_iterations(c, range(1, 5))
+        c.wait(lambda sts: all(s["persist"]["last_iteration"] == 4 for s in sts))
+        c.nodes[1].stop()
+        fresh = ShadowNode(NodeOptions(1, 2, spec.job, bind="127.0.0.1", port=0,
+                                       restore_bind="127.0.0.1", restore_port=0,
+                                       dir=str(tmp_path), persist_every=2,
+                                       window=4)).start()
+        assert fresh.warm_seconds is None  # kernels compiled while installing from disk
+        with ShadowClient(("127.0.0.1", fresh.tcp_port)) as cl:
+            st = cl.request({"op": "status", "progress": 8})[0]  # within the window
+            assert st["latest"] == 4 and st["reseed"]["wanted"] == "", st
+            t0 = time.monotonic()
+            st = cl.request({"op": "status", "progress": 9})[0]  # beyond it
+            assert time.monotonic() - t0 < 1.0
+            assert st["reseed"]["wanted"] == ("restarted from disk at iteration 4, the "
+                                              "trainers are at 9"), st
+    finally:
+        c.close()
+        if fresh is not None:
+            fresh.stop()
+
+
+def test_an_empty_shadow_compiles_its_kernels_at_start():
+    spec = make_spec()
+    n = ShadowNode(NodeOptions(0, 2, spec.job, bind="127.0.0.1", port=0,
+                               restore_bind="127.0.0.1", restore_port=0)).start()
+    try:
+        end = time.monotonic() + 120
+        while n.warm_seconds is None:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        assert n.status()["warm_seconds"] == n.warm_seconds >= 0
+    finally:
+        n.stop()
