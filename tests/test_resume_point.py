@@ -170,3 +170,21 @@ def test_an_empty_shadow_compiles_its_kernels_at_start():
         assert n.status()["warm_seconds"] == n.warm_seconds >= 0
     finally:
         n.stop()
+
+
+def test_disk_fetch_refusals_are_one_line():
+    spec = make_spec()
+    c = Cluster(spec)  # no --dir
+    try:
+        c.seed()
+        with ShadowClient(c.addrs[0]) as cl:
+            h = cl.holdings()
+            assert (h["memory"], h["disk"], h["dir"]) == ([0], [], None)
+            for source, msg in (("disk", "persists nothing (no --dir)"),
+                                ("tape", "fetch 'source' must be memory or disk")):
+                with pytest.raises(CheckmateError) as e:
+                    cl.fetch(0, source)
+                assert msg in str(e.value) and "\n" not in str(e.value)
+            assert cl.fetch(0).iteration == 0  # the connection stays usable
+    finally:
+        c.close()
