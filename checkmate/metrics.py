@@ -166,6 +166,15 @@ class ShadowCollector(Collector):
             "Iteration of the newest checkpoint on disk.",
             persist.get("last_iteration"),
         )
+        last_error = persist.get("last_error")
+        if isinstance(last_error, str) and last_error:
+            f.gauge(
+                "persist_last_error",
+                "1, with the most recent failed checkpoint write's error (one line) as the "
+                "'error' label; absent before any failure.",
+                1,
+                error=last_error[:200],
+            )
         yield from f
 
 

@@ -348,3 +348,12 @@ def test_trainer_liveness_gauges() -> None:
     got = samples(render(TrainerCollector(lambda: back, rank=0)))
     assert got[key(t + "protected", rank=0)] == 1.0
     assert key(t + "unprotected_since_iteration", rank=0) not in got
+
+
+def test_shadow_persist_last_error_is_a_labelled_gauge() -> None:
+    st = {**full_shadow_status(), "persist": {"errors": 2, "written": 3,
+                                              "last_error": "cannot write checkpoint: disk full"}}
+    text = render(ShadowCollector(lambda: st))
+    assert ('checkmate_shadow_persist_last_error{error="cannot write checkpoint: disk full",'
+            'partition="3"} 1.0') in text
+    assert "persist_last_error" not in render(ShadowCollector(full_shadow_status))
