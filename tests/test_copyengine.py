@@ -30,7 +30,7 @@ def test_copies_read_the_state_as_issued_once_fenced_and_wait_returns_only_compl
     live = torch.arange(1000, dtype=torch.float32)
     want = []
     tickets = []
-    for step in range(5):
+    for _ in range(5):
         tickets.append(eng.copy(1000, [(0, live)]))
         want.append(live.clone())
         eng.fence()  # the "next optimizer step" may now change the state
