@@ -336,7 +336,7 @@ def probe_backend(budget: Budget) -> tuple[str | None, str]:
         outs, ok = [], True
         for p in procs:
             try:
-                out, _ = p.communicate(timeout=max(5.0, min(90.0, budget.left())))
+                out, _ = p.communicate(timeout=max(5.0, min(45.0, budget.left())))
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 out, _ = p.communicate()
@@ -403,7 +403,8 @@ def kill_restore(kind: str, backend: str, budget: Budget, steps: int = 24,
             renv["CHECKMATE_KILL_AT"] = f"{rank}:{at}"
         argv = _launch_argv(2, 2, "host", work / run, kind,
                             ["--steps", str(steps), "--out", str(out)])
-        rc, text = _run(argv, renv, min(left - 5, 400.0))
+        # a hung launch (a NCCL hang) must not eat the whole budget
+        rc, text = _run(argv, renv, min(left - 5, 150.0 if device == "cuda" else 400.0))
         outs[run] = text
         (work / f"{run}.log").write_text(text)
         if rc != 0 or not out.exists():
@@ -615,7 +616,8 @@ def schemes_check(backend: str, budget: Budget, width: int, layers: int, rounds:
         argv = _launch_argv(1, shadows, mode, work / label, "bench",
                             ["--schemes", schemes, "--ckdir", str(work / f"ck-{label}"),
                              "--out", str(res), *common], gockpt=gk, restarts=0)
-        rc, text = _run(argv, env, budget.left() - 5)
+        rc, text = _run(argv, env, min(budget.left() - 5,
+                                       150.0 if device == "cuda" else 400.0))
         (work / f"{label}.log").write_text(text)
         if rc != 0 or not res.exists():
             out.append(Result(f"{tag}[{label}]", "FAIL", f"launch failed (exit {rc}): "
