@@ -53,8 +53,11 @@ missing=$("$py" -c 'import importlib.util as u, sys
 print(" ".join(m for m in sys.argv[1:] if u.find_spec(m) is None))' "${deps[@]}")
 if [[ -n "$missing" ]]; then
   if compgen -G "$wheels/*.whl" >/dev/null; then
+    # pip where there is one; else the wheels are unpacked (they are zip files)
     "$py" -m pip install -q --no-index --find-links "$wheels" --target build/device-deps \
-      --upgrade $missing
+      --upgrade $missing 2>/dev/null || "$py" -c 'import glob, zipfile
+for w in glob.glob("build/device-wheels/*.whl"):
+    zipfile.ZipFile(w).extractall("build/device-deps")'
     export PYTHONPATH="$root/build/device-deps${PYTHONPATH:+:$PYTHONPATH}"
   else
     echo "device-check: $missing not installed and no wheels in $wheels" \
