@@ -85,7 +85,8 @@ class GoCkpt:
         #: Newest iteration this rank's process wrote; errors it reported.
         self.committed: int | None = None
         self.errors: list[str] = []
-        #: Windows opened, bytes copied to the process, seconds the trainer spent copying.
+        #: Windows opened, bytes handed to the process, seconds the training thread spent
+        #: issuing copies and at fences (the copies themselves overlap training).
         self.stats: dict[str, float] = {"windows": 0, "bytes": 0, "seconds": 0.0,
                                         "persist_seconds": 0.0}
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads

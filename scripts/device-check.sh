@@ -7,8 +7,8 @@
 #                                                    Python 3.12 wheels of crc32c and pydantic
 #                                                    into build/device-wheels, to carry along
 #
-# Python: $PYTHON if set, else the project's .venv when its torch sees CUDA, else python3
-# (a GPU machine's own Python with its CUDA torch). Without an installed project, a folder of
+# Python: $PYTHON if set, else the first of .venv/bin/python and python3 whose torch sees
+# CUDA (a GPU machine's own Python with its CUDA torch), else the .venv. Without an installed project, a folder of
 # links (build/device-py) mirrors pyproject.toml's package mapping. Missing crc32c/pydantic
 # (the launcher, shadows and sessions import them) are installed from build/device-wheels
 # into build/device-deps; without them the launcher checks fail with one line each.
@@ -29,14 +29,16 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
   exit 0
 fi
 
+cuda_torch() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+  2>/dev/null; }
 py=${PYTHON:-}
 if [[ -z "$py" ]]; then
-  if [[ -x .venv/bin/python ]] && .venv/bin/python -c \
-      'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    py=.venv/bin/python
-  else
-    py=python3
-  fi
+  for cand in .venv/bin/python python3; do  # the first whose torch sees CUDA
+    if command -v "$cand" >/dev/null && cuda_torch "$cand"; then py=$cand; break; fi
+  done
+fi
+if [[ -z "$py" ]]; then  # no CUDA anywhere: the CUDA checks skip, the rest runs
+  if [[ -x .venv/bin/python ]]; then py=.venv/bin/python; else py=python3; fi
 fi
 
 if ! "$py" -c 'import checkmate.testbed.device_check' 2>/dev/null; then
