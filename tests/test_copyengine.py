@@ -139,3 +139,49 @@ def test_cuda_engine_copies_async_into_pinned_buffers_in_order():
         h = t.wait()
         assert h.is_pinned() and torch.equal(h, w)
         t.release()
+
+
+def test_gockpt_with_a_slow_copy_engine_still_checkpoints_bit_exactly(tmp_path):
+    """GoCkpt driven by hand (one rank, no session) with a copy stand-in that takes 50 ms
+    per copy: every slice and gradient is still in flight when the next step would change
+    its source, so a missing fence or an unstaged gradient would put a later state into
+    the checkpoint. It must equal the trainer's state at the window's end, bit for bit."""
+    from fakes import assert_optim_equal, assert_state_equal
+
+    from checkmate.gockpt import GoCkpt, restore
+    from checkmate.optim import AdamW, clip_grad_norm_
+    from checkmate.optim.hyper import control_hyper
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Tanh(),
+                                torch.nn.Linear(48, 5))
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, amsgrad=True)
+    g = GoCkpt(model, opt, tmp_path, every=4, steps=3, job=5)
+    g.engine.close()
+    g.engine = ThreadCopyEngine(delay=0.05)
+    want = None
+    for it in range(1, 9):
+        torch.manual_seed(100 + it)
+        opt.zero_grad()
+        model(torch.randn(8, 32)).pow(2).sum().backward()
+        g.before_clip(it)
+        coef = clip_grad_norm_(model.parameters(), 0.5)[1]
+        lrs = [float(x["lr"]) for x in opt.param_groups]
+        hyper = [control_hyper("adamw", x) for x in opt.param_groups]
+        opt.step()
+        g.after_step(it, it, {"iteration": it, "lrs": lrs, "clip_coef": coef, "hyper": hyper,
+                              "buffers": {}, "extra": {"scheduler": None, "hyper": hyper,
+                                                       "user": {}}})
+        if it == 7:  # the window opened after step 4 ends at 4 + 3
+            want = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                    "optim": opt.state_dict()}
+            want["optim"] = {"state": {i: {k: v.clone() if torch.is_tensor(v) else v
+                                           for k, v in s.items()}
+                                       for i, s in want["optim"]["state"].items()},
+                             "param_groups": want["optim"]["param_groups"]}
+    g.close()
+    assert g.errors == [] and g.committed == 7, (g.errors, g.committed)
+    it, _, msd, osd, _ = restore(tmp_path, g.spec, 7)
+    assert it == 7
+    assert_state_equal(msd, want["model"], "model at 7")
+    assert_optim_equal(osd, want["optim"], "optimizer at 7", lrs=False)
