@@ -32,6 +32,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -422,6 +423,7 @@ def kill_restore(kind: str, backend: str, budget: Budget, steps: int = 24,
                       f"failure-free run ({diff}; backend {backend})", figs)
     m = re.search(r"resumed from the shadows at iteration (\d+)", outs["killed"])
     figs["resumed_at"] = int(m.group(1)) if m else None
+    shutil.rmtree(work, ignore_errors=True)  # kept only where something failed
     where = "one GPU" if device == "cuda" else "CPU"
     return Result(name, "PASS", f"{backend} on {where}, 2 ranks + 2 shadows: {why}, "
                   f"restarted (resumed at {figs['resumed_at']}), final state bit-identical "
@@ -535,6 +537,8 @@ def _worker_bench(argv: list[str]) -> int:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    ap.add_argument("--batch", type=int, default=4096,
+                    help="rows per step: about 50 ms of fp32 compute on an H100 at width 4096")
     ap.add_argument("--ckdir", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -552,7 +556,7 @@ def _worker_bench(argv: list[str]) -> int:
     rank = dist.get_rank()
     rates: dict[str, list[float]] = {s: [] for s in schemes}
     it = sess.done_iteration
-    x = torch.randn(256, args.width, device=dev)
+    x = torch.randn(args.batch, args.width, device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def one_step(ck: Baseline | None) -> None:
@@ -581,6 +585,7 @@ def _worker_bench(argv: list[str]) -> int:
                 ck.finish()  # the checkpoints taken are paid for inside the round
             sync()
             rates[s].append(args.steps / (time.perf_counter() - t))
+            shutil.rmtree(d, ignore_errors=True)  # 1.2 GB per checkpoint: the disk is finite
     n = sum(p.numel() for p in model.parameters())
     if rank == 0:
         Path(args.out).write_text(json.dumps({"rates": rates, "params": n,
@@ -599,7 +604,8 @@ def schemes_check(backend: str, budget: Budget, width: int, layers: int, rounds:
     work = Path(tempfile.mkdtemp(prefix="ckm-devcheck-schemes-"))
     env = {"CKM_DEVCHECK_BACKEND": backend, "CKM_DEVCHECK_DEVICE": device,
            "NUMBA_NUM_THREADS": "8" if device == "cuda" else "1"}
-    common = ["--width", str(width), "--layers", str(layers), "--rounds", str(rounds)]
+    common = ["--width", str(width), "--layers", str(layers), "--rounds", str(rounds),
+              "--batch", "4096" if device == "cuda" else "64"]
     tag = "schemes" if device == "cuda" else "schemes-cpu"
     runs = [("alternated", "off", None, ",".join(ALTERNATED), None),
             ("checkmate", "host", 2, "checkmate", None),
@@ -619,10 +625,12 @@ def schemes_check(backend: str, budget: Budget, width: int, layers: int, rounds:
         rc, text = _run(argv, env, min(budget.left() - 5,
                                        150.0 if device == "cuda" else 400.0))
         (work / f"{label}.log").write_text(text)
+        shutil.rmtree(work / f"ck-{label}", ignore_errors=True)  # GBs of checkpoints
         if rc != 0 or not res.exists():
             out.append(Result(f"{tag}[{label}]", "FAIL", f"launch failed (exit {rc}): "
                               f"{_short(text)} (log: {work / (label + '.log')})"))
             continue
+        shutil.rmtree(work / label, ignore_errors=True)  # GoCkpt's checkpoints
         got = json.loads(res.read_text())
         state_gb = got["state_gb"]
         rates.update(got["rates"])
@@ -643,6 +651,8 @@ def schemes_check(backend: str, budget: Budget, width: int, layers: int, rounds:
         figs["checkmate_vs_torchsave"] = round(med["checkmate"] / med["torchsave"], 3)
         ratio += f"; checkmate / torch.save {figs['checkmate_vs_torchsave']:.3f}"
     ok = all(r.status != "FAIL" for r in out)
+    if ok:
+        shutil.rmtree(work, ignore_errors=True)  # kept only where something failed
     out.append(Result(tag, "PASS" if ok else "FAIL",
                       f"{figs['state_gb']} GB state, median of {rounds} rounds, throughput vs "
                       f"none ({med['none']:.2f} it/s): {', '.join(parts)}{ratio}", figs))
