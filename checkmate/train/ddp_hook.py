@@ -70,7 +70,7 @@ class DDPSession(CheckmateSession):
 
     def __init__(self, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
-                 group: Any = None) -> None:
+                 group: Any = None, *, scaler: Any = None) -> None:
         if not isinstance(ddp, DistributedDataParallel):
             raise CheckmateError(f"DDPSession needs a torch DistributedDataParallel model, "
                                  f"got {type(ddp).__name__}")
@@ -91,7 +91,8 @@ class DDPSession(CheckmateSession):
         if pg is not None and dist.get_world_size(pg) != layout.world:
             raise CheckmateError(f"the DDP process group has {dist.get_world_size(pg)} "
                                  f"ranks, the layout says world {layout.world}")
-        super().__init__(module, optimizer, scheduler, layout, max_grad_norm, group)
+        super().__init__(module, optimizer, scheduler, layout, max_grad_norm, group,
+                         scaler=scaler)
         self.ddp = ddp
         self._pg = pg
         self._names = {id(p): n for n, p in module.named_parameters()}

@@ -102,11 +102,12 @@ class FSDPSession(CheckmateSession):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
-                 group: Any = None) -> None:
+                 group: Any = None, *, scaler: Any = None) -> None:
         if layout.mode not in ("host", "off"):
             raise CheckmateError(f"an FSDP2 job feeds the shadows in host mode only (or runs "
                                  f"without them: off), got mode {layout.mode!r}")
-        super().__init__(model, optimizer, scheduler, layout, max_grad_norm, group)
+        super().__init__(model, optimizer, scheduler, layout, max_grad_norm, group,
+                         scaler=scaler)
         world, rank = layout.world, layout.rank
         #: Per parameter name, its element range [lo, hi) on every rank (in rank order).
         self.shards = shard_ranges(self.spec, world)
