@@ -259,8 +259,12 @@ class CheckmateSession:
         job = envmod.read()
         group = None
         if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=job.rank, world_size=job.world)
-        elif dist.get_backend() != "gloo":
+            # On GPUs (checkmate launch binds each worker to its GPU) the job's collectives
+            # run on NCCL: CUDA tensors on NCCL, CPU ones on gloo, in the group the script
+            # sees; Checkmate's own messages still get a gloo group of their own (below).
+            dist.init_process_group(envmod.backend_for(job.device), rank=job.rank,
+                                    world_size=job.world)
+        if dist.get_backend() != "gloo":
             group = dist.new_group(backend="gloo")
         lay = JobLayout(job_id=job.job_id, rank=job.rank, world=job.world,
                         trainers=job.trainers, shadows=job.shadows, shadow_tcp=job.shadow_tcp,
@@ -451,6 +455,12 @@ class CheckmateSession:
         """The gradient path: our ring and CheckmateDDP (checkmate.train.ddp_hook replaces
         it with a comm hook on the user's own DistributedDataParallel)."""
         lay = self.layout
+        dev = next((p.device for p in self.module.parameters() if p.device.type != "cpu"),
+                   None)
+        if dev is not None:
+            raise CheckmateError(f"the model is on {dev}: Checkmate's own ring allreduces "
+                                 "CPU tensors; a GPU model takes DDPSession over torch's "
+                                 "DistributedDataParallel (NCCL) or FSDPSession over FSDP2")
         ip, port = lay.trainers[lay.rank]
         sock = open_socket(ip, port)
         on_reduced = self._on_reduced if lay.mode != "off" else None
@@ -671,9 +681,11 @@ class CheckmateSession:
         # Every rank takes rank 0's buffers (BatchNorm statistics) after each step, as DDP's
         # broadcast_buffers does; they are also what the control message gives the shadows.
         # Buffers are not gradients, so they go over the rendezvous group, not the ring.
+        # On host memory: the group is gloo (a GPU job's buffers come to the host once here;
+        # rank 0's control message encodes them from there too).
         bufs = [b for b in self.module.buffers() if b.numel()]
         if bufs and self.layout.world > 1:
-            flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in bufs])
+            flat = torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for b in bufs])
             dist.broadcast(flat, src=0, group=self.group)
             if self.layout.rank != 0:
                 off = 0
