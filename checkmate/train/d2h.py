@@ -215,14 +215,16 @@ class ShareCopier:
         if not pairs:
             return
         job.done = self.stager.copy(ready, pairs)
-        self._pending.append(job.done)
+        with self._cond:  # a backend may run the hook's callback on a thread of its own
+            self._pending.append(job.done)
         self.stats["submits"] += 1
         self._q.put(job)
 
     def fence(self) -> None:
         """The current stream waits for every copy submitted so far (see the module
         docstring); a sender failure is raised here as one CheckmateError."""
-        pending, self._pending = self._pending, []
+        with self._cond:
+            pending, self._pending = self._pending, []
         for ev in pending:
             self.stager.order_current_after(ev)
         self._raise()

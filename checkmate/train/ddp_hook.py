@@ -6,8 +6,10 @@ communication hook that
 
 1. divides the bucket by the world size and allreduces it (sum) with the backend, exactly as
    torch's default ``allreduce_hook`` does, so the trainer's gradient is stock DDP's;
-2. when the allreduce completes, copies this rank's share of the reduced bucket to the host
-   and sends it to the owning shadows (host replication, the replica log and FEC parity go
+2. when the allreduce completes, takes this rank's share of the reduced bucket (read in
+   place on the CPU; on a GPU copied to pinned host memory asynchronously, on a side stream,
+   and sent by a thread of its own once the copy completed: checkmate.train.d2h) and sends it
+   to the owning shadows (host replication, the replica log and FEC parity go
    through the session's ``_on_reduced``, as the ring's pieces do).
 
 Shares are fixed by the model spec, not by DDP's buckets (which DDP rebuilds after
@@ -64,6 +66,9 @@ class DDPSession(CheckmateSession):
         optimizer, scheduler, layout, max_grad_norm, group: as for CheckmateSession; the
             layout's mode must be ``host`` (trainers send the copies; there is no ckm ring
             for a switch to copy) or ``off`` (no hook, no shadows: the baseline).
+        scaler: the job's torch.amp.GradScaler for fp16 (see CheckmateSession.step).
+        stager: the device-to-host copier's stager (checkmate.train.d2h); None picks it by
+            the parameters' device (CUDA: asynchronous copies; CPU: read in place).
 
     ``sess.model`` is ``ddp``; the loop is the same as with CheckmateSession.
     """

@@ -5,7 +5,8 @@ ranks: rank r holds rows ``[r·c, min((r+1)·c, rows))`` with ``c = ⌈rows/worl
 (torch.chunk's split), and backward's reduce-scatter leaves it the reduced gradient of
 exactly those rows. ``FSDPSession`` builds on that:
 
-- ``step()`` sends this rank's gradient shard of every parameter to the shadows that own
+- ``step()`` sends this rank's gradient shard of every parameter (on a GPU through an
+  asynchronous copy to pinned host memory, checkmate.train.d2h) to the shadows that own
   it (flat offset = the parameter's offset + first row · row size), through the session's
   ``_on_reduced`` (host copies, replica log, FEC parity), *before* clipping, as the ring
   sends the reduced gradient. The shard is read where the optimizer reads it, right before
@@ -96,6 +97,8 @@ class FSDPSession(CheckmateSession):
         optimizer: ``checkmate.optim.SGD``/``Adam``/``AdamW`` over ``model.parameters()``.
         scheduler, layout, max_grad_norm, group: as for CheckmateSession; the layout's mode
             must be ``host`` (trainers send the copies) or ``off`` (the baseline).
+        scaler, stager: as for DDPSession (fp16 loss scaling; the shards' asynchronous
+            copies to the host on GPUs).
 
     ``sess.model`` is ``model``; the loop is the same as with CheckmateSession.
     """

@@ -162,7 +162,11 @@ def rng_seed(seed: int, rank: int, iteration: int) -> int:
 
 
 class CheckmateSession:
-    """Checkmate on one trainer: ring, wrapper, bootstrap, control messages, restore."""
+    """Checkmate on one trainer: ring, wrapper, bootstrap, control messages, restore.
+
+    ``scaler``: the job's ``torch.amp.GradScaler`` for fp16 loss scaling; ``step`` then does
+    unscale, skip and update (checkmate.train.amp), and a restore resumes its state.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
