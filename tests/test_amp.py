@@ -180,8 +180,81 @@ def _bf16_worker(cfg: dict, rank: int, world: int) -> int:
     return 0
 
 
+def _fsdp_fp16_worker(cfg: dict, rank: int, world: int) -> int:
+    """FSDP2 with fp16 autocast and a GradScaler: torch's recipe (found-inf agreed over the
+    ranks, as ShardedGradScaler does: each rank checks only its shards), then FSDPSession
+    with the scaler. Rank 0's local overflow is in its own shard only."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from checkmate.shadow_client import restore_state_dicts
+    from checkmate.train import FSDPSession
+    from checkmate.train.session import rng_seed
+
+    def make() -> tuple:
+        m = _model()
+        for i in (0, 3):
+            fully_shard(m[i])
+        fully_shard(m)
+        opt, sched = _opt(m)
+        return m, opt, sched, _scaler()
+
+    def poison(m: nn.Module, it: int) -> None:
+        if it == INF_LOCAL_AT and rank == 0:
+            with torch.no_grad():
+                next(m.parameters()).grad.to_local().view(-1)[3] = float("inf")
+
+    def full(sd: dict) -> dict:
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+
+    def state(m: nn.Module, opt: torch.optim.Optimizer) -> dict:
+        osd = opt.state_dict()
+        return {"model": full(m.state_dict()),
+                "optimizer": {"state": {i: full(st) for i, st in osd["state"].items()},
+                              "param_groups": osd["param_groups"]}}
+
+    m, opt, sched, scaler = make()
+    for it in range(1, STEPS + 1):
+        torch.manual_seed(rng_seed(SEED, rank, it))
+        opt.zero_grad()
+        scaler.scale(_loss(m, rank, it, torch.float16)).backward()
+        poison(m, it)
+        scaler.unscale_(opt)
+        for v in scaler._found_inf_per_device(opt).values():
+            torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MAX)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if scaler.get_scale() >= before:
+            sched.step()
+    ref = state(m, opt)
+    ref_scaler = scaler.state_dict()
+    m, opt, sched, scaler = make()
+    layout = host_layout(cfg["net"], cfg["ips"], rank, world, SEED)
+    sess = FSDPSession(m, opt, sched, layout, max_grad_norm=1.0, scaler=scaler)
+    sess.start()
+    for it in range(1, STEPS + 1):
+        sess.begin(it)
+        opt.zero_grad()
+        scaler.scale(_loss(m, rank, it, torch.float16)).backward()
+        poison(m, it)
+        sess.step()
+    prot = sess.finish(timeout=30)
+    got = state(m, opt)
+    if rank == 0:
+        msd, osd, sit, _, _ = restore_state_dicts(layout.shadow_tcp, sess.spec, STEPS)
+        torch.save({"ref": ref, "got": got, "ref_scaler": ref_scaler,
+                    "scaler": scaler.state_dict(), "opt_step": sess.opt_step,
+                    "shadow_model": msd, "shadow_optimizer": osd, "iteration": sit,
+                    "protected": prot["protected"]}, cfg["out"])
+    sess.close()
+    return 0
+
+
 def _worker(cfg: dict, rank: int, world: int) -> int:
-    return (_bf16_worker if cfg["job"] == "bf16" else _fp16_worker)(cfg, rank, world)
+    return {"bf16": _bf16_worker, "fp16": _fp16_worker,
+            "fsdp-fp16": _fsdp_fp16_worker}[cfg["job"]](cfg, rank, world)
 
 
 # ----------------------------------------------------------------------------- unit
@@ -293,6 +366,23 @@ def test_fp16_gradscaler_skips_kill_restore_bit_identical(loopback_shadows, tmp_
     assert got[0]["shadow_scaler"] == plain["scaler"]
     assert_state_equal(got[0]["shadow_model"], got[0]["model"], "shadows vs trainers")
     assert_optim_equal(got[0]["shadow_optimizer"], got[0]["optimizer"],
+                       "shadows vs trainers", lrs=False)
+
+
+@pytest.mark.slow
+def test_fsdp2_fp16_gradscaler_agrees_on_a_shard_local_overflow(loopback_shadows, tmp_path):
+    net, ips = loopback_shadows
+    out = tmp_path / "fsdp.pt"
+    res = run_ranks(__file__, json.dumps({"job": "fsdp-fp16", "net": net, "ips": ips,
+                                          "out": str(out)}), 2)
+    assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]
+    got = torch.load(out, weights_only=False)
+    assert got["protected"] is True and got["iteration"] == STEPS
+    assert got["opt_step"] == STEPS - 2 and got["scaler"] == got["ref_scaler"]
+    assert_state_equal(got["got"]["model"], got["ref"]["model"], "FSDP2 vs torch's recipe")
+    assert_optim_equal(got["got"]["optimizer"], got["ref"]["optimizer"], "FSDP2 vs recipe")
+    assert_state_equal(got["shadow_model"], got["got"]["model"], "shadows vs trainers")
+    assert_optim_equal(got["shadow_optimizer"], got["got"]["optimizer"],
                        "shadows vs trainers", lrs=False)
 
 
