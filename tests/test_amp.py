@@ -182,8 +182,9 @@ def _bf16_worker(cfg: dict, rank: int, world: int) -> int:
 
 def _fsdp_fp16_worker(cfg: dict, rank: int, world: int) -> int:
     """FSDP2 with fp16 autocast and a GradScaler: torch's recipe (found-inf agreed over the
-    ranks, as ShardedGradScaler does: each rank checks only its shards), then FSDPSession
-    with the scaler. Rank 0's local overflow is in its own shard only."""
+    ranks, as ShardedGradScaler does; torch's DTensor dispatch reduces it over the mesh
+    too), then FSDPSession with the scaler. Rank 0's local overflow is in its own shard
+    only."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 

@@ -14,7 +14,9 @@ shadows cannot disagree about it:
   product).
 - A step whose gradient holds an inf or nan is skipped: every rank learns whether any rank
   found one (a MAX allreduce of the found-inf flags on the session's gloo group, as torch's
-  ShardedGradScaler does, so FSDP2's per-shard checks agree), the scaler skips
+  ShardedGradScaler does; torch already reduces the flags of FSDP2's DTensor gradients over
+  their mesh, this makes every path agree, e.g. a gradient changed on one rank after DDP's
+  reduction), the scaler skips
   ``optimizer.step()`` on every rank, the scheduler does not step and no optimizer step is
   counted, and the control message says ``skip``: the shadows commit the iteration without
   stepping.
