@@ -137,3 +137,43 @@ def test_the_ring_refuses_a_cuda_model(tmp_path):
     sess = CheckmateSession(model, SGD(model.parameters(), lr=0.1), None, lay)
     with pytest.raises(CheckmateError, match="DDPSession"):
         sess._start_comm(1)
+
+
+# ----------------------------------------------------------------------------- end to end
+GPU_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpu.py"
+
+
+def _launch_example(tmp_path: Path, name: str, amp: str, env: dict[str, str] | None = None
+                    ) -> tuple[str, dict]:
+    out = tmp_path / f"{name}.pt"
+    p = subprocess.run(
+        [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
+         "--shadows", "2", "--max-restarts", "1", str(GPU_EXAMPLE), "--steps", "12",
+         "--width", "64", "--batch", "16", "--amp", amp, "--out", str(out)],
+        capture_output=True, text=True, timeout=400,
+        env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return p.stdout + p.stderr, torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_the_gpu_example_restarts_bit_identical_with_fp16_scaling(tmp_path):
+    """examples/train_gpu.py as the launcher runs it (on the CPU here: gloo, CPU fp16
+    autocast, GradScaler("cpu")): a SIGKILLed rank, the group restarted and resumed from the
+    shadows, ends as the clean run -- model, optimizer, scheduler and scaler."""
+    import random
+
+    rank, at = random.randrange(2), random.randrange(3, 11)
+    why = f"rank {rank} killed at iteration {at}"
+    clean, ref = _launch_example(tmp_path, "clean", "fp16")
+    killed, got = _launch_example(tmp_path, "killed", "fp16",
+                                  {"CHECKMATE_KILL_AT": f"{rank}:{at}"})
+    assert "restarting the worker group" in killed and "resumed from the shadows" in killed, \
+        (why, killed[-3000:])
+    assert ref["scaler"]["scale"] > 0 and got["scaler"] == ref["scaler"], why
+    assert got["scheduler"] == ref["scheduler"] and got["steps"] == ref["steps"], why
+    for k, v in ref["model"].items():
+        assert torch.equal(got["model"][k], v), (why, k)
+    for i, st in ref["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["optimizer"]["state"][i][k], v), (why, i, k)
