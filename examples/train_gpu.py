@@ -29,13 +29,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--amp", choices=sorted(AMP), default="none")
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                    help="the job's process group (default: nccl on a GPU, gloo on the CPU; "
+                         "gloo on a GPU allreduces CUDA tensors through the host)")
     ap.add_argument("--out", help="rank 0 saves the final state here (torch.save)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(args.backend or ("nccl" if cuda else "gloo"))
     rank = dist.get_rank()
     torch.manual_seed(0)  # every rank builds the same initial model
     w = args.width
