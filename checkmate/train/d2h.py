@@ -83,7 +83,7 @@ class CudaStager:
                 # the source was allocated on the training stream: keep the allocator from
                 # handing its memory out again before this stream has read it
                 src.record_stream(self.stream)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # the sender thread sleeps, not spins
             done.record(self.stream)
         return done
 

@@ -103,7 +103,7 @@ def check_placement(optimizer: torch.optim.Optimizer) -> None:
 
 def restore_trainer(addrs: list[tuple[str, int]], model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, scheduler: Any = None,
-            iteration: int | None = None) -> tuple[int, dict]:
+            iteration: int | None = None, scaler: Any = None) -> tuple[int, dict]:
     """Load the shadows' consistent point (or ``iteration``) into live trainer objects.
 
     The one call for a single process; ``restore_session`` is the same for every rank of a
@@ -119,7 +119,7 @@ def restore_trainer(addrs: list[tuple[str, int]], model: torch.nn.Module,
     if why is not None:
         raise CheckmateError(f"restore: {why}")
     model_sd, optim_sd, it, _, extra = restore_state_dicts(addrs, theirs, iteration)
-    load_trainer_state(model, optimizer, scheduler, model_sd, optim_sd, extra)
+    load_trainer_state(model, optimizer, scheduler, model_sd, optim_sd, extra, scaler)
     return it, extra.get("user", {})
 
 
