@@ -135,20 +135,31 @@ def test_a_failed_send_is_one_line_at_the_next_fence():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CudaStager needs a CUDA device")
 def test_cuda_stager_copies_the_share_to_pinned_memory():
+    """Values, order, and no host synchronization in submit and fence: torch's sync debug
+    mode turns any synchronizing CUDA call there into an error (from the third iteration,
+    when both pinned buffers of each parameter exist)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     rec = _Recorder()
     c = ShareCopier(CudaStager(dev), rec)
-    for it in range(1, 4):
+    for it in range(1, 6):
         parts, _ = _parts(it)
         parts = [(k, t.to(dev), s) for k, t, s in parts]
         torch.cuda.current_stream(dev).synchronize()  # the test's own inputs are ready
-        c.submit(it, 0, parts)
-        c.fence()
-        for _, t, _ in parts:
-            t.fill_(float("nan"))  # ordered after the copy by the fence
+        if it >= 3:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            c.submit(it, 0, parts)
+            c.fence()
+            for _, t, _ in parts:
+                t.fill_(float("nan"))  # ordered after the copy by the fence
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        if it == 2:
+            c.drain()  # both buffers back in the pool before the checked iterations
     c.drain()
     c.close()
-    assert [g[2] for g in rec.got] == [_expected(it) for it in range(1, 4)]
+    assert [g[2] for g in rec.got] == [_expected(it) for it in range(1, 6)]
+    assert c.stats["buffers"] == 4
 
 
 # ----------------------------------------------------------------------------- end to end
