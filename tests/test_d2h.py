@@ -138,13 +138,32 @@ def test_cuda_stager_copies_the_share_to_pinned_memory():
     """Values, order, and no host synchronization in submit and fence: torch's sync debug
     mode turns any synchronizing CUDA call there into an error (from the third iteration,
     when both pinned buffers of each parameter exist)."""
+    class Gated:  # the sender's wait, held until the checked window closed (the debug
+        def __init__(self, ev: object, gate: threading.Event) -> None:  # mode is global)
+            self.ev, self.gate = ev, gate
+
+        def synchronize(self) -> None:
+            self.gate.wait()
+            self.ev.synchronize()
+
+    class GatedStager(CudaStager):
+        gate = threading.Event()
+
+        def copy(self, after: object, pairs: list) -> Gated:
+            return Gated(super().copy(after, pairs), self.gate)
+
+        def order_current_after(self, event: Gated) -> None:
+            super().order_current_after(event.ev)
+
     dev = torch.device("cuda", torch.cuda.current_device())
     rec = _Recorder()
-    c = ShareCopier(CudaStager(dev), rec)
+    stager = GatedStager(dev)
+    c = ShareCopier(stager, rec)
     for it in range(1, 6):
         parts, _ = _parts(it)
         parts = [(k, t.to(dev), s) for k, t, s in parts]
         torch.cuda.current_stream(dev).synchronize()  # the test's own inputs are ready
+        stager.gate.clear()
         if it >= 3:
             torch.cuda.set_sync_debug_mode("error")
         try:
@@ -154,6 +173,7 @@ def test_cuda_stager_copies_the_share_to_pinned_memory():
                 t.fill_(float("nan"))  # ordered after the copy by the fence
         finally:
             torch.cuda.set_sync_debug_mode(0)
+            stager.gate.set()
         if it == 2:
             c.drain()  # both buffers back in the pool before the checked iterations
     c.drain()
