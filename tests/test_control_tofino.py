@@ -260,6 +260,11 @@ class SdeBfrt:
                     if self.pool_pfc_limit(pool, cos) == 0:
                         bad.append(f"{pool}: PFC limit 0 for cos {cos} (SDE default for "
                                    "pools other than 0)")
+        for d in ppgs:  # bf_rt_tm_tf1.json:689: past pool_max_cells a PPG with a BAF
+            # grows into whatever buffer is free, so pool_max no longer bounds its share
+            if d.get("dynamic_baf") != "DISABLE":
+                bad.append(f"PPG on dev_port {d['dev_port']}: dynamic_baf not DISABLE, its "
+                           "share of the pool is unbounded by pool_max_cells")
         skid = sum(d.get("pfc_skid_max_cells", 0) for d in ppgs)
         if self.pool_cells["IG_SKID_POOL"] < skid:
             bad.append(f"IG_SKID_POOL: {self.pool_cells['IG_SKID_POOL']} cells < the "
@@ -312,6 +317,7 @@ def test_bfrt_script_programs_ports_pfc_and_the_ckm_priority_group(cfg):
         assert v["pool_max_cells"] == s.xoff_cells == 340
         assert v["hysteresis_cells"] == s.xoff_cells - s.xon_cells == 226
         assert v["pfc_skid_max_cells"] == s.headroom_cells == 931
+        assert v["dynamic_baf"] == "DISABLE"
     # docs/pfc.md: lossless pool 6 x 340, skid 6 x 931, the default pool untouched
     assert bfrt.pool_cells["IG_APP_POOL_1"] == 6 * 340 == 2040
     assert bfrt.pool_cells["IG_SKID_POOL"] == 6 * 931 == 5586
@@ -342,6 +348,7 @@ def test_the_double_refuses_the_script_of_fc59cb5():
     assert any(b.startswith("IG_SKID_POOL: 0 cells < the lossless PPGs' headroom 5586")
                for b in bad), bad
     assert sum("pool_max_cells 0" in b for b in bad) == 6, bad
+    assert sum("dynamic_baf not DISABLE" in b for b in bad) == 6, bad
 
 
 @pytest.mark.parametrize("line,needle", [
@@ -378,6 +385,8 @@ def test_the_audit_finds_each_missing_piece(cfg):
         assert cut != script
         bad = SdeBfrt().run(cut).audit()
         assert any(needle in b for b in bad), (prefix, bad)
+    bad = SdeBfrt().run(script.replace(", dynamic_baf='DISABLE'", "")).audit()
+    assert sum("dynamic_baf not DISABLE" in b for b in bad) == 6, bad
 
 
 def test_a_plan_the_buffer_cannot_hold_is_refused(cfg):

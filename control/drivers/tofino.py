@@ -47,7 +47,8 @@ def ppg_ids(plan: Plan) -> dict[int, tuple[int, int]]:
 def bfrt_script(plan: Plan) -> str:
     """bfrt_python commands for every port of the plan: speed, FEC, MTU and PFC on the ckm
     priority in the port table; PFC sent for the ckm priority and the identity icos -> cos
-    map; one lossless priority group per port holding only icos CKM_PRIORITY; and the
+    map; one lossless priority group per port holding only icos CKM_PRIORITY, with a static
+    share of the lossless pool (no dynamic burst absorption past pool_max_cells); and the
     buffer carving of tofino_tm (dedicated lossless pool, skid pool, gmin pool; the
     default application pool untouched)."""
     prio = pfc.CKM_PRIORITY
@@ -91,7 +92,7 @@ def bfrt_script(plan: Plan) -> str:
             + ", ".join(f"icos_{i}={i == prio}" for i in range(8))
             + f", pfc_enable=True, guaranteed_cells={c.guaranteed}, "
             f"hysteresis_cells={c.hysteresis}, pfc_skid_max_cells={c.skid}, "
-            f"pool_id='{CKM_POOL}', pool_max_cells={c.pool_max})",
+            f"pool_id='{CKM_POOL}', pool_max_cells={c.pool_max}, dynamic_baf='DISABLE')",
             "",
         ]
     return "\n".join(lines)

@@ -66,7 +66,7 @@ class PpgCells:
     """One lossless PPG's thresholds, in cells."""
 
     guaranteed: int  # gmin: one max frame
-    pool_max: int  # share in LOSSLESS_POOL: PFC is sent once it is used (xoff)
+    pool_max: int  # share in LOSSLESS_POOL, static (dynamic_baf DISABLE): PFC once used (xoff)
     hysteresis: int  # RESUME once usage fell this far below the limit (xoff - xon)
     skid: int  # headroom, from the global skid pool
 
