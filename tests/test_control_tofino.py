@@ -26,6 +26,7 @@ lossless class needs against these definitions (module tests below).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -441,3 +442,18 @@ def test_stratum_packing_is_a_bf_pipeline_config():
     assert profile[0] == 0x1A
     assert profile[2:] == (b"\x0a\x04pipe" + b"\x12\x01C" + b"\x1a\x02\x00\x01"
                            + b"\x22\x02\x00\x02")
+
+
+def test_docs_cell_table_is_the_codes():
+    """docs/pfc.md's per-speed, per-cable table is what pfc and tofino_tm compute."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "pfc.md").read_text()
+    table = doc[doc.index("<!-- pfc-cells-table -->"):doc.index("<!-- /pfc-cells-table -->")]
+    rows = [r for r in table.splitlines() if re.match(r"\| \d+G \|", r)]
+    assert len(rows) == 32
+    for row in rows:
+        speed, cable, mtu, *cells = (c.strip() for c in row.strip("|").split("|"))
+        speed, cable, mtu = int(speed[:-1]), int(cable.split()[0]), int(mtu)
+        s = pfc.pfc_settings(speed, cable, mtu)
+        c = tofino_tm.ppg_cells(s, mtu)
+        assert [int(x) for x in cells] == [s.headroom_bytes, c.skid, s.xoff_bytes, c.pool_max,
+                                           s.xon_bytes, c.hysteresis, c.guaranteed], row
