@@ -677,3 +677,69 @@ def test_parser_untagged_ckm_and_plain_traffic():
     frame = _ckm_frame(vlan_pcp=3)
     hdr, meta, last = run_parser(frame[:14 + 4 + 20 + 8 + 10])
     assert last == "error:parse_ckm" and meta["ckm_port"] == 1 and "ckm" not in hdr
+
+
+# -- build commands ----------------------------------------------------------------------
+#: The P4Info suffixes p4c knows ("unknown file kind; known suffixes are .bin, .txt, .json,
+#: and .txtpb", its answer to .binpb).
+P4C_P4INFO_SUFFIXES = {".bin", ".txt", ".json", ".txtpb"}
+
+
+def _commands(text: str) -> list[list[str]]:
+    """Shell commands in ``text`` (comment stars and indentation stripped, backslash
+    continuations joined), each as its words."""
+    lines = [re.sub(r"^\s*\*?\s*", "", ln) for ln in text.splitlines()]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [ln.split() for ln in joined.splitlines()
+            if ln.split() and ln.split()[0] in ("mkdir", "p4c-bm2-ss", "bf-p4c")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_build_commands_work_as_written(arch):
+    """The commands in the program's header and in docs/architecture.md are the same, make
+    the folder they write into, give p4c only P4Info suffixes it knows, and write where
+    the controller reads (control/pipeline.py)."""
+    from checkmate.control import pipeline
+
+    raw = (P4 / f"checkmate_{arch}.p4").read_text()
+    header = raw[:raw.index("*/")]
+    doc = (P4.parent / "docs" / "architecture.md").read_text()
+    doc = doc[doc.index("<!-- p4-build-commands -->"):doc.index("<!-- /p4-build-commands -->")]
+    compiler = {"v1model": "p4c-bm2-ss", "tna": "bf-p4c"}[arch]
+    program = f"p4/{pipeline.PROGRAMS[arch]}.p4"
+    cmds = [c for c in _commands(header) if c[0] == "mkdir" or c[0] == compiler]
+    assert [c for c in _commands(doc) if c[-1] == program or
+            (c[0] == "mkdir" and c[-1].endswith(pipeline.PROGRAMS[arch]))] == cmds
+    (mkdir, compile_), = [cmds]
+    folder = f"build/p4/{pipeline.PROGRAMS[arch]}"
+    assert mkdir == ["mkdir", "-p", folder]
+    assert compile_[-1] == program
+    out = compile_[compile_.index("-o") + 1]
+    assert out == (folder if arch == "tna" else f"{folder}/{pipeline.PROGRAMS[arch]}.json")
+    files = compile_[compile_.index("--p4runtime-files") + 1].split(",")
+    assert all(Path(f).suffix in P4C_P4INFO_SUFFIXES for f in files), files
+    assert all(str(Path(f).parent) == folder for f in files), files
+    names = [Path(f).name for f in files]
+    assert set(names) <= set(pipeline.P4INFO_FILES)
+    if arch == "tna":  # the binary one carries Tofino extern payloads through
+        assert "p4info.bin" in names
+    for inc in ("p4", "p4/include"):
+        assert inc in [compile_[i + 1] for i, w in enumerate(compile_) if w == "-I"]
+
+
+def test_parser_reads_nothing_uninitialized():
+    """p4c warned "may be uninitialized" for what the callers passed in and for the
+    parsers' out meta: the shared parser takes only out parameters and sets every metadata
+    field in its first state."""
+    text = include("checkmate_parser.p4")
+    sig = re.search(r"parser CkmPacketParser\(([^)]*)\)", text).group(1)
+    params = [p.split() for p in sig.split(",")][1:]  # after packet_in
+    assert all(p[0] == "out" for p in params), params
+    assert [p[2] for p in params] == [h for h in headers_struct() if h != "bridge"] + ["meta"]
+    body = block(text, text.index("parser CkmPacketParser("))
+    start = block(body, body.index("state start"))
+    assert set(re.findall(r"meta\.(\w+)\s*=", start)) == set(_meta_widths())
+    for arch in ARCHS:
+        calls = re.findall(r"packet_parser\.apply\(([^)]*)\);", source(arch))
+        assert calls and all(c.split(", ")[1:] == [f"hdr.{p[2]}" for p in params[:-1]]
+                             + ["meta"] for c in calls), calls
