@@ -14,6 +14,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# -- the ckm length rule -----------------------------------------------------------------
+#: (count, dtype, payload bytes, well-formed) where a bounded 16-bit form of the rule (the
+#: P4 programs' CkmLengthCheck) could part from count * size == payload over unbounded
+#: integers (the kernel switch's 64-bit length_ok): products that wrap 16 or 32 bits onto
+#: the real payload, counts past each dtype's bound, an unknown dtype. The verdicts are
+#: written out, not computed; test_dataplane sends them through the kernel switch and
+#: test_p4_sources runs them through the P4 text.
+LENGTH_RULE_CASES = [
+    (1, 0, 4, True), (3, 1, 6, True), (3, 2, 6, True), (16, 3, 16, True),
+    (4, 0, 12, False),                # count disagrees with the payload
+    ((1 << 14) + 1, 0, 4, False),     # float32: 16385 * 4 = 65540, 4 in 16 bits
+    ((1 << 15) + 1, 1, 2, False),     # bfloat16: 32769 * 2, 2 in 16 bits
+    ((1 << 15) + 1, 2, 2, False),     # float16 likewise
+    ((1 << 16) + 1, 3, 1, False),     # bytes: count[15:0] is 1
+    ((1 << 30) + 1, 0, 4, False),     # float32: 4 in 32 bits
+    (4, 4, 16, False),                # unknown dtype
+]
+
+
 # -- P4Runtime ---------------------------------------------------------------------------
 # The compiler's P4Info fixtures (tests/fixtures/p4c/README.md) and a P4Runtime switch
 # double for the controller tests.

@@ -18,7 +18,14 @@ import re
 from pathlib import Path
 
 import pytest
-from fakes import COMPILED_AT, COMPILED_BEHIND, compiled_fixture, compiled_p4info, fixture_p4info
+from fakes import (
+    COMPILED_AT,
+    COMPILED_BEHIND,
+    LENGTH_RULE_CASES,
+    compiled_fixture,
+    compiled_p4info,
+    fixture_p4info,
+)
 
 from checkmate import config, wire, wire_gen
 from checkmate.control import p4info as p4info_mod
@@ -385,6 +392,11 @@ def test_length_check_is_the_kernel_switchs_rule():
     cases = [(n, c, d) for n in sorted(lengths) for c in sorted(counts) for d in dtypes]
     wrong = [x for x in cases if p4_length_check(*x) != kernel_length_rule(*x)]
     assert wrong == []
+    # the cases the kernel switch is sent in test_dataplane, with their written verdicts
+    for count, dtype, payload, ok in LENGTH_RULE_CASES:
+        udp_length = 8 + wire.HEADER_LEN + payload
+        assert p4_length_check(udp_length, count, dtype) == ok, (count, dtype, payload)
+        assert kernel_length_rule(udp_length, count, dtype) == ok, (count, dtype, payload)
     assert sum(kernel_length_rule(*x) for x in cases) > 20  # the accepting side is covered
     # and a datagram the senders build passes it
     h = wire.Header(flags=wire.Flags.REPLICATE, count=5, dtype=wire.DType.FLOAT32)
