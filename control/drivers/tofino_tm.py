@@ -14,8 +14,9 @@ next to that carving instead of shrinking it, the way Tofino PFC deployments do:
 
 The defaults below are the SDE's own, from the open-source Tofino SDE
 (github.com/p4lang/open-p4studio at 1f97778f9ad5c8165bfce552fffe27c69887756b),
-pkgsrc/bf-drivers/src/traffic_mgr/init/tm_tofino.h and tm_tofino_default.h; the line
-numbers are given per constant.
+pkgsrc/bf-drivers/src/traffic_mgr/init/tm_tofino.h and tm_tofino_default.h, and the table
+definitions from pkgsrc/bf-drivers/src/bf_rt/bf_rt_tm/bf_rt_tm_tf1.json; the line numbers
+are given per constant.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ DEFAULT_APP_POOL_0_CELLS = DEFAULT_CARVING_CELLS - (
 DEFAULT_POOL = "IG_APP_POOL_0"
 #: The dedicated pool of the lossless PPGs (unused by the default carving).
 LOSSLESS_POOL = "IG_APP_POOL_1"
-#: bf_rt_tm_tf1.json:789 and 792: pool.cfg key choices for the skid pool and the global gmin
-#: (the latter only settable on Tofino 2 and later, tm_api_pool.c:388-390).
+#: bf_rt_tm_tf1.json:789 and 792: pool.cfg key choices for the skid pool (pool.cfg's mod of
+#: it calls bf_tm_pool_skid_size_set: bf_rt_tm_table_impl_pool.cpp:29-30) and the global
+#: gmin (settable on Tofino 2 and later only, tm_api_pool.c:388-390).
 SKID_POOL = "IG_SKID_POOL"
 GMIN_POOL = "IG_EG_GUARANTEED_MIN"
 
