@@ -127,7 +127,7 @@ def kernel_source(flags: rule.AdamFlags | rule.SgdFlags, grad_dtype: torch.dtype
             ty = GRAD_TL[grad_dtype] if s == "g" else "tl.float32"
             lines.append(f"    {s}_ptr = tl.load(ptrs + t * {len(slots)} + {slots.index(s)})"
                          f".to(tl.pointer_type({ty}))")
-    lines.append("    zero = tl.zeros([BLOCK], dtype=tl.int32)")
+    lines.append("    zero = tl.full([BLOCK], 0, tl.int32)")
     for i, n in scalars:  # broadcast: tl.fma / tl.div_rn need equal shapes
         lines.append(f"    {n} = tl.load(sc + {i} + zero)")
     for s in inputs:
