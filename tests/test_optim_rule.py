@@ -499,7 +499,7 @@ def _parse_op(expr: str) -> tuple[str, tuple[str, ...]]:
     raise AssertionError(f"not one rule operation: {expr}")
 
 
-@pytest.mark.parametrize("form", ["direct", "table"])
+@pytest.mark.parametrize("form", triton_step.FORMS)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 def test_triton_source_is_exactly_the_rule_in_order(grad_dtype, form) -> None:
     for flags in ALL_ADAM_FLAGS + ALL_SGD_FLAGS:
@@ -585,9 +585,13 @@ def interpreted_triton(monkeypatch, hw_fma):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(interp.InterpreterBuilder, "create_fma", create_fma)
     monkeypatch.setattr(interp.InterpreterBuilder, "create_fp_ext", create_fp_ext)
-    monkeypatch.setattr(triton_step, "DIRECT_MIN", 8192)  # both kernel forms run
+    monkeypatch.setattr(triton_step, "DIRECT_MIN", 8192)  # every kernel form runs
+    forms: set[str] = set()
+    real = triton_step._kernel
+    monkeypatch.setattr(triton_step, "_kernel",
+                        lambda f, d, form, i: forms.add(form) or real(f, d, form, i))
     triton_step.launch_options.cache_clear()
-    yield
+    yield forms
     triton_step.launch_options.cache_clear()
 
 
@@ -598,7 +602,8 @@ def interpreted_triton(monkeypatch, hw_fma):
 def test_triton_kernel_under_interpreter_equals_numba(interpreted_triton, kind, cls,
                                                       grad_dtype) -> None:
     rng = np.random.default_rng(9)
-    shapes = [(N,), (3000,), (1,), (97, 5)]  # direct, table, table, table
+    # direct + tail, table16 + tail, tail only, table16 + tail: every kernel form runs
+    shapes = [(N,), (3000,), (1,), (97, 5)]
     params = [[torch.nn.Parameter(torch.from_numpy(awkward(np.random.default_rng(i), int(
         np.prod(s)), False)).reshape(s)) for i, s in enumerate(shapes)] for _ in range(2)]
     hp = {"sgd": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
@@ -618,6 +623,39 @@ def test_triton_kernel_under_interpreter_equals_numba(interpreted_triton, kind, 
             for slot, t0 in opts[0].state[p0].items():
                 if torch.is_tensor(t0) and slot != "step":
                     assert_same(opts[1].state[p1][slot], t0, f"{kind} {slot}")
+    assert interpreted_triton == set(triton_step.FORMS)
+
+
+@pytest.mark.skipif(not _triton_installed(), reason="triton is not installed here (the "
+                    "GPU machine has it; the device check runs the kernel on CUDA)")
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("flags", [rule.AdamFlags(True, False, True, True),
+                                   rule.AdamFlags(False, True, False, False),
+                                   rule.SgdFlags(True, rule.MOMENTUM, True),
+                                   rule.SgdFlags(False, rule.FIRST_MOMENTUM, False)],
+                         ids=lambda f: f.tag)
+def test_triton_ptx_for_h100_has_exactly_the_rules_rounded_operations(flags, grad_dtype):
+    """Compiled for sm_90 here (no GPU needed): per element, the rule's fma, mul, add, sub,
+    div and sqrt, each ``.rn`` (round to nearest, no FTZ, nothing approximate, no
+    multiply-add the rule does not have); aligned forms load with 128-bit vectors."""
+    tracer = (rule.trace_adam(flags) if isinstance(flags, rule.AdamFlags)
+              else rule.trace_sgd(flags))[0]
+    per_elem = {op: sum(1 for _, o, _ in tracer.ops if o == op)
+                for op in ("fma", "mul", "add", "sub", "div", "sqrt")}
+    per_thread = triton_step.BLOCK // (32 * triton_step.NUM_WARPS)
+    for form in triton_step.FORMS:
+        text = triton_step.ptx(flags, grad_dtype, form)
+        for op, k in per_elem.items():
+            found = len(re.findall(rf"\b{op}\.rn\.f32\b", text))
+            # the compiler may recompute a value (it did: bf16 g*gscale, once per layout),
+            # never contract one: fma exactly as the rule has them, the others at least
+            ok = found == k * per_thread if op == "fma" else (
+                found >= k * per_thread and (found == 0) == (k == 0))
+            assert ok, (form, op, found, k)
+        assert not re.search(r"\.ftz|\.approx|\bmad(\.\w+)*\.f32|\bfma\.(?!rn\.f32)|\.f64\b",
+                             text)
+        vec = re.search(r"ld\.global(\.\w+)*\.v[248]", text)
+        assert bool(vec) == (form != "table"), form
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -14,7 +14,8 @@ statement per operation, each exact in float32:
 
 Libdevice's flush-to-zero is switched off at launch where this Triton has the option
 (``enable_reflect_ftz=False``), so subnormals are kept as IEEE float32 keeps them. Scalars
-are broadcast to the block first (``tl.fma`` and ``tl.div_rn`` do not broadcast).
+are loaded once per program and splat over the block (``tl.fma`` and ``tl.div_rn`` do not
+broadcast).
 
 Two forms share the body: a *direct* kernel (one tensor per launch, pointer arguments that
 Triton knows to be aligned, for large tensors) and a *table* kernel (many tensors in one
@@ -46,6 +47,12 @@ BLOCK = 1024
 NUM_WARPS = 4
 #: tensors at least this large get a launch of their own (direct kernel).
 DIRECT_MIN = 1 << 22
+
+#: kernel forms: one tensor per launch; a table of tensors whose pointers are 16-byte
+#: aligned and sizes multiples of 16 (hinted, so loads are vectorized); any table.
+FORMS = ("direct", "table16", "table")
+#: a table16 row's element count is a multiple of this, and its pointers of 16 bytes.
+ALIGN = 16
 
 #: one Triton expression per rule operation.
 EMIT = {
@@ -99,7 +106,7 @@ def kernel_source(flags: rule.AdamFlags | rule.SgdFlags, grad_dtype: torch.dtype
     """Python source of one Triton kernel (``form``: ``"direct"`` or ``"table"``)."""
     if grad_dtype not in GRAD_TL:
         raise CheckmateError(f"no Triton kernel for {grad_dtype} gradients")
-    if form not in ("direct", "table"):
+    if form not in FORMS:
         raise CheckmateError(f"unknown kernel form {form!r}")
     lay = _layout(flags)
     tracer, outs, slots = lay["tracer"], lay["outs"], lay["slots"]
@@ -117,19 +124,22 @@ def kernel_source(flags: rule.AdamFlags | rule.SgdFlags, grad_dtype: torch.dtype
         lines += ["    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)",
                   "    mask = offs < n"]
     else:
+        # table16: the host guarantees the hints (launch() checks every pointer)
+        hint = (lambda x, k: f"tl.multiple_of({x}, {k})") if form == "table16" else (
+            lambda x, k: x)
         lines.append(f"def {name}(ptrs, scal, blk_t, blk_lo, lens, BLOCK: tl.constexpr):")
         lines += ["    pid = tl.program_id(0)",
                   "    t = tl.load(blk_t + pid).to(tl.int64)",
-                  "    offs = tl.load(blk_lo + pid) + tl.arange(0, BLOCK)",
-                  "    mask = offs < tl.load(lens + t)",
+                  f"    offs = {hint('tl.load(blk_lo + pid)', 'BLOCK')} + tl.arange(0, BLOCK)",
+                  f"    mask = offs < {hint('tl.load(lens + t)', ALIGN)}",
                   f"    sc = scal + t * {ns}"]
         for s in ptr_slots:
             ty = GRAD_TL[grad_dtype] if s == "g" else "tl.float32"
-            lines.append(f"    {s}_ptr = tl.load(ptrs + t * {len(slots)} + {slots.index(s)})"
-                         f".to(tl.pointer_type({ty}))")
-    lines.append("    zero = tl.full([BLOCK], 0, tl.int32)")
-    for i, n in scalars:  # broadcast: tl.fma / tl.div_rn need equal shapes
-        lines.append(f"    {n} = tl.load(sc + {i} + zero)")
+            ptr = (f"tl.load(ptrs + t * {len(slots)} + {slots.index(s)})"
+                   f".to(tl.pointer_type({ty}))")
+            lines.append(f"    {s}_ptr = {hint(ptr, ALIGN)}")
+    for i, n in scalars:  # one load per program, splat: tl.fma / tl.div_rn need equal shapes
+        lines.append(f"    {n} = tl.full([BLOCK], tl.load(sc + {i}), tl.float32)")
     for s in inputs:
         conv = ".to(tl.float32)" if s == "g" and grad_dtype != torch.float32 else ""
         lines.append(f"    {s} = tl.load({s}_ptr + offs, mask=mask, other=0.0){conv}")
@@ -211,6 +221,35 @@ def _kernel(flags: rule.AdamFlags | rule.SgdFlags, grad_dtype: torch.dtype, form
     return getattr(mod, name)
 
 
+def ptx(flags: rule.AdamFlags | rule.SgdFlags, grad_dtype: torch.dtype, form: str,
+        arch: int = 90) -> str:
+    """The PTX Triton makes of a kernel for ``sm_<arch>`` with the launch options, as a
+    launch with 16-byte aligned tensors and a size divisible by 16 would specialize it.
+    Needs triton but no GPU (tests read it: every float op ``.rn``, no ``.ftz``)."""
+    triton = _triton()
+    if triton is None:
+        raise CheckmateError("triton is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    lay = _layout(flags)
+    elem = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+    if form == "direct":
+        sig = {f"{s}_ptr": elem[grad_dtype] if s == "g" else "*fp32" for s in lay["ptr_slots"]}
+        aligned = list(range(len(sig))) + [len(sig) + 1]  # the pointers and n
+        sig.update({"sc": "*fp32", "n": "i64"})
+    else:
+        sig = {"ptrs": "*i64", "scal": "*fp32", "blk_t": "*i32", "blk_lo": "*i64",
+               "lens": "*i64"}
+        aligned = list(range(len(sig)))
+    sig["BLOCK"] = "constexpr"
+    src = ASTSource(fn=_kernel(flags, grad_dtype, form, False), signature=sig,
+                    constexprs={"BLOCK": BLOCK},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    opts = {k: v for k, v in launch_options().items()}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts).asm["ptx"]
+
+
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """A small host table on ``device`` without making the host wait for the device."""
     t = torch.from_numpy(np.ascontiguousarray(a))
@@ -252,24 +291,40 @@ def launch(flags: rule.AdamFlags | rule.SgdFlags, rows: list[dict[str, torch.Ten
     lay = _layout(flags)
     slots, ptr_slots = lay["slots"], lay["ptr_slots"]
     scal = np.asarray(scal, np.float32).reshape(len(rows), -1)
-    big = [i for i, r in enumerate(rows) if r["p"].numel() >= DIRECT_MIN]
-    small = [i for i, r in enumerate(rows) if 0 < r["p"].numel() < DIRECT_MIN]
-    if big:
-        scal_dev = _to_device(scal[big], device)
+    # Each tensor: its largest multiple of ALIGN elements goes to a hinted kernel (direct
+    # when large) if every pointer is 16-byte aligned; the rest (a tail of < ALIGN
+    # elements, or the whole of a misaligned tensor) to the plain table kernel.
+    parts: dict[str, list[tuple[dict[str, torch.Tensor], int]]] = {f: [] for f in FORMS}
+    for i, r in enumerate(rows):
+        n = r["p"].numel()
+        aligned = all(r[s].data_ptr() % 16 == 0 for s in ptr_slots)
+        bulk = n - n % ALIGN if aligned else 0
+        if bulk:
+            form = "direct" if bulk >= DIRECT_MIN else "table16"
+            parts[form].append(({s: r[s][:bulk] for s in ptr_slots}, i))
+        if bulk < n:
+            parts["table"].append(({s: r[s][bulk:] for s in ptr_slots}, i))
+    if parts["direct"]:
         k = _kernel(flags, grad_dtype, "direct", interp)
-        for j, i in enumerate(big):
-            n = rows[i]["p"].numel()
-            k[(triton_cdiv(n, BLOCK),)](*[rows[i][s] for s in ptr_slots], scal_dev[j], n,
+        scal_dev = _to_device(scal[[i for _, i in parts["direct"]]], device)
+        for j, (r, _) in enumerate(parts["direct"]):
+            n = r["p"].numel()
+            k[(triton_cdiv(n, BLOCK),)](*[r[s] for s in ptr_slots], scal_dev[j], n,
                                         BLOCK=BLOCK, **opts)
-    if small:
-        table = np.zeros((len(small), len(slots)), np.int64)
-        for j, i in enumerate(small):
-            for c, s in enumerate(slots):
-                if s in ptr_slots:
-                    table[j, c] = rows[i][s].data_ptr()
-        blk_t, blk_lo, lens = _block_map(tuple(rows[i]["p"].numel() for i in small), device)
-        k = _kernel(flags, grad_dtype, "table", interp)
-        k[(blk_t.numel(),)](_to_device(table, device), _to_device(scal[small], device), blk_t,
+    for form in ("table16", "table"):
+        if not parts[form]:
+            continue
+        table = np.zeros((len(parts[form]), len(slots)), np.int64)
+        for j, (r, _) in enumerate(parts[form]):
+            for s in ptr_slots:
+                table[j, slots.index(s)] = r[s].data_ptr()
+        if form == "table16" and (table % 16).any():  # the kernel's hints rely on it
+            raise CheckmateError("internal: a misaligned tensor reached the aligned kernel")
+        blk_t, blk_lo, lens = _block_map(tuple(r["p"].numel() for r, _ in parts[form]),
+                                         device)
+        k = _kernel(flags, grad_dtype, form, interp)
+        k[(blk_t.numel(),)](_to_device(table, device),
+                            _to_device(scal[[i for _, i in parts[form]]], device), blk_t,
                             blk_lo, lens, BLOCK=BLOCK, **opts)
 
 
