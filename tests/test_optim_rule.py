@@ -224,6 +224,30 @@ def test_sgd_exact_torch_equals_numba_kernels(case: str, grad_dtype: torch.dtype
             assert_same(dev[k], ref[k], f"{case} step {step} slot {k}")
 
 
+def test_the_data_exposes_a_one_ulp_error_in_any_scalar() -> None:
+    """The awkward data is sensitive: nudging any one Adam scalar by one ulp changes the
+    result (so the equalities above cannot hold by the updates being absorbed)."""
+    rng = np.random.default_rng(8)
+    p0, g = awkward(rng, N, False), awkward(rng, N, False)
+    s = ops.adam_scalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                         decoupled=True, step=2, gscale=np.float32(0.37109375))
+    flags = rule.AdamFlags.of(s, True)
+
+    def run(scalars: np.ndarray) -> list[torch.Tensor]:
+        t = [torch.from_numpy(p0.copy())] + [torch.from_numpy(np.abs(g) * 1e-3)
+                                               for _ in range(3)]
+        exact_torch.adam(t[0], torch.from_numpy(g), t[1], t[2], t[3], scalars, flags)
+        return t
+    base = run(s)
+    for i, name in enumerate(rule.ADAM_SCALARS):
+        if name in ("wd", "l2", "base_is_avg"):
+            continue  # not used by this variant (flags), so no effect is right
+        nudged = s.copy()
+        nudged[i] = np.nextafter(s[i], np.float32(np.inf))
+        out = run(nudged)
+        assert any((bits(a) != bits(b)).any() for a, b in zip(out, base, strict=True)), name
+
+
 def test_exact_torch_path_chunks_do_not_change_results(monkeypatch) -> None:
     """Chunking (the float64 temporaries' bound) is invisible in the result."""
     rng = np.random.default_rng(5)
