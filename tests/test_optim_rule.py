@@ -623,6 +623,7 @@ def interpreted_triton(monkeypatch, hw_fma):
                     "GPU machine has it; the device check runs the kernel on CUDA)")
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("kind,cls", CLASSES, ids=[c[0] for c in CLASSES])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on inf/NaN data: meant
 def test_triton_kernel_under_interpreter_equals_numba(interpreted_triton, kind, cls,
                                                       grad_dtype) -> None:
     rng = np.random.default_rng(9)

@@ -16,6 +16,7 @@ inexact path: a tensor no executor can step exactly is one :class:`CheckmateErro
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -73,7 +74,8 @@ def executor_for(requested: str, device: torch.device) -> str:
 
 def _check(t: torch.Tensor | None, what: str, device: torch.device, n: int,
            dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> torch.Tensor:
-    """``t`` if an exact executor can step it in place, else one CheckmateError line."""
+    """``t`` if an exact executor can step it in place, else one CheckmateError line
+    (cheap: this runs for every tensor of every step)."""
     if t is None:
         raise CheckmateError(f"{what} is missing")
     if t.layout != torch.strided:
@@ -87,29 +89,36 @@ def _check(t: torch.Tensor | None, what: str, device: torch.device, n: int,
         raise CheckmateError(f"{what} must be contiguous (strides {tuple(t.stride())})")
     if t.numel() != n:
         raise CheckmateError(f"{what} has {t.numel()} elements, its parameter {n}")
-    return t.detach().view(-1)
+    return t
 
 
 @dataclass
 class Row:
-    """One tensor's flat slots (names as in triton_step: p, g, m, v, vmax, buf) and its
-    kernel scalars."""
+    """One tensor's slots (names as in triton_step: p, g, m, v, vmax, buf; checked: dense,
+    contiguous, one device, equal sizes) and its kernel scalars."""
 
     slots: dict[str, torch.Tensor]
     scalars: np.ndarray
 
 
-def adam_row(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-             exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None,
-             scalars: np.ndarray, amsgrad: bool) -> Row:
-    """Checked flat views of one Adam parameter's tensors."""
+def check_pair(param: torch.Tensor, grad: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The parameter and its gradient, checked (one CheckmateError line otherwise)."""
     if param.layout != torch.strided:
         raise CheckmateError(f"parameter is {param.layout}: only dense tensors can be stepped "
                              "exactly")
     dev, n = param.device, param.numel()
-    slots = {"p": _check(param, "parameter", dev, n),
-             "g": _check(grad, "gradient", dev, n, GRAD_DTYPES),
-             "m": _check(exp_avg, "state exp_avg", dev, n),
+    return {"p": _check(param, "parameter", dev, n),
+            "g": _check(grad, "gradient", dev, n, GRAD_DTYPES)}
+
+
+def adam_row(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+             exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None,
+             scalars: np.ndarray, amsgrad: bool, pair_checked: bool = False) -> Row:
+    """One Adam parameter's tensors, checked (the parameter and gradient already, if
+    ``pair_checked``)."""
+    dev, n = param.device, param.numel()
+    slots = {"p": param, "g": grad} if pair_checked else check_pair(param, grad)
+    slots |= {"m": _check(exp_avg, "state exp_avg", dev, n),
              "v": _check(exp_avg_sq, "state exp_avg_sq", dev, n)}
     if amsgrad:
         slots["vmax"] = _check(max_exp_avg_sq, "state max_exp_avg_sq", dev, n)
@@ -117,14 +126,10 @@ def adam_row(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 
 def sgd_row(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None,
-            scalars: np.ndarray, momentum: bool) -> Row:
-    """Checked flat views of one SGD parameter's tensors."""
-    if param.layout != torch.strided:
-        raise CheckmateError(f"parameter is {param.layout}: only dense tensors can be stepped "
-                             "exactly")
+            scalars: np.ndarray, momentum: bool, pair_checked: bool = False) -> Row:
+    """One SGD parameter's tensors, checked (see adam_row)."""
     dev, n = param.device, param.numel()
-    slots = {"p": _check(param, "parameter", dev, n),
-             "g": _check(grad, "gradient", dev, n, GRAD_DTYPES)}
+    slots = {"p": param, "g": grad} if pair_checked else check_pair(param, grad)
     if momentum:
         slots["buf"] = _check(buf, "state momentum_buffer", dev, n)
     return Row(slots, np.asarray(scalars, np.float32))
@@ -135,7 +140,7 @@ def run(flags: rule.AdamFlags | rule.SgdFlags, rows: list[Row], executor: str) -
     numba executor has its own entry points in :mod:`checkmate.optim.ops`)."""
     if executor == "torch":
         for r in rows:
-            s = r.slots
+            s = {k: t.detach().view(-1) for k, t in r.slots.items()}
             if isinstance(flags, rule.AdamFlags):
                 exact_torch.adam(s["p"], s["g"], s["m"], s["v"], s.get("vmax"), r.scalars,
                                  flags)
@@ -148,7 +153,10 @@ def run(flags: rule.AdamFlags | rule.SgdFlags, rows: list[Row], executor: str) -
     for r in rows:
         groups.setdefault((str(r.slots["p"].device), r.slots["g"].dtype), []).append(r)
     for group in groups.values():
-        triton_step.launch(flags, [r.slots for r in group], np.stack([r.scalars for r in group]))
+        dev = group[0].slots["p"].device
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            triton_step.launch(flags, [r.slots for r in group],
+                               np.stack([r.scalars for r in group]))
 
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,

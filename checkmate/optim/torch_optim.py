@@ -161,10 +161,9 @@ class SGD(_KernelOptimizer):
         s = ops.sgd_scalars(lr=hp["lr"], momentum=mom, dampening=hp["dampening"],
                             weight_decay=hp["weight_decay"],
                             gscale=ops.gscale_of(None, hp["maximize"]))
-        for p in params:  # refuse before any state changes
-            device.sgd_row(_local(p), _local(p.grad), None, s, False)
-        by_flags: dict[rule.SgdFlags, list[device.Row]] = {}
-        for p in params:
+        pairs = [device.check_pair(_local(p), _local(p.grad)) for p in params]  # refuse before
+        by_flags: dict[rule.SgdFlags, list[device.Row]] = {}  # any state changes
+        for p, pair in zip(params, pairs, strict=True):
             state = self.state[p]
             buf = state.get("momentum_buffer")
             first = buf is None
@@ -173,8 +172,8 @@ class SGD(_KernelOptimizer):
             elif buf is None:
                 buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["momentum_buffer"] = buf
-            row = device.sgd_row(_local(p), _local(p.grad), None if mom == 0 else _local(buf),
-                                 s, mom != 0)
+            row = device.sgd_row(pair["p"], pair["g"], None if mom == 0 else _local(buf), s,
+                                 mom != 0, pair_checked=True)
             flags = rule.SgdFlags.of(s, ops.sgd_mode(mom, hp["nesterov"], first))
             by_flags.setdefault(flags, []).append(row)
         for flags, rows in by_flags.items():
@@ -307,26 +306,25 @@ class Adam(_KernelOptimizer):
         b1, b2 = hp["betas"]
         ams = hp["amsgrad"]
         none = np.zeros(len(rule.ADAM_SCALARS), np.float32)
-        for p in params:  # refuse before any state changes
-            lp, lg = _local(p), _local(p.grad)
-            device.adam_row(lp, lg, lp, lp, lp, none, False)
-        states = [self._init_state(p, hp) for p in params]
-        rows = [device.adam_row(_local(p), _local(p.grad), _local(st["exp_avg"]),
+        pairs = [device.check_pair(_local(p), _local(p.grad)) for p in params]  # refuse
+        states = [self._init_state(p, hp) for p in params]  # before any state changes
+        rows = [device.adam_row(pair["p"], pair["g"], _local(st["exp_avg"]),
                                 _local(st["exp_avg_sq"]),
-                                _local(st["max_exp_avg_sq"]) if ams else None, none, ams)
-                for p, st in zip(params, states, strict=True)]
+                                _local(st["max_exp_avg_sq"]) if ams else None, none, ams,
+                                pair_checked=True)
+                for pair, st in zip(pairs, states, strict=True)]
         gscale = ops.gscale_of(None, hp["maximize"])
-        cache: dict[int, np.ndarray] = {}
+        cache: dict[int, tuple[np.ndarray, rule.AdamFlags]] = {}
         by_flags: dict[rule.AdamFlags, list[device.Row]] = {}
         for row, st in zip(rows, states, strict=True):
             step = _count_step(st)
             if step not in cache:
-                cache[step] = ops.adam_scalars(lr=hp["lr"], beta1=b1, beta2=b2, eps=hp["eps"],
-                                               weight_decay=hp["weight_decay"],
-                                               decoupled=self._decoupled(hp), step=step,
-                                               gscale=gscale)
-            row.scalars = cache[step]
-            by_flags.setdefault(rule.AdamFlags.of(row.scalars, ams), []).append(row)
+                sc = ops.adam_scalars(lr=hp["lr"], beta1=b1, beta2=b2, eps=hp["eps"],
+                                      weight_decay=hp["weight_decay"],
+                                      decoupled=self._decoupled(hp), step=step, gscale=gscale)
+                cache[step] = (sc, rule.AdamFlags.of(sc, ams))
+            row.scalars, flags = cache[step]
+            by_flags.setdefault(flags, []).append(row)
         for flags, group_rows in by_flags.items():
             device.run(flags, group_rows, ex)
 

@@ -293,38 +293,36 @@ def launch(flags: rule.AdamFlags | rule.SgdFlags, rows: list[dict[str, torch.Ten
     scal = np.asarray(scal, np.float32).reshape(len(rows), -1)
     # Each tensor: its largest multiple of ALIGN elements goes to a hinted kernel (direct
     # when large) if every pointer is 16-byte aligned; the rest (a tail of < ALIGN
-    # elements, or the whole of a misaligned tensor) to the plain table kernel.
-    parts: dict[str, list[tuple[dict[str, torch.Tensor], int]]] = {f: [] for f in FORMS}
+    # elements, or the whole of a misaligned tensor) to the plain table kernel. Table rows
+    # are addresses: (address per slot, elements, row of scal).
+    direct: list[tuple[dict[str, torch.Tensor], int, int]] = []
+    tables: dict[str, list[tuple[list[int], int, int]]] = {"table16": [], "table": []}
     for i, r in enumerate(rows):
         n = r["p"].numel()
-        aligned = all(r[s].data_ptr() % 16 == 0 for s in ptr_slots)
-        bulk = n - n % ALIGN if aligned else 0
-        if bulk:
-            form = "direct" if bulk >= DIRECT_MIN else "table16"
-            parts[form].append(({s: r[s][:bulk] for s in ptr_slots}, i))
+        addr = [r[s].data_ptr() if s in ptr_slots else 0 for s in slots]
+        bulk = 0 if any(a % 16 for a in addr) else n - n % ALIGN
+        if bulk >= DIRECT_MIN:
+            direct.append((r, bulk, i))
+        elif bulk:
+            tables["table16"].append((addr, bulk, i))
         if bulk < n:
-            parts["table"].append(({s: r[s][bulk:] for s in ptr_slots}, i))
-    if parts["direct"]:
+            tail = [a + bulk * r[s].element_size() if a else 0
+                    for a, s in zip(addr, slots, strict=True)]
+            tables["table"].append((tail, n - bulk, i))
+    if direct:
         k = _kernel(flags, grad_dtype, "direct", interp)
-        scal_dev = _to_device(scal[[i for _, i in parts["direct"]]], device)
-        for j, (r, _) in enumerate(parts["direct"]):
-            n = r["p"].numel()
+        scal_dev = _to_device(scal[[i for _, _, i in direct]], device)
+        for j, (r, n, _) in enumerate(direct):
             k[(triton_cdiv(n, BLOCK),)](*[r[s] for s in ptr_slots], scal_dev[j], n,
                                         BLOCK=BLOCK, **opts)
-    for form in ("table16", "table"):
-        if not parts[form]:
+    for form, items in tables.items():
+        if not items:
             continue
-        table = np.zeros((len(parts[form]), len(slots)), np.int64)
-        for j, (r, _) in enumerate(parts[form]):
-            for s in ptr_slots:
-                table[j, slots.index(s)] = r[s].data_ptr()
-        if form == "table16" and (table % 16).any():  # the kernel's hints rely on it
-            raise CheckmateError("internal: a misaligned tensor reached the aligned kernel")
-        blk_t, blk_lo, lens = _block_map(tuple(r["p"].numel() for r, _ in parts[form]),
-                                         device)
+        table = np.array([a for a, _, _ in items], np.int64)
+        blk_t, blk_lo, lens = _block_map(tuple(n for _, n, _ in items), device)
         k = _kernel(flags, grad_dtype, form, interp)
         k[(blk_t.numel(),)](_to_device(table, device),
-                            _to_device(scal[[i for _, i in parts[form]]], device), blk_t,
+                            _to_device(scal[[i for _, _, i in items]], device), blk_t,
                             blk_lo, lens, BLOCK=BLOCK, **opts)
 
 
