@@ -45,8 +45,8 @@ NO_CUDA = "needs a CUDA device (none on this machine): the device check runs it"
 def bits(x: torch.Tensor | np.ndarray) -> np.ndarray:
     """int32 bit patterns with every NaN as one canonical pattern."""
     a = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
-    b = a.astype(np.float32, copy=False).view(np.int32).copy()
-    b[np.isnan(a)] = 0x7FC00000
+    b = a.astype(np.float32, copy=False).reshape(-1).view(np.int32).copy()
+    b[np.isnan(a.reshape(-1))] = 0x7FC00000
     return b
 
 
@@ -248,6 +248,32 @@ def test_the_data_exposes_a_one_ulp_error_in_any_scalar() -> None:
         assert any((bits(a) != bits(b)).any() for a, b in zip(out, base, strict=True)), name
 
 
+@pytest.mark.parametrize("executor", ["auto", "numba", "torch"])
+def test_low_level_tensor_steps_take_any_shape_and_leaf_parameters(executor: str) -> None:
+    """device.adam_step / sgd_step on a 2-D parameter that requires grad, by every CPU
+    executor, equal ops.* on the flat arrays."""
+    rng = np.random.default_rng(6)
+    p0, g = awkward(rng, 600, False), awkward(rng, 600, True)
+    ref = p0.copy()
+    m, v = np.zeros(600, np.float32), np.zeros(600, np.float32)
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True,
+              amsgrad=False, step=1, clip_coef=0.5)
+    ops.adam_step(ref, g, m, v, None, **kw)
+    p = torch.nn.Parameter(torch.from_numpy(p0.copy()).reshape(20, 30))
+    tm, tv = torch.zeros(20, 30), torch.zeros(20, 30)
+    device.adam_step(p, torch.from_numpy(g).reshape(20, 30), tm, tv, None, executor=executor,
+                     **kw)
+    assert_same(p, ref, "adam param")
+    assert_same(tm, m, "adam exp_avg")
+    ref_b, ref_p = np.zeros(600, np.float32), p0.copy()
+    ops.sgd_step(ref_p, g, ref_b, lr=0.1, momentum=0.9, first=True)
+    q, b = torch.nn.Parameter(torch.from_numpy(p0.copy()).reshape(20, 30)), torch.zeros(20, 30)
+    device.sgd_step(q, torch.from_numpy(g).reshape(20, 30), b, lr=0.1, momentum=0.9,
+                    first=True, executor=executor)
+    assert_same(q, ref_p, "sgd param")
+    assert_same(b, ref_b, "sgd buffer")
+
+
 def test_exact_torch_path_chunks_do_not_change_results(monkeypatch) -> None:
     """Chunking (the float64 temporaries' bound) is invisible in the result."""
     rng = np.random.default_rng(5)
@@ -408,6 +434,7 @@ REFUSED = {
     "float64 parameter": (lambda: torch.zeros(8, dtype=torch.float64), None, "float32"),
     "bfloat16 parameter": (lambda: torch.zeros(8, dtype=torch.bfloat16), None, "float32"),
     "non-contiguous parameter": (lambda: torch.zeros(4, 6).t(), None, "contiguous"),
+    "sparse parameter": (lambda: torch.zeros(8).to_sparse(), None, "sparse_coo"),
     "sparse gradient": (lambda: torch.zeros(8), lambda p: torch.zeros(8).to_sparse(),
                         "sparse_coo"),
     "float64 gradient": (lambda: torch.zeros(8),

@@ -173,7 +173,7 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                          gscale=ops.gscale_of(clip_coef, maximize))
     row = adam_row(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad)
     if ex == "numba":
-        sl = row.slots
+        sl = {k: t.detach().view(-1) for k, t in row.slots.items()}
         ops.adam_step(sl["p"].numpy(), _kernel_grad(sl["g"]), sl["m"].numpy(), sl["v"].numpy(),
                       sl["vmax"].numpy() if amsgrad else None, lr=lr, beta1=beta1,
                       beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
@@ -195,7 +195,7 @@ def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Ten
                         weight_decay=weight_decay, gscale=ops.gscale_of(clip_coef, maximize))
     row = sgd_row(param, grad, momentum_buffer, s, momentum != 0)
     if ex == "numba":
-        sl = row.slots
+        sl = {k: t.detach().view(-1) for k, t in row.slots.items()}
         ops.sgd_step(sl["p"].numpy(), _kernel_grad(sl["g"]),
                      sl["buf"].numpy() if momentum != 0 else None, lr=lr, momentum=momentum,
                      dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
