@@ -481,6 +481,21 @@ def test_state_on_another_device_is_refused() -> None:
     assert "elements" in _one_line(e)
 
 
+def test_a_refused_momentum_buffer_creates_no_other_buffer() -> None:
+    """SGD: a parameter's first step sets its buffer to the gradient; a buffer created for
+    it while another parameter's buffer is refused would turn that into a later step."""
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    b.grad = torch.ones(4)
+    opt = co.SGD([a, b], lr=0.1, momentum=0.9, dampening=0.5, executor="torch")
+    opt.step()  # b has a buffer now, a none (no gradient yet)
+    a.grad = torch.ones(4)
+    opt.state[b]["momentum_buffer"] = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(CheckmateError) as e:
+        opt.step()
+    assert "momentum_buffer" in _one_line(e)
+    assert opt.state[a].get("momentum_buffer") is None
+
+
 def test_devices_without_an_exact_path_and_bad_executors_are_refused(monkeypatch) -> None:
     p = torch.zeros(8, device="meta")
     with pytest.raises(CheckmateError) as e:

@@ -161,8 +161,14 @@ class SGD(_KernelOptimizer):
         s = ops.sgd_scalars(lr=hp["lr"], momentum=mom, dampening=hp["dampening"],
                             weight_decay=hp["weight_decay"],
                             gscale=ops.gscale_of(None, hp["maximize"]))
-        pairs = [device.check_pair(_local(p), _local(p.grad)) for p in params]  # refuse before
-        by_flags: dict[rule.SgdFlags, list[device.Row]] = {}  # any state changes
+        # refuse before any state changes (a buffer created for one parameter while another
+        # is refused would make the next step take the later-step rule on a zero buffer)
+        pairs = [device.check_pair(_local(p), _local(p.grad)) for p in params]
+        for p, pair in zip(params, pairs, strict=True):
+            if mom != 0 and self.state[p].get("momentum_buffer") is not None:
+                device.sgd_row(pair["p"], pair["g"], _local(self.state[p]["momentum_buffer"]),
+                               s, True, pair_checked=True)
+        by_flags: dict[rule.SgdFlags, list[device.Row]] = {}
         for p, pair in zip(params, pairs, strict=True):
             state = self.state[p]
             buf = state.get("momentum_buffer")
