@@ -17,11 +17,13 @@ Libdevice's flush-to-zero is switched off at launch where this Triton has the op
 are loaded once per program and splat over the block (``tl.fma`` and ``tl.div_rn`` do not
 broadcast).
 
-Two forms share the body: a *direct* kernel (one tensor per launch, pointer arguments that
-Triton knows to be aligned, for large tensors) and a *table* kernel (many tensors in one
-launch: an int64 table of their addresses, one program per block). Either is one pass over
-memory. triton is imported only when a kernel is first needed; generated modules are
-written to a cache directory so Triton can read their source.
+Three forms share the body: a *direct* kernel (one tensor per launch, pointer arguments
+that Triton knows to be aligned; for huge tensors), an aligned *table16* kernel (many
+tensors in one launch: an int64 table of their 16-byte aligned addresses, sizes multiples
+of 16, one program per block, alignment hints so loads are 128-bit) and a plain *table*
+kernel (tails and misaligned tensors). Each is one pass over memory. triton is imported
+only when a kernel is first needed; generated modules are written to a cache directory so
+Triton can read their source.
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ from checkmate.optim import rule
 BLOCK = 1024
 #: warps per program.
 NUM_WARPS = 4
-#: tensors at least this large get a launch of their own (direct kernel).
-DIRECT_MIN = 1 << 22
+#: tensors at least this large get a launch of their own (direct kernel). The aligned table
+#: kernel is as fast per element (a program's table lookups are a few cached loads against
+#: 28 KiB of Adam traffic) and steps a whole group in one launch, with fewer kernels to
+#: compile; the direct form is for tensors whose block table alone would be large.
+DIRECT_MIN = 1 << 28
 
 #: kernel forms: one tensor per launch; a table of tensors whose pointers are 16-byte
 #: aligned and sizes multiples of 16 (hinted, so loads are vectorized); any table.
