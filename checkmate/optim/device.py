@@ -68,7 +68,7 @@ def executor_for(requested: str, device: torch.device) -> str:
     if not _warned_slow:
         _warned_slow = True
         print("checkmate.optim: triton is not available, so CUDA parameters step on the exact "
-              "torch path (bit-identical to the shadows, several times slower)", file=sys.stderr)
+              "torch path (bit-identical to the shadows, tens of times slower)", file=sys.stderr)
     return "torch"
 
 
