@@ -46,3 +46,17 @@ def test_bench_reports_both_optimizers_and_the_ratio() -> None:
     assert out["torch_fused_ms"] > 0 and out["checkmate_ms"] > 0
     assert out["ratio"] == pytest.approx(out["checkmate_ms"] / out["torch_fused_ms"])
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_run_all_prints_one_line_per_check_and_a_summary() -> None:
+    lines: list[str] = []
+    assert dc.run_all(n=12_000, steps=3, device="cpu", executor="torch", print_line=lines.append)
+    assert len(lines) == len(dc.CASES) + 3 + 1
+    assert all(": ok (" in line for line in lines[:-1])
+    assert lines[-1] == f"optim: {len(lines) - 1}/{len(lines) - 1} checks passed"
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(capsys) -> None:
+    assert dc.main(["--device", "cpu", "--executor", "triton", "--n", "100", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("checkmate.optim.device_check: error:")

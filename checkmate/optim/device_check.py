@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 import checkmate.optim as co
+from checkmate.errors import cli_guard
 from checkmate.optim import device as dev
 from checkmate.optim import triton_step
 
@@ -203,3 +204,52 @@ def bench_adamw(n: int = 100_000_000, steps: int = 20, device: str = "cuda",
     out["ratio"] = out["checkmate_ms"] / out["torch_fused_ms"]
     out["triton_direct_min"] = triton_step.DIRECT_MIN
     return out
+
+
+def run_all(n: int = 10_000_000, steps: int = 50, device: str = "cuda",
+            executor: str = "auto", bench_n: int = 100_000_000,
+            print_line: Any = print) -> bool:
+    """Every CASES entry with clipping, the 16-bit gradient cases, and (on CUDA) the speed
+    ratio: one line each, then a summary line. True if every check passed."""
+    results = []
+    runs = [(name, kind, hp, "float32", True) for name, kind, hp in CASES]
+    runs += [(f"adamw-amsgrad-maximize-{d}", "adamw", CASES[-1][2], d, False)
+             for d in ("bfloat16", "float16")]
+    runs += [("sgd-nesterov-maximize-bfloat16", "sgd", CASES[2][2], "bfloat16", False)]
+    for name, kind, hp, gd, clip in runs:
+        r = check_case(kind, hp, n=n, steps=steps, device=device, grad_dtype=gd, clip=clip,
+                       executor=executor)
+        results.append(r.ok)
+        print_line(f"optim {name}{' +clip' if clip else ''}: {'ok' if r.ok else 'FAIL'} "
+                   f"({r.detail}; {r.seconds:.1f} s)")
+    if torch.device(device).type == "cuda" and bench_n:
+        b = bench_adamw(n=bench_n, device=device, executor=executor)
+        ok = b["ratio"] <= 2.0
+        results.append(ok)
+        print_line(f"optim speed: {'ok' if ok else 'FAIL'} (AdamW {b['params']} params in "
+                   f"{b['tensors']} tensors: checkmate {b['checkmate_ms']:.2f} ms/step "
+                   f"[{b['executor']}], torch fused {b['torch_fused_ms']:.2f} ms/step, "
+                   f"ratio {b['ratio']:.2f}, target <= 2)")
+    print_line(f"optim: {sum(results)}/{len(results)} checks passed")
+    return all(results)
+
+
+@cli_guard("checkmate.optim.device_check")
+def main(argv: list[str] | None = None) -> int:
+    """``python -m checkmate.optim.device_check``: run_all; exit 0 when every check passed."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="checkmate.optim.device_check",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=10_000_000, help="elements per case")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--executor", default="auto", choices=dev.EXECUTORS)
+    ap.add_argument("--bench-n", type=int, default=100_000_000,
+                    help="parameters of the speed check (0: skip it)")
+    a = ap.parse_args(argv)
+    return 0 if run_all(a.n, a.steps, a.device, a.executor, a.bench_n) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
