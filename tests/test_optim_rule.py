@@ -674,7 +674,7 @@ def test_triton_kernel_under_interpreter_equals_numba(interpreted_triton, kind, 
     params = [[torch.nn.Parameter(torch.from_numpy(awkward(np.random.default_rng(i), int(
         np.prod(s)), False)).reshape(s)) for i, s in enumerate(shapes)] for _ in range(2)]
     hp = {"sgd": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
-          "adam": dict(lr=1e-2, weight_decay=0.1, amsgrad=True),
+          "adam": dict(lr=1e-2, weight_decay=0.1, amsgrad=True, betas=(0.3, 0.5)),
           "adamw": dict(lr=1e-2, weight_decay=0.1, maximize=True)}[kind]
     opts = [cls(params[0], executor="numba", **hp), cls(params[1], executor="triton", **hp)]
     for it in range(3):
@@ -737,7 +737,7 @@ def test_cuda_optimizer_equals_shadow_kernels(kind, cls, monkeypatch) -> None:
     cpu = [torch.nn.Parameter(torch.from_numpy(awkward(rng, n, False))) for n in shapes]
     gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
     hp = {"sgd": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
-          "adam": dict(lr=1e-2, weight_decay=0.1, amsgrad=True),
+          "adam": dict(lr=1e-2, weight_decay=0.1, amsgrad=True, betas=(0.3, 0.5)),
           "adamw": dict(lr=1e-2, weight_decay=0.1, maximize=True)}[kind]
     opts = [cls(cpu, executor="numba", **hp), cls(gpu, **hp)]
     for it in range(3):
