@@ -16,24 +16,30 @@ optimizer step of iteration t0, a window opens:
   several writer threads); once every rank's partition of t0 + k is written, the joined
   checkpoint (plain ``dcp.load``) is published beside them.
 
-The trainer pays for the copies only: (partition state / k) + (the gradient of what was sent)
-per step of the window, never a pause for the whole state. ``restore`` reads the newest
-iteration every partition wrote. Several ranks share a directory on one node; across nodes
-the directory must be shared storage.
+The copies overlap training (checkmate.copyengine): a slice is copied on a copy stream into
+pinned host memory while the next step's forward and backward compute, and only that next
+optimizer step waits for it (on CUDA a device-side wait: the host never blocks); the
+gradient of the sent slices is snapshot on the device (it is clipped in place right after)
+and leaves the device the same way. A sender thread hands each completed host buffer to the
+process in issue order and returns it to the pool. So the trainer's cost per step of the
+window is issuing the copies (plus the gradient's device snapshot), never a pause for the
+state. ``restore`` reads the newest iteration every partition wrote. Several ranks share a
+directory on one node; across nodes the directory must be shared storage.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from checkmate import gockpt_worker
+from checkmate import copyengine, gockpt_worker
 from checkmate.errors import CheckmateError
 from checkmate.spec import ModelSpec, difference
 
@@ -75,11 +81,12 @@ class GoCkpt:
         self.cuts = [(start + (end - start) * i // n, start + (end - start) * (i + 1) // n)
                      for i in range(n)]
         self.t0: int | None = None  # the open window's first iteration
-        self._grad: np.ndarray | None = None
+        self._grad: tuple[int, copyengine.Ticket] | None = None
         #: Newest iteration this rank's process wrote; errors it reported.
         self.committed: int | None = None
         self.errors: list[str] = []
-        #: Windows opened, bytes copied to the process, seconds the trainer spent copying.
+        #: Windows opened, bytes handed to the process, seconds the training thread spent
+        #: issuing copies and at fences (the copies themselves overlap training).
         self.stats: dict[str, float] = {"windows": 0, "bytes": 0, "seconds": 0.0,
                                         "persist_seconds": 0.0}
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads
@@ -90,6 +97,16 @@ class GoCkpt:
         self._proc.start()
         child.close()
         self._closed = False
+        # Copies in flight are bounded by twice the partition's state and gradient: a
+        # window's worth ahead of a slow process, then the trainer waits for buffers.
+        part_bytes = 4 * (end - start) * (len(self.spec.slots) + 1)
+        self.engine = copyengine.engine_for(_device_of(model), limit=max(2 * part_bytes,
+                                                                          1 << 26))
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._send_error: str | None = None
+        self._thread = threading.Thread(target=self._sender, name=f"ckm-gockpt-send-{rank}",
+                                        daemon=True)
+        self._thread.start()
         # Training starts once the process runs, holds its lock and has compiled its
         # kernels: a window never waits for them, and a kill never finds it half started.
         try:
@@ -105,15 +122,23 @@ class GoCkpt:
 
     # ------------------------------------------------------------------ per iteration
     def before_clip(self, it: int) -> None:
-        """Copy the gradient of the slices already sent (steps t0+1..t0+k of a window)."""
-        self._grad = None
-        if self.t0 is None or not 1 <= it - self.t0 <= len(self.cuts):
-            return
-        from checkmate.train.reseed import capture_gradient
-
+        """Before iteration ``it`` clips and steps: the slice copied after the previous step
+        must be read first (a fence, not a host wait on CUDA); then the gradient of the
+        slices already sent (steps t0+1..t0+k of a window) starts its copy."""
+        self._check_sender()
         t = time.perf_counter()
-        a, b = self.cuts[0][0], self.cuts[it - self.t0 - 1][1]
-        self._grad = capture_gradient(self.spec, self.params, a, b)
+        self.engine.fence()
+        self._grad = None
+        if self.t0 is not None and 1 <= it - self.t0 <= len(self.cuts):
+            a, b = self.cuts[0][0], self.cuts[it - self.t0 - 1][1]
+            parts = []
+            for p, lo, hi in self.spec.pieces(a, b):
+                g = self.params[p.name].grad
+                if g is None:
+                    raise CheckmateError(f"parameter {p.name} has no gradient to checkpoint "
+                                         "with")
+                parts.append((p.offset + lo - a, _flat(g, lo, hi, p.name)))
+            self._grad = (b - a, self.engine.copy(b - a, parts, stage=True))
         self.stats["seconds"] += time.perf_counter() - t
 
     def after_step(self, it: int, step: int, control: dict[str, Any]) -> None:
@@ -121,11 +146,13 @@ class GoCkpt:
         gradient and next slice, or a new window."""
         t = time.perf_counter()
         self._answers()
+        self._check_sender()
         if self.t0 is not None:
             j = it - self.t0
             if self._grad is None:
                 raise CheckmateError(f"gockpt: iteration {it} stepped without before_clip()")
-            self._send(("iteration", it, len(self._grad), _control(control)), [self._grad])
+            count, ticket = self._grad
+            self._send(("iteration", it, count, _control(control)), [ticket])
             self._grad = None
             if j < len(self.cuts):
                 self._piece(j, it, step)
@@ -139,21 +166,54 @@ class GoCkpt:
         self.stats["seconds"] += time.perf_counter() - t
 
     def _piece(self, j: int, it: int, step: int) -> None:
-        from checkmate.train.reseed import capture_range
-
+        """Slice j's copy, one host buffer per slot (slots with no state yet are zeros, as
+        in ``ModelSpec.flat_from_state_dicts``)."""
         a, b = self.cuts[j]
-        arrays = capture_range(self.spec, self.params, self.optimizer, a, b)
-        self._send(("piece", it, step, a, b - a), [arrays[s] for s in self.spec.slots])
+        tickets = []
+        for s in self.spec.slots:
+            parts, missing = [], False
+            for p, lo, hi in self.spec.pieces(a, b):
+                t = self.params[p.name]
+                v = t if s == "param" else self.optimizer.state.get(t, {}).get(s)
+                if torch.is_tensor(v):
+                    parts.append((p.offset + lo - a, _flat(v, lo, hi, p.name)))
+                else:
+                    missing = True
+            tickets.append(self.engine.copy(b - a, parts, zero=missing))
+        self._send(("piece", it, step, a, b - a), tickets)
 
-    def _send(self, head: tuple, arrays: list[np.ndarray]) -> None:
-        try:
-            self._conn.send(head)
-            for x in arrays:
-                self._conn.send_bytes(memoryview(np.ascontiguousarray(x)).cast("B"))
-                self.stats["bytes"] += x.nbytes
-        except (BrokenPipeError, EOFError, OSError):
-            raise CheckmateError(f"gockpt: the checkpoint process of rank {self.rank} is "
-                                 f"gone (exit code {self._proc.exitcode})") from None
+    def _send(self, head: tuple, tickets: list[copyengine.Ticket]) -> None:
+        """Queue a message for the sender thread (it keeps the order)."""
+        self._queue.put((head, tickets))
+
+    def _sender(self) -> None:
+        """Send each queued message once its copies completed; release their buffers."""
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            head, tickets = item
+            try:
+                if self._send_error is None:
+                    self._conn.send(head)
+                    for tk in tickets:
+                        x = tk.numpy()
+                        self._conn.send_bytes(memoryview(x).cast("B"))
+                        self.stats["bytes"] += x.nbytes
+            except (BrokenPipeError, EOFError, OSError, CheckmateError) as e:
+                self._send_error = (f"gockpt: the checkpoint process of rank {self.rank} is "
+                                    f"gone (exit code {self._proc.exitcode})"
+                                    if not isinstance(e, CheckmateError) else str(e))
+            finally:
+                for tk in tickets:
+                    try:
+                        tk.release()
+                    except CheckmateError:
+                        pass  # a failed copy: reported through _send_error above
+
+    def _check_sender(self) -> None:
+        if self._send_error is not None:
+            raise CheckmateError(self._send_error)
 
     def _answers(self) -> None:
         while self._conn.poll():
@@ -174,10 +234,11 @@ class GoCkpt:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._conn.send(("stop",))
-        except (BrokenPipeError, OSError):
-            pass
+        self._grad = None
+        self._queue.put((("stop",), []))
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self.engine.close()
         self._proc.join(timeout)
         self._answers()
         if self._proc.is_alive():
@@ -186,6 +247,24 @@ class GoCkpt:
             log.warning("gockpt: rank %d's checkpoint process did not stop within %.0f s",
                         self.rank, timeout)
         self._conn.close()
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    """The one device the model's parameters live on (GoCkpt copies from one device)."""
+    devs = {p.device for p in model.parameters()}
+    if len(devs) != 1:
+        raise CheckmateError(f"gockpt: the model's parameters must live on one device, found "
+                             f"{', '.join(sorted(str(d) for d in devs)) or 'none'}")
+    return devs.pop()
+
+
+def _flat(t: torch.Tensor, lo: int, hi: int, name: str) -> torch.Tensor:
+    """Flat elements [lo, hi) of a float32 tensor as a view (never a silent copy)."""
+    t = t.detach()
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise CheckmateError(f"gockpt: {name} must be a contiguous float32 tensor, got "
+                             f"{t.dtype}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    return t.view(-1)[lo:hi]
 
 
 def _control(body: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """``checkmate launch``: torchrun for a Checkmate job on one machine.
 
-    checkmate launch --nproc-per-node N [--shadows n | --shadow ADDR ...]
-                     [--mode host|off|gockpt] [--gockpt EVERY,STEPS] [--max-restarts R]
+    checkmate launch [--nproc-per-node N] [--device auto|cuda|cpu]
+                     [--shadows n | --shadow ADDR ...] [--mode host|off|gockpt]
+                     [--gockpt EVERY,STEPS] [--max-restarts R]
                      [--dir DIR] [--persist-every K] [--resume] [--progress-every K]
                      [--seed S] [--job-id J] SCRIPT [ARGS ...]
 
@@ -14,6 +15,11 @@ restores them from the shadows (in GoCkpt mode: from the newest checkpoint under
 DIR/gockpt, written by a local process per rank; no shadows). Shadows started here are
 stopped by PID at exit, also on Ctrl-C, an error, or a SIGKILL of the launcher
 (parent-death signal). See docs/usage.md.
+
+GPUs: with CUDA devices visible (``--device auto``, the default, or ``cuda``) N defaults to
+their number, and each worker is bound to the device of its LOCAL_RANK before the script
+runs (checkmate.train.run_script); ``from_env`` then puts the job's collectives on NCCL and
+Checkmate's own small messages on a gloo group beside it.
 """
 
 from __future__ import annotations
@@ -61,11 +67,25 @@ def _count(lo: int, hi: int) -> Any:
     return parse
 
 
-def _parser() -> argparse.ArgumentParser:
+def cuda_device_count() -> int:
+    """CUDA devices this process sees (torch.cuda.device_count(); 0 without CUDA). Tests
+    replace this function to play a machine with GPUs."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _parser(gpus: int) -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Run a training script on N local workers with "
                 "Checkmate shadows and automatic restart (torchrun --standalone style).")
-    p.add_argument("--nproc-per-node", type=_count(1, MAX_TRAINERS), required=True,
-                   metavar="N", help="trainer processes (ranks)")
+    p.add_argument("--nproc-per-node", type=_count(1, MAX_TRAINERS), required=not gpus,
+                   default=gpus or None, metavar="N",
+                   help="trainer processes (ranks); default with CUDA devices: one per "
+                        f"device ({gpus} here)" if gpus else "trainer processes (ranks)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="cuda: bind each worker to the GPU of its LOCAL_RANK (NCCL for the "
+                        "job, gloo beside it for Checkmate); cpu: no GPU; auto (default): "
+                        "cuda when a CUDA device is visible")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--shadows", type=_count(1, MAX_SHADOWS), metavar="n",
                    help="start n shadows on loopback (default 2)")
@@ -98,6 +118,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return p
+
+
+def resolve_device(args: argparse.Namespace, gpus: int) -> str:
+    """The workers' device kind (``cuda`` or ``cpu``) for ``--device`` on a machine with
+    ``gpus`` CUDA devices; one line if cuda is asked for and there is none."""
+    if args.device == "cuda" and not gpus:
+        raise CheckmateError("--device cuda but no CUDA device is visible")
+    return "cuda" if args.device == "cuda" or (args.device == "auto" and gpus) else "cpu"
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -156,7 +184,7 @@ def gockpt_dir(args: argparse.Namespace) -> Path:
 def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list) -> None:
     """The variables every worker inherits (checkmate.train.env)."""
     os.environ.update({
-        envmod.JOB_ID: str(job_id), envmod.MODE: args.mode,
+        envmod.JOB_ID: str(job_id), envmod.MODE: args.mode, envmod.DEVICE: args.device,
         envmod.TRAINERS: envmod.format_addrs(trainers),
         envmod.SEED: str(args.seed), envmod.PROGRESS_EVERY: str(args.progress_every),
         envmod.RESUME: "1" if args.resume else "0",
@@ -252,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     elif argv and not argv[0].startswith("-"):
         raise CheckmateError(f"unknown command {argv[0]!r}; usage: checkmate launch ... | "
                              "checkmate secret new FILE | checkmate plan ...")
-    args = _parser().parse_args(argv)
+    gpus = cuda_device_count()
+    args = _parser(gpus).parse_args(argv)
+    args.device = resolve_device(args, gpus)
     _check(args)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -289,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tcp, job_id = [], args.job_id or 1
         _worker_env(args, job_id, trainers, tcp)
-        print(f"{PROG}: {args.nproc_per_node} trainer(s) on {net}.10+, mode {args.mode}, "
+        on = (f", on {min(gpus, args.nproc_per_node)} GPU(s)" if args.device == "cuda"
+              else "")
+        print(f"{PROG}: {args.nproc_per_node} trainer(s) on {net}.10+{on}, mode {args.mode}, "
               f"max {args.max_restarts} restart(s)", flush=True)
         _quiet_agent()
         try:

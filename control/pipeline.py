@@ -4,9 +4,13 @@ One build folder serves the tests, the testbed and the drivers: ``build/p4/`` un
 working directory, or ``$CHECKMATE_P4_BUILD``. Each program has its own folder, laid out as
 its compiler writes it (commands in docs/architecture.md, "P4 programs"):
 
-    build/p4/checkmate_v1model/   checkmate_v1model.json, p4info.binpb / p4info.txtpb
+    build/p4/checkmate_v1model/   checkmate_v1model.json, p4info.bin / p4info.txtpb
     build/p4/checkmate_tna/       bf-p4c -o output: bfrt.json, pipe/tofino.bin,
-                                  pipe/context.json, p4info.binpb / p4info.txtpb
+                                  pipe/context.json, p4info.bin / p4info.txtpb
+
+P4Info is read binary first: ``p4info.bin``, the binary suffix p4c writes (it knows .bin,
+.txt, .json and .txtpb and refuses .binpb), or ``p4info.binpb`` from other toolchains;
+then ``p4info.txtpb``.
 
 bmv2's p4_device_config is the JSON itself. Tofino servers want bf-p4c's folder packed, and
 the two that exist pack it differently (``switch.tofino.server``):
@@ -62,14 +66,18 @@ def program_dir(arch: str) -> Path:
     return build_dir() / PROGRAMS[arch]
 
 
+#: The P4Info files a build folder may hold, in the order they are read (binary first).
+P4INFO_FILES = ("p4info.bin", "p4info.binpb", "p4info.txtpb")
+
+
 def compiled_p4info(arch: str) -> p4info_mod.Loaded:
     """The compiler's P4Info for ``arch``: binary preferred (it keeps Tofino extern
     payloads intact), text otherwise."""
     d = program_dir(arch)
-    for name in ("p4info.binpb", "p4info.txtpb"):
+    for name in P4INFO_FILES:
         if (d / name).is_file():
             return p4info_mod.load(d / name)
-    raise CheckmateError(f"no compiled P4Info in {d} (p4info.binpb or p4info.txtpb); compile "
+    raise CheckmateError(f"no compiled P4Info in {d} ({', '.join(P4INFO_FILES)}); compile "
                          f"p4/{PROGRAMS[arch]}.p4 first (docs/architecture.md, P4 programs)")
 
 

@@ -1,9 +1,13 @@
 /* Checkmate switch for Tofino (TNA).
- * Build (SDE's bf-p4c, or p4c's Tofino backend), into the folder the controller reads:
- *   bf-p4c --target tofino --arch tna -I p4/include -o build/p4/checkmate_tna \
- *       --p4runtime-files build/p4/checkmate_tna/p4info.txtpb,build/p4/checkmate_tna/p4info.binpb \
+ * Build (the SDE's bf-p4c, or the open-source p4c's Tofino backend, p4c-barefoot), into the
+ * folder the controller reads, from the repository root:
+ *   mkdir -p build/p4/checkmate_tna
+ *   bf-p4c --target tofino --arch tna -I p4 -I p4/include -o build/p4/checkmate_tna \
+ *       --p4runtime-files build/p4/checkmate_tna/p4info.txtpb,build/p4/checkmate_tna/p4info.bin \
  *       [--p4runtime-force-std-externs] p4/checkmate_tna.p4
- * (the last flag makes counters standard P4Runtime counters, which Stratum serves and
+ * (p4c takes P4Info suffixes .bin, .txt, .json and .txtpb; the controller reads p4info.bin
+ * first, which keeps Tofino extern payloads intact, then p4info.txtpb;
+ * the last flag makes counters standard P4Runtime counters, which Stratum serves and
  * `control status` reads; without it they are Tofino externs, read in bfrt.)
  * Same tables, keys and actions as checkmate_v1model.p4 (p4c's TNA P4Info prefixes tables
  * and counters, not actions, with "pipe."). Differences forced by the architecture:
@@ -26,8 +30,8 @@
  * The same anti-spoofing and length checks as v1model: a REPLICATE datagram is copied only
  * when it entered on the port its replication entry names (the source host's), and only
  * when its count agrees with its UDP length (CkmLengthCheck); otherwise it is forwarded
- * plainly and counted spoofed or malformed. The length check's 32-bit compares are written
- * as assignments then equality tests so bf-p4c can place them.
+ * plainly and counted spoofed or malformed. The length check is written in the form Tofino
+ * computes: 16-bit values in metadata, compared in if-conditions (checkmate_checks.p4).
  */
 #include <core.p4>
 #include <tna.p4>
@@ -42,7 +46,7 @@ parser CkmIngressParser(packet_in pkt, out headers_t hdr, out ckm_meta_t meta,
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
-        packet_parser.apply(pkt, hdr, meta);
+        packet_parser.apply(pkt, hdr.ethernet, hdr.vlan, hdr.ipv4, hdr.udp, hdr.ckm, meta);
         transition accept;
     }
 }
@@ -149,7 +153,7 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         hdr.bridge.pad = 0;
         hdr.bridge.ingress_port = ig_intr_md.ingress_port;
         if (hdr.ckm.isValid()) {
-            ckm_length.apply(hdr, well_formed);
+            ckm_length.apply(hdr, meta, well_formed);
         }
         if (well_formed) {
             counted = true;
@@ -216,7 +220,7 @@ parser CkmEgressParser(packet_in pkt, out headers_t hdr, out ckm_meta_t meta,
     state start {
         pkt.extract(eg_intr_md);
         pkt.extract(hdr.bridge);
-        packet_parser.apply(pkt, hdr, meta);
+        packet_parser.apply(pkt, hdr.ethernet, hdr.vlan, hdr.ipv4, hdr.udp, hdr.ckm, meta);
         transition accept;
     }
 }

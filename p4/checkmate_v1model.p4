@@ -1,6 +1,8 @@
 /* Checkmate switch for bmv2 simple_switch_grpc (v1model).
- * Build, into the folder the controller and the bmv2 testbed read:
- *   p4c-bm2-ss --arch v1model -I p4/include -o build/p4/checkmate_v1model/checkmate_v1model.json \
+ * Build, into the folder the controller and the bmv2 testbed read, from the repository root:
+ *   mkdir -p build/p4/checkmate_v1model
+ *   p4c-bm2-ss --arch v1model -I p4 -I p4/include \
+ *       -o build/p4/checkmate_v1model/checkmate_v1model.json \
  *       --p4runtime-files build/p4/checkmate_v1model/p4info.txtpb p4/checkmate_v1model.p4
  * Needs a v1model.p4 with standard_metadata.priority (p4c >= 1.2.0) and simple_switch
  * started with --priority-queues for the ckm class to get its own queue.
@@ -34,7 +36,7 @@ parser CkmParser(packet_in pkt, out headers_t hdr, inout ckm_meta_t meta,
     CkmPacketParser() packet_parser;
 
     state start {
-        packet_parser.apply(pkt, hdr, meta);
+        packet_parser.apply(pkt, hdr.ethernet, hdr.vlan, hdr.ipv4, hdr.udp, hdr.ckm, meta);
         transition accept;
     }
 }
@@ -132,7 +134,7 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         bool counted = false;     /* a datagram on a ckm port: one ckm_stats outcome */
         bit<32> outcome = STAT_PLAIN;
         if (hdr.ckm.isValid()) {
-            ckm_length.apply(hdr, well_formed);
+            ckm_length.apply(hdr, meta, well_formed);
         }
         if (well_formed) {
             counted = true;

@@ -34,6 +34,7 @@ import numpy as np
 
 from checkmate import wire
 from checkmate.datamac import CONTROL_MAC, control_mac
+from checkmate.optim.grads import as_kernel_grad, widen
 from checkmate.shadow.intervals import IntervalSet
 
 log = logging.getLogger("checkmate.shadow")
@@ -71,6 +72,17 @@ class Control:
     extra: dict[str, Any]
     #: Per group, the hyperparameters other than lr this step used (None: unchanged).
     hyper: list[dict[str, Any]] | None = None
+    #: The float32 factor the trainers unscaled the (scaled, fp16) gradient by before the
+    #: step (torch.amp.GradScaler; None: not scaled). See ``step_gradient``.
+    inv_scale: float | None = None
+
+    def step_gradient(self, grad: np.ndarray) -> np.ndarray:
+        """The gradient the optimizer steps with: ``grad`` itself, or with ``inv_scale``
+        its float32 product with it -- GradScaler's unscale, one correctly rounded float32
+        multiply per element, before the kernel's clip multiply as on the trainers."""
+        if self.inv_scale is None:
+            return grad
+        return widen(as_kernel_grad(grad)) * np.float32(self.inv_scale)
 
 
 #: Keys a control message's ``hyper`` entry may carry (checkmate.optim.hyper names).
@@ -143,13 +155,20 @@ def parse_control(data: bytes, iteration: int, groups: int) -> Control:
     skip = body.get("skip", False)
     if not isinstance(skip, bool):
         raise ValueError("control skip must be true or false")
+    inv = body.get("inv_scale")
+    if inv is not None and (isinstance(inv, bool) or not isinstance(inv, (int, float))
+                            or not math.isfinite(inv) or inv <= 0
+                            or float(np.float32(inv)) != inv):
+        raise ValueError(f"control inv_scale must be a positive float32 number or null, "
+                         f"got {inv!r}")
     buffers = body.get("buffers") or {}
     extra = body.get("extra") or {}
     if not isinstance(buffers, dict) or not isinstance(extra, dict):
         raise ValueError("control buffers and extra must be objects")
     return Control(iteration, [float(x) for x in lrs],
                    None if clip is None else float(clip), skip, buffers, extra,
-                   _parse_hyper(body.get("hyper"), groups))
+                   _parse_hyper(body.get("hyper"), groups),
+                   None if inv is None else float(inv))
 
 
 class Assembler:

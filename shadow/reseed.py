@@ -90,8 +90,9 @@ class Reseed:
 
     def _step(self, piece: _Piece, it: int, grad: np.ndarray, ctl: Control) -> None:
         if not ctl.skip:
-            piece.opt.step(grad[piece.start - self.start:piece.end - self.start], ctl.lrs,
-                           ctl.clip_coef, ctl.hyper)
+            piece.opt.step(ctl.step_gradient(grad[piece.start - self.start:
+                                                  piece.end - self.start]),
+                           ctl.lrs, ctl.clip_coef, ctl.hyper)
         piece.iteration = it
 
     def on_iteration(self, it: int, grad: np.ndarray, ctl: Control) -> None:

@@ -367,7 +367,8 @@ class ShadowState:
                 return  # a reset raced with this iteration; it is stale now
             t0 = time.perf_counter()
             if not control.skip:
-                self.opt.step(grad, control.lrs, control.clip_coef, control.hyper)
+                self.opt.step(control.step_gradient(grad), control.lrs, control.clip_coef,
+                              control.hyper)
             self.step_seconds += time.perf_counter() - t0
             self._commit(it, control.buffers, control.extra, control.lrs)
 

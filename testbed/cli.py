@@ -22,6 +22,8 @@ COMMANDS = {
     "run": ("checkmate.testbed.run", "run a training scenario (failure-free, kill-restore)"),
     "chaos": ("checkmate.testbed.chaos", "the reliability suite: every fault case, bit-exact"),
     "bench": ("checkmate.testbed.bench", "run a benchmark: testbed bench NAME"),
+    "device-check": ("checkmate.testbed.device_check",
+                     "Checkmate on one GPU: optimizers, DDP/FSDP2 kill+restore, schemes"),
 }
 
 
@@ -33,7 +35,7 @@ def _benches() -> list[str]:
 
 def _usage() -> str:
     lines = ["usage: testbed COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 

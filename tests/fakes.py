@@ -14,16 +14,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# -- the ckm length rule -----------------------------------------------------------------
+#: (count, dtype, payload bytes, well-formed) where a bounded 16-bit form of the rule (the
+#: P4 programs' CkmLengthCheck) could part from count * size == payload over unbounded
+#: integers (the kernel switch's 64-bit length_ok): products that wrap 16 or 32 bits onto
+#: the real payload, counts past each dtype's bound, an unknown dtype. The verdicts are
+#: written out, not computed; test_dataplane sends them through the kernel switch and
+#: test_p4_sources runs them through the P4 text.
+LENGTH_RULE_CASES = [
+    (1, 0, 4, True), (3, 1, 6, True), (3, 2, 6, True), (16, 3, 16, True),
+    (4, 0, 12, False),                # count disagrees with the payload
+    ((1 << 14) + 1, 0, 4, False),     # float32: 16385 * 4 = 65540, 4 in 16 bits
+    ((1 << 15) + 1, 1, 2, False),     # bfloat16: 32769 * 2, 2 in 16 bits
+    ((1 << 15) + 1, 2, 2, False),     # float16 likewise
+    ((1 << 16) + 1, 3, 1, False),     # bytes: count[15:0] is 1
+    ((1 << 30) + 1, 0, 4, False),     # float32: 4 in 32 bits
+    (4, 4, 16, False),                # unknown dtype
+]
+
+
 # -- P4Runtime ---------------------------------------------------------------------------
 # The compiler's P4Info fixtures (tests/fixtures/p4c/README.md) and a P4Runtime switch
 # double for the controller tests.
 
 P4C_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "p4c"
-#: What the p4c fixtures lack against the current sources, by P4 name (README there).
-COMPILED_BEHIND = {"param CkmIngress.replicate.ingress_port/9", "counter CkmIngress.l2_miss",
-                   "counter CkmEgress.rewrite_miss"}
-#: Counters of size 1 the sources added since the fixtures, with the ids the double gives.
-_NEW_COUNTERS = {"CkmIngress.l2_miss": 1, "CkmEgress.rewrite_miss": 2}
+#: The commit of p4/ the compiler fixtures were made from (README there).
+COMPILED_AT = "fc59cb5"
+#: Names, by P4Info kind and P4 name (p4info.names), that the sources have and the fixture
+#: of each arch lacks because it predates them. Empty: the fixtures are current. When a
+#: change to p4/ adds or renames a table, action, parameter or counter, the test
+#: test_compiler_p4info_has_the_sources_names names the stale fixture and what differs;
+#: regenerate the fixture with the compiler, or list the names here until then.
+COMPILED_BEHIND: dict[str, set[str]] = {"v1model": set(), "tna": set()}
+#: An older compiler output (p4/ at 293beb8), before the replicate entry's ingress_port
+#: parameter and the l2_miss/rewrite_miss counters: a stale build for the refusal tests.
+STALE_AT = "293beb8"
 
 
 def fixture_p4info(name: str):
@@ -34,30 +59,18 @@ def fixture_p4info(name: str):
     return p4info.parse_text(path.read_text(), str(path)).p4info
 
 
-def compiled_p4info(arch: str, current: bool = True):
-    """p4c's P4Info for ``arch``; with ``current``, plus the COMPILED_BEHIND names as p4c
-    would add them (next free parameter id; a counter of size 1, standard on v1model and a
-    Tofino Counter extern instance on TNA), so it describes the sources as they are."""
-    info = fixture_p4info(f"checkmate_{arch}.p4info.txtpb")
-    if not current:
-        return info
-    act = next(a for a in info.actions if a.preamble.name == "CkmIngress.replicate")
-    if "ingress_port" not in {p.name for p in act.params}:
-        act.params.add(id=max(p.id for p in act.params) + 1, name="ingress_port", bitwidth=9)
-    for name, n in _NEW_COUNTERS.items():
-        alias = name.rsplit(".", 1)[1]
-        if arch == "v1model":
-            if not any(c.preamble.name == name for c in info.counters):
-                c = info.counters.add(size=1)
-                c.preamble.id, c.preamble.name, c.preamble.alias = 0x12F0_0000 + n, name, alias
-                c.spec.unit = c.spec.BOTH
-        else:
-            ext = next(e for e in info.externs if e.extern_type_name == "Counter")
-            if not any(i.preamble.name == f"pipe.{name}" for i in ext.instances):
-                inst = ext.instances.add()
-                inst.preamble.id, inst.preamble.name, inst.preamble.alias = (
-                    0x83F0_0000 + n, f"pipe.{name}", alias)
-    return info
+def compiled_fixture(arch: str) -> Path:
+    return P4C_FIXTURES / f"checkmate_{arch}.p4info.txtpb"
+
+
+def compiled_p4info(arch: str):
+    """p4c's P4Info for ``arch`` (tests/fixtures/p4c, made from p4/ at COMPILED_AT)."""
+    return fixture_p4info(compiled_fixture(arch).name)
+
+
+def stale_p4info(arch: str):
+    """p4c's P4Info for ``arch`` as it was at STALE_AT: a build the sources outgrew."""
+    return fixture_p4info(f"checkmate_{arch}.p4info.{STALE_AT}.txtpb")
 
 
 class FakeSwitch:

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fakes import FakeSwitch, compiled_p4info, fixture_p4info
+from fakes import FakeSwitch, compiled_p4info, fixture_p4info, stale_p4info
 from google.protobuf import text_format
 
 from checkmate import config
@@ -257,9 +257,9 @@ def test_switch_with_hash_ids_is_programmed_by_name(bmv2):
 
 
 def test_stale_compiler_build_on_switch_is_refused_by_name():
-    """The fixture exactly as p4c emitted it predates the replicate entry's ingress_port
-    parameter: the controller names what is missing and writes nothing."""
-    sw = FakeSwitch(compiled_p4info("v1model", current=False))
+    """p4c's output for an older program (fakes.STALE_AT) lacks the replicate entry's
+    ingress_port parameter: the controller names what is missing and writes nothing."""
+    sw = FakeSwitch(stale_p4info("v1model"))
     try:
         cfg = p4_cfg("bmv2", sw.address)
         d = driver(cfg)
@@ -304,7 +304,7 @@ def test_switch_without_pipeline_gets_the_compiled_program(tmp_path, monkeypatch
 def test_stale_compiled_p4info_is_refused_before_the_push(tmp_path, monkeypatch):
     monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
     _v1model_build(tmp_path, text_format.MessageToString(
-        compiled_p4info("v1model", current=False)))
+        stale_p4info("v1model")))
     sw = FakeSwitch(None)
     try:
         cfg = p4_cfg("bmv2", sw.address)
@@ -427,19 +427,20 @@ def test_tofino_status_names_extern_counters_it_cannot_read(tmp_path, monkeypatc
     assert any("--p4runtime-force-std-externs" in n for n in st["notes"])
 
 
-def _tna_build(root: Path, with_binary_p4info: bool = True) -> dict[str, bytes]:
+def _tna_build(root: Path, binary: str | None = "p4info.bin") -> dict[str, bytes]:
+    """A bf-p4c output folder as the documented command leaves it: p4info.txtpb and, when
+    ``binary`` names it, the binary P4Info (p4c writes ``.bin``; ``.binpb`` is what other
+    toolchains call it)."""
     d = root / "checkmate_tna"
     (d / "pipe").mkdir(parents=True)
     files = {"bfrt.json": b'{"tables": []}', "pipe/context.json": b'{"tables": [], "x": 1}',
              "pipe/tofino.bin": bytes(range(256)) * 4}
     for name, data in files.items():
         (d / name).write_bytes(data)
-    info = compiled_p4info("tna")
-    if with_binary_p4info:
-        (d / "p4info.binpb").write_bytes(info.SerializeToString())
-    else:
-        (d / "p4info.txtpb").write_text(
-            (REPO / "tests" / "fixtures" / "p4c" / "checkmate_tna.p4info.txtpb").read_text())
+    (d / "p4info.txtpb").write_text(
+        (REPO / "tests" / "fixtures" / "p4c" / "checkmate_tna.p4info.txtpb").read_text())
+    if binary is not None:
+        (d / binary).write_bytes(compiled_p4info("tna").SerializeToString())
     return files
 
 
@@ -468,9 +469,10 @@ def _bf_pipeline_config_class():
         pool.FindMessageTypeByName("stratum.test.BfPipelineConfig"))
 
 
-def test_tofino_pushes_bf_p4c_output_packed_for_stratum(tmp_path, monkeypatch):
+@pytest.mark.parametrize("binary", ["p4info.bin", "p4info.binpb"])
+def test_tofino_pushes_bf_p4c_output_packed_for_stratum(tmp_path, monkeypatch, binary):
     monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
-    files = _tna_build(tmp_path)
+    files = _tna_build(tmp_path, binary)
     sw = FakeSwitch(None)
     try:
         _tofino_deploy(sw, tofino_cfg(sw.address))
@@ -507,10 +509,10 @@ def test_tofino_pushes_pi_packing_for_the_sde_server(tmp_path, monkeypatch):
 
 def test_tofino_refuses_to_push_text_p4info_with_extern_payloads(tmp_path, monkeypatch):
     monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
-    _tna_build(tmp_path, with_binary_p4info=False)
+    _tna_build(tmp_path, binary=None)
     sw = FakeSwitch(None)
     try:
-        with pytest.raises(CheckmateError, match="p4info.binpb"):
+        with pytest.raises(CheckmateError, match=r"p4info\.bin; p4c refuses \.binpb"):
             _tofino_deploy(sw, tofino_cfg(sw.address))
     finally:
         sw.stop()

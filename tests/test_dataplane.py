@@ -12,6 +12,7 @@ import socket
 import struct
 
 import pytest
+from fakes import LENGTH_RULE_CASES
 
 from checkmate import config, wire
 from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry, SwitchUnreachable
@@ -264,6 +265,30 @@ def test_malformed_never_replicated_never_crash(net):
     tx.sendto(good, (t1.ip, t1.port))
     assert received(rx["t1"]) == [good]
     assert len(received(rx["s0"])) == 1
+
+
+def test_length_rule_at_the_bounds_the_p4_form_checks(net):
+    """fakes.LENGTH_RULE_CASES through the kernel switch: a REPLICATE datagram with an
+    entry is copied exactly when its count agrees with its payload, with no wrap-around
+    (the cases test_p4_sources runs through the P4 programs' length check)."""
+    cfg, sw, rx, tx = net
+    t1 = cfg.host("t1")
+    sw.add_replication(entry(cfg, "t0", "t1", 0))
+    before = sw.counters()
+    sent = []
+    for i, (count, dtype, n, _) in enumerate(LENGTH_RULE_CASES):
+        h = wire.Header(flags=wire.Flags.REPLICATE, job_id=cfg.job_id, epoch=1, token=2,
+                        iteration=3, count=count, seq=i, partition=0, dtype=dtype)
+        d = wire.pack_header(h) + bytes([i]) * n
+        tx.sendto(d, (t1.ip, t1.port))
+        sent.append(d)
+    assert sorted(received(rx["t1"])) == sorted(sent)  # all forwarded
+    copies = received(rx["s0"])
+    want = [i for i, (*_, ok) in enumerate(LENGTH_RULE_CASES) if ok]
+    assert sorted(wire.decode_header(c).seq for c in copies) == want
+    after = sw.counters()
+    assert port_delta(after, before, "tap-t0", "replicated") == len(want)
+    assert port_delta(after, before, "tap-t0", "malformed") == len(sent) - len(want)
 
 
 def _burst(cfg, tx, rx_sock, n: int, replicate: bool = False) -> list[bytes]:

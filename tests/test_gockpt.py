@@ -52,6 +52,10 @@ def _worker(cfg: dict, rank: int, world: int) -> int:
                         "scheduler": w.scheduler.state_dict()},
                        Path(cfg["out"]) / f"at-{it}.pt")
         if it == cfg.get("kill_at"):
+            # Both ranks die after iteration kill_at: a rank whose step (its copies now
+            # asynchronous) returns first must not die while its peer still needs the ring
+            # to finish that iteration's allreduce.
+            torch.distributed.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
     sess.close()  # waits for the checkpoint being written
     if rank == 0:

@@ -13,11 +13,19 @@ real frames by a small interpreter of its states.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
 import pytest
-from fakes import COMPILED_BEHIND, compiled_p4info, fixture_p4info
+from fakes import (
+    COMPILED_AT,
+    COMPILED_BEHIND,
+    LENGTH_RULE_CASES,
+    compiled_fixture,
+    compiled_p4info,
+    fixture_p4info,
+)
 
 from checkmate import config, wire, wire_gen
 from checkmate.control import p4info as p4info_mod
@@ -161,16 +169,38 @@ def test_tables_keys_actions_agree_with_p4info(arch):
         "ckm_stats": stat_size, "l2_miss": 1, "rewrite_miss": 1}
 
 
+def source_names(arch: str) -> set[str]:
+    """p4info.names() of the program as its source declares it (parse_program)."""
+    prog = parse_program(arch)
+    out = set()
+    for t, d in prog["tables"].items():
+        out.add(f"table {t}")
+        out |= {f"key {t}.{k}/{w}" for k, w in d["keys"]}
+        out |= {"action NoAction" for a in d["actions"] if a == "NoAction"}
+    for a, params in prog["actions"].items():
+        out.add(f"action {a}")
+        out |= {f"param {a}.{p}/{w}" for p, w in params}
+    out |= {f"direct_counter {c}" for c in prog["direct"]}
+    return out | {f"counter {c}" for c in prog["counters"]}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiler_p4info_has_the_sources_names(arch):
-    """What p4c emitted has the hand-written P4Info's names and widths (ids, the "pipe."
-    spelling and counter kinds aside), short of exactly the names the fixture predates."""
-    compiled = p4info_mod.names(compiled_p4info(arch, current=False))
-    hand = p4info_mod.names(p4info(arch))
-    assert hand - compiled == COMPILED_BEHIND
-    assert compiled - hand == set()
-    assert p4info_mod.names(compiled_p4info(arch)) == hand
-    # and the controller accepts the completed one, resolving every table by name
+    """What p4c emitted has the names and widths the sources declare (ids, the "pipe."
+    spelling and counter kinds aside), short of exactly the names COMPILED_BEHIND lists;
+    otherwise the fixture is stale, and the failure says which and what differs."""
+    compiled = p4info_mod.names(compiled_p4info(arch))
+    src = source_names(arch)
+    fixture = compiled_fixture(arch).relative_to(P4.parent)
+    missing, extra = src - compiled - COMPILED_BEHIND[arch], compiled - src
+    assert not missing and not extra, (
+        f"{fixture} (p4c output for p4/ at {COMPILED_AT}) is stale: the sources have "
+        f"{sorted(missing)} it lacks and it has {sorted(extra)} they lack; regenerate it "
+        "with the compiler (tests/fixtures/p4c/README.md) or list the names in "
+        "tests/fakes.py COMPILED_BEHIND")
+    assert COMPILED_BEHIND[arch] <= src - compiled, "COMPILED_BEHIND lists current names"
+    assert p4info_mod.names(p4info(arch)) == src, f"handwritten_{arch}.p4info.txtpb is stale"
+    # and the controller accepts it, resolving every table by name
     schema = p4tables.Schema(compiled_p4info(arch))
     assert set(schema.tables) == set(p4tables.TABLES)
 
@@ -289,19 +319,133 @@ def test_replicate_copies_only_from_the_entrys_ingress_port(arch):
     assert "(hdr.ipv4.flags & IPV4_FLAG_MF) == 0" in apply[:hit]
 
 
-def test_length_check_covers_every_dtype_with_the_generated_sizes():
+def _length_body() -> str:
     text = include("checkmate_checks.p4")
-    body = block(text, text.index("control CkmLengthCheck("))
-    branches = re.findall(r"hdr\.ckm\.dtype == CKM_DT_(\w+)\)\s*{\s*want = hdr\.ckm\.count \* "
-                          r"CKM_DT_(\w+)_SIZE;\s*ok = want == payload;", body)
-    assert [a for a, b in branches if a == b] == [d.name for d in wire.DType]
-    assert "ok = false;" in body and "hdr.ckm.count[31:16] == 0" in body
+    return block(text, text.index("control CkmLengthCheck("))
+
+
+def _meta_widths() -> dict[str, int]:
+    common = include("checkmate_common.p4")
+    struct = block(common, common.index("struct ckm_meta_t"))
+    return {n: int(w) for w, n in re.findall(r"bit<(\d+)>\s+(\w+);", struct)}
+
+
+@functools.cache
+def _length_program():
+    """CkmLengthCheck's apply block as written (the text of checkmate_checks.p4, translated
+    line by line to Python): metadata assignments truncated to their declared widths,
+    slices, constants and macros from the P4 files. Only the constructs that control uses
+    are translated; anything else fails the translation."""
+    env = _consts()
+    checks = include("checkmate_checks.p4")
+    for name, value in re.findall(r"#define\s+(\w+)\s+(\(.*\))", checks):
+        env[name] = eval(value, {}, env)  # noqa: S307 - our own file
+    widths = _meta_widths()
+    body = block(_length_body(), _length_body().index("apply {"))
+    py, depth = [], 0
+
+    def expr(e: str) -> str:
+        e = re.sub(r"([\w.]+)\[(\d+):(\d+)\]", r"_sl(\1, \2, \3)", e)
+        e = e.replace("&&", " and ").replace("||", " or ").replace(" / ", " // ")
+        e = re.sub(r"hdr\.(\w+)\.(\w+)", r"hdr_\1_\2", e)
+        return re.sub(r"meta\.(\w+)", r"meta['\1']", e)
+
+    for line in body.splitlines()[1:-1]:
+        line = line.strip()
+        if not line:
+            continue
+        if m := re.fullmatch(r"(?:} else )?if \((.*)\) {", line):
+            depth -= line.startswith("}")
+            py.append("    " * depth + ("elif " if line.startswith("}") else "if ")
+                      + expr(m.group(1)) + ":")
+            depth += 1
+        elif line == "}":
+            depth -= 1
+        elif m := re.fullmatch(r"meta\.(\w+) = (.*);", line):
+            py.append("    " * depth + f"meta['{m.group(1)}'] = ({expr(m.group(2))}) "
+                      f"& {(1 << widths[m.group(1)]) - 1}")
+        elif m := re.fullmatch(r"ok = (true|false);", line):
+            py.append("    " * depth + f"ok = {m.group(1) == 'true'}")
+        else:
+            raise AssertionError(f"CkmLengthCheck: untranslated line {line!r}")
+    return compile("\n".join(py), "CkmLengthCheck", "exec"), env
+
+
+def p4_length_check(udp_length: int, count: int, dtype: int) -> bool:
+    """What the P4 length check decides for these header values (_length_program)."""
+    code, env = _length_program()
+    scope = {**env, "meta": {}, "ok": None, "hdr_udp_length": udp_length,
+             "hdr_ckm_count": count, "hdr_ckm_dtype": dtype,
+             "_sl": lambda v, hi, lo: (v >> lo) & ((1 << (hi - lo + 1)) - 1)}
+    exec(code, scope)  # noqa: S102 - our own P4, translated above
+    return scope["ok"]
+
+
+def kernel_length_rule(udp_length: int, count: int, dtype: int) -> bool:
+    """dataplane/bpf/ckm_switch.c, length_ok and its caller: a UDP length of at least the
+    UDP and ckm headers, a known dtype, and count * size (64-bit, no wrap) equal to the
+    payload."""
+    if udp_length < 8 + wire.HEADER_LEN:
+        return False
+    size = {int(d): wire.DTYPE_SIZE[d] for d in wire.DType}.get(dtype)
+    return size is not None and count * size == udp_length - 8 - wire.HEADER_LEN
+
+
+def test_length_check_is_the_kernel_switchs_rule():
+    """The same rule as the kernel switch, over the boundaries where a 16-bit form could
+    differ: counts at and past each bound, products that wrap 16 bits onto a valid
+    payload, UDP lengths shorter than the headers, unknown dtypes."""
+    dtypes = [int(d) for d in wire.DType] + [len(wire.DType), 0xFF]
+    counts = {0, 1, 2, 3, (1 << 14) - 1, 1 << 14, (1 << 14) + 1, (1 << 15) - 1, 1 << 15,
+              (1 << 16) - 1, 1 << 16, (1 << 16) + 1, 1 << 31, (1 << 32) - 1}
+    for size in set(wire.DTYPE_SIZE.values()):
+        top = (65535 - 8 - wire.HEADER_LEN) // size
+        counts |= {top - 1, top, top + 1, top + (1 << 16) // size}
+    lengths = {0, 1, 8, 63, 64, 65, 65534, 65535}
+    for c in counts:
+        for size in set(wire.DTYPE_SIZE.values()):
+            lengths |= {(64 + c * size) % (1 << 16), (c * size) % (1 << 16)}
+    cases = [(n, c, d) for n in sorted(lengths) for c in sorted(counts) for d in dtypes]
+    wrong = [x for x in cases if p4_length_check(*x) != kernel_length_rule(*x)]
+    assert wrong == []
+    # the cases the kernel switch is sent in test_dataplane, with their written verdicts
+    for count, dtype, payload, ok in LENGTH_RULE_CASES:
+        udp_length = 8 + wire.HEADER_LEN + payload
+        assert p4_length_check(udp_length, count, dtype) == ok, (count, dtype, payload)
+        assert kernel_length_rule(udp_length, count, dtype) == ok, (count, dtype, payload)
+    assert sum(kernel_length_rule(*x) for x in cases) > 20  # the accepting side is covered
+    # and a datagram the senders build passes it
+    h = wire.Header(flags=wire.Flags.REPLICATE, count=5, dtype=wire.DType.FLOAT32)
+    assert p4_length_check(8 + len(wire.encode(h, bytes(20))), 5, int(wire.DType.FLOAT32))
+
+
+def test_length_check_has_the_form_tofino_computes():
+    """What bf-p4c rejected (docs/architecture.md, "Compiling for Tofino"): the value of a
+    comparison assigned in an action, and 32-bit arithmetic on computed values. Here: only
+    16-bit metadata, each computed once from packet fields and constants before any test,
+    none from another; comparisons only in if-conditions; ok only ever a constant."""
+    body = _length_body()
+    apply = block(body, body.index("apply {"))
+    assert "bit<32>" not in apply and "(bit<" not in apply
+    assigns = re.findall(r"^\s*([\w.]+)\s*=\s*([^;]+);", apply, re.M)
+    for target, value in assigns:
+        assert not re.search(r"==|!=|<|>", value), (target, value)
+        if target == "ok":
+            assert value in ("true", "false")
+        else:
+            assert target.startswith("meta.len_") and "meta." not in value, (target, value)
+            assert _meta_widths()[target.removeprefix("meta.")] == 16
+    first_if = apply.index("if (")
+    assert all(apply.index(f"{t} =") < first_if for t, _ in assigns if t != "ok")
     sizes = {k: v for k, v in _macros().items() if k.endswith("_SIZE")}
     assert sizes == {f"CKM_DT_{d.name}_SIZE": wire.DTYPE_SIZE[d] for d in wire.DType}
+    for d in wire.DType:  # one branch per dtype, bounded before its compare
+        branch = block(apply, apply.index(f"hdr.ckm.dtype == CKM_DT_{d.name})"))
+        assert f"hdr.ckm.count[15:0] <= CKM_MAX_PAYLOAD / CKM_DT_{d.name}_SIZE" in branch
+        assert f"meta.len_{d.name.lower()} == meta.len_payload" in branch
     common = include("checkmate_common.p4")
     overhead = re.search(r"CKM_UDP_OVERHEAD\s*=\s*([^;]+);", common)[1]
     assert eval(overhead, {}, _macros()) == 8 + wire.HEADER_LEN  # noqa: S307 - our own file
-    assert "(bit<32>)hdr.udp.length - CKM_UDP_OVERHEAD" in body
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -312,7 +456,7 @@ def test_only_well_formed_ckm_is_steered(arch):
     assert '#include "include/checkmate_checks.p4"' in text
     ig = block(text, text.index("control CkmIngress("))
     apply = block(ig, ig.index("apply {"))
-    first = apply.index("ckm_length.apply(hdr, well_formed);")
+    first = apply.index("ckm_length.apply(hdr, meta, well_formed);")
     assert first < apply.index("if (well_formed)")
     wf = block(apply, apply.index("if (well_formed)"))
     assert "counted = true;" in wf
@@ -479,7 +623,7 @@ def run_parser(frame: bytes) -> tuple[dict[str, dict[str, int]], dict[str, int],
     pos, hdr, meta, state = 0, {}, {}, "start"
     for _ in range(20):
         st = states[state]
-        for name in re.findall(r"pkt\.extract\(hdr\.(\w+)\);", st):
+        for name in re.findall(r"pkt\.extract\((\w+)\);", st):
             fields = {}
             for f, w in types[struct[name]].items():
                 if pos + w > len(bits):
@@ -502,7 +646,7 @@ def run_parser(frame: bytes) -> tuple[dict[str, dict[str, int]], dict[str, int],
                     return hdr, meta, f"error:{state}"
                 keys.append(int(bits[pos:pos + w], 2))
             else:
-                _, h, f = k.split(".")
+                h, f = k.split(".")
                 keys.append(hdr[h][f])
         cases = block(st, sel.end() - 1)
         target = None
@@ -561,3 +705,69 @@ def test_parser_untagged_ckm_and_plain_traffic():
     frame = _ckm_frame(vlan_pcp=3)
     hdr, meta, last = run_parser(frame[:14 + 4 + 20 + 8 + 10])
     assert last == "error:parse_ckm" and meta["ckm_port"] == 1 and "ckm" not in hdr
+
+
+# -- build commands ----------------------------------------------------------------------
+#: The P4Info suffixes p4c knows ("unknown file kind; known suffixes are .bin, .txt, .json,
+#: and .txtpb", its answer to .binpb).
+P4C_P4INFO_SUFFIXES = {".bin", ".txt", ".json", ".txtpb"}
+
+
+def _commands(text: str) -> list[list[str]]:
+    """Shell commands in ``text`` (comment stars and indentation stripped, backslash
+    continuations joined), each as its words."""
+    lines = [re.sub(r"^\s*\*?\s*", "", ln) for ln in text.splitlines()]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [ln.split() for ln in joined.splitlines()
+            if ln.split() and ln.split()[0] in ("mkdir", "p4c-bm2-ss", "bf-p4c")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_build_commands_work_as_written(arch):
+    """The commands in the program's header and in docs/architecture.md are the same, make
+    the folder they write into, give p4c only P4Info suffixes it knows, and write where
+    the controller reads (control/pipeline.py)."""
+    from checkmate.control import pipeline
+
+    raw = (P4 / f"checkmate_{arch}.p4").read_text()
+    header = raw[:raw.index("*/")]
+    doc = (P4.parent / "docs" / "architecture.md").read_text()
+    doc = doc[doc.index("<!-- p4-build-commands -->"):doc.index("<!-- /p4-build-commands -->")]
+    compiler = {"v1model": "p4c-bm2-ss", "tna": "bf-p4c"}[arch]
+    program = f"p4/{pipeline.PROGRAMS[arch]}.p4"
+    cmds = [c for c in _commands(header) if c[0] == "mkdir" or c[0] == compiler]
+    assert [c for c in _commands(doc) if c[-1] == program or
+            (c[0] == "mkdir" and c[-1].endswith(pipeline.PROGRAMS[arch]))] == cmds
+    (mkdir, compile_), = [cmds]
+    folder = f"build/p4/{pipeline.PROGRAMS[arch]}"
+    assert mkdir == ["mkdir", "-p", folder]
+    assert compile_[-1] == program
+    out = compile_[compile_.index("-o") + 1]
+    assert out == (folder if arch == "tna" else f"{folder}/{pipeline.PROGRAMS[arch]}.json")
+    files = compile_[compile_.index("--p4runtime-files") + 1].split(",")
+    assert all(Path(f).suffix in P4C_P4INFO_SUFFIXES for f in files), files
+    assert all(str(Path(f).parent) == folder for f in files), files
+    names = [Path(f).name for f in files]
+    assert set(names) <= set(pipeline.P4INFO_FILES)
+    if arch == "tna":  # the binary one carries Tofino extern payloads through
+        assert "p4info.bin" in names
+    for inc in ("p4", "p4/include"):
+        assert inc in [compile_[i + 1] for i, w in enumerate(compile_) if w == "-I"]
+
+
+def test_parser_reads_nothing_uninitialized():
+    """p4c warned "may be uninitialized" for what the callers passed in and for the
+    parsers' out meta: the shared parser takes only out parameters and sets every metadata
+    field in its first state."""
+    text = include("checkmate_parser.p4")
+    sig = re.search(r"parser CkmPacketParser\(([^)]*)\)", text).group(1)
+    params = [p.split() for p in sig.split(",")][1:]  # after packet_in
+    assert all(p[0] == "out" for p in params), params
+    assert [p[2] for p in params] == [h for h in headers_struct() if h != "bridge"] + ["meta"]
+    body = block(text, text.index("parser CkmPacketParser("))
+    start = block(body, body.index("state start"))
+    assert set(re.findall(r"meta\.(\w+)\s*=", start)) == set(_meta_widths())
+    for arch in ARCHS:
+        calls = re.findall(r"packet_parser\.apply\(([^)]*)\);", source(arch))
+        assert calls and all(c.split(", ")[1:] == [f"hdr.{p[2]}" for p in params[:-1]]
+                             + ["meta"] for c in calls), calls

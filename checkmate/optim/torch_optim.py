@@ -1,8 +1,12 @@
-"""torch.optim drop-ins (SGD, Adam, AdamW) that step with Checkmate's Numba kernels.
+"""torch.optim drop-ins (SGD, Adam, AdamW) that step by Checkmate's one update rule.
 
 The trainer uses these so that its arithmetic is exactly the shadow's
-(:class:`checkmate.optim.flat.FlatOptimizer`): both call :mod:`checkmate.optim.ops` on
-float32 memory, here through zero-copy numpy views of each parameter. State and
+(:class:`checkmate.optim.flat.FlatOptimizer`). CPU parameters step with the shadows' own
+Numba kernels (:mod:`checkmate.optim.ops`, through zero-copy numpy views); CUDA parameters
+with the Triton kernel generated from :mod:`checkmate.optim.rule`, or where triton is
+missing the exact torch executor (:mod:`checkmate.optim.device` chooses; the constructor's
+``executor=`` forces one, e.g. ``"torch"`` to run the device code path on CPU tensors).
+State tensors live on the parameter's device. State and
 ``state_dict()`` follow torch.optim's format (``step`` as a float32 tensor,
 ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``; ``momentum_buffer``), so checkpoints load
 into torch's own optimizers and back.
@@ -24,8 +28,8 @@ import numpy as np
 import torch
 
 from checkmate.errors import CheckmateError
+from checkmate.optim import device, kernels, ops, rule
 from checkmate.optim import hyper as H
-from checkmate.optim import kernels, ops
 from checkmate.optim.grads import as_kernel_grad
 
 try:
@@ -80,10 +84,12 @@ def _scalar(x: Any, name: str) -> float:
 class _KernelOptimizer(torch.optim.Optimizer):
     kind = ""
 
-    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+    def __init__(self, params: Any, defaults: dict[str, Any], executor: str = "auto") -> None:
         for flag in ("capturable", "differentiable", "fused"):
             if defaults.get(flag):
                 raise CheckmateError(f"{type(self).__name__}: {flag}=True is not supported")
+        #: "auto", "numba", "torch" or "triton" (checkmate.optim.device); not in state_dict.
+        self.executor = device.check_executor(executor)
         super().__init__(params, defaults)
 
     def _check_group(self, group: dict[str, Any]) -> dict[str, Any]:
@@ -96,25 +102,36 @@ class _KernelOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One optimizer step. Small parameters with float32 gradients go through one
-        batched kernel call per group; the rest one call each (parallel when large)."""
+        """One optimizer step. On the Numba path, small parameters with float32 gradients
+        go through one batched kernel call per group and the rest one call each (parallel
+        when large); on a device path, a group's parameters go in one batch per executor."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        executor = getattr(self, "executor", "auto")
         for group in self.param_groups:
             hp = self._check_group(group)
             small = []
+            on_device: dict[str, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if _batchable(p):
+                ex = device.executor_for(executor, _local(p).device)
+                if ex != "numba":
+                    on_device.setdefault(ex, []).append(p)
+                elif _batchable(p):
                     small.append(p)
                 else:
                     self._step_param(p, hp)
             if small:
                 self._step_batch(small, hp)
+            for ex, params in on_device.items():
+                self._step_device(params, hp, ex)
         return loss
+
+    def _step_device(self, params: list[torch.Tensor], hp: dict[str, Any], ex: str) -> None:
+        raise NotImplementedError  # each optimizer kind defines its own
 
     def _step_param(self, p: torch.Tensor, hp: dict[str, Any]) -> None:
         raise NotImplementedError  # each optimizer kind defines its own
@@ -131,12 +148,42 @@ class SGD(_KernelOptimizer):
     def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  *, maximize: bool = False, foreach: bool | None = None,
-                 differentiable: bool = False, fused: bool | None = None) -> None:
+                 differentiable: bool = False, fused: bool | None = None,
+                 executor: str = "auto") -> None:
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
                     "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
                     "foreach": foreach, "differentiable": differentiable, "fused": fused}
         H.resolve("sgd", defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, executor)
+
+    def _step_device(self, params: list[torch.Tensor], hp: dict[str, Any], ex: str) -> None:
+        mom = hp["momentum"]
+        s = ops.sgd_scalars(lr=hp["lr"], momentum=mom, dampening=hp["dampening"],
+                            weight_decay=hp["weight_decay"],
+                            gscale=ops.gscale_of(None, hp["maximize"]))
+        # refuse before any state changes (a buffer created for one parameter while another
+        # is refused would make the next step take the later-step rule on a zero buffer)
+        pairs = [device.check_pair(_local(p), _local(p.grad)) for p in params]
+        for p, pair in zip(params, pairs, strict=True):
+            if mom != 0 and self.state[p].get("momentum_buffer") is not None:
+                device.sgd_row(pair["p"], pair["g"], _local(self.state[p]["momentum_buffer"]),
+                               s, True, pair_checked=True)
+        by_flags: dict[rule.SgdFlags, list[device.Row]] = {}
+        for p, pair in zip(params, pairs, strict=True):
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            first = buf is None
+            if mom == 0:
+                state.setdefault("momentum_buffer", None)
+            elif buf is None:
+                buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["momentum_buffer"] = buf
+            row = device.sgd_row(pair["p"], pair["g"], None if mom == 0 else _local(buf), s,
+                                 mom != 0, pair_checked=True)
+            flags = rule.SgdFlags.of(s, ops.sgd_mode(mom, hp["nesterov"], first))
+            by_flags.setdefault(flags, []).append(row)
+        for flags, rows in by_flags.items():
+            device.run(flags, rows, ex)
 
     def _step_batch(self, params: list[torch.Tensor], hp: dict[str, Any]) -> None:
         mom = hp["momentum"]
@@ -191,13 +238,13 @@ class Adam(_KernelOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
                  foreach: bool | None = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
-                 decoupled_weight_decay: bool = False) -> None:
+                 decoupled_weight_decay: bool = False, executor: str = "auto") -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
                     "capturable": capturable, "differentiable": differentiable, "fused": fused,
                     "decoupled_weight_decay": decoupled_weight_decay}
         H.resolve(self.kind, defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, executor)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -261,6 +308,32 @@ class Adam(_KernelOptimizer):
                       weight_decay=hp["weight_decay"], decoupled=self._decoupled(hp),
                       amsgrad=hp["amsgrad"], step=step, maximize=hp["maximize"])
 
+    def _step_device(self, params: list[torch.Tensor], hp: dict[str, Any], ex: str) -> None:
+        b1, b2 = hp["betas"]
+        ams = hp["amsgrad"]
+        none = np.zeros(len(rule.ADAM_SCALARS), np.float32)
+        pairs = [device.check_pair(_local(p), _local(p.grad)) for p in params]  # refuse
+        states = [self._init_state(p, hp) for p in params]  # before any state changes
+        rows = [device.adam_row(pair["p"], pair["g"], _local(st["exp_avg"]),
+                                _local(st["exp_avg_sq"]),
+                                _local(st["max_exp_avg_sq"]) if ams else None, none, ams,
+                                pair_checked=True)
+                for pair, st in zip(pairs, states, strict=True)]
+        gscale = ops.gscale_of(None, hp["maximize"])
+        cache: dict[int, tuple[np.ndarray, rule.AdamFlags]] = {}
+        by_flags: dict[rule.AdamFlags, list[device.Row]] = {}
+        for row, st in zip(rows, states, strict=True):
+            step = _count_step(st)
+            if step not in cache:
+                sc = ops.adam_scalars(lr=hp["lr"], beta1=b1, beta2=b2, eps=hp["eps"],
+                                      weight_decay=hp["weight_decay"],
+                                      decoupled=self._decoupled(hp), step=step, gscale=gscale)
+                cache[step] = (sc, rule.AdamFlags.of(sc, ams))
+            row.scalars, flags = cache[step]
+            by_flags.setdefault(flags, []).append(row)
+        for flags, group_rows in by_flags.items():
+            device.run(flags, group_rows, ex)
+
     def _decoupled(self, hp: dict[str, Any]) -> bool:
         return self.kind == "adamw" or bool(hp.get("decoupled_weight_decay"))
 
@@ -278,8 +351,9 @@ class AdamW(Adam):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  foreach: bool | None = None, maximize: bool = False, capturable: bool = False,
-                 differentiable: bool = False, fused: bool | None = None) -> None:
+                 differentiable: bool = False, fused: bool | None = None,
+                 executor: str = "auto") -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, executor=executor)

@@ -14,10 +14,13 @@ next optimizer step waits for whatever must finish before the state changes agai
 - ``dcp-process``: ``async_save`` in torch 2.13's process mode with the ``DefaultStager``
   (shared memory, staging in the background, pinned memory and non-blocking copies where an
   accelerator exists): the step waits only for staging to finish before the state changes;
-- ``checkfreq``: CheckFreq's two phases: rank 0 snapshots model and optimizer into CPU
-  buffers allocated once (synchronous: the copy is the stall), then a background thread
-  persists the snapshot with ``torch.save``; a snapshot first waits for the previous persist
-  (one checkpoint in flight). On a CPU trainer the snapshot is a memory copy.
+- ``checkfreq``: CheckFreq's two phases: rank 0 snapshots model and optimizer into host
+  buffers allocated once (pinned on CUDA), then a background thread persists the snapshot
+  with ``torch.save``. The snapshot overlaps the next iteration's compute, as CheckFreq's
+  does: it runs on a copy stream (CUDA) or a copy thread (CPU; checkmate.copyengine), and
+  only ``before_step`` -- right before the next update changes the state -- waits for it
+  (on CUDA a device-side wait, so the host does not block). A snapshot first waits for the
+  previous persist (one checkpoint in flight: the buffers are reused).
 
 Every scheme keeps its newest three checkpoints on disk (a full state per save would fill
 any disk at one save per iteration).
@@ -39,19 +42,30 @@ PASSIVE = ("none", "checkmate", "gockpt")
 KINDS = PASSIVE + ("torchsave", "dcp", "dcp-process", "checkfreq")
 
 
-def _copy_into(dst: Any, src: Any) -> Any:
-    """Copy a state dict's tensors into ``dst``'s (same structure), or clone when ``dst`` is
-    None: the snapshot buffers are allocated once."""
+def _pairs(dst: Any, src: Any, out: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """The snapshot structure for a state dict: ``dst``'s host tensors (allocated when
+    ``dst`` is None or no longer fits: pinned where the source is on CUDA), and each
+    ``(host, source)`` pair to copy appended to ``out``."""
     if torch.is_tensor(src):
-        if dst is None:
-            return src.detach().to("cpu", copy=True)
-        dst.copy_(src.detach())
+        src = src.detach()
+        if (dst is None or not torch.is_tensor(dst) or dst.shape != src.shape
+                or dst.dtype != src.dtype):
+            dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+        out.append((dst, src))
         return dst
     if isinstance(src, dict):
-        return {k: _copy_into(None if dst is None else dst.get(k), v) for k, v in src.items()}
+        old = dst if isinstance(dst, dict) else {}
+        return {k: _pairs(old.get(k), v, out) for k, v in src.items()}
     if isinstance(src, list):
-        return [_copy_into(None if dst is None else dst[i], v) for i, v in enumerate(src)]
+        old = dst if isinstance(dst, list) and len(dst) == len(src) else [None] * len(src)
+        return [_pairs(old[i], v, out) for i, v in enumerate(src)]
     return src
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 class Baseline:
@@ -69,6 +83,8 @@ class Baseline:
         self._staging: Any = None  # dcp-process: staging must end before the next step
         self._stager: Any = None
         self._snapshot: Any = None  # checkfreq's buffers
+        self._engine: Any = None  # checkfreq's copy engine (checkmate.copyengine)
+        self._snap_ticket: Any = None  # checkfreq: the snapshot the next step waits for
         self._written: list[Path] = []
         #: Checkpoints started.
         self.saves = 0
@@ -83,13 +99,20 @@ class Baseline:
                                   "iteration": it}, it)
         elif self.kind == "checkfreq":
             if self.rank == 0:
-                self._wait()
-                self._snapshot = _copy_into(self._snapshot, {
-                    "model": model.state_dict(), "optim": optimizer.state_dict()})
+                from checkmate.copyengine import engine_for
+
+                self._wait()  # the previous persist is done: its buffers are free again
+                if self._engine is None:
+                    self._engine = engine_for(_device_of(model))
+                pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+                self._snapshot = _pairs(self._snapshot, {
+                    "model": model.state_dict(), "optim": optimizer.state_dict()}, pairs)
+                ticket = self._engine.copy_into(pairs)  # returns at once
+                self._snap_ticket = ticket
                 fut: Future = Future()
                 snap = {**self._snapshot, "iteration": it}
-                threading.Thread(target=self._persist, args=(snap, it, fut), daemon=True,
-                                 name="ckm-checkfreq").start()
+                threading.Thread(target=self._persist, args=(snap, it, fut, ticket),
+                                 daemon=True, name="ckm-checkfreq").start()
                 self._pending = fut
         else:
             self._dcp(it, {"model": model.state_dict(), "optim": optimizer.state_dict()})
@@ -123,8 +146,11 @@ class Baseline:
         tmp.replace(path)
         self._keep(path)
 
-    def _persist(self, snap: dict[str, Any], it: int, fut: Future) -> None:
+    def _persist(self, snap: dict[str, Any], it: int, fut: Future, ticket: Any = None
+                 ) -> None:
         try:
+            if ticket is not None:
+                ticket.wait()  # never persist a snapshot before its copy completed
             self._torch_save(snap, it)
             fut.set_result(it)
         except BaseException as e:  # reported by the next _wait, in the training thread
@@ -146,7 +172,12 @@ class Baseline:
             self._pending = None
 
     def before_step(self) -> None:
-        """dcp-process: the background staging must be done before the state changes."""
+        """Right before the next update: checkfreq's snapshot must have read the state (a
+        fence: on CUDA the training stream waits, the host does not); dcp-process's
+        background staging must be done."""
+        if self._snap_ticket is not None:
+            self._engine.fence()
+            self._snap_ticket = None
         if self._staging is not None:
             self._staging.result()
             self._staging = None
@@ -157,3 +188,6 @@ class Baseline:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None

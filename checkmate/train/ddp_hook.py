@@ -6,8 +6,10 @@ communication hook that
 
 1. divides the bucket by the world size and allreduces it (sum) with the backend, exactly as
    torch's default ``allreduce_hook`` does, so the trainer's gradient is stock DDP's;
-2. when the allreduce completes, copies this rank's share of the reduced bucket to the host
-   and sends it to the owning shadows (host replication, the replica log and FEC parity go
+2. when the allreduce completes, takes this rank's share of the reduced bucket (read in
+   place on the CPU; on a GPU copied to pinned host memory asynchronously, on a side stream,
+   and sent by a thread of its own once the copy completed: checkmate.train.d2h) and sends it
+   to the owning shadows (host replication, the replica log and FEC parity go
    through the session's ``_on_reduced``, as the ring's pieces do).
 
 Shares are fixed by the model spec, not by DDP's buckets (which DDP rebuilds after
@@ -64,13 +66,16 @@ class DDPSession(CheckmateSession):
         optimizer, scheduler, layout, max_grad_norm, group: as for CheckmateSession; the
             layout's mode must be ``host`` (trainers send the copies; there is no ckm ring
             for a switch to copy) or ``off`` (no hook, no shadows: the baseline).
+        scaler: the job's torch.amp.GradScaler for fp16 (see CheckmateSession.step).
+        stager: the device-to-host copier's stager (checkmate.train.d2h); None picks it by
+            the parameters' device (CUDA: asynchronous copies; CPU: read in place).
 
     ``sess.model`` is ``ddp``; the loop is the same as with CheckmateSession.
     """
 
     def __init__(self, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
-                 group: Any = None) -> None:
+                 group: Any = None, *, scaler: Any = None, stager: Any = None) -> None:
         if not isinstance(ddp, DistributedDataParallel):
             raise CheckmateError(f"DDPSession needs a torch DistributedDataParallel model, "
                                  f"got {type(ddp).__name__}")
@@ -91,7 +96,8 @@ class DDPSession(CheckmateSession):
         if pg is not None and dist.get_world_size(pg) != layout.world:
             raise CheckmateError(f"the DDP process group has {dist.get_world_size(pg)} "
                                  f"ranks, the layout says world {layout.world}")
-        super().__init__(module, optimizer, scheduler, layout, max_grad_norm, group)
+        super().__init__(module, optimizer, scheduler, layout, max_grad_norm, group,
+                         scaler=scaler)
         self.ddp = ddp
         self._pg = pg
         self._names = {id(p): n for n, p in module.named_parameters()}
@@ -108,6 +114,12 @@ class DDPSession(CheckmateSession):
         #: Replicated buckets, pieces, bytes, and seconds spent copying and sending them.
         self.hook_stats: dict[str, float] = {"buckets": 0, "pieces": 0, "bytes": 0,
                                              "seconds": 0.0}
+        #: Asynchronous device-to-host copies of the share (checkmate.train.d2h): a
+        #: CudaStager for CUDA parameters (None, the default, picks by device), a
+        #: ThreadStager to run that path on the CPU; CPU parameters without one are read
+        #: in place by the hook.
+        self.stager = stager
+        self.copier: Any = None
 
     # ------------------------------------------------------------------ setup
     def _start_comm(self, nonce: int) -> None:
@@ -117,6 +129,12 @@ class DDPSession(CheckmateSession):
             return
         self._piece = self._start_parity()
         self._segments = owned_segments(self.spec, self.buckets, lay.world, lay.rank)
+        from checkmate.train import d2h
+
+        if self.stager is None:
+            self.stager = d2h.stager_for(next(self.module.parameters()))
+        if self.stager is not None:
+            self.copier = d2h.ShareCopier(self.stager, self._send_share)
         for name, p in self.module.named_parameters():
             p.register_post_accumulate_grad_hook(self._accumulate_hook(name))
         try:
@@ -151,21 +169,36 @@ class DDPSession(CheckmateSession):
 
     def _replicate(self, it: int, index: int, names: list[str],
                    grads: list[torch.Tensor]) -> None:
-        """Send this rank's segments of one reduced bucket, merged where they touch."""
-        t0 = time.perf_counter()
+        """Send this rank's segments of one reduced bucket, merged where they touch: read
+        in place on the CPU, or queued for an asynchronous copy to the host (and sent by the
+        copier's thread once it completed) for device memory."""
+        if self.copier is not None:
+            parts = [(name, g.detach().reshape(-1), self._segments[name])
+                     for name, g in zip(names, grads, strict=True) if self._segments.get(name)]
+            t0 = time.perf_counter()
+            self.copier.submit(it, index, parts)
+            self.hook_stats["submit_seconds"] = (self.hook_stats.get("submit_seconds", 0.0)
+                                                 + time.perf_counter() - t0)
+            return
         runs: list[tuple[int, int, np.ndarray]] = []  # (flat offset, partition, values)
         for name, g in zip(names, grads, strict=True):
             segs = self._segments.get(name)
             if not segs:
                 continue
-            flat = g.detach().reshape(-1)
-            if flat.device.type != "cpu":  # NCCL on GPUs: the device-to-host copy
-                flat = flat.to("cpu")
-            arr = flat.numpy()
+            if g.device.type != "cpu":
+                raise CheckmateError(f"gradient of {name} is on {g.device}: device memory "
+                                     "reaches the shadows through a stager (d2h)")
+            arr = g.detach().reshape(-1).numpy()
             for lo, n, off, part in segs:
                 runs.append((off, part, arr[lo:lo + n]))
+        self._send_share(it, index, runs)
+
+    def _send_share(self, it: int, index: int, runs: list[tuple[int, int, np.ndarray]]
+                    ) -> None:
+        """Send one bucket's share (host arrays) through ``_on_reduced``."""
         if not runs:
             return
+        t0 = time.perf_counter()
         with self._lock:
             if self._twice.get(it):
                 return  # step() raises; sending a second gradient would only mislead
@@ -234,6 +267,15 @@ class DDPSession(CheckmateSession):
             if p.grad is None:  # unused on every rank: reduced (and replicated) as zeros
                 p.grad = torch.zeros_like(p)
         return super().step(extra)
+
+    def _before_grads_change(self) -> None:
+        if self.copier is not None:
+            self.copier.fence()  # a device-side wait: the copies read the gradient first
+
+    def close(self) -> None:
+        if self.copier is not None and not self._closed:
+            self.copier.close()  # what is queued goes out before the sockets close
+        super().close()
 
 
 def _hook(state, bucket):  # noqa: ANN001, ANN202 -- DDP rejects string annotations here

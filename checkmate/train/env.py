@@ -39,10 +39,20 @@ RESUME = "CHECKMATE_RESUME"
 #: Test only: ``RANK:ITERATION`` makes that rank SIGKILL itself after that iteration's
 #: optimizer step, before the control message, in the launcher's first attempt only.
 KILL_AT = "CHECKMATE_KILL_AT"
+#: ``cuda``: the worker is bound to the GPU of its LOCAL_RANK (checkmate.train.run_script)
+#: and the job's collectives run on NCCL; ``cpu`` (default): no GPU.
+DEVICE = "CHECKMATE_DEVICE"
 #: Set by torch's elastic agent: how many times the worker group was restarted.
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 ENV_MODES = ("host", "off", "gockpt")
+ENV_DEVICES = ("cpu", "cuda")
+
+
+def backend_for(device: str) -> str:
+    """The default process group's backend for a worker on ``device``: gloo on CPUs; on GPUs
+    NCCL for CUDA tensors with gloo for CPU ones (torch's per-device backend string)."""
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,7 @@ class EnvJob:
     resume: bool
     kill_at: tuple[int, int] | None
     gockpt: tuple[str, int, int] | None = None
+    device: str = "cpu"
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -131,6 +142,10 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         if not r.isdigit() or not it.isdigit():
             raise CheckmateError(f"{KILL_AT} must look like RANK:ITERATION, got {kill!r}")
         kill_at = (int(r), int(it))
+    device = env.get(DEVICE) or "cpu"
+    if device not in ENV_DEVICES:
+        raise CheckmateError(f"environment variable {DEVICE} must be one of "
+                             f"{', '.join(ENV_DEVICES)}, got {device!r}")
     resume = env.get(RESUME, "0")
     if resume not in ("0", "1"):
         raise CheckmateError(f"environment variable {RESUME} must be 0 or 1, got {resume!r}")
@@ -139,4 +154,4 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         shadow_tcp=tcp, shadows=[ShadowTarget(p, h, port) for p, (h, port) in enumerate(udp)],
         seed=_int(env, SEED, 0), progress_every=_int(env, PROGRESS_EVERY, 0),
         restart_count=_int(env, RESTART_COUNT, 0), resume=resume == "1", kill_at=kill_at,
-        gockpt=gockpt)
+        gockpt=gockpt, device=device)

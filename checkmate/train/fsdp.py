@@ -5,7 +5,8 @@ ranks: rank r holds rows ``[r·c, min((r+1)·c, rows))`` with ``c = ⌈rows/worl
 (torch.chunk's split), and backward's reduce-scatter leaves it the reduced gradient of
 exactly those rows. ``FSDPSession`` builds on that:
 
-- ``step()`` sends this rank's gradient shard of every parameter to the shadows that own
+- ``step()`` sends this rank's gradient shard of every parameter (on a GPU through an
+  asynchronous copy to pinned host memory, checkmate.train.d2h) to the shadows that own
   it (flat offset = the parameter's offset + first row · row size), through the session's
   ``_on_reduced`` (host copies, replica log, FEC parity), *before* clipping, as the ring
   sends the reduced gradient. The shard is read where the optimizer reads it, right before
@@ -96,17 +97,20 @@ class FSDPSession(CheckmateSession):
         optimizer: ``checkmate.optim.SGD``/``Adam``/``AdamW`` over ``model.parameters()``.
         scheduler, layout, max_grad_norm, group: as for CheckmateSession; the layout's mode
             must be ``host`` (trainers send the copies) or ``off`` (the baseline).
+        scaler, stager: as for DDPSession (fp16 loss scaling; the shards' asynchronous
+            copies to the host on GPUs).
 
     ``sess.model`` is ``model``; the loop is the same as with CheckmateSession.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
-                 group: Any = None) -> None:
+                 group: Any = None, *, scaler: Any = None, stager: Any = None) -> None:
         if layout.mode not in ("host", "off"):
             raise CheckmateError(f"an FSDP2 job feeds the shadows in host mode only (or runs "
                                  f"without them: off), got mode {layout.mode!r}")
-        super().__init__(model, optimizer, scheduler, layout, max_grad_norm, group)
+        super().__init__(model, optimizer, scheduler, layout, max_grad_norm, group,
+                         scaler=scaler)
         world, rank = layout.world, layout.rank
         #: Per parameter name, its element range [lo, hi) on every rank (in rank order).
         self.shards = shard_ranges(self.spec, world)
@@ -123,6 +127,10 @@ class FSDPSession(CheckmateSession):
         self._refused_reseed: set[int] = set()
         #: Replicated pieces and bytes, and seconds spent copying and sending them.
         self.shard_stats: dict[str, float] = {"pieces": 0, "bytes": 0, "seconds": 0.0}
+        #: Asynchronous device-to-host copies of the shards (checkmate.train.d2h), as in
+        #: DDPSession: picked by the parameters' device when None.
+        self.stager = stager
+        self.copier: Any = None
 
     def _check_model(self, model: torch.nn.Module) -> None:
         world, rank = self.layout.world, self.layout.rank
@@ -159,6 +167,12 @@ class FSDPSession(CheckmateSession):
         self._segments = cut_segments(self.spec, [
             (lo, hi) for lo, hi, r in shard_owners(self.spec, self.shards, 0, self.spec.total)
             if r == rank])
+        from checkmate.train import d2h
+
+        if self.stager is None:
+            self.stager = d2h.stager_for(next(self.module.parameters()).to_local())
+        if self.stager is not None:
+            self.copier = d2h.ShareCopier(self.stager, self._send_runs)
 
     def peers_body(self, partition: int) -> dict[str, Any]:
         lay = self.layout
@@ -222,25 +236,48 @@ class FSDPSession(CheckmateSession):
         return super().step(extra)
 
     def _send_shards(self, it: int, named: dict[str, torch.Tensor]) -> None:
-        t0 = time.perf_counter()
+        """This rank's shard segments: read in place on the CPU, or queued for an
+        asynchronous copy to the host (sent by the copier's thread once it completed; the
+        step's fence orders the clip's writes after the copy)."""
         rank = self.layout.rank
-        runs: list[tuple[int, int, np.ndarray]] = []
+        parts = []
         for p in self.spec.params:
             segs = self._segments.get(p.name)
             if not segs:
                 continue
+            first = self.shards[p.name][rank][0]
             g = named[p.name].grad.to_local().detach().reshape(-1)
-            if g.device.type != "cpu":  # NCCL on GPUs: the device-to-host copy
-                g = g.to("cpu")
-            arr, first = g.numpy(), self.shards[p.name][rank][0]
-            for lo, n, off, part in segs:
-                runs.append((off, part, arr[lo - first:lo - first + n]))
+            parts.append((p.name, g, [(lo - first, n, off, part) for lo, n, off, part in segs]))
+        if self.copier is not None:
+            self.copier.submit(it, 0, parts)
+            return
+        runs: list[tuple[int, int, np.ndarray]] = []
+        for name, g, segs in parts:
+            if g.device.type != "cpu":
+                raise CheckmateError(f"gradient of {name} is on {g.device}: device memory "
+                                     "reaches the shadows through a stager (d2h)")
+            arr = g.numpy()
+            runs.extend((off, part, arr[lo:lo + n]) for lo, n, off, part in segs)
+        self._send_runs(it, 0, runs)
+
+    def _send_runs(self, it: int, index: int, runs: list[tuple[int, int, np.ndarray]]
+                   ) -> None:
+        t0 = time.perf_counter()
         pieces, nbytes = send_runs(
-            runs, self._piece, lambda off, part, payload: self._on_reduced(it, 0, off, part,
+            runs, self._piece, lambda off, part, payload: self._on_reduced(it, index, off, part,
                                                                            payload))
         self.shard_stats["pieces"] += pieces
         self.shard_stats["bytes"] += nbytes
         self.shard_stats["seconds"] += time.perf_counter() - t0
+
+    def _before_grads_change(self) -> None:
+        if self.copier is not None:
+            self.copier.fence()  # a device-side wait: the copies read the shards first
+
+    def close(self) -> None:
+        if self.copier is not None and not self._closed:
+            self.copier.close()  # what is queued goes out before the sockets close
+        super().close()
 
     def _clip(self) -> float | None:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]

@@ -56,8 +56,16 @@ def settle(addrs: list[tuple[str, int]], quiet: float = 0.3, timeout: float = 10
 
 
 def load_trainer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       scheduler: Any, model_sd: dict, optim_sd: dict, extra: dict) -> None:
-    """Load restored state dicts into live objects, keeping what the shadows do not hold."""
+                       scheduler: Any, model_sd: dict, optim_sd: dict, extra: dict,
+                       scaler: Any = None) -> None:
+    """Load restored state dicts into live objects, keeping what the shadows do not hold.
+
+    The restored tensors are host tensors; each lands on its parameter's device (CUDA
+    included) by an exact copy: the module's ``load_state_dict`` copies into the live
+    parameters and buffers, the optimizer's casts every state tensor but ``step`` to its
+    parameter's device and dtype (torch.optim's rule); ``check_placement`` verifies it.
+    ``scaler``: the job's GradScaler, given the restored iteration's scale and growth
+    tracker."""
     model.load_state_dict(model_sd, strict=True)
     # Keys only the live param groups have (the scheduler's initial_lr) survive the load.
     kept = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -78,11 +86,26 @@ def load_trainer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         # The groups must hold the rate of the *next* step, which the scheduler computed.
         for g, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
             g["lr"] = lr
+    saved = extra.get("scaler")
+    if scaler is not None and saved:
+        scaler.load_state_dict(saved)
+    check_placement(optimizer)
+
+
+def check_placement(optimizer: torch.optim.Optimizer) -> None:
+    """Every restored optimizer state tensor is where its parameter is (one line if not: a
+    state on the wrong device would fail or silently copy at every step)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.dim() and v.device != p.device:
+                    raise CheckmateError(f"restore: optimizer state {k} is on {v.device}, "
+                                         f"its parameter on {p.device}")
 
 
 def restore_trainer(addrs: list[tuple[str, int]], model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, scheduler: Any = None,
-            iteration: int | None = None) -> tuple[int, dict]:
+            iteration: int | None = None, scaler: Any = None) -> tuple[int, dict]:
     """Load the shadows' consistent point (or ``iteration``) into live trainer objects.
 
     The one call for a single process; ``restore_session`` is the same for every rank of a
@@ -103,7 +126,7 @@ def restore_trainer(addrs: list[tuple[str, int]], model: torch.nn.Module,
         iteration, sources = point.iteration, point.sources
     r = restore_point(addrs, theirs, iteration, sources=sources)
     model_sd, optim_sd, it, extra = r.model_sd, r.optim_sd, r.iteration, r.extra
-    load_trainer_state(model, optimizer, scheduler, model_sd, optim_sd, extra)
+    load_trainer_state(model, optimizer, scheduler, model_sd, optim_sd, extra, scaler)
     return it, extra.get("user", {})
 
 
@@ -151,7 +174,7 @@ def restore_session(sess: Any) -> int:
     r = restore_point(addrs, sess.spec, point.iteration, sources=point.sources)
     model_sd, optim_sd = sess.local_state_dicts(r.model_sd, r.optim_sd)
     load_trainer_state(sess.module, sess.optimizer, sess.scheduler, model_sd, optim_sd,
-                       r.extra)
+                       r.extra, sess.scaler)
     sess.restored_extra = r.extra.get("user", {})
     sess.opt_step = r.step
     sess.resume_point = point

@@ -16,6 +16,12 @@ Processes the script starts inherit the blocked SIGINT; they end with their pare
 
 A worker also ends when its launcher is gone (SIGKILLed: no agent is left to stop it),
 instead of training on alone.
+
+With CHECKMATE_DEVICE=cuda (``checkmate launch`` on a machine with GPUs) the worker is bound
+to GPU ``LOCAL_RANK mod devices`` (``torch.cuda.set_device``) before the script runs, so
+``torch.cuda.current_device()``, NCCL and ``.cuda()`` all mean that GPU. More workers than
+GPUs share them; NCCL refuses two ranks of one communicator on one GPU unless they look like
+different hosts, so each sharing worker gets its own NCCL_HOSTID (unless one is set).
 """
 
 from __future__ import annotations
@@ -59,6 +65,39 @@ def _take_sigint(rank: str) -> None:
     threading.Thread(target=wait, daemon=True, name="ckm-sigint").start()
 
 
+def bind_device(env: dict[str, str] | os._Environ, devices: int) -> int | None:
+    """The GPU this worker is bound to under CHECKMATE_DEVICE=cuda with ``devices`` visible
+    (None: cpu); sets NCCL_HOSTID in ``env`` when workers share a GPU. CheckmateError when
+    no device is visible or LOCAL_RANK is missing."""
+    from checkmate.train import env as envmod
+
+    if (env.get(envmod.DEVICE) or "cpu") != "cuda":
+        return None
+    if devices < 1:
+        raise CheckmateError(f"{envmod.DEVICE}=cuda but this worker sees no CUDA device")
+    local = env.get("LOCAL_RANK", "")
+    if not local.isdigit():
+        raise CheckmateError(f"LOCAL_RANK must be set to bind the worker to a GPU, got "
+                             f"{local!r}")
+    shared = int(env.get("LOCAL_WORLD_SIZE", "1") or 1) > devices
+    if shared and not env.get("NCCL_HOSTID"):
+        env["NCCL_HOSTID"] = f"checkmate-{os.uname().nodename}-{local}"
+    return int(local) % devices
+
+
+def _bind(rank: str) -> None:
+    """Bind this worker to its GPU (see the module docstring)."""
+    from checkmate.train import env as envmod
+
+    if (os.environ.get(envmod.DEVICE) or "cpu") != "cuda":
+        return
+    import torch
+
+    dev = bind_device(os.environ, torch.cuda.device_count())
+    if dev is not None:
+        torch.cuda.set_device(dev)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
@@ -71,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     _take_sigint(rank)
     _watch_parent(rank)
     try:
+        _bind(rank)
         runpy.run_path(script, run_name="__main__")
     except CheckmateError as e:
         _exit_now(2, f"checkmate: rank {rank}: error: {e}")

@@ -162,12 +162,17 @@ def rng_seed(seed: int, rank: int, iteration: int) -> int:
 
 
 class CheckmateSession:
-    """Checkmate on one trainer: ring, wrapper, bootstrap, control messages, restore."""
+    """Checkmate on one trainer: ring, wrapper, bootstrap, control messages, restore.
+
+    ``scaler``: the job's ``torch.amp.GradScaler`` for fp16 loss scaling; ``step`` then does
+    unscale, skip and update (checkmate.train.amp), and a restore resumes its state.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
-                 group: Any = None) -> None:
+                 group: Any = None, *, scaler: Any = None) -> None:
         from checkmate.optim import SGD, Adam
+        from checkmate.train.amp import check_scaler
 
         if layout.mode != "off" and not isinstance(optimizer, (SGD, Adam)):
             # torch.optim's own arithmetic differs from the shadows' in the last bits: the
@@ -182,6 +187,9 @@ class CheckmateSession:
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
         self.group = group
+        #: fp16 loss scaling (torch.amp.GradScaler): step() unscales, skips and updates it,
+        #: and the control message tells the shadows (checkmate.train.amp).
+        self.scaler = check_scaler(scaler)
         self._check_model(model)
         self.spec = ModelSpec.from_torch(layout.job_id, model, optimizer,
                                          max(1, len(layout.shadows)))
@@ -233,7 +241,8 @@ class CheckmateSession:
     @classmethod
     def from_env(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any = None, max_grad_norm: float | None = None,
-                 resume: bool | None = None, **layout: Any) -> CheckmateSession:
+                 resume: bool | None = None, *, scaler: Any = None,
+                 **layout: Any) -> CheckmateSession:
         """A started session for a script run by ``checkmate launch`` (or by hand with the
         variables of checkmate.train.env): the job's addresses come from the environment,
         the gloo process group is initialized if the script has not done it (a script on
@@ -245,21 +254,27 @@ class CheckmateSession:
         ever seeded (the previous attempt died before training began); ``checkmate launch
         --resume`` resumes in the first attempt too. Training continues at
         ``sess.done_iteration + 1``; ``sess.restored_extra`` is the user ``extra`` of the
-        restored iteration ({} on a fresh start). ``layout`` overrides JobLayout fields.
+        restored iteration ({} on a fresh start). ``scaler``: the job's
+        ``torch.amp.GradScaler`` for fp16 (see ``step``); its state is restored too.
+        ``layout`` overrides JobLayout fields.
         """
         from checkmate.train import env as envmod
 
         job = envmod.read()
         group = None
         if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=job.rank, world_size=job.world)
-        elif dist.get_backend() != "gloo":
+            # On GPUs (checkmate launch binds each worker to its GPU) the job's collectives
+            # run on NCCL: CUDA tensors on NCCL, CPU ones on gloo, in the group the script
+            # sees; Checkmate's own messages still get a gloo group of their own (below).
+            dist.init_process_group(envmod.backend_for(job.device), rank=job.rank,
+                                    world_size=job.world)
+        if dist.get_backend() != "gloo":
             group = dist.new_group(backend="gloo")
         lay = JobLayout(job_id=job.job_id, rank=job.rank, world=job.world,
                         trainers=job.trainers, shadows=job.shadows, shadow_tcp=job.shadow_tcp,
                         mode="off" if job.mode == "gockpt" else job.mode, seed=job.seed,
                         gockpt=job.gockpt, **layout)
-        sess = cls(model, optimizer, scheduler, lay, max_grad_norm, group)
+        sess = cls(model, optimizer, scheduler, lay, max_grad_norm, group, scaler=scaler)
         sess.progress_every = job.progress_every
         if job.kill_at is not None and job.kill_at[0] == job.rank and not job.restart_count:
             sess.injector = _kill_hook(job.kill_at[1])
@@ -433,7 +448,7 @@ class CheckmateSession:
             raise CheckmateError(got[1])
         it, step, model_sd, optim_sd, extra = restore(lay.gockpt[0], spec, got[0])
         load_trainer_state(self.module, self.optimizer, self.scheduler, model_sd, optim_sd,
-                           extra)
+                           extra, self.scaler)
         self.restored_extra = extra.get("user", {})
         self.opt_step = step
         return it
@@ -442,6 +457,12 @@ class CheckmateSession:
         """The gradient path: our ring and CheckmateDDP (checkmate.train.ddp_hook replaces
         it with a comm hook on the user's own DistributedDataParallel)."""
         lay = self.layout
+        dev = next((p.device for p in self.module.parameters() if p.device.type != "cpu"),
+                   None)
+        if dev is not None:
+            raise CheckmateError(f"the model is on {dev}: Checkmate's own ring allreduces "
+                                 "CPU tensors; a GPU model takes DDPSession over torch's "
+                                 "DistributedDataParallel (NCCL) or FSDPSession over FSDP2")
         ip, port = lay.trainers[lay.rank]
         sock = open_socket(ip, port)
         on_reduced = self._on_reduced if lay.mode != "off" else None
@@ -548,36 +569,58 @@ class CheckmateSession:
     def step(self, extra: dict[str, Any] | None = None) -> float | None:
         """Clip, step the optimizer and scheduler, and (rank 0) send the control message.
 
-        Returns the clip coefficient applied (None without clipping).
+        With a ``scaler`` (fp16 loss scaling; the loop calls ``scaler.scale(loss).backward()``
+        and nothing else of the scaler): unscale the gradients, agree on every rank whether
+        one is inf/nan, and then either clip and step, or skip the step as GradScaler does
+        (no optimizer step, no scheduler step, no step counted); ``scaler.update()`` either
+        way. The shadows got the scaled gradient: the control message carries the float32
+        ``inv_scale`` they multiply it by and the ``skip``.
+
+        Returns the clip coefficient applied (None without clipping or on a skipped step).
         """
+        from checkmate.train import amp
+
         hyper = self._step_hyper()  # before anything changes: a refused step leaves no trace
+        self._before_grads_change()
+        inv_scale, skip = (amp.unscale(self.scaler, self.optimizer, self.layout.world,
+                                       self.group) if self.scaler is not None else (None, False))
         if self.gockpt is not None:
             self.gockpt.before_clip(self.iteration)
-        coef = self._clip() if self.max_grad_norm is not None else None
+        coef = self._clip() if self.max_grad_norm is not None and not skip else None
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        self.optimizer.step()
-        if self.scheduler is not None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips by itself: the agreed found_inf
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None and not skip:
             self.scheduler.step()
         self._sync_buffers()
         self.last_clip = coef
         if self.injector is not None:
             self.injector("before-control", self.iteration)
+        steps = self.opt_step + (0 if skip else 1)
         if self.gockpt is not None:
-            self.gockpt.after_step(self.iteration, self.opt_step + 1,
-                                   self._control_body(lrs, coef, hyper, extra))
+            self.gockpt.after_step(self.iteration, steps,
+                                   self._control_body(lrs, coef, hyper, extra, None, skip))
         if self.layout.rank == 0 and self.layout.mode != "off":
-            data = self.sender.control(self.iteration,
-                                       self._control_body(lrs, coef, hyper, extra))
+            data = self.sender.control(self.iteration, self._control_body(
+                lrs, coef, hyper, extra, inv_scale, skip))
             self.control_bytes = len(data)
             if self.replica_log is not None:
                 self.replica_log.add_control(self.iteration, data)
         if self.parity is not None:
             self.parity.flush(self.iteration)
-        self.opt_step += 1
+        self.opt_step = steps
         self.done_iteration = self.iteration
         if self.monitor is not None:
             self.monitor.capture(self.iteration, self.opt_step)
         return coef
+
+    def _before_grads_change(self) -> None:
+        """Called by ``step`` before anything writes the gradients (unscale, clip): a
+        gradient path that still reads them (an asynchronous device-to-host copy) orders
+        itself before. Nothing to do for the ring, whose pieces are sent by then."""
 
     def _check_new_step(self) -> None:
         """A session over a user's own gradient path sees no backward of its own: one
@@ -588,17 +631,21 @@ class CheckmateSession:
                                  "before each iteration's forward and backward")
 
     def _control_body(self, lrs: list[float], coef: float | None, hyper: list[dict[str, Any]],
-                      extra: dict[str, Any] | None) -> dict[str, Any]:
+                      extra: dict[str, Any] | None, inv_scale: float | None = None,
+                      skip: bool = False) -> dict[str, Any]:
         """This step's control message: what a shadow (or GoCkpt's process) needs to repeat
-        it and to restore from it."""
+        it and to restore from it. ``inv_scale``: the float32 factor the trainers unscaled
+        the replicated (scaled) gradient by; GoCkpt's process gets None (it captures the
+        gradient after the unscale). ``skip``: the step was skipped (inf/nan gradient)."""
         return {
-            "iteration": self.iteration, "lrs": lrs, "clip_coef": coef, "skip": False,
-            "hyper": hyper,
+            "iteration": self.iteration, "lrs": lrs, "clip_coef": coef, "skip": skip,
+            "inv_scale": inv_scale, "hyper": hyper,
             "buffers": self.spec.encode_buffers(dict(self.module.named_buffers())),
             "extra": {
                 "scheduler": (self.scheduler.state_dict()
                               if self.scheduler is not None else None),
                 "hyper": hyper,  # for a restore's param groups (extra is persisted)
+                "scaler": (self.scaler.state_dict() if self.scaler is not None else None),
                 "user": extra or {},
             },
         }
@@ -636,9 +683,11 @@ class CheckmateSession:
         # Every rank takes rank 0's buffers (BatchNorm statistics) after each step, as DDP's
         # broadcast_buffers does; they are also what the control message gives the shadows.
         # Buffers are not gradients, so they go over the rendezvous group, not the ring.
+        # On host memory: the group is gloo (a GPU job's buffers come to the host once here;
+        # rank 0's control message encodes them from there too).
         bufs = [b for b in self.module.buffers() if b.numel()]
         if bufs and self.layout.world > 1:
-            flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in bufs])
+            flat = torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for b in bufs])
             dist.broadcast(flat, src=0, group=self.group)
             if self.layout.rank != 0:
                 off = 0

@@ -63,7 +63,8 @@ class P4RuntimeDriver:
                 raise CheckmateError(
                     f"switch {sw} has no P4 program loaded and {loaded.source} is text with "
                     "Tofino extern payloads this controller cannot re-encode; have the "
-                    "compiler write p4info.binpb too (--p4runtime-files ...p4info.binpb)")
+                    "compiler write the binary P4Info too (--p4runtime-files "
+                    "...p4info.txtpb,...p4info.bin; p4c refuses .binpb)")
             schema = p4tables.Schema(loaded.p4info, f"compiler output {loaded.source}")
             self.client.set_pipeline(loaded.p4info, self.device_config())
             self.schema = schema

@@ -11,7 +11,7 @@ const bit<8> IPPROTO_UDP = 17;
 /* IPv4 flags: more fragments (set on every fragment but the last). */
 const bit<3> IPV4_FLAG_MF = 1;
 /* UDP header + ckm header: a ckm datagram's UDP length is this plus its payload. */
-const bit<32> CKM_UDP_OVERHEAD = 8 + CKM_HEADER_LEN;
+const bit<16> CKM_UDP_OVERHEAD = 8 + CKM_HEADER_LEN;
 /* UDP port of the controller's handshake service (checkmate.config.CONTROLLER_PORT). */
 const bit<16> CKM_CONTROLLER_PORT = CKM_PORT_BASE + CKM_PORT_COUNT - 1;
 /* Multicast group flooding broadcast/unknown frames to every host port and the CPU port. */
@@ -100,6 +100,13 @@ struct ckm_meta_t {
     bit<1> shadow_copy;  /* egress: this replica was rewritten for a shadow */
     bit<16> repl_group;  /* ingress: the matching replication entry's multicast group */
     bit<9> repl_port;    /* ingress: the port that entry's source host is attached to */
+    /* CkmLengthCheck's 16-bit values (metadata, not locals, so that each stays a field
+     * the gateways compare; checkmate_checks.p4) */
+    bit<16> len_payload;  /* udp.length - CKM_UDP_OVERHEAD */
+    bit<16> len_float32;  /* count[15:0] * CKM_DT_FLOAT32_SIZE, and so on per dtype */
+    bit<16> len_bfloat16;
+    bit<16> len_float16;
+    bit<16> len_bytes;
 }
 
 #endif

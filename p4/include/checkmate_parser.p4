@@ -8,18 +8,29 @@
  * that they cover exactly the Python range. A foreign payload on a ckm port leaves hdr.ckm
  * invalid with meta.ckm_port set: ingress counts it as malformed and forwards it as plain
  * traffic; a payload shorter than the ckm header is a parser error (PacketTooShort), which
- * ingress counts and forwards too. */
+ * ingress counts and forwards too.
+ * Every parameter is `out`: the caller passes nothing the parser reads (the headers it
+ * does not reach stay invalid, and every metadata field is set in `start`), so no field is
+ * read uninitialized (p4c's --Wwarn=uninitialized-use and uninitialized-out-param). */
 #ifndef CHECKMATE_PARSER_P4
 #define CHECKMATE_PARSER_P4
 
 #include "checkmate_common.p4"
 
-parser CkmPacketParser(packet_in pkt, inout headers_t hdr, inout ckm_meta_t meta) {
+parser CkmPacketParser(packet_in pkt, out ethernet_h ethernet, out vlan_h vlan,
+                       out ipv4_h ipv4, out udp_h udp, out ckm_h ckm, out ckm_meta_t meta) {
     state start {
         meta.ckm_port = 0;
         meta.shadow_copy = 0;
-        pkt.extract(hdr.ethernet);
-        transition select(hdr.ethernet.ether_type) {
+        meta.repl_group = 0;
+        meta.repl_port = 0;
+        meta.len_payload = 0;
+        meta.len_float32 = 0;
+        meta.len_bfloat16 = 0;
+        meta.len_float16 = 0;
+        meta.len_bytes = 0;
+        pkt.extract(ethernet);
+        transition select(ethernet.ether_type) {
             ETHERTYPE_VLAN: parse_vlan;
             ETHERTYPE_IPV4: parse_ipv4;
             default: accept;
@@ -27,25 +38,25 @@ parser CkmPacketParser(packet_in pkt, inout headers_t hdr, inout ckm_meta_t meta
     }
 
     state parse_vlan {
-        pkt.extract(hdr.vlan);
-        transition select(hdr.vlan.ether_type) {
+        pkt.extract(vlan);
+        transition select(vlan.ether_type) {
             ETHERTYPE_IPV4: parse_ipv4;
             default: accept;
         }
     }
 
     state parse_ipv4 {
-        pkt.extract(hdr.ipv4);
+        pkt.extract(ipv4);
         /* No IP options, first fragment only: anything else is plain traffic. */
-        transition select(hdr.ipv4.ihl, hdr.ipv4.frag_offset, hdr.ipv4.protocol) {
+        transition select(ipv4.ihl, ipv4.frag_offset, ipv4.protocol) {
             (4w5, 13w0, IPPROTO_UDP): parse_udp;
             default: accept;
         }
     }
 
     state parse_udp {
-        pkt.extract(hdr.udp);
-        transition select(hdr.udp.dst_port) {
+        pkt.extract(udp);
+        transition select(udp.dst_port) {
             16w0xb798 &&& 16w0xfff8: ckm_port;  /* 47000 .. 47007 */
             16w0xb7a0 &&& 16w0xffe0: ckm_port;  /* 47008 .. 47039 */
             16w0xb7c0 &&& 16w0xffc0: ckm_port;  /* 47040 .. 47103 */
@@ -68,7 +79,7 @@ parser CkmPacketParser(packet_in pkt, inout headers_t hdr, inout ckm_meta_t meta
     }
 
     state parse_ckm {
-        pkt.extract(hdr.ckm);
+        pkt.extract(ckm);
         transition accept;
     }
 }

@@ -9,18 +9,24 @@ order reversed every other round) and reported as medians:
   dcp-process    async_save in process mode with the DefaultStager (shared memory, staging
                  in the background; pinned memory only where an accelerator exists)
   checkfreq      CheckFreq-style: synchronous snapshot to CPU buffers, background persist
-  gockpt         GoCkpt mode: state transfer spread over k steps, rolled forward on a local
-                 CPU process per rank, persisted with DCP (checkmate.gockpt)
+  gockpt         GoCkpt mode: state transfer spread over k >= 2 steps, rolled forward on a
+                 local CPU process per rank, persisted with DCP (checkmate.gockpt); run at
+                 ``--interval`` only, with k = min(4, interval)
+  proc-copy      GoCkpt's machinery with k = 1 at every iteration: the whole partition is
+                 copied to the local process at each checkpoint, nothing is spread over
+                 steps, so it is not GoCkpt and is not called so
   checkmate      Checkmate host mode: trainers send the copies, shadows on this machine
   none-switch,   the same two on the namespace testbed through the kernel (eBPF) switch, where
   checkmate-switch  the switch copies the gradients (root only; --no-switch skips them)
 
-Periodic schemes run at every iteration (GoCkpt with k = 1 there) and at ``--interval``
-(GoCkpt with k = min(4, interval)). Throughput is rank 0's mean rate over the timed
-iterations (a median step interval would hide a checkpoint taken every 8th step). From the
-every-iteration runs the bench derives each scheme's stall per checkpoint and, with
-``--mtbf`` and ``--load``, its Young/Daly best interval and effective throughput
-(checkmate.plan); the ``--interval`` runs check that model against a measurement.
+Periodic schemes run at every iteration and at ``--interval``; GoCkpt needs an interval of
+at least 2 to spread its transfer, so at every iteration its machinery runs as
+``proc-copy`` (k = 1) and GoCkpt itself runs at ``--interval`` only. Throughput is rank
+0's mean rate over the timed iterations (a median step interval would hide a checkpoint
+taken every 8th step). From the every-iteration runs the bench derives each scheme's stall
+per checkpoint and, with ``--mtbf`` and ``--load``, its Young/Daly best interval and
+effective throughput (checkmate.plan); the ``--interval`` runs check that model against a
+measurement.
 
 The workload (``--width``/``--layers``, default 25.4 M parameters: 102 MB of parameters, 305
 MB of model + AdamW state) runs with the accelerator stand-in by default (``--stand-in``
@@ -47,9 +53,13 @@ import yaml
 from checkmate import config as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 
-SCHEMES = ("none", "torchsave", "dcp", "dcp-process", "checkfreq", "gockpt", "checkmate",
-           "none-switch", "checkmate-switch")
-PERIODIC = ("torchsave", "dcp", "dcp-process", "checkfreq", "gockpt")
+SCHEMES = ("none", "torchsave", "dcp", "dcp-process", "checkfreq", "proc-copy", "gockpt",
+           "checkmate", "none-switch", "checkmate-switch")
+PERIODIC = ("torchsave", "dcp", "dcp-process", "checkfreq")
+#: Schemes run at ``--interval`` only (GoCkpt spreads its transfer over k = min(4, interval)).
+INTERVAL_ONLY = ("gockpt",)
+#: Schemes run at every iteration only (proc-copy: GoCkpt's process with k = 1).
+EVERY_ONLY = ("proc-copy",)
 
 
 def mean_rate(times: list[float], warmup: int) -> float:
@@ -75,6 +85,13 @@ def _configs(schemes: list[str], interval: int, switch: bool) -> list[tuple[str,
     for s in schemes:
         if s.endswith("-switch") and not switch:
             continue
+        if s in INTERVAL_ONLY:
+            if interval > 1:
+                out.append((s, interval))
+            else:
+                print(f"{s}: skipped (it needs --interval >= 2 to spread its transfer)",
+                      flush=True)
+            continue
         out.append((s, 1))
         if s in PERIODIC and interval > 1:
             out.append((s, interval))
@@ -88,6 +105,8 @@ def _job(scheme: str, every: int, ckdir: Path, args: argparse.Namespace) -> dict
                            "stand_in": args.stand_in if args.stand_in > 0 else None}
     if base == "gockpt":
         job["ckpt_steps"] = min(4, every)
+    elif base == "proc-copy":  # the worker knows it as GoCkpt mode with one step per window
+        job["ckpt"], job["ckpt_steps"] = "gockpt", 1
     return job
 
 
@@ -254,8 +273,10 @@ def _print(med: dict[str, float], plan: dict[str, Any], cpu: dict[str, list[floa
                   "-" if p is None else str(p["best_interval"]),
                   "-" if p is None else f"{p['effective_vs_none']:.3f}")
     Console(width=140).print(t)
+    gk = next((k for k in med if k.startswith("gockpt@")), None)
     for a, b in (("checkmate@1", "torchsave@1"), ("checkmate@1", "dcp-process@1"),
-                 ("checkmate@1", "gockpt@1"), ("checkmate@1", "checkfreq@1"),
+                 ("checkmate@1", "proc-copy@1"), ("checkmate@1", "checkfreq@1"),
+                 (gk or "gockpt@-", "none@1"),
                  ("checkmate-switch@1", "none-switch@1"), ("checkmate@1", "none@1")):
         if a in med and b in med:
             print(f"{a} / {b} throughput: {med[a] / med[b]:.3f}")
