@@ -166,6 +166,15 @@ class ShadowCollector(Collector):
             "Iteration of the newest checkpoint on disk.",
             persist.get("last_iteration"),
         )
+        last_error = persist.get("last_error")
+        if isinstance(last_error, str) and last_error:
+            f.gauge(
+                "persist_last_error",
+                "1, with the most recent failed checkpoint write's error (one line) as the "
+                "'error' label; absent before any failure.",
+                1,
+                error=last_error[:200],
+            )
         yield from f
 
 
@@ -186,8 +195,27 @@ class TrainerCollector(Collector):
             "Newest iteration every shadow has committed (what a restore can return to).",
             st.get("newest_consistent"),
         )
+        prot = st.get("protected_now")
+        f.gauge("protected", "1 while every shadow answers and holds current state.",
+                None if prot is None else int(bool(prot)))
+        f.gauge(
+            "unprotected_since_iteration",
+            "First iteration no complete checkpoint covers, while protection is lost "
+            "(absent while protected).",
+            st.get("unprotected_since"),
+        )
         shadows = _by_key(_sub(st, "shadows"))
         per = [({"partition": str(p)}, v if isinstance(v, Mapping) else {}) for p, v in shadows]
+        f.gauges(
+            "shadow_up",
+            "1 while the shadow answers status polls (0: unreachable or silent for 2 s).",
+            [(lab, None if v.get("up") is None else int(bool(v.get("up")))) for lab, v in per],
+        )
+        f.gauges(
+            "shadow_silent_seconds",
+            "Seconds since the shadow last answered a status poll.",
+            [(lab, v.get("silent_seconds")) for lab, v in per],
+        )
         f.gauges(
             "shadow_committed_iteration",
             "Newest iteration each shadow has committed.",

@@ -221,8 +221,17 @@ class ShadowClient:
         reply, _ = self.request({"op": "status"})
         return reply
 
-    def fetch(self, iteration: int) -> Fetched:
-        reply, data = self.request({"op": "fetch", "iteration": iteration})
+    def holdings(self) -> dict[str, Any]:
+        """Iterations this shadow can serve: ``memory`` (retained) and ``disk``."""
+        reply, _ = self.request({"op": "holdings"})
+        return reply
+
+    def fetch(self, iteration: int, source: str = "memory") -> Fetched:
+        """This partition at ``iteration``, from the shadow's memory or its checkpoint."""
+        head: dict[str, Any] = {"op": "fetch", "iteration": iteration}
+        if source != "memory":
+            head["source"] = source
+        reply, data = self.request(head)
         count, names = int(reply["count"]), list(reply["slots"])
         if len(data) != 4 * count * len(names):
             raise ShadowError(f"shadow {self.addr[0]}:{self.addr[1]} sent {len(data)} bytes "
@@ -284,16 +293,18 @@ class FullState:
 
 
 def fetch_all(addrs: Sequence[Addr], iteration: int, timeout: float = 60.0,
-              spec: ModelSpec | None = None) -> FullState:
+              spec: ModelSpec | None = None,
+              sources: Sequence[str] | None = None) -> FullState:
     """Fetch ``iteration`` from every shadow and join the partitions.
 
-    Checks that the partitions tile [0, total) exactly and agree on the step, so the
-    result is one consistent state, never a mix.
+    ``sources``: per shadow, ``memory`` (default) or ``disk`` (its checkpoint of that
+    iteration). Checks that the partitions tile [0, total) exactly and agree on the step,
+    so the result is one consistent state, never a mix.
     """
     got: list[Fetched] = []
-    for a in addrs:
+    for i, a in enumerate(addrs):
         with ShadowClient(a, timeout) as c:
-            got.append(c.fetch(iteration))
+            got.append(c.fetch(iteration, sources[i] if sources else "memory"))
     got.sort(key=lambda f: f.offset)
     pos = 0
     for f in got:
@@ -327,14 +338,16 @@ class Restored:
 
 
 def restore_point(addrs: Sequence[Addr], spec: ModelSpec | None = None,
-                  iteration: int | None = None, timeout: float = 60.0) -> Restored:
-    """The state at ``iteration`` (default: the consistent point) from every shadow."""
+                  iteration: int | None = None, timeout: float = 60.0,
+                  sources: Sequence[str] | None = None) -> Restored:
+    """The state at ``iteration`` (default: the consistent point) from every shadow;
+    ``sources`` as in :func:`fetch_all`."""
     if spec is None:
         with ShadowClient(addrs[0], timeout) as c:
             spec = c.get_spec()
     if iteration is None:
         iteration = consistent_point(addrs, timeout)
-    full = fetch_all(addrs, iteration, timeout, spec)
+    full = fetch_all(addrs, iteration, timeout, spec, sources)
     buffers = spec.decode_buffers(full.buffers)
     model_sd, optim_sd = spec.state_dicts(full.slots, full.step, buffers, full.lrs)
     return Restored(model_sd, optim_sd, iteration, full.step, buffers, full.extra)

@@ -32,6 +32,9 @@ class Registration:
     port: int
     epoch: int
     token: int
+    #: The registering shadow process's id (register's ``instance``): a repeated request
+    #: of the same instance gets this registration again, not a new epoch ("" before).
+    instance: str = ""
 
 
 @dataclass(frozen=True)

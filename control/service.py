@@ -4,10 +4,11 @@ A UDP socket on the switch's address, port config.CONTROLLER_PORT (docs/protocol
 "Handshake"). Every request must carry a valid MAC made with the job secret, a fresh nonce
 and a timestamp within checkmate.auth.SKEW; anything else gets a refusal that reveals
 nothing and is counted (logged at most a few lines a minute). ``register`` mints a new
-session (larger epoch, fresh token), reprograms the switch so the partition's copies go to
-the registering shadow stamped with that session (through the same plan/driver path as
-`control deploy`, so only changed entries are written), stores it, and answers
-``registered``. ``session`` answers the current
+session (larger epoch, fresh token) -- unless it repeats the current registration's
+``instance`` (a shadow's retry), which gets that session again --, reprograms the switch
+so the partition's copies go to the registering shadow stamped with that session
+(through the same plan/driver path as `control deploy`, so only changed entries are
+written), stores it, and answers ``registered``. ``session`` answers the current
 registrations. Bad requests get a NACK with a reason; datagrams that are not handshake
 requests are dropped and counted.
 """
@@ -97,6 +98,12 @@ class HandshakeService:
 
     def _register(self, body: dict, peer_ip: str | None) -> dict:
         reg = self.store.new_session(self.cfg, body, peer_ip)
+        if self.store.known(reg):
+            # A retry of a registration made (its reply was lost or late): answer it again;
+            # no new epoch, no switch write (a newer instance that replaced it stays).
+            self.stats["register_repeated"] += 1
+            return {"op": "registered", "job": self.cfg.job_id, "partition": reg.partition,
+                    "epoch": reg.epoch, "token": reg.token}
         regs = self.store.for_config(self.cfg)
         regs[reg.partition] = reg
         self.deploy(regs)  # raises (-> NACK) if the switch cannot be programmed

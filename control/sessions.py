@@ -36,6 +36,10 @@ class SessionStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.registrations: dict[int, Registration] = {}
+        #: Registrations made by instance (partition, instance): a late retry of a shadow
+        #: that was registered -- even one a newer instance replaced since -- gets its own
+        #: session again, never a new epoch (in memory, the newest per partition kept).
+        self.by_instance: dict[tuple[int, str], Registration] = {}
         self.max_epoch = 0
         self._load()
 
@@ -78,7 +82,9 @@ class SessionStore:
 
     def new_session(self, cfg: ClusterConfig, body: dict,
                     peer_ip: str | None = None) -> Registration:
-        """Validate a register request and mint its session (not stored until commit).
+        """Validate a register request and mint its session (not stored until commit); a
+        repeat of the current registration's ``instance`` (a retry whose reply was lost or
+        late) returns that registration itself: same epoch and token, nothing to commit.
         Only the partition's own shadow host, at its configured address, sending from it
         (``peer_ip``; loopback: a local tool on its behalf) may register the partition."""
         p = body.get("partition")
@@ -101,13 +107,33 @@ class SessionStore:
         port = body.get("port", h.port)
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             raise CheckmateError(f"bad port {port!r}")
+        instance = body.get("instance", "")
+        if not isinstance(instance, str) or len(instance) > 64:
+            raise CheckmateError("bad instance: a string of at most 64 characters")
+        cur = self.registrations.get(p)
+        if cur is not None and cur.instance:
+            self.by_instance.setdefault((p, cur.instance), cur)
+        old = self.by_instance.get((p, instance)) if instance else None
+        if old is not None and (old.host, old.ip, old.mac, old.port) == (
+                h.name, str(ip), mac, port):
+            return old  # a retry of a registration already made: the same session
         epoch = self.max_epoch + 1
         if epoch >= 2**32:
             raise CheckmateError("epoch space exhausted")
         token = secrets.randbits(32) or 1
-        return Registration(p, h.name, str(ip), mac, port, epoch, token)
+        return Registration(p, h.name, str(ip), mac, port, epoch, token, instance)
+
+    def known(self, reg: Registration) -> bool:
+        """``reg`` was registered before (new_session returned a retry's session)."""
+        return bool(reg.instance) and self.by_instance.get((reg.partition, reg.instance)) \
+            is reg
 
     def commit(self, reg: Registration) -> None:
         self.registrations[reg.partition] = reg
+        if reg.instance:
+            self.by_instance[(reg.partition, reg.instance)] = reg
+            mine = [k for k in self.by_instance if k[0] == reg.partition]
+            for k in mine[:-8]:  # the newest 8 instances per partition are enough
+                del self.by_instance[k]
         self.max_epoch = max(self.max_epoch, reg.epoch)
         self.save()

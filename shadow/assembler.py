@@ -10,7 +10,10 @@ its control message arrived, or the trainers report they passed it) and nothing 
 arrived for it for ``REPAIR_DELAY`` seconds, exactly the missing ranges are asked of the
 trainers (checkmate.shadow.repair), again with exponential backoff until they arrive. A
 trainer that no longer retains the iteration answers "gone": the shadow then asks to be
-re-seeded (``reseed_wanted``). If an older iteration stays incomplete while newer ones keep
+re-seeded (``reseed_wanted``), as it does when the oldest iteration is not repaired within
+``REPAIR_ESCALATE`` seconds; from then on it sends no repair requests (the re-seed fixes
+it), nor while nothing was heard from the trainers for ``TRAINERS_GONE`` seconds. If an
+older iteration stays incomplete while newer ones keep
 arriving for longer than ``gap_timeout`` seconds, the gap (iteration and missing ranges) is
 also reported once: logged, counted and kept for ``status`` -- never waited on silently.
 """
@@ -48,6 +51,13 @@ REPAIR_IDLE = 1.0
 REPAIR_MAX_BACKOFF = 0.5
 #: Oldest pending iterations looked at per tick.
 REPAIR_SCAN = 8
+#: Seconds the oldest pending iteration may stay under repair before the shadow gives up on
+#: repair and asks to be re-seeded (a fault that drops every answer for it would otherwise
+#: stall the partition for good).
+REPAIR_ESCALATE = 5.0
+#: Seconds without a datagram or a progress report from the trainers after which they are
+#: taken to be gone: repair requests pause until something is heard again.
+TRAINERS_GONE = 5.0
 
 
 @dataclass
@@ -120,6 +130,7 @@ class _Iter:
     last_progress: float = 0.0
     repair_tries: int = 0
     repair_next: float = 0.0
+    repair_first: float = 0.0  # when it was first asked for
     # FEC groups with lost pieces: first piece offset -> {parity index: payload}
     parity: dict[int, dict[int, bytes]] = field(default_factory=dict)
 
@@ -197,6 +208,10 @@ class Assembler:
         self.newest_seen = 0
         self.newest_seen_at = 0.0
         self.known_done = 0
+        #: When anything was last heard from the trainers (a new iteration, a datagram past
+        #: the window, a progress report); and whether repair is paused for their silence.
+        self.heard_at = time.monotonic()
+        self.repair_paused = False
         self.repair: Any = None  # checkmate.shadow.repair.RepairRequester, set by the node
         #: FEC: parity seen, groups with nothing lost, pieces rebuilt, groups that failed.
         self.fec: Counter = Counter()
@@ -223,7 +238,7 @@ class Assembler:
     def _seen(self, it: int) -> None:
         if it > self.newest_seen:
             self.newest_seen = it
-            self.newest_seen_at = time.monotonic()
+            self.newest_seen_at = self.heard_at = time.monotonic()
 
     def request_reset(self, committed: int) -> None:
         """From another thread: drop everything open and continue after ``committed``."""
@@ -251,6 +266,7 @@ class Assembler:
             # datagram the shadow refuses would make it open (and ask repairs for) every
             # iteration up to it. Trainers far ahead are known from their progress reports.
             self.drops["window"] += 1
+            self.heard_at = time.monotonic()  # trainers ahead: alive (an uncommon path)
             return None
         if it > self.newest_seen:
             self._seen(it)
@@ -415,6 +431,7 @@ class Assembler:
 
         Also counts as seen: a shadow that received nothing of an iteration still asks.
         """
+        self.heard_at = time.monotonic()
         if iteration > self.known_done:
             self.known_done = iteration
         if iteration > self.newest_seen:
@@ -422,12 +439,20 @@ class Assembler:
 
     def on_gone(self, it: int) -> None:
         """A trainer no longer retains ``it``: this partition needs a re-seed."""
-        if it >= self.next_dispatch and not self.reseed_wanted:
-            self.reseed_wanted = (f"iteration {it} is missing and no longer retained by the "
-                                  "trainers")
-            log.error("partition needs a re-seed: %s", self.reseed_wanted)
+        if it >= self.next_dispatch:
+            self._want_reseed(f"iteration {it} is missing and no longer retained by the "
+                              "trainers")
+
+    def want_reseed(self, reason: str) -> None:
+        """Ask the trainers for a re-seed (from any thread: one string assignment)."""
+        self._want_reseed(reason)
+
+    def _want_reseed(self, reason: str) -> None:
+        if not self.reseed_wanted:
+            self.reseed_wanted = reason
+            log.error("partition needs a re-seed: %s", reason)
             if self.on_wanted is not None:
-                self.on_wanted(self.reseed_wanted)
+                self.on_wanted(reason)
 
     def tick(self, now: float | None = None) -> float:
         """Gap reports and repair requests; returns seconds until the next tick is useful."""
@@ -441,6 +466,18 @@ class Assembler:
         return wait
 
     def _request_repairs(self, now: float) -> float:
+        if self.reseed_wanted:
+            return 0.1  # repair gave up; the re-seed resets the assembler
+        silent = now - self.heard_at
+        if silent > TRAINERS_GONE:
+            if not self.repair_paused and self.open:
+                self.repair_paused = True
+                log.warning("repair paused: nothing heard from the trainers for %.0fs",
+                            silent)
+            return 0.1
+        if self.repair_paused:
+            self.repair_paused = False
+            log.warning("repair resumed: the trainers are heard again")
         horizon = max(self.newest_seen, self.known_done)
         wait = 0.1
         for it in range(self.next_dispatch, min(self.next_dispatch + REPAIR_SCAN,
@@ -471,12 +508,19 @@ class Assembler:
             if idle < due:
                 wait = min(wait, due - idle)
                 continue
+            if (it == self.next_dispatch and st.repair_tries
+                    and now - st.repair_first > REPAIR_ESCALATE):
+                self._want_reseed(f"iteration {it} not repaired within {REPAIR_ESCALATE:g}s "
+                                  f"({st.repair_tries} requests)")
+                return 0.1
             if now < st.repair_next:
                 wait = min(wait, st.repair_next - now)
                 continue
             missing = [(self.start + a, self.start + b)
                        for a, b in st.cov.missing(0, self.size)]
             self.repair.request(it, missing, st.control is None, st.repair_tries)
+            if not st.repair_tries:
+                st.repair_first = now
             st.repair_tries += 1
             backoff = min(REPAIR_MAX_BACKOFF, REPAIR_DELAY * 2 ** st.repair_tries)
             st.repair_next = now + backoff

@@ -8,6 +8,8 @@ the controller for the session epoch/token (unless disabled), then start receivi
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,7 @@ from checkmate.shadow.receiver import Receiver, open_socket
 from checkmate.shadow.register import register
 from checkmate.shadow.repair import RepairRequester
 from checkmate.shadow.service import Service
-from checkmate.shadow.state import ShadowState, Version
+from checkmate.shadow.state import ShadowState, Version, warm_up_kernels
 
 log = logging.getLogger("checkmate.shadow")
 
@@ -73,7 +75,9 @@ class ShadowNode:
         try:
             self.service = Service(self.state, self.status, opts.restore_bind,
                                    opts.restore_port, self.secret, self.drops,
-                                   self._on_peers, self._on_progress)
+                                   self._on_peers, self._on_progress,
+                                   persist.part_dir(opts.dir, opts.partition)
+                                   if opts.dir else None)
         except Exception:
             self.sock.close()
             raise
@@ -86,6 +90,8 @@ class ShadowNode:
                                       self.receiver.repair_stats,
                                       key=datamac.data_key(self.secret))
         self.restored_from: str | None = None
+        self._commits_at_start = 0
+        self.warm_seconds: float | None = None  # background kernel warm-up of an empty start
         self._peers: dict[str, Any] | None = None  # validated when the spec is known
         self.verbs: Any = None  # checkmate.shadow.verbs.VerbsReceiver with transport verbs
         if opts.transport == "verbs":
@@ -123,9 +129,20 @@ class ShadowNode:
         self._peers = dict(body)
 
     def _on_progress(self, done: int) -> None:
-        asm = self.state.asm
-        if asm is not None:
-            asm.note_done(done)
+        st = self.state
+        asm = st.asm
+        if asm is None:
+            return
+        asm.note_done(done)
+        # Back from disk and the trainers are more than the window ahead: what lies between
+        # cannot be received nor (beyond the trainers' retention) repaired, so the restart
+        # itself asks for the re-seed at once, not after a repair round answered "gone".
+        latest = st.latest
+        if (self.restored_from is not None and st.committed_count == self._commits_at_start
+                and st.reseed is None and st._reseed_pending is None
+                and latest is not None and done > latest + st.window):
+            asm.want_reseed(f"restarted from disk at iteration {latest}, the trainers are "
+                            f"at {done}")
 
     def _on_commit(self, v: Version) -> None:
         p = self.persister
@@ -142,6 +159,12 @@ class ShadowNode:
                                                    o.keep)
                 if self.restored_from is not None:
                     self.persister.last_iteration = self.state.latest
+            self._commits_at_start = self.state.committed_count
+            if self.state.spec is None:
+                # Started empty: compile the optimizer kernels now, in the background, so a
+                # re-seed does not wait for the compiler (a disk restart compiled them while
+                # installing its checkpoint).
+                threading.Thread(target=self._warm, name="shadow-warm", daemon=True).start()
             self.service.start()
             if o.controller is not None:
                 epoch, token = register(self.secret, o.controller, o.job, o.partition,
@@ -158,6 +181,12 @@ class ShadowNode:
                  o.partitions, o.bind, self.udp_port, o.restore_bind, self.tcp_port,
                  self.rcvbuf)
         return self
+
+    def _warm(self) -> None:
+        t0 = time.perf_counter()
+        warm_up_kernels()
+        self.warm_seconds = round(time.perf_counter() - t0, 3)
+        log.info("optimizer kernels ready in %.1fs", self.warm_seconds)
 
     def _load_from_disk(self) -> None:
         o = self.opts
@@ -224,6 +253,7 @@ class ShadowNode:
             "error": st.last_error,
             "persist": self.persister.status() if self.persister else None,
             "restored_from": self.restored_from,
+            "warm_seconds": self.warm_seconds,
             "rcvbuf": self.rcvbuf,
             "verbs": self.verbs.status() if self.verbs is not None else None,
             "range": [st.start, st.end] if st.spec else None,

@@ -335,6 +335,21 @@ def list_iterations(pdir: Path) -> list[int]:
     return sorted(out)
 
 
+def restorable_iterations(pdir: Path) -> list[int]:
+    """Complete checkpoints a restore may use, ascending: those a seed wrote are left out
+    (as in :func:`load_full_state`, a seed point is never joined with its siblings). Cheap:
+    reads each ckm.json, not the tensors; the manifest is checked when one is loaded."""
+    out = []
+    for it in list_iterations(pdir):
+        try:
+            meta = json.loads((pdir / f"{_ITER_PREFIX}{it:012d}" / "ckm.json").read_text())
+        except (OSError, ValueError):
+            continue  # pruned or purged meanwhile, or unreadable: not offered
+        if isinstance(meta, dict) and not meta.get("seeded"):
+            out.append(it)
+    return out
+
+
 def verify(ckpt: Path) -> dict[str, Any]:
     """ckm.json of a checkpoint after checking every file against the manifest."""
     try:

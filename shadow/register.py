@@ -1,8 +1,12 @@
 """Shadow side of the handshake: register with the controller, get the session epoch/token.
 
-The controller may be starting at the same time as the shadow, so requests are retried
-with exponential backoff until a deadline (each try a fresh nonce: the controller refuses
-replays); a NACK is a definite refusal and is not retried. Replies must carry the MAC bound
+The controller may be starting at the same time as the shadow, or slow under load, so
+requests are retried with exponential backoff (bounded by ``max_wait``) until a deadline.
+Every try carries the same ``instance`` (this registration's random id) and ``seq`` and a
+fresh nonce (the controller refuses replays): the controller answers a repeat of the
+instance it registered with that same session, and a reply to any earlier try is accepted,
+so retries converge on one registration instead of minting an epoch each. A NACK is a
+definite refusal and is not retried. Replies must carry the MAC bound
 to the request's nonce; a refusal without one can only say "not authenticated" (the
 controller could not verify the request: a different job secret) and is reported as such.
 """
@@ -10,6 +14,7 @@ controller could not verify the request: a different job secret) and is reported
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import time
 
@@ -35,20 +40,21 @@ def register(
 ) -> tuple[int, int]:
     """(epoch, token) of a new registration of ``partition``; CheckmateError on failure."""
     body = {"op": "register", "job": job, "partition": partition, "host": host, "ip": ip,
-            "mac": mac, "port": port}
+            "mac": mac, "port": port, "instance": secrets.token_hex(8)}
     key = auth.handshake_key(secret)
     end = time.monotonic() + deadline_s
-    wait, seq, tries = first_wait, int(time.time() * 1000) & 0x7FFFFFFF, 0
+    wait, seq, tries = first_wait, secrets.randbits(31), 0
+    nonces: list[str] = []
     with mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as s:
         while True:
             tries += 1
-            seq = (seq + 1) & 0xFFFFFFFF
             req, nonce = handshake.request(key, job, seq, body, partition)
+            nonces.append(nonce)
             try:
                 s.sendto(req, controller)
             except OSError as e:
                 log.warning("register: cannot send to %s:%d: %s", *controller, e)
-            reply = handshake.await_reply(s, seq, key, [nonce],
+            reply = handshake.await_reply(s, seq, key, nonces,
                                           min(wait, max(end - time.monotonic(), 0.01)))
             if reply is not None:
                 h, rb = reply.header, reply.body

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from checkmate import auth
@@ -52,8 +53,12 @@ class Service:
     def __init__(self, state: ShadowState, status: Callable[[bool], dict[str, Any]],
                  bind: str, port: int, secret: bytes, drops: Counter | None = None,
                  on_peers: Callable[[dict[str, Any]], None] | None = None,
-                 on_progress: Callable[[int], None] | None = None) -> None:
+                 on_progress: Callable[[int], None] | None = None,
+                 disk_dir: Path | None = None) -> None:
         self.state = state
+        #: This partition's checkpoint directory (persist.part_dir): ``holdings`` lists what
+        #: it holds and ``fetch`` with ``source: disk`` serves from it (a resume from disk).
+        self.disk_dir = disk_dir
         self.key = auth.service_key(secret)
         self.drops = drops if drops is not None else Counter()
         self._bad_log = RateLimitedLog(log.warning)
@@ -243,10 +248,16 @@ class Service:
             seeded = st.seed(h["iteration"], str(h.get("slot")), h["offset"], h["count"],
                              h["step"], payload, h.get("buffers"), h.get("extra"))
             return {"ok": True, "seeded": seeded}, b""
+        if op == "holdings":
+            return {"ok": True, **self.holdings()}, b""
         if op == "fetch":
             it = h.get("iteration")
             if not isinstance(it, int) or isinstance(it, bool):
                 raise CheckmateError("fetch needs an integer 'iteration'")
+            if h.get("source", "memory") == "disk":
+                return self._fetch_disk(it)
+            if h.get("source", "memory") != "memory":
+                raise CheckmateError("fetch 'source' must be memory or disk")
             v = st.pin(it)
             spec = st.spec
             assert spec is not None
@@ -256,7 +267,42 @@ class Service:
                      "_release": lambda: st.unpin(v)}
             return reply, [v.slots[s] for s in spec.slots]
         raise CheckmateError(f"unknown op {str(op)[:40]!r} (ops: spec, seed, status, fetch, "
-                             "peers, reseed, reseed_piece)")
+                             "holdings, peers, reseed, reseed_piece)")
+
+    def holdings(self) -> dict[str, Any]:
+        """What a resume may restore from here: iterations in memory and on disk."""
+        from checkmate.shadow import persist
+
+        st = self.state
+        disk = persist.restorable_iterations(self.disk_dir) if self.disk_dir else []
+        return {"partition": st.partition, "partitions": st.partitions,
+                "has_spec": st.spec is not None, "memory": st.retained(), "disk": disk,
+                "latest": st.latest, "dir": str(self.disk_dir) if self.disk_dir else None}
+
+    def _fetch_disk(self, it: int) -> tuple[dict[str, Any], Any]:
+        """One iteration of this partition read from its checkpoint (verified against its
+        manifest), for a resume whose consistent point no shadow holds in memory any more."""
+        from checkmate.shadow import persist
+
+        st = self.state
+        if self.disk_dir is None:
+            raise CheckmateError("this shadow persists nothing (no --dir)")
+        ck = persist.load_partition(self.disk_dir / f"iter-{it:012d}")
+        m = ck.meta
+        if m.get("seeded"):
+            raise CheckmateError(f"checkpoint of iteration {it} is a seed point, not "
+                                 "restorable")
+        if m["partition"] != st.partition:
+            raise CheckmateError(f"checkpoint of iteration {it} holds partition "
+                                 f"{m['partition']}, this shadow serves {st.partition}")
+        if st.spec is not None and ck.spec.dumps() != st.spec.dumps():
+            raise CheckmateError(f"checkpoint of iteration {it} was written for another "
+                                 "spec than this shadow holds")
+        reply = {"ok": True, "iteration": it, "offset": m["start"],
+                 "count": m["end"] - m["start"], "slots": list(ck.spec.slots),
+                 "step": m["step"], "buffers": m["buffers"], "extra": m["extra"],
+                 "lrs": m["lrs"], "source": "disk"}
+        return reply, [ck.slots[s] for s in ck.spec.slots]
 
 
 def _int(h: dict[str, Any], key: str) -> int:

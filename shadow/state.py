@@ -53,6 +53,15 @@ _WARM: set[tuple[str, bool]] = set()
 _WARM_LOCK = threading.Lock()
 
 
+def warm_up_kernels() -> None:
+    """Compile every optimizer kernel (Adam/AdamW and SGD, float32 gradients) before any
+    spec is known: an empty shadow does it at start. Serialized with :func:`warm_up`."""
+    from checkmate.optim.ops import warm_up as ops_warm_up
+
+    with _WARM_LOCK:
+        ops_warm_up(("adam", "sgd"))
+
+
 def warm_up(spec: ModelSpec) -> None:
     """Compile the optimizer kernels now (serial and parallel variants) on scratch arrays, so
     the first real step does not stall the shadow while trainers run ahead."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -38,6 +39,10 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     for s in ("s0", "s1"):
         out[f"replica-corrupt-1%-{s}"] = {"faults": [{"port": s, "corrupt": 0.01}],
                                           "kill_at": late}
+    # Every datagram of one iteration to s0 is lost, repair answers included: the shadow
+    # must give up on repair, ask for a re-seed and end protected.
+    out["blackout-one-iteration-s0"] = {"faults": [{"port": "s0", "drop": 1.0,
+                                                    "from": steps // 3, "until": steps // 3}]}
     for p in (0.01, 0.05):
         out[f"trainer-drop-{p * 100:g}%-t1"] = {"faults": [{"port": "t1", "drop": p}],
                                                 "kill_at": late}
@@ -46,6 +51,13 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     out["shadow-restart-empty"] = {"shadow_kills": [{"partition": "R", "at": "E"}]}
     out["shadow-restart-disk"] = {"shadow_kills": [{"partition": "R", "at": "E",
                                                     "disk": True}], "persist_every": 5}
+    # A correlated failure (a rack or power domain): a shadow and then every trainer die a
+    # few iterations apart, before the restarted shadow is current again; the resume must
+    # come from disk (checkmate.train.resume_point). "kill_after_shadow": kill_at is that
+    # many iterations after the shadow kill.
+    out["shadow-and-trainers-kill"] = {"shadow_kills": [{"partition": "R", "at": "E",
+                                                         "disk": True}],
+                                       "persist_every": 10, "kill_after_shadow": 6}
     out["trainer-kill-after-step"] = {"kill_at": "random"}
     out["trainer-kill-before-control"] = {"kill_at": "random", "kill_phase": "before-control"}
     out["controller-restart"] = {"controller_restart_at": "random", "kill_at": late}
@@ -56,7 +68,8 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-RANDOM = {"shadow-restart-empty", "shadow-restart-disk", "trainer-kill-after-step",
+RANDOM = {"shadow-restart-empty", "shadow-restart-disk", "shadow-and-trainers-kill",
+          "trainer-kill-after-step",
           "trainer-kill-before-control", "controller-restart"}
 
 
@@ -159,6 +172,29 @@ def write_report(path: Path, block: str) -> None:
         path.write_text("# Reliability: the chaos suite\n\n" + block)
 
 
+def draw(name: str, body: dict[str, Any], steps: int, seed: int, partitions: int,
+         rng: random.Random) -> Any:
+    """The case's scenario with its random partition ("R"), early iteration ("E") and
+    ``kill_after_shadow`` resolved (draws from ``rng`` in a fixed order)."""
+    body = dict(body)
+    body["shadow_kills"] = [{**k, "partition": rng.randrange(partitions),
+                             "at": rng.randint(max(1, steps // 10), steps // 3)}
+                            for k in body.get("shadow_kills", [])]
+    after = body.pop("kill_after_shadow", None)
+    if after is not None:
+        body["kill_at"] = min(body["shadow_kills"][0]["at"] + after, steps - 1)
+    return parse_scenario({"name": name, "model": "gpt", "steps": steps, "seed": seed,
+                           **body}, name, rng)
+
+
+def _remove_if_empty(d: Path) -> None:
+    """The suite's work directory goes once no failed case's logs are left in it."""
+    try:
+        d.rmdir()
+    except OSError:
+        pass
+
+
 @cli_guard("testbed chaos")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -192,23 +228,27 @@ def main(argv: list[str] | None = None) -> int:
     def progress(label: str, it: int, loss: float) -> None:
         pass
 
+    # A passed case's logs are removed; a failed case's are kept (their path is printed and
+    # in its problems), so its cause can be known after the suite.
+    workdir = Path(tempfile.mkdtemp(prefix="ckm-chaos-"))
     with ExitStack() as stack:
-        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckm-chaos-")))
+        stack.callback(_remove_if_empty, workdir)
         cl = Cluster(cfg, "switch", config_path, "", stack)
         for name in names:
             for rep_i in range(args.repeat if name in RANDOM else 1):
-                body = dict(known[name])
-                body["shadow_kills"] = [
-                    {**k, "partition": rng.randrange(cfg.num_partitions),
-                     "at": rng.randint(max(1, args.steps // 10), args.steps // 3)}
-                    for k in body.get("shadow_kills", [])]
-                sc = parse_scenario({"name": name, "model": "gpt", "steps": args.steps,
-                                     "seed": args.seed, **body}, name, rng)
+                sc = draw(name, known[name], args.steps, args.seed, cfg.num_partitions, rng)
                 t0 = time.perf_counter()
+                case_dir = workdir / f"{name}-{rep_i}"
                 try:
-                    rep = execute(sc, cl, workdir / f"{name}-{rep_i}", progress)
+                    rep = execute(sc, cl, case_dir, progress)
                 except CheckmateError as e:
                     rep = {"ok": False, "runs": {}, "problems": [str(e)]}
+                if rep["ok"]:
+                    shutil.rmtree(case_dir, ignore_errors=True)
+                else:
+                    rep["problems"] = [*rep.get("problems", []), f"logs kept in {case_dir}"]
+                    print(f"testbed chaos: {name} failed; logs kept in {case_dir}",
+                          file=sys.stderr, flush=True)
                 row = _row(name, rep, time.perf_counter() - t0)
                 rows.append(row)
                 print(" ".join(f"{c}={row[c]}" for c in _COLS), flush=True)

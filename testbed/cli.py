@@ -57,8 +57,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"testbed: error: bench needs one of {', '.join(names)}; got {got}",
                   file=sys.stderr)
             return 2
+        from checkmate.testbed import lifeline
+
+        lifeline.exit_on_signals()  # SIGTERM/SIGHUP: clean up, then exit
         mod = importlib.import_module(f"checkmate.testbed.bench.{rest[0]}")
         return mod.main(rest[1:])
+    if cmd in ("run", "chaos", "demo"):
+        from checkmate.testbed import lifeline
+
+        lifeline.exit_on_signals()  # SIGTERM/SIGHUP: clean up, then exit
     mod = importlib.import_module(COMMANDS[cmd][0])
     if mod.__name__ == "checkmate.testbed.commands":
         return mod.main([cmd, *rest])

@@ -41,6 +41,7 @@ from typing import Any
 from checkmate import auth
 from checkmate import config as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.testbed import lifeline
 from checkmate.testbed.scenario import (  # noqa: F401 - re-exported for the benches
     KILL_PHASES,
     SCENARIO_DIR,
@@ -72,7 +73,9 @@ class Cluster:
             from checkmate.testbed.topology import Testbed
 
             tb = Testbed(cfg, controller=True, config_path=config_path)
+            tb.tied = True  # what this command starts ends with it (testbed.lifeline)
             if not KernelSwitch(cfg).is_up():
+                tb.tied_controller = True  # this command builds the testbed: it owns all
                 stack.enter_context(tb)
             self.testbed = tb
             self.ip = {h.name: h.ip for h in cfg.hosts}
@@ -108,7 +111,7 @@ class Cluster:
         if self.testbed is not None:
             return self.testbed.spawn(host, argv, name, env=full_env, **kw)
         full_env[auth.SECRET_ENV] = str(self.secret_file)
-        p = subprocess.Popen(argv, env=full_env, start_new_session=True, **kw)
+        p = lifeline.popen(argv, env=full_env, start_new_session=True, **kw)
         self._record(p.pid)
         return p
 
@@ -162,6 +165,7 @@ class RunResult:
     killed_at: int | None = None
     max_done_before_kill: int | None = None
     restored_from: int | None = None
+    restored_sources: list[str] | None = None  # per partition: memory or disk
     seconds: float = 0.0
     stats: list[dict] = field(default_factory=list)
     shadow_matches_trainer: bool | None = None
@@ -440,6 +444,7 @@ class Run:
             elif kind == "started":
                 if ev.get("resumed") and ev["rank"] == 0:
                     self.result.restored_from = ev["iteration"]
+                    self.result.restored_sources = ev.get("sources")
             elif kind == "done":
                 done.add(ev["rank"])
                 self.result.stats.append({"rank": ev["rank"], **ev.get("stats", {}),
@@ -636,11 +641,13 @@ def reliability_summary(r: RunResult) -> dict[str, Any]:
     # What the shadows received as repair answers (payload bytes): complete even when a
     # trainer incarnation was killed before reporting what it sent.
     received = sum(x.get("answer_bytes", 0) for x in repair)
-    # Every iteration must be committed by every shadow that was never restarted.
+    # Every iteration must be committed by every shadow that was never restarted nor
+    # re-seeded (a re-seed replaces the state, skipping the iterations in between; the
+    # re-seeds are counted below and the final state is compared with the trainers').
     restarted = {rs["partition"] for rs in r.restarts}
     missing = {}
     for st in r.shadow_status:
-        if st.get("partition") in restarted:
+        if st.get("partition") in restarted or (st.get("reseed") or {}).get("count"):
             continue
         done = {i for i, _ in st.get("commit_times") or []}
         gone = sorted(set(first_done) - done)
@@ -722,6 +729,7 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
             "seconds": r.seconds, "first_loss": r.losses[0] if r.losses else None,
             "last_loss": r.losses[-1] if r.losses else None, "killed_at": r.killed_at,
             "max_done_before_kill": r.max_done_before_kill, "restored_from": r.restored_from,
+            "restored_sources": r.restored_sources,
             "shadows_match_trainers": r.shadow_matches_trainer, "ring": r.stats,
             "protected": r.protected, "shadow_restarts": r.shadow_restarts,
             "gockpt_checkpoint": r.gockpt_iteration, **summary,
@@ -752,6 +760,13 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
             # (every holder of the missing pieces) dies: the commit-lag bound is 2 more.
             # GoCkpt checkpoints every `every` iterations, each complete `steps` later.
             allowed = (3 if sc.chaos else 1) if sc.gockpt is None else sum(sc.gockpt)
+            if "disk" in (kr.restored_sources or []):
+                # A shadow died shortly before the trainers (a correlated failure): no
+                # iteration was in every shadow's memory any more, so the resume came from
+                # the newest checkpoint every partition held, one persist interval (or one
+                # more while a write was in flight) before that shadow's kill.
+                first = min((rs["at"] for rs in kr.restarts), default=kr.killed_at or 0)
+                allowed = (kr.max_done_before_kill or 0) - first + 2 * sc.persist_every + 3
             if repeated > allowed and kr.killed_at is not None:
                 problems.append(f"{repeated} iterations repeated (at most {allowed} allowed)")
     report["ok"] = not problems

@@ -159,6 +159,12 @@ class Testbed:
         self.config_path = Path(config_path).resolve() if config_path else None
         self.switch = KernelSwitch(cfg)
         self.state_dir = STATE_ROOT / cfg.network.prefix
+        #: Processes started end with this process (a command that owns them); False for
+        #: `testbed up`, whose controller outlives it. ``tied_controller``: the controller
+        #: too (False when a command uses a testbed that `testbed up` built: a controller it
+        #: restarts must outlive it as the first one does).
+        self.tied = False
+        self.tied_controller = False
 
     # -- names ---------------------------------------------------------------------------
     def netns_of(self, host: str) -> str:
@@ -306,8 +312,12 @@ class Testbed:
         log = open(self.state_dir / "controller.log", "ab")  # noqa: SIM115
         argv = [sys.executable, "-m", CONTROLLER_MODULE, "serve", "--config",
                 str(self._effective_config())]
-        proc = self.spawn(self.cfg.switch.name, argv, "controller", stdin=subprocess.DEVNULL,
-                          stdout=log, stderr=log)
+        tied, self.tied = self.tied, self.tied_controller
+        try:
+            proc = self.spawn(self.cfg.switch.name, argv, "controller",
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        finally:
+            self.tied = tied
         log.close()
         (self.state_dir / "controller.pid").write_text(f"{proc.pid}\n")
         time.sleep(0.5)
@@ -355,7 +365,13 @@ class Testbed:
         return subprocess.run(self.argv_in(host, argv), **self._with_secret(kw))
 
     def popen_in(self, host: str, argv: list[str], **kw: Any) -> subprocess.Popen:
-        """Start ``argv`` inside ``host``'s namespace; the caller stops it by its PID."""
+        """Start ``argv`` inside ``host``'s namespace; the caller stops it by its PID. With
+        ``tied`` set (a command that owns what it starts), the process ends with this one
+        (checkmate.testbed.lifeline)."""
+        if self.tied:
+            from checkmate.testbed import lifeline
+
+            return lifeline.popen(self.argv_in(host, argv), **self._with_secret(kw))
         return subprocess.Popen(self.argv_in(host, argv), **self._with_secret(kw))
 
     def spawn(self, host: str, argv: list[str], name: str, **kw: Any) -> subprocess.Popen:

@@ -37,3 +37,21 @@ def test_report_block_replaces_only_the_generated_part(tmp_path):
     text = doc.read_text()
     assert text.startswith("# Prose\n\nbefore\n\n") and text.endswith("\nafter\n")
     assert "Seed 8." in text and "Seed 7." not in text and text.count(chaos.BEGIN) == 1
+
+
+def test_every_case_draws_a_valid_scenario():
+    """Each case's body, with its random parts drawn, is a scenario the runner accepts; the
+    correlated case kills the trainers six iterations after the shadow, with persistence."""
+    import random
+
+    from checkmate.testbed.chaos import cases, draw
+
+    rng = random.Random(3)
+    for steps in (30, 300):
+        for name, body in cases(steps).items():
+            sc = draw(name, body, steps, 0, 2, rng)
+            assert sc.steps == steps, name
+    sc = draw("shadow-and-trainers-kill", cases(300)["shadow-and-trainers-kill"], 300, 0, 2,
+              rng)
+    (k,) = sc.shadow_kills
+    assert sc.kill_at == k.at + 6 and k.disk and sc.persist_every == 10

@@ -175,3 +175,20 @@ def test_chaos_replica_loss_trainer_loss_shadow_restart_and_kill(cfg_path, tmp_p
     assert chaos["rejoins"][0]["rejoined_at"] is not None
     # the faults were really there: the lossy shadow and trainer ports dropped frames
     assert report["faults_dropped"]["s1"] > 0 and report["faults_dropped"]["t2"] > 0
+
+
+@pytest.mark.slow
+def test_one_iteration_blacked_out_for_good_ends_protected(cfg_path, tmp_path):
+    """Every datagram of iteration 30 to shadow s0 is dropped by the switch, repair answers
+    included (they carry that iteration): the shadow gives up on repair within
+    REPAIR_ESCALATE seconds, asks for a re-seed, is re-seeded live, and the job ends
+    protected and bit-identical to failure-free."""
+    report = _run_scenario(cfg_path, tmp_path,
+                           "name: blackout\nmodel: gpt\nsteps: 250\nseed: 4\n"
+                           "faults: [{port: s0, drop: 1.0, from: 30, until: 30}]\n")
+    chaos = report["runs"]["chaos"]
+    assert report["ok"] and report["bit_identical"] is True, report.get("problems")
+    assert chaos["protected"] is True and chaos["shadows_match_trainers"] is True
+    assert chaos["reseeds"] >= 1 and report["faults_dropped"]["s0"] > 0
+    # Repair asked a bounded number of times before escalating (not thousands).
+    assert chaos["repair_answers"] < 200, chaos

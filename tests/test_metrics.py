@@ -327,3 +327,33 @@ def test_serve_bad_bind() -> None:
 
 def test_env_constant() -> None:
     assert metrics.METRICS_PORT_ENV == "CHECKMATE_METRICS_PORT"
+
+
+def test_trainer_liveness_gauges() -> None:
+    """Protection lost: the protected gauge is 0, the first unprotected iteration is there,
+    each shadow says whether it answers and for how long it has been silent."""
+    prot = {"iteration": 300, "newest_consistent": None, "protected_now": False,
+            "unprotected_since": 47,
+            "shadows": {0: {"latest": None, "lag": None, "up": False, "silent_seconds": 2.5},
+                        1: {"latest": 299, "lag": 1, "up": True, "silent_seconds": 0.1}}}
+    got = samples(render(TrainerCollector(lambda: prot, rank=0)))
+    t = "checkmate_trainer_"
+    assert got[key(t + "protected", rank=0)] == 0.0
+    assert got[key(t + "unprotected_since_iteration", rank=0)] == 47.0
+    assert got[key(t + "shadow_up", rank=0, partition=0)] == 0.0
+    assert got[key(t + "shadow_up", rank=0, partition=1)] == 1.0
+    assert got[key(t + "shadow_silent_seconds", rank=0, partition=0)] == 2.5
+    assert key(t + "newest_consistent_iteration", rank=0) not in got
+    back = {**prot, "protected_now": True, "unprotected_since": None}
+    got = samples(render(TrainerCollector(lambda: back, rank=0)))
+    assert got[key(t + "protected", rank=0)] == 1.0
+    assert key(t + "unprotected_since_iteration", rank=0) not in got
+
+
+def test_shadow_persist_last_error_is_a_labelled_gauge() -> None:
+    st = {**full_shadow_status(), "persist": {"errors": 2, "written": 3,
+                                              "last_error": "cannot write checkpoint: disk full"}}
+    text = render(ShadowCollector(lambda: st))
+    assert ('checkmate_shadow_persist_last_error{error="cannot write checkpoint: disk full",'
+            'partition="3"} 1.0') in text
+    assert "persist_last_error" not in render(ShadowCollector(full_shadow_status))

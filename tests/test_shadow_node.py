@@ -370,6 +370,10 @@ def test_registration_retries_then_session_filters_datagrams(cluster_factory):
         c = cluster_factory(spec, controller=ctl.addr, host="s0", ip="127.0.0.1",
                             mac="02:00:7f:00:00:01")
         assert len(ctl.requests) == 3
+        # Every try is the same registration: one instance id (the controller answers a
+        # repeat with the same session).
+        inst = {r.pop("instance") for r in ctl.requests}
+        assert len(inst) == 1 and len(inst.pop()) == 16
         assert ctl.requests[-1] == {"op": "register", "job": JOB, "partition": 0,
                                     "host": "s0", "ip": "127.0.0.1",
                                     "mac": "02:00:7f:00:00:01",

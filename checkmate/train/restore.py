@@ -1,12 +1,14 @@
 """Restore a trainer job from the shadows' consistent point.
 
 ``restore_session`` is what ``CheckmateSession.start(resume=True)`` runs on every rank:
-rank 0 waits until the shadows stop committing (the killed job's last datagrams may still
-be in flight), picks the newest iteration every partition retains and broadcasts it, so all
-ranks load the same one. Each rank then loads model parameters and buffers, optimizer state
-(step counts, moments, param-group learning rates), the scheduler, and returns the
-iteration; the user's ``extra`` (data position) is in ``session.restored_extra``. RNG needs
-nothing: it is reseeded per (rank, iteration).
+rank 0 waits for shadows that cannot be reached yet (restarting), waits until the shadows
+stop committing (the killed job's last datagrams may still be in flight), picks the newest
+iteration every partition holds in memory or on disk (checkmate.train.resume_point) and
+broadcasts it with each partition's source, so all ranks load the same one. Each rank
+then loads model parameters and buffers, optimizer state (step counts, moments, param-group
+learning rates), the scheduler, and returns the iteration; the user's ``extra`` (data
+position) is in ``session.restored_extra``. RNG needs nothing: it is reseeded per (rank,
+iteration).
 
 A shadow that already committed an iteration newer than the restore point simply ignores
 its repeated gradients: training is deterministic, so its state is the one the restored
@@ -29,11 +31,11 @@ import torch
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.shadow_client import (
     ShadowClient,
-    consistent_point,
     parse_addr,
     restore_point,
-    restore_state_dicts,
 )
+from checkmate.train import resume_point
+from checkmate.train.resume_point import ResumePoint
 
 
 def settle(addrs: list[tuple[str, int]], quiet: float = 0.3, timeout: float = 10.0) -> None:
@@ -118,37 +120,42 @@ def restore_trainer(addrs: list[tuple[str, int]], model: torch.nn.Module,
                                                   theirs.partitions))
     if why is not None:
         raise CheckmateError(f"restore: {why}")
-    model_sd, optim_sd, it, _, extra = restore_state_dicts(addrs, theirs, iteration)
+    sources = None
+    if iteration is None:
+        point = resume_point.choose(resume_point.ask(addrs))
+        iteration, sources = point.iteration, point.sources
+    r = restore_point(addrs, theirs, iteration, sources=sources)
+    model_sd, optim_sd, it, extra = r.model_sd, r.optim_sd, r.iteration, r.extra
     load_trainer_state(model, optimizer, scheduler, model_sd, optim_sd, extra, scaler)
     return it, extra.get("user", {})
 
 
-def check_resume(addrs: list[tuple[str, int]], spec: Any) -> int:
-    """The iteration to resume from, after checking that every shadow holds state of a job
+def check_resume(addrs: list[tuple[str, int]], spec: Any,
+                 wait: float | None = None) -> ResumePoint:
+    """Where to resume (checkmate.train.resume_point: the newest iteration every partition
+    holds, memory first, then disk), after checking that every shadow holds state of a job
     whose spec equals ``spec`` (this trainer's model and optimizer); CheckmateError with
-    one line naming the first difference, or saying that there is nothing to resume."""
+    one line naming the first difference, or what is missing when there is nothing."""
     from checkmate.spec import difference
 
-    for p, a in enumerate(addrs):
+    wait = resume_point.RESUME_WAIT if wait is None else wait
+    resume_point.choose(resume_point.survey(addrs, wait))  # nothing at all: fail first
+    for a in addrs:
         with ShadowClient(a) as c:
-            st = c.status()
-            if not st.get("seeded") and not st.get("retained"):
-                raise CheckmateError(
-                    f"resume=True but the shadow of partition {p} ({a[0]}:{a[1]}) holds no "
-                    "state to restore (never seeded); start the job with resume=False")
             why = difference(c.get_spec(), spec)
         if why is not None:
             raise CheckmateError(f"resume: {why} (resume with the model and optimizer the "
                                  "job started with, or start it anew with resume=False)")
     settle(addrs)
-    return consistent_point(addrs)
+    return resume_point.choose(resume_point.ask(addrs))
 
 
 def restore_session(sess: Any) -> int:
     """Restore ``sess`` (a CheckmateSession) in place; returns the restored iteration.
 
-    Rank 0 checks the shadows and broadcasts its verdict, so a refusal is the same one-line
-    CheckmateError on every rank (never a rank left waiting or dying in gloo).
+    Rank 0 finds the resume point, prints the line saying which and why, and broadcasts
+    it, so a refusal is the same one-line CheckmateError on every rank (never a rank left
+    waiting or dying in gloo).
     """
     import torch.distributed as dist
 
@@ -157,17 +164,20 @@ def restore_session(sess: Any) -> int:
     if sess.layout.rank == 0:
         try:
             verdict[0] = check_resume(addrs, sess.spec)
+            resume_point.say_line(verdict[0].line)
         except CheckmateError as e:
             verdict[1] = str(e)
     dist.broadcast_object_list(verdict, src=0, group=sess.group)
     if verdict[1] is not None:
         raise CheckmateError(verdict[1])
-    r = restore_point(addrs, sess.spec, verdict[0])
+    point: ResumePoint = verdict[0]
+    r = restore_point(addrs, sess.spec, point.iteration, sources=point.sources)
     model_sd, optim_sd = sess.local_state_dicts(r.model_sd, r.optim_sd)
     load_trainer_state(sess.module, sess.optimizer, sess.scheduler, model_sd, optim_sd,
                        r.extra, sess.scaler)
     sess.restored_extra = r.extra.get("user", {})
     sess.opt_step = r.step
+    sess.resume_point = point
     return r.iteration
 
 
@@ -191,8 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         addrs = addrs_from_config(load(args.config))
     else:
         raise CheckmateError("give --shadow HOST:PORT (once per partition) or --config")
-    point = args.iteration if args.iteration is not None else consistent_point(addrs)
-    model_sd, optim_sd, it, _, extra = restore_state_dicts(addrs, None, point)
+    sources = None
+    if args.iteration is None:
+        found = resume_point.choose(resume_point.ask(addrs))
+        point, sources = found.iteration, found.sources
+        print(found.line)
+    else:
+        point = args.iteration
+    r = restore_point(addrs, None, point, sources=sources)
+    model_sd, optim_sd, it, extra = r.model_sd, r.optim_sd, r.iteration, r.extra
     print(f"consistent point: iteration {it} ({len(model_sd)} tensors, "
           f"{len(optim_sd['state'])} optimizer states)")
     if args.out:

@@ -312,17 +312,15 @@ class CheckmateSession:
                 print("checkmate: no GoCkpt checkpoint was written before the restart: "
                       "starting fresh", flush=True)
         elif self.layout.rank == 0:
-            from checkmate.shadow_client import ShadowClient
+            from checkmate.train import resume_point
 
-            try:
-                seeded = []
-                for a in self.layout.shadow_tcp:
-                    with ShadowClient(a, 10.0) as c:
-                        st = c.status()
-                    seeded.append(bool(st.get("seeded")) or st.get("latest") is not None)
-                answer[0] = any(seeded)
-            except (CheckmateError, OSError) as e:
-                answer[0] = f"cannot ask the shadows whether to resume: {e}"
+            # Restarting shadows are waited for; state in memory or on disk counts.
+            hs = resume_point.survey(self.layout.shadow_tcp)
+            if all(h.error for h in hs):
+                answer[0] = ("cannot ask the shadows whether to resume: "
+                             + "; ".join(h.describe() for h in hs))
+            else:
+                answer[0] = any(h.memory or h.disk for h in hs)
             if answer[0] is False:
                 print("checkmate: no shadow was seeded before the restart: starting fresh",
                       flush=True)

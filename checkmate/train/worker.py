@@ -112,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     sess.injector = _injector(os.environ.get(FAIL_AT_ENV))
     t0 = time.perf_counter()
     start = sess.start(resume=args.resume)
+    point = getattr(sess, "resume_point", None)
     _emit(event="started", rank=rank, iteration=start, resumed=args.resume,
-          seconds=time.perf_counter() - t0)
+          seconds=time.perf_counter() - t0,
+          sources=point.sources if point is not None else None)
     for it in range(start + 1, steps + 1):
         sess.begin(it)
         w.optimizer.zero_grad()

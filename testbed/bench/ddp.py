@@ -32,6 +32,7 @@ from pathlib import Path
 
 from checkmate import config as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.testbed import lifeline
 
 VARIANTS = ("stock", "checkmate")
 
@@ -110,7 +111,7 @@ def _start_shadows(net: str, work: Path) -> tuple[list[subprocess.Popen], list[s
     procs = []
     for p, ip in enumerate(ips):
         log = open(work / f"shadow{p}.log", "wb")  # noqa: SIM115
-        procs.append(subprocess.Popen(
+        procs.append(lifeline.popen(
             [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition", f"{p}/2",
              "--config", str(cfgmod.default_path()), "--bind", ip, "--no-register",
              "--window", "64"], stdout=log, stderr=log, start_new_session=True))
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(args.world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "OMP_NUM_THREADS": "1"}
-                procs.append(subprocess.Popen(
+                procs.append(lifeline.popen(
                     [sys.executable, "-m", "checkmate.testbed.bench.ddp", "--worker",
                      "--model", args.model, "--width", str(args.width), "--rounds",
                      str(args.rounds), "--iters", str(args.iters), "--net", net,

@@ -1,0 +1,154 @@
+"""Where a resume starts: the newest iteration every partition holds, in memory or on disk.
+
+Each shadow says what it can serve (the ``holdings`` op: the iterations it retains in
+memory, and the restorable checkpoints of its partition on disk). The resume point is the
+newest iteration in the intersection, over partitions, of memory and disk; each partition
+is read from memory where it still holds that iteration there, else from its checkpoint.
+So a correlated failure (a shadow and every trainer killed close together, as a rack or
+power-domain failure does) resumes from disk instead of failing because no iteration is
+in every shadow's memory any more.
+
+A shadow that cannot be reached yet (restarting after the same failure) is waited for, up
+to ``wait`` seconds, with one line saying so. Only "there is nothing" fails: one line naming
+what each partition holds, or that it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from checkmate.errors import CheckmateError
+
+Addr = tuple[str, int]
+
+def say_line(line: str) -> None:
+    """Diagnostics go to stderr: a worker's stdout may be a machine-read event stream."""
+    print(line, file=sys.stderr, flush=True)
+
+
+#: Seconds a resume waits for a shadow that cannot be reached (a restarting one).
+RESUME_WAIT = 60.0
+
+
+@dataclass
+class Holding:
+    """What one partition's shadow can serve, or why it cannot be asked."""
+
+    partition: int
+    addr: Addr
+    memory: list[int] = field(default_factory=list)
+    disk: list[int] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def where(self) -> str:
+        return f"partition {self.partition} ({self.addr[0]}:{self.addr[1]})"
+
+    def describe(self) -> str:
+        if self.error:
+            return f"{self.where} cannot be reached: {self.error}"
+        return (f"{self.where} memory {spans(self.memory) or 'none'}, "
+                f"disk {spans(self.disk) or 'none'}")
+
+
+@dataclass
+class ResumePoint:
+    """The iteration to resume from and, per partition, ``memory`` or ``disk``."""
+
+    iteration: int
+    sources: list[str]
+    line: str
+
+
+def spans(its: Sequence[int]) -> str:
+    """Iterations as runs: [3, 4, 5, 9] -> '3-5,9'."""
+    out: list[str] = []
+    its = sorted(its)
+    i = 0
+    while i < len(its):
+        j = i
+        while j + 1 < len(its) and its[j + 1] == its[j] + 1:
+            j += 1
+        out.append(str(its[i]) if i == j else f"{its[i]}-{its[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def ask(addrs: Sequence[Addr], timeout: float = 10.0) -> list[Holding]:
+    """Every shadow's holdings once; an unreachable shadow or a refusal is an ``error``."""
+    from checkmate.shadow_client import ShadowClient
+
+    out = []
+    for p, a in enumerate(addrs):
+        h = Holding(p, a)
+        try:
+            with ShadowClient(a, timeout) as c:
+                reply = c.holdings()
+            if reply.get("partition") != p:
+                raise CheckmateError(f"it serves partition {reply.get('partition')}, not {p}")
+            h.memory = sorted(int(i) for i in reply.get("memory") or [])
+            h.disk = sorted(int(i) for i in reply.get("disk") or [])
+        except (CheckmateError, OSError) as e:
+            h.error = " ".join(str(e).split()) or type(e).__name__
+        out.append(h)
+    return out
+
+
+def survey(addrs: Sequence[Addr], wait: float = RESUME_WAIT,
+           say: Callable[[str], None] = say_line) -> list[Holding]:
+    """Holdings of every shadow, waiting up to ``wait`` seconds for unreachable ones."""
+    deadline = time.monotonic() + wait
+    told = False
+    while True:
+        hs = ask(addrs)
+        down = [h for h in hs if h.error]
+        if not down or time.monotonic() >= deadline:
+            return hs
+        if not told:
+            say(f"checkmate: resume waits up to {wait:.0f}s for "
+                + "; ".join(h.describe() for h in down))
+            told = True
+        time.sleep(0.5)
+
+
+def choose(hs: Sequence[Holding]) -> ResumePoint:
+    """The newest iteration every partition holds (memory first, then disk), with its line;
+    CheckmateError naming what is missing when there is none."""
+    if not hs:
+        raise CheckmateError("resume: no shadow addresses given")
+    down = [h for h in hs if h.error]
+    if down:
+        raise CheckmateError("resume: nothing to resume from: " +
+                             "; ".join(h.describe() for h in down))
+    empty = [h for h in hs if not h.memory and not h.disk]
+    if empty:
+        h = empty[0]
+        raise CheckmateError(
+            f"resume=True but the shadow of {h.where} holds no state to restore (never "
+            "seeded, nothing on disk); start the job with resume=False")
+    common = set(hs[0].memory) | set(hs[0].disk)
+    for h in hs[1:]:
+        common &= set(h.memory) | set(h.disk)
+    if not common:
+        raise CheckmateError("resume: no iteration is held by every partition, in memory "
+                             "or on disk: " + "; ".join(h.describe() for h in hs))
+    it = max(common)
+    sources = ["memory" if it in h.memory else "disk" for h in hs]
+    if all(s == "memory" for s in sources):
+        why = "every shadow holds it in memory"
+    else:
+        parts = []
+        for h, s in zip(hs, sources, strict=True):
+            parts.append(f"partition {h.partition} from {s}" + (
+                f" (memory holds {spans(h.memory) or 'nothing'})" if s == "disk" else ""))
+        why = ", ".join(parts) + "; no newer iteration is held by every partition"
+    return ResumePoint(it, sources, f"checkmate: resuming at iteration {it}: {why}")
+
+
+def find(addrs: Sequence[Addr], wait: float = RESUME_WAIT,
+         say: Callable[[str], None] = say_line) -> ResumePoint:
+    """:func:`survey` then :func:`choose`."""
+    return choose(survey(addrs, wait, say))

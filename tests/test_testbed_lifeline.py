@@ -1,0 +1,67 @@
+"""A testbed command killed mid-run leaves nothing behind (checkmate.testbed.lifeline).
+
+Real `testbed run` in host mode (loopback, real shadow and trainer processes): once its 2
+shadows and 4 trainers run, the command is SIGKILLed (the kernel's parent-death signal must
+take every child with it) or SIGTERMed (it must clean up and exit).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from test_launch import _alive, _children
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_testbed_command_takes_its_children_with_it(tmp_path, sig):
+    net = f"127.78.{random.randrange(1, 255)}"
+    sc = tmp_path / "long.yaml"
+    sc.write_text("name: long\nmodel: gpt\nsteps: 100000\nseed: 1\n")
+    log = tmp_path / "out.log"
+    with open(log, "wb") as f:
+        cmd = subprocess.Popen(
+            [sys.executable, "-m", "checkmate.testbed.cli", "run", "--scenario", str(sc),
+             "--mode", "host", "--loopback-net", net, "--workdir", str(tmp_path / "w")],
+            stdout=f, stderr=subprocess.STDOUT)
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        # 2 shadows and 4 trainers, and the trainers past their start (logs written).
+        while len(kids := _children(cmd.pid)) < 6 or not list(
+                (tmp_path / "w").glob("run-*/failure-free/trainer-t3.log")):
+            assert cmd.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)
+        kids = _children(cmd.pid)
+        assert len(kids) == 6, kids
+        cmd.send_signal(sig)
+        rc = cmd.wait(120)
+        if sig == signal.SIGKILL:
+            assert rc == -signal.SIGKILL
+        else:
+            assert rc == 128 + signal.SIGTERM, (rc, log.read_text()[-3000:])
+        t0 = time.monotonic()
+        while any(_alive(k) for k in kids):
+            assert time.monotonic() - t0 < 30, [k for k in kids if _alive(k)]
+            time.sleep(0.1)
+        if sig == signal.SIGTERM:  # its own cleanup ran: the leftovers list is gone
+            assert not (Path(tempfile.gettempdir()) / f"checkmate-run-{net}.json").exists()
+            assert "Traceback" not in log.read_text()
+    finally:
+        if cmd.poll() is None:
+            cmd.kill()
+            cmd.wait()
+        for k in kids:
+            if _alive(k):
+                import os
+
+                os.kill(k, signal.SIGKILL)
