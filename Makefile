@@ -1,6 +1,7 @@
 # Two commands set up a fresh machine and do the work (README.md):
-#   sudo make run    the main job on the embedded default (namespace testbed, kernel switch)
-#   sudo make test   the test suite (namespace tests need root)
+#   make run    the main job on the embedded default (namespace testbed, kernel switch)
+#   make test   the test suite (namespace tests need root)
+# Both need root: as root type them as they are, otherwise with sudo before them.
 # Both install what they need and are safe to re-run.
 
 VENV   ?= .venv
@@ -25,7 +26,7 @@ $(STAMP): pyproject.toml .apt-stamp
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	# torch first, pinned: the CPU build on this machine's disk (a range would pull CUDA).
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	@touch $@
 
 bpf: $(STAMP)

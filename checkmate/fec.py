@@ -46,7 +46,7 @@ from an encode of zeros of the same shape; :func:`_driver` checks that layout (h
 block, content-independent header) once per (k, m) and refuses to work (:class:`FecError`)
 with a pyeclib that lays fragments out otherwise. ``isa_l_rs_cauchy`` needs the ISA-L
 backend that pyeclib's x86-64 wheels bundle; without it :class:`GroupEncoder` raises
-:class:`FecError`. zfec (still declared in pyproject.toml) is not imported here; the bench
+:class:`FecError`. zfec (the ``bench`` extra in pyproject.toml) is not imported here; the bench
 imports it, when installed, to compare.
 
 Wire format of a parity datagram's payload (``PIECE_TABLE``)
@@ -90,7 +90,7 @@ import functools
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from pyeclib.ec_iface import ECDriver, ECDriverError
 
@@ -302,9 +302,6 @@ class DecoderStats:
     duplicate: int = 0  # index already held
     late: int = 0  # for a group already finished or evicted
     over_budget: int = 0  # one group alone would exceed max_bytes
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class _Group:

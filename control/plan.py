@@ -9,7 +9,7 @@ the same ring hops, the same groups and the same PFC numbers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from checkmate.config import CONTROLLER_PORT, ClusterConfig, Host
 from checkmate.control import devports, pfc
@@ -130,9 +130,6 @@ class Plan:
     ports: tuple[PortPlan, ...]
     punt: Punt
     host_commands: tuple[str, ...] = field(default=())
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def switch_port(cfg: ClusterConfig, host: Host) -> int:

@@ -14,7 +14,9 @@ from collections.abc import Iterator
 
 from checkmate.errors import CheckmateError
 
-_SYS_BPF = 321  # x86_64
+#: bpf(2)'s number per machine (the kernel's syscall tables: arch/x86/entry/syscalls/
+#: syscall_64.tbl, and include/uapi/asm-generic/unistd.h for arm64 and riscv64).
+_SYS_BPF_BY_ARCH = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "i686": 357, "i386": 357}
 _MAP_LOOKUP_ELEM, _MAP_UPDATE_ELEM, _MAP_DELETE_ELEM, _MAP_GET_NEXT_KEY = 1, 2, 3, 4
 _OBJ_GET, _OBJ_GET_INFO_BY_FD = 7, 15
 BPF_ANY = 0
@@ -27,8 +29,16 @@ class BpfError(CheckmateError, OSError):
     """A bpf(2) call failed; carries errno."""
 
 
+def _sys_bpf() -> int:
+    machine = os.uname().machine
+    if machine not in _SYS_BPF_BY_ARCH:
+        raise CheckmateError(f"bpf(2): no syscall number known for machine {machine!r} "
+                             f"(known: {', '.join(sorted(_SYS_BPF_BY_ARCH))})")
+    return _SYS_BPF_BY_ARCH[machine]
+
+
 def _bpf(cmd: int, attr: ctypes.Array) -> int:
-    ret = _libc.syscall(_SYS_BPF, ctypes.c_int(cmd), attr, ctypes.c_uint(len(attr)))
+    ret = _libc.syscall(_sys_bpf(), ctypes.c_int(cmd), attr, ctypes.c_uint(len(attr)))
     if ret < 0:
         err = ctypes.get_errno()
         raise BpfError(err, f"bpf(cmd={cmd}): {os.strerror(err)}")

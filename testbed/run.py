@@ -370,18 +370,6 @@ class Run:
         for p in self.trainers:
             p.wait()
 
-    def shadow_cpu_seconds(self) -> float:
-        """CPU time the shadow processes used so far (user + system)."""
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0.0
-        for p in self.shadows:
-            try:
-                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += (int(fields[11]) + int(fields[12])) / tick
-        return total
-
     def stop(self) -> None:
         for p in self.trainers + self.shadows:
             if p.poll() is None:

@@ -49,3 +49,21 @@ def test_programs_pass_the_verifier(tmp_path):
         assert sorted(os.listdir(pin)) == ["ckm_egress", "ckm_ingress"]
     finally:
         shutil.rmtree(pin, ignore_errors=True)
+
+
+def test_bpf_syscall_number_is_per_machine_and_an_unknown_one_is_one_error(monkeypatch):
+    from checkmate.dataplane import bpfsys
+    from checkmate.errors import CheckmateError
+
+    real = os.uname()
+
+    def machine(name):
+        return os.uname_result((real.sysname, real.nodename, real.release, real.version, name))
+
+    monkeypatch.setattr(bpfsys.os, "uname", lambda: machine("x86_64"))
+    assert bpfsys._sys_bpf() == 321
+    monkeypatch.setattr(bpfsys.os, "uname", lambda: machine("aarch64"))
+    assert bpfsys._sys_bpf() == 280
+    monkeypatch.setattr(bpfsys.os, "uname", lambda: machine("vax"))
+    with pytest.raises(CheckmateError, match="no syscall number known for machine 'vax'"):
+        bpfsys._bpf(1, bpfsys._attr())

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any
 
 import numpy as np
 import torch
@@ -140,10 +139,3 @@ class ReseedSender:
         except CheckmateError as e:
             self.error = str(e)
             log.warning("re-seed of partition %d stopped: %s", self.partition, e)
-
-
-def status_of(sender: ReseedSender | None) -> dict[str, Any] | None:
-    if sender is None:
-        return None
-    return {"t0": sender.t0, "slices_sent": sender.next, "slices": len(sender.cuts),
-            "error": sender.error, "bytes": sender.sent_bytes}

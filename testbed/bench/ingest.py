@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
            "receiver-bound (the socket buffer is filled before each receiver starts)")
     print(f"ingest bench: {a.iterations} iterations x {mb:.1f} MB fp32 gradient, "
           f"{a.chunk * 4} B payload per datagram, loopback, {how}")
-    # Alternate the two paths and keep each one's best round: on a shared 2-core machine
+    # Alternate the paths round by round and report medians: on a shared 2-core machine
     # other processes steal time from whichever run they happen to overlap.
     raw_rates, mm_rates, ing_rates, plain_rates, drops = [], [], [], [], {}
     cpu: dict[str, list[float]] = {"raw": [], "mm": [], "ing": [], "plain": []}

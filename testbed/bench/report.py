@@ -37,7 +37,11 @@ COLORS = {"torchsave": "tab:red", "dcp": "tab:orange", "dcp-process": "tab:brown
 
 
 def _plots(d: dict[str, Any], figdir: Path) -> dict[str, str]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise CheckmateError("testbed bench report draws its plots with matplotlib, which is "
+                             "not installed: pip install -e '.[bench]' (make setup does)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
