@@ -176,6 +176,7 @@ def restore_session(sess: Any) -> int:
     load_trainer_state(sess.module, sess.optimizer, sess.scheduler, model_sd, optim_sd,
                        r.extra, sess.scaler)
     sess.restored_extra = r.extra.get("user", {})
+    sess.restored_control = r.extra  # the whole extra: e.g. DDP's bucket layout (ddp_hook)
     sess.opt_step = r.step
     sess.resume_point = point
     return r.iteration
