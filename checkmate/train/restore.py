@@ -172,6 +172,9 @@ def restore_session(sess: Any) -> int:
         raise CheckmateError(verdict[1])
     point: ResumePoint = verdict[0]
     r = restore_point(addrs, sess.spec, point.iteration, sources=point.sources)
+    from checkmate.train import world
+
+    world.check(r.extra, sess.layout.rank, sess.layout.world, sess.layout.fixed_world)
     model_sd, optim_sd = sess.local_state_dicts(r.model_sd, r.optim_sd)
     load_trainer_state(sess.module, sess.optimizer, sess.scheduler, model_sd, optim_sd,
                        r.extra, sess.scaler)
