@@ -161,7 +161,7 @@ def test_kill_and_restore_is_bit_identical_to_a_run_without_checkmate(tmp_path, 
 
 @pytest.mark.slow
 def test_gockpt_mode_restores_a_tied_model_bit_identically(tmp_path):
-    rank, at = random.randrange(2), random.randrange(5, 9)
+    rank, at = random.randrange(2), random.randrange(7, 10)  # after checkpoint 5 (3 + 2)
     why = f"rank {rank} killed after iteration {at}"
     script = ["--steps", "10"]
     _launch(tmp_path, "clean", 2, ["--mode", "off"],
@@ -287,3 +287,21 @@ def test_a_script_error_is_one_line_per_rank_and_the_launcher_names_the_first(tm
     assert "failed first" in last, last
     tb = (tmp_path / "run" / "failures" / "attempt-1-rank-1.traceback").read_text()
     assert "KeyError" in tb and "buggy.py" in tb
+
+
+def test_a_restored_ddp_bucket_is_cut_into_the_recorded_buckets():
+    from checkmate.train.ddp_buckets import BucketPlan, fits, parse_layout
+
+    recorded = [[5, 4], [3, 2, 1], [0]]
+    assert parse_layout(recorded, 6) == recorded
+    for bad in (None, [[0, 1], [1]], [[0, 1, 2, 3, 4]], "0 1", [[0, 1.0]]):
+        assert parse_layout(bad, 6) is None, bad
+    one = [[0, 1, 2, 3, 4, 5]]  # DDP's first iteration: every parameter in one bucket
+    assert fits(one, recorded) is None
+    assert "spans" in fits([[0, 1, 2], [3, 4, 5]], recorded)
+    plan = BucketPlan(recorded)
+    assert plan.pieces([0, 1, 2, 3, 4, 5]) == recorded  # in the recorded order
+    assert plan.pieces([3, 2, 1]) is None  # a recorded bucket as it is: reduced whole
+    assert plan.pieces([0, 5, 4]) == [[5, 4], [0]]
+    with pytest.raises(ValueError):
+        plan.pieces([5, 3])

@@ -162,8 +162,12 @@ class DDPSession(CheckmateSession):
         recorded = B.parse_layout(control.get("ddp_buckets"), len(self.spec.params))
         self._layout_next = recorded or now
         why = None
+        cap, was = int(getattr(self.ddp, "bucket_bytes_cap", 0)), control.get("ddp_bucket_bytes")
         if recorded is None and self.iteration > 0:
             why = "the checkpoint holds no DDP bucket layout (written by an older Checkmate)"
+        elif isinstance(was, int) and was != cap:
+            why = (f"this DDP's buckets hold {cap} bytes, the resumed run's {was} (build the "
+                   "DDP with the bucket_cap_mb of the run it resumes)")
         elif recorded is not None and recorded != now:
             why = B.fits(now, recorded)
             if why is None:
@@ -234,6 +238,7 @@ class DDPSession(CheckmateSession):
         body = super()._control_body(lrs, coef, hyper, extra)
         if self._layout_next is not None:
             body["extra"]["ddp_buckets"] = self._layout_next
+            body["extra"]["ddp_bucket_bytes"] = int(getattr(self.ddp, "bucket_bytes_cap", 0))
         return body
 
     def _replicate(self, it: int, index: int, names: list[str],
