@@ -233,9 +233,10 @@ class DDPSession(CheckmateSession):
         self._plan = None  # DDP's own buckets are the recorded ones (or the new truth)
         self._layout_next = now
 
-    def _control_body(self, lrs: list[float], coef: float | None, hyper: list[dict[str, Any]],
-                      extra: dict[str, Any] | None) -> dict[str, Any]:
-        body = super()._control_body(lrs, coef, hyper, extra)
+    def _control_body(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """CheckmateSession's control message, with the bucket layout the next iteration
+        reduces in (and DDP's bucket size), for a restore (checkmate.train.ddp_buckets)."""
+        body = super()._control_body(*args, **kwargs)
         if self._layout_next is not None:
             body["extra"]["ddp_buckets"] = self._layout_next
             body["extra"]["ddp_bucket_bytes"] = int(getattr(self.ddp, "bucket_bytes_cap", 0))
