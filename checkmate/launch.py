@@ -108,6 +108,9 @@ def _parser(gpus: int) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="the first attempt resumes from the shadows too (--shadow, or "
                         "shadows that load --dir's checkpoints)")
+    p.add_argument("--fixed-world", action="store_true",
+                   help="refuse to resume the job on another number of ranks than it ran on "
+                        "(default: allowed, announced in one line on every rank)")
     p.add_argument("--progress-every", type=_count(0, 10**9), default=10, metavar="K",
                    help="rank 0 prints iteration, loss and protection every K iterations "
                         "(CheckmateSession.report; 0: never)")
@@ -181,8 +184,15 @@ def gockpt_dir(args: argparse.Namespace) -> Path:
     return (args.dir / "gockpt").resolve()
 
 
-def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list) -> None:
-    """The variables every worker inherits (checkmate.train.env)."""
+def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list,
+                logdir: Path | None = None) -> None:
+    """The variables every worker inherits (checkmate.train.env, and where workers record
+    why they failed: checkmate.train.failures)."""
+    from checkmate.train import failures, world
+
+    if logdir is not None:
+        os.environ[failures.LOG_DIR] = str(Path(logdir).resolve())
+    os.environ[world.FIXED_WORLD] = "1" if args.fixed_world else "0"
     os.environ.update({
         envmod.JOB_ID: str(job_id), envmod.MODE: args.mode, envmod.DEVICE: args.device,
         envmod.TRAINERS: envmod.format_addrs(trainers),
@@ -232,7 +242,16 @@ def _job_secret(running_shadows: bool, logdir: Path) -> Path | None:
     return path
 
 
-def _failure_line(err: Any, restarts: int) -> str:
+def _failure_line(err: Any, restarts: int, logdir: Path | None = None) -> str:
+    from checkmate.train.failures import first_failure
+
+    failed = getattr(err, "failures", {})
+    first = first_failure(logdir, restarts, failed) if logdir is not None else None
+    if first is not None:  # the rank that set the others off, and why
+        others = sorted(r for r in failed if r != first[0])
+        also = f"; then rank(s) {', '.join(map(str, others))}" if others else ""
+        return (f"the trainers failed after {restarts} restart(s): rank {first[0]} "
+                f"({first[1]}) failed first{also}")
     parts = []
     for rank, f in sorted(getattr(err, "failures", {}).items()):
         code = f.exitcode
@@ -318,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             tcp, job_id = local.tcp, args.job_id or 1
         else:
             tcp, job_id = [], args.job_id or 1
-        _worker_env(args, job_id, trainers, tcp)
+        _worker_env(args, job_id, trainers, tcp, Path(logdir))
         on = (f", on {min(gpus, args.nproc_per_node)} GPU(s)" if args.device == "cuda"
               else "")
         print(f"{PROG}: {args.nproc_per_node} trainer(s) on {net}.10+{on}, mode {args.mode}, "
@@ -327,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _run_agent(args, Path(logdir))
         except ChildFailedError as e:
-            raise CheckmateError(_failure_line(e, args.max_restarts)) from None
+            raise CheckmateError(_failure_line(e, args.max_restarts, Path(logdir))) from None
         except SignalException as e:
             print(f"{PROG}: stopped by {e.sigval.name}", file=sys.stderr)
             return 130

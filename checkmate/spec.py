@@ -91,6 +91,10 @@ class ModelSpec:
     groups: tuple[GroupSpec, ...]
     buffers: tuple[BufferSpec, ...] = ()
     grad_dtype: str = "float32"
+    #: (alias, parameter): further names of a parameter reachable under several (tied
+    #: embeddings, shared blocks). One parameter to the flat space, the optimizer and the
+    #: shadows; every name is restored (torch's state_dict lists each of them).
+    aliases: tuple[tuple[str, str], ...] = ()
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -107,8 +111,10 @@ class ModelSpec:
         partitions: int,
         buffers: Iterable[tuple[str, Sequence[int], str]] = (),
         grad_dtype: str = "float32",
+        aliases: Iterable[tuple[str, str]] = (),
     ) -> ModelSpec:
-        """A spec from parameter names and shapes in flat order; offsets are computed here."""
+        """A spec from parameter names and shapes in flat order; offsets are computed here.
+        ``aliases``: (further name, parameter name) of each tied parameter's other names."""
         params, off = [], 0
         for name, shape in named_shapes:
             n = math.prod(shape)
@@ -119,6 +125,7 @@ class ModelSpec:
             "optimizer": {"kind": kind, "groups": [dict(g) for g in groups]},
             "buffers": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in buffers],
             "grad_dtype": grad_dtype,
+            **({"aliases": dict(aliases)} if aliases else {}),
         })
 
     @classmethod
@@ -162,7 +169,7 @@ class ModelSpec:
         buffers = [(n, tuple(b.shape), str(b.dtype).removeprefix("torch."))
                    for n, b in model.named_buffers() if n in persistent]
         return cls.build(job, [(n, tuple(named[n].shape)) for n in names], kind, groups,
-                         partitions, buffers, grad_dtype)
+                         partitions, buffers, grad_dtype, tied_names(model))
 
     @classmethod
     def from_json(cls, obj: Any) -> ModelSpec:
@@ -192,7 +199,7 @@ class ModelSpec:
             for g in doc.optimizer.groups)
         buffers = tuple(BufferSpec(b.name, b.shape, b.dtype) for b in doc.buffers)
         return cls(doc.job, params, doc.total, doc.partitions, doc.optimizer.kind, groups,
-                   buffers, doc.grad_dtype)
+                   buffers, doc.grad_dtype, tuple(sorted(doc.aliases.items())))
 
     def to_json(self) -> dict[str, Any]:
         """The spec as the JSON object docs/protocol.md describes."""
@@ -210,6 +217,8 @@ class ModelSpec:
             "buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype}
                         for b in self.buffers],
             "grad_dtype": self.grad_dtype,
+            # only when there are any: the spec of an untied model stays what it was
+            **({"aliases": dict(self.aliases)} if self.aliases else {}),
         }
 
     def dumps(self) -> str:
@@ -343,6 +352,8 @@ class ModelSpec:
             model_sd[p.name] = torch.from_numpy(
                 np.array(flat["param"][p.offset:p.offset + p.numel], dtype=np.float32)
             ).reshape(p.shape)
+        for alias, name in self.aliases:  # a tied parameter under each of its names
+            model_sd[alias] = model_sd[name]
         for name, t in (buffers or {}).items():
             model_sd[name] = t
         state: dict[int, dict[str, Any]] = {}
@@ -416,6 +427,9 @@ def difference(shadows: ModelSpec, mine: ModelSpec) -> str | None:
         if a.shape != b.shape:
             return f"parameter {a.name!r} shape: shadows {list(a.shape)}, this model " \
                    f"{list(b.shape)}"
+    if shadows.aliases != mine.aliases:
+        return f"tied parameters (name = parameter): shadows {_ties(shadows)}, this model " \
+               f"{_ties(mine)}"
     if shadows.grad_dtype != mine.grad_dtype:
         return f"gradient dtype: shadows {shadows.grad_dtype}, this job {mine.grad_dtype}"
     hb = {b.name: b for b in shadows.buffers}
@@ -441,6 +455,23 @@ def difference(shadows: ModelSpec, mine: ModelSpec) -> str | None:
             if ha[k] != hm[k]:
                 return f"param group {gi} {k}: shadows {ha[k]}, this optimizer {hm[k]}"
     return None
+
+
+def tied_names(model: Any) -> list[tuple[str, str]]:
+    """(further name, parameter name) for every parameter the module reaches under more
+    than one name; the parameter name is the first, the one ``named_parameters()`` keeps."""
+    first: dict[int, str] = {}
+    out = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return sorted(out)
+
+
+def _ties(spec: ModelSpec) -> str:
+    return ", ".join(f"{a} = {n}" for a, n in spec.aliases[:4]) or "none"
 
 
 def _np(t: Any) -> np.ndarray:

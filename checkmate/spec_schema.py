@@ -159,6 +159,9 @@ class SpecDoc(_Obj):
     buffers: Annotated[list[Annotated[BufferDoc, Obj]], BeforeValidator(_list)] = Field(
         default_factory=list)
     grad_dtype: Annotated[str, _one_of(GRAD_DTYPES)] = "float32"
+    #: further name -> parameter name, for a parameter reachable under several names (tied)
+    aliases: dict[Annotated[str, BeforeValidator(_name)], Annotated[str, BeforeValidator(
+        _name)]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _across_fields(self) -> SpecDoc:
@@ -208,4 +211,9 @@ class SpecDoc(_Obj):
                 raise ValueError(f"spec.buffers[{i}].name must be a new non-empty string, "
                                  f"got {b.name!r}")
             bnames.add(b.name)
+        for alias, target in self.aliases.items():
+            if alias in names or alias in bnames:
+                raise ValueError(f"spec.aliases: {alias!r} is already a parameter or buffer")
+            if target not in names:
+                raise ValueError(f"spec.aliases[{alias!r}] names unknown parameter {target!r}")
         return self

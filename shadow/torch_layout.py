@@ -11,7 +11,8 @@ general one rectangular block; :func:`boxes` splits it into at most ``2 * ndim -
 rectangular blocks (the partial first row, whole rows, the partial last row, recursively),
 each a contiguous flat range, so every chunk is a plain view of the partition's arrays.
 
-What a partition writes: its chunks of every parameter (``model.<name>``) and optimizer slot
+What a partition writes: its chunks of every parameter (``model.<name>``, and again under
+each further name of a tied parameter, as ``model.state_dict()`` lists it) and optimizer slot
 (``optim.state.<i>.<slot>``, only once a step was taken, as torch has no state before);
 the owner of a parameter's first element writes its ``optim.state.<i>.step``; partition 0
 writes the rest whole: parameters without elements, buffers, ``optim.param_groups``,
@@ -231,6 +232,9 @@ def partition_state_dict(spec: ModelSpec, partition: int, iteration: int, step: 
             entry[s] = _piece(p, lo, hi, slots[s][a:b])
         if entry:
             state[idx] = entry
+    for alias, name in spec.aliases:  # a tied parameter's other names: the same chunks,
+        if name in model:             # so model.state_dict() of the tied model loads
+            model[alias] = model[name]
     sd: dict[str, Any] = {"model": model, "optim": {"state": state}}
     if partition == 0:
         sched, user, hyper = _split_extra(extra)

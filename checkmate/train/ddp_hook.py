@@ -4,8 +4,10 @@
 backend: gloo on CPUs, NCCL on GPUs) instead of our ring. ``start()`` registers a DDP
 communication hook that
 
-1. divides the bucket by the world size and allreduces it (sum) with the backend, exactly as
-   torch's default ``allreduce_hook`` does, so the trainer's gradient is stock DDP's;
+1. multiplies the bucket by 1/world and allreduces it (sum) with the backend, exactly as
+   DDP's built-in reduction does (not torch's ``allreduce_hook``, which divides: another
+   last bit at 3 ranks), so the trainer's gradient is stock DDP's at every world size; after
+   a restart, in the buckets of the run it resumes (checkmate.train.ddp_buckets);
 2. when the allreduce completes, takes this rank's share of the reduced bucket (read in
    place on the CPU; on a GPU copied to pinned host memory asynchronously, on a side stream,
    and sent by a thread of its own once the copy completed: checkmate.train.d2h) and sends it
@@ -101,6 +103,13 @@ class DDPSession(CheckmateSession):
         self.ddp = ddp
         self._pg = pg
         self._names = {id(p): n for n, p in module.named_parameters()}
+        named = dict(module.named_parameters())
+        #: id(parameter) -> spec index; the bucket layout the next iteration reduces in
+        #: (sent with each control message) and, after a restore, the resumed run's layout
+        #: the hook reduces in until DDP's own buckets are it (checkmate.train.ddp_buckets).
+        self._index_of = {id(named[p.name]): i for i, p in enumerate(self.spec.params)}
+        self._layout_next: list[list[int]] | None = None
+        self._plan: Any = None
         self._segments: dict[str, list[Segment]] = {}
         self._piece = 0
         self._lock = threading.Lock()
@@ -142,6 +151,30 @@ class DDPSession(CheckmateSession):
         except (RuntimeError, ValueError) as e:
             raise CheckmateError(f"cannot register Checkmate's DDP comm hook: "
                                  f"{str(e).splitlines()[0]}") from None
+        self._start_buckets()
+
+    def _start_buckets(self) -> None:
+        """The layout to reduce in: DDP's own, or after a restore the resumed run's."""
+        from checkmate.train import ddp_buckets as B
+
+        now = B.current_layout(self.ddp, self._index_of)
+        control = getattr(self, "restored_control", None) or {}
+        recorded = B.parse_layout(control.get("ddp_buckets"), len(self.spec.params))
+        self._layout_next = recorded or now
+        why = None
+        cap, was = int(getattr(self.ddp, "bucket_bytes_cap", 0)), control.get("ddp_bucket_bytes")
+        if recorded is None and self.iteration > 0:
+            why = "the checkpoint holds no DDP bucket layout (written by an older Checkmate)"
+        elif isinstance(was, int) and was != cap:
+            why = (f"this DDP's buckets hold {cap} bytes, the resumed run's {was} (build the "
+                   "DDP with the bucket_cap_mb of the run it resumes)")
+        elif recorded is not None and recorded != now:
+            why = B.fits(now, recorded)
+            if why is None:
+                self._plan = B.BucketPlan(recorded)
+        if why is not None and self.layout.rank == 0:
+            print(f"checkmate: warning: this restart is consistent but not bit-identical to a "
+                  f"run without it: {why}", flush=True)
 
     # ------------------------------------------------------------------ the hook
     def _bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -155,17 +188,59 @@ class DDPSession(CheckmateSession):
             seen.update(dict.fromkeys(names, self._pass))
         buf = bucket.buffer()
         pg = self._pg
-        buf.div_(dist.get_world_size(pg))
-        fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
+        # DDP's own reduction (no hook) multiplies by 1/world as it copies a gradient into
+        # the bucket; torch's allreduce_hook divides, which differs in the last bit unless
+        # the world size is a power of two. Multiplying keeps a hooked DDP stock DDP's.
+        buf.mul_(1.0 / dist.get_world_size(pg))
+        fut = self._allreduce(buf, params)
         grads = bucket.gradients()
         index = bucket.index()
 
         def replicate(f: torch.futures.Future) -> torch.Tensor:
-            out = f.value()[0]
+            out = f.value()
+            out = out if torch.is_tensor(out) else out[0]
             self._replicate(it, index, names, grads)
             return out
 
         return fut.then(replicate)
+
+    def _allreduce(self, buf: torch.Tensor, params: list[torch.Tensor]
+                   ) -> torch.futures.Future:
+        """The backend's allreduce of one bucket; after a restore, as the resumed run's
+        buckets while DDP's own differ (checkmate.train.ddp_buckets)."""
+        from checkmate.train.ddp_buckets import reduce_as
+
+        if self._plan is not None:
+            idx = [self._index_of[id(p)] for p in params]
+            pieces = self._plan.pieces(idx)
+            if pieces is not None:
+                return reduce_as(buf, idx, [p.numel() for p in params], pieces, self._pg)
+        return dist.all_reduce(buf, group=self._pg, async_op=True).get_future()
+
+    def _rebuilt_buckets(self) -> None:
+        """Let DDP rebuild its buckets now, at the end of the step, rather than in the next
+        forward (every rank calls it here: the rebuild broadcasts rank 0's layout), so this
+        step's control message carries the layout the next iteration reduces in."""
+        from checkmate.train.ddp_buckets import current_layout
+
+        if not self.ddp.reducer._rebuild_buckets():
+            return
+        now = current_layout(self.ddp, self._index_of)
+        if self._plan is not None and now != self._plan.recorded and self.layout.rank == 0:
+            print("checkmate: warning: DDP rebuilt its buckets unlike the run this job resumed "
+                  "(another autograd order): from here on it is consistent but not "
+                  "bit-identical to that run", flush=True)
+        self._plan = None  # DDP's own buckets are the recorded ones (or the new truth)
+        self._layout_next = now
+
+    def _control_body(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """CheckmateSession's control message, with the bucket layout the next iteration
+        reduces in (and DDP's bucket size), for a restore (checkmate.train.ddp_buckets)."""
+        body = super()._control_body(*args, **kwargs)
+        if self._layout_next is not None:
+            body["extra"]["ddp_buckets"] = self._layout_next
+            body["extra"]["ddp_bucket_bytes"] = int(getattr(self.ddp, "bucket_bytes_cap", 0))
+        return body
 
     def _replicate(self, it: int, index: int, names: list[str],
                    grads: list[torch.Tensor]) -> None:
@@ -266,6 +341,7 @@ class DDPSession(CheckmateSession):
         for p in self.module.parameters():
             if p.grad is None:  # unused on every rank: reduced (and replicated) as zeros
                 p.grad = torch.zeros_like(p)
+        self._rebuilt_buckets()
         return super().step(extra)
 
     def _before_grads_change(self) -> None:

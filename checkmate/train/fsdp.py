@@ -197,7 +197,7 @@ class FSDPSession(CheckmateSession):
 
     def local_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]
                           ) -> tuple[dict[str, Any], dict[str, Any]]:
-        params = dict(self.module.named_parameters())
+        params = dict(self.module.named_parameters(remove_duplicate=False))  # tied: each name
         msd = {k: self._shard_like(v, params[k]) if k in params else v
                for k, v in model_sd.items()}
         order = self.spec.state_order()

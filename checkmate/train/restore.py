@@ -172,10 +172,14 @@ def restore_session(sess: Any) -> int:
         raise CheckmateError(verdict[1])
     point: ResumePoint = verdict[0]
     r = restore_point(addrs, sess.spec, point.iteration, sources=point.sources)
+    from checkmate.train import world
+
+    world.check(r.extra, sess.layout.rank, sess.layout.world, sess.layout.fixed_world)
     model_sd, optim_sd = sess.local_state_dicts(r.model_sd, r.optim_sd)
     load_trainer_state(sess.module, sess.optimizer, sess.scheduler, model_sd, optim_sd,
                        r.extra, sess.scaler)
     sess.restored_extra = r.extra.get("user", {})
+    sess.restored_control = r.extra  # the whole extra: e.g. DDP's bucket layout (ddp_hook)
     sess.opt_step = r.step
     sess.resume_point = point
     return r.iteration

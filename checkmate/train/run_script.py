@@ -5,9 +5,12 @@ script's folder first on ``sys.path``), so that a CheckmateError raised in it --
 environment, shadows that cannot be restored from -- is one line on stderr with exit
 status 2, never a traceback. When another rank dies, the survivors' next collective fails
 in gloo ("Connection reset by peer"): that is one line too (exit 1), since the launcher is
-already restarting the group. Any other exception is the script's own and keeps its
-traceback. On these paths the process ends at once (``os._exit``): threads still blocked on
-a dead peer must not hold it.
+already restarting the group. Any other exception -- the script's own, or one from a
+library -- is one line too (its type, message and the script's line), with its traceback
+in a file of the launcher's log directory that the line names (checkmate.train.failures);
+so is an exception that ends one of the process's threads. Every failure line is also
+recorded there, for the launcher's last line. On these paths the process ends at once
+(``os._exit``): threads still blocked on a dead peer must not hold it.
 
 Ctrl-C (the agent forwards SIGINT) is one line and exit 130, at once: SIGINT is blocked in
 every thread and taken by one that waits for it, so it is answered even while the main
@@ -34,9 +37,11 @@ import threading
 import time
 
 from checkmate.errors import CheckmateError
+from checkmate.train import failures
 
 
 def _exit_now(code: int, line: str) -> None:
+    failures.record(line, os.environ.get("RANK", "?"))
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     _take_sigint(rank)
     _watch_parent(rank)
+    threading.excepthook = _thread_error(rank)
     try:
         _bind(rank)
         runpy.run_path(script, run_name="__main__")
@@ -116,19 +122,39 @@ def main(argv: list[str] | None = None) -> int:
         _exit_now(2, f"checkmate: rank {rank}: error: {e}")
     except KeyboardInterrupt:
         _exit_now(130, f"checkmate: rank {rank}: interrupted")
-    except RuntimeError as e:
-        text = str(e)
-        if "/gloo/" not in text:
-            raise
-        why = text.split("] ", 1)[-1].split(". ")[0]
-        _exit_now(1, f"checkmate: rank {rank}: a peer of the process group is gone ({why}); "
-                  "exiting for the launcher to restart the group")
     except FileNotFoundError as e:
         if e.filename == script:
-            print(f"checkmate: rank {rank}: error: no such script {script}", file=sys.stderr)
+            line = f"checkmate: rank {rank}: error: no such script {script}"
+            failures.record(line, rank)
+            print(line, file=sys.stderr)
             return 2
+        _exit_now(1, f"checkmate: rank {rank}: error: {failures.describe(e, rank)}")
+    except SystemExit as e:  # sys.exit() in the script: its status, as python SCRIPT gives
+        if e.code not in (None, 0):  # the script said why itself: recorded, not repeated
+            failures.record(f"checkmate: rank {rank}: the script exited with {e.code!r}",
+                            rank)
         raise
+    except BaseException as e:  # noqa: BLE001 -- every other failure is one line too
+        text = str(e)
+        if isinstance(e, RuntimeError) and "/gloo/" in text:
+            why = text.split("] ", 1)[-1].split(". ")[0]
+            _exit_now(1, f"checkmate: rank {rank}: a peer of the process group is gone "
+                      f"({why}); exiting for the launcher to restart the group")
+        _exit_now(1, f"checkmate: rank {rank}: error: {failures.describe(e, rank)}")
     return 0
+
+
+def _thread_error(rank: str):  # noqa: ANN202
+    """threading.excepthook: a thread that ends on an exception is one line, not a
+    traceback (the traceback goes to the log directory's file)."""
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit or args.exc_value is None:
+            return
+        name = args.thread.name if args.thread is not None else "?"
+        line = (f"checkmate: rank {rank}: error in thread {name}: "
+                f"{failures.describe(args.exc_value, rank)}")
+        print(line, file=sys.stderr, flush=True)
+    return hook
 
 
 if __name__ == "__main__":

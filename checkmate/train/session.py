@@ -102,6 +102,8 @@ class JobLayout:
     fec: tuple[int, int] | None = None
     gockpt: tuple[str, int, int] | None = None
     verbs_device: str = ""
+    #: refuse to resume on another number of ranks (checkmate.train.world)
+    fixed_world: bool = False
 
     def __post_init__(self) -> None:
         if self.verbs_device and self.mode != "host":
@@ -259,8 +261,10 @@ class CheckmateSession:
         ``layout`` overrides JobLayout fields.
         """
         from checkmate.train import env as envmod
+        from checkmate.train import world as worldmod
 
         job = envmod.read()
+        layout.setdefault("fixed_world", worldmod.fixed_from_env())
         group = None
         if not dist.is_initialized():
             # On GPUs (checkmate launch binds each worker to its GPU) the job's collectives
@@ -647,6 +651,7 @@ class CheckmateSession:
                 "hyper": hyper,  # for a restore's param groups (extra is persisted)
                 "scaler": (self.scaler.state_dict() if self.scaler is not None else None),
                 "user": extra or {},
+                "world": self.layout.world,  # a resume on another size says so
             },
         }
 
