@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from checkmate import config
+from checkmate.config import cluster as config
 from checkmate.control import drivers, sessions
 from checkmate.control import plan as plan_mod
 from checkmate.errors import CheckmateError, cli_guard
@@ -181,8 +181,8 @@ def status(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from checkmate import auth
     from checkmate.control.service import HandshakeService
+    from checkmate.protocol import auth
 
     cfg = _load(args)
     secret = auth.load_secret(args.secret_file)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from checkmate.config import CONTROLLER_PORT, ClusterConfig, Host
+from checkmate.config.cluster import CONTROLLER_PORT, ClusterConfig, Host
 from checkmate.control import devports, pfc
 from checkmate.errors import CheckmateError
 

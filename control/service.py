@@ -2,7 +2,7 @@
 
 A UDP socket on the switch's address, port config.CONTROLLER_PORT (docs/protocol.md,
 "Handshake"). Every request must carry a valid MAC made with the job secret, a fresh nonce
-and a timestamp within checkmate.auth.SKEW; anything else gets a refusal that reveals
+and a timestamp within checkmate.protocol.auth.SKEW; anything else gets a refusal that reveals
 nothing and is counted (logged at most a few lines a minute). ``register`` mints a new
 session (larger epoch, fresh token) -- unless it repeats the current registration's
 ``instance`` (a shadow's retry), which gets that session again --, reprograms the switch
@@ -20,12 +20,12 @@ import sys
 import threading
 from collections import Counter
 
-from checkmate import auth, handshake, wire
-from checkmate.config import CONTROLLER_PORT, ClusterConfig
+from checkmate.config.cluster import CONTROLLER_PORT, ClusterConfig
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers.base import Driver
 from checkmate.control.sessions import SessionStore
 from checkmate.errors import CheckmateError
+from checkmate.protocol import auth, handshake, wire
 from checkmate.ratelog import RateLimitedLog
 
 

@@ -16,7 +16,7 @@ import secrets
 from dataclasses import asdict
 from pathlib import Path
 
-from checkmate.config import ClusterConfig
+from checkmate.config.cluster import ClusterConfig
 from checkmate.control.plan import Registration
 from checkmate.errors import CheckmateError
 

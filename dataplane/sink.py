@@ -19,7 +19,7 @@ import struct
 import subprocess
 from dataclasses import dataclass
 
-from checkmate.config import ClusterConfig
+from checkmate.config.cluster import ClusterConfig
 from checkmate.dataplane import maps
 from checkmate.dataplane.bpfsys import BpfError, PinnedMap
 from checkmate.dataplane.switch import BPFFS, ensure_bpffs, netns_exists, nsenter_argv

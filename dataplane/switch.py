@@ -31,7 +31,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkmate.config import ClusterConfig
+from checkmate.config.cluster import ClusterConfig
 from checkmate.dataplane import maps
 from checkmate.dataplane.bpfsys import BpfError, PinnedMap
 from checkmate.errors import CheckmateError

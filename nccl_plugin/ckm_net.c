@@ -297,7 +297,7 @@ static int transmit(struct comm *c, struct txslot *s)
 	return 1;
 }
 
-/* The partition owning flat element x: [i*total//n, (i+1)*total//n) (checkmate/partition.py). */
+/* The partition owning flat element x: [i*total//n, (i+1)*total//n) (checkmate/spec/partition.py). */
 static int owner(uint64_t x, uint64_t *hi)
 {
 	uint64_t t = g_cfg.total, n = (uint64_t)g_cfg.partitions;

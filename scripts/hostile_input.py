@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from checkmate import auth, datamac, wire
-from checkmate.shadow_client import ShadowClient
+from checkmate.protocol import auth, datamac, wire
+from checkmate.train.shadow_client import ShadowClient
 
 
 def _proc(pid: int) -> tuple[int, int]:

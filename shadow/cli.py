@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 
 if TYPE_CHECKING:
@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from checkmate.partition import parse_partition_arg
     from checkmate.shadow.node import NodeOptions
-    from checkmate.shadow_client import parse_addr
+    from checkmate.spec.partition import parse_partition_arg
+    from checkmate.train.shadow_client import parse_addr
 
     index, count = parse_partition_arg(args.partition)
     if args.config is None:
@@ -228,7 +228,8 @@ def _serve_without_config(args: argparse.Namespace, index: int, count: int) -> i
 
 def _run_node(args: argparse.Namespace, opts: NodeOptions) -> int:
     """Start the node, serve until SIGTERM/SIGINT, stop it."""
-    from checkmate import auth, metrics
+    from checkmate import metrics
+    from checkmate.protocol import auth
     from checkmate.shadow.node import ShadowNode
 
     opts.secret = auth.load_secret(args.secret_file)  # before anything binds: one clear line
@@ -262,7 +263,7 @@ def _run_node(args: argparse.Namespace, opts: NodeOptions) -> int:
 
 
 def _addrs(args: argparse.Namespace, cfg: cfgmod.ClusterConfig) -> list[tuple[str, int]]:
-    from checkmate.shadow_client import addrs_from_config, parse_addr
+    from checkmate.train.shadow_client import addrs_from_config, parse_addr
 
     if args.addr:
         return [parse_addr(a) for a in args.addr]
@@ -275,7 +276,7 @@ def _addrs(args: argparse.Namespace, cfg: cfgmod.ClusterConfig) -> list[tuple[st
 def _restore(args: argparse.Namespace) -> int:
     cfg = cfgmod.load(args.config)
     if args.from_disk:
-        from checkmate.shadow.persist import load_full_state
+        from checkmate.shadow.checkpoint_load import load_full_state
 
         full = load_full_state(args.from_disk)
         spec, iteration = full.spec, full.iteration
@@ -283,7 +284,7 @@ def _restore(args: argparse.Namespace) -> int:
         model_sd, optim_sd = spec.state_dicts(full.slots, full.step, buffers, full.lrs)
         extra = full.extra
     else:
-        from checkmate.shadow_client import restore_state_dicts
+        from checkmate.train.shadow_client import restore_state_dicts
 
         model_sd, optim_sd, iteration, buffers, extra = restore_state_dicts(
             _addrs(args, cfg), timeout=args.timeout)
@@ -302,7 +303,7 @@ def _restore(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from checkmate.shadow_client import ShadowClient
+    from checkmate.train.shadow_client import ShadowClient
 
     cfg = cfgmod.load(args.config)
     out = []

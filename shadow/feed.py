@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from checkmate import auth, datamac, wire
+from checkmate.protocol import auth, datamac, wire
 
 _DT = {"float32": wire.DType.FLOAT32, "bfloat16": wire.DType.BFLOAT16,
        "float16": wire.DType.FLOAT16}
@@ -43,7 +43,7 @@ def grad_datagrams(job: int, it: int, partition: int, start: int, grad: np.ndarr
                    token: int = 0, secret: bytes | None = None,
                    mac: bool = True) -> Iterator[bytes]:
     """Datagrams carrying ``grad`` (the partition's values, global offset ``start``), each
-    with its checkmate.datamac tag (``secret``: default $CHECKMATE_SECRET_FILE's; ``mac``
+    with its checkmate.protocol.datamac tag (``secret``: default $CHECKMATE_SECRET_FILE's; ``mac``
     False sends none, only to measure what checking them costs)."""
     key = datamac.data_key(_secret(secret)) if mac else None
     flags = int(wire.Flags.REPLICATE)

@@ -104,7 +104,7 @@ def merge(parts: list[Path], out: Path, link: bool = True) -> Path:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from checkmate.shadow.persist import _sha256
+    from checkmate.shadow.disk import _sha256
 
     metas = []
     for d in parts:
@@ -293,7 +293,8 @@ def export(paths: str | Path | Iterable[str | Path], out: str | Path,
     that verifies and is no seed point). ``out`` must not exist or be an empty directory.
     ``on_skip`` hears why newer iterations were passed over (default: logged), only when
     one is exported; a failure is the one error line."""
-    from checkmate.shadow.persist import PersistError, _part_dirs, list_iterations, verify
+    from checkmate.shadow.checkpoint_load import _part_dirs, verify
+    from checkmate.shadow.disk import PersistError, list_iterations
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

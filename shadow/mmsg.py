@@ -70,7 +70,7 @@ class BatchReceiver:
         off = _MMsgHdr.msg_len.offset // 4
         self._lens = np.frombuffer(self._msgs, dtype=np.uint32).reshape(batch, stride)[:, off]
         self._fd = sock.fileno()
-        # Where compiled code may read a batch in place (checkmate.datamac.batch_checker).
+        # Where compiled code may read a batch in place (checkmate.protocol.datamac.batch_checker).
         self.ring_addr = base
         self.msgs_addr = ctypes.addressof(self._msgs)
         self.msgs_size = ctypes.sizeof(self._msgs)

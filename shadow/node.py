@@ -14,9 +14,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from checkmate import auth, datamac
-from checkmate.config import RESTORE_PORT, SHADOW_PORT
-from checkmate.shadow import persist
+from checkmate.config.cluster import RESTORE_PORT, SHADOW_PORT
+from checkmate.protocol import auth, datamac
+from checkmate.shadow import checkpoint_load, disk, persist
 from checkmate.shadow.assembler import Assembler
 from checkmate.shadow.receiver import Receiver, open_socket
 from checkmate.shadow.register import register
@@ -50,7 +50,7 @@ class NodeOptions:
     ip: str = ""
     mac: str = ""
     register_deadline: float = 30.0
-    #: The job secret (checkmate.auth); None: read $CHECKMATE_SECRET_FILE's.
+    #: The job secret (checkmate.protocol.auth); None: read $CHECKMATE_SECRET_FILE's.
     secret: bytes | None = None
     #: "udp", or "verbs": the replica stream also arrives on a UD queue pair of RDMA
     #: device ``device`` (checkmate.shadow.verbs); repair traffic stays on UDP.
@@ -76,7 +76,7 @@ class ShadowNode:
             self.service = Service(self.state, self.status, opts.restore_bind,
                                    opts.restore_port, self.secret, self.drops,
                                    self._on_peers, self._on_progress,
-                                   persist.part_dir(opts.dir, opts.partition)
+                                   disk.part_dir(opts.dir, opts.partition)
                                    if opts.dir else None)
         except Exception:
             self.sock.close()
@@ -190,14 +190,14 @@ class ShadowNode:
 
     def _load_from_disk(self) -> None:
         o = self.opts
-        pdir = persist.part_dir(o.dir, o.partition)
+        pdir = disk.part_dir(o.dir, o.partition)
         persist.clean_temp(pdir)
-        ck = persist.latest_valid(pdir)
+        ck = checkpoint_load.latest_valid(pdir)
         if ck is None:
             return
         m = ck.meta
         if m["partition"] != o.partition or m["partitions"] != o.partitions:
-            raise persist.PersistError(
+            raise disk.PersistError(
                 f"{pdir} holds partition {m['partition']}/{m['partitions']}, this shadow is "
                 f"{o.partition}/{o.partitions}")
         self.state.set_spec(ck.spec)

@@ -6,12 +6,12 @@ optimizer step and persistence run in other threads, so receive never waits on t
 datagram that is not accepted is counted under one reason: short, magic, version, flags,
 mac, job, epoch, token, length, crc, not_ready, dtype, partition, range, stale, window,
 duplicate, control_range, control_invalid, control_mac. Every datagram but a control
-fragment must carry the tag checkmate.datamac derives from the job secret (checked for a
+fragment must carry the tag checkmate.protocol.datamac derives from the job secret (checked for a
 whole batch in one compiled call); a control message is checked whole by the assembler.
 
-FEC parity datagrams (flag PARITY, checkmate.fec) go to Assembler.place_parity, which
+FEC parity datagrams (flag PARITY, checkmate.protocol.fec) go to Assembler.place_parity, which
 rebuilds lost pieces of their group from it. Repair answers from trainers (flag ACK,
-checkmate.repair) are checked exactly like copies
+checkmate.protocol.repair) are checked exactly like copies
 from the switch and counted in ``repair["answers"]``; a "gone" answer (ACK | NACK) marks the
 partition as needing a re-seed. The same thread sends the repair requests (Assembler.tick)
 whenever the socket is idle or the next request falls due.
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 from crc32c import crc32c
 
-from checkmate import wire
 from checkmate.control.pfc import mark_ckm
+from checkmate.protocol import wire
 from checkmate.shadow.assembler import Assembler
 from checkmate.shadow.mmsg import BatchReceiver
 from checkmate.shadow.osname import name_thread
@@ -94,7 +94,7 @@ class Receiver:
                  drops: Counter, epoch: int = 0, token: int = 0,
                  batch: int = 64, mac_key: tuple[int, int] | None = None) -> None:
         self.sock = sock
-        #: checkmate.datamac key: every datagram but control fragments must carry its tag
+        #: checkmate.protocol.datamac key: every datagram but control fragments must carry its tag
         #: (None: no check -- only for measuring what the check costs).
         self.mac_key = mac_key
         self.job = job
@@ -158,9 +158,9 @@ class Receiver:
         key = self.mac_key
         check = None
         if key is not None:
-            # One compiled pass over each batch (checkmate.datamac): a C call reading the
+            # One compiled pass over each batch (checkmate.protocol.datamac): a C call reading the
             # recvmmsg memory in place; without recvmmsg, the array version.
-            from checkmate import datamac
+            from checkmate.protocol import datamac
 
             k0, k1 = key
             if rx.native:

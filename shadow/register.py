@@ -18,9 +18,9 @@ import secrets
 import socket
 import time
 
-from checkmate import auth, handshake, wire
 from checkmate.control.pfc import mark_ckm
 from checkmate.errors import CheckmateError
+from checkmate.protocol import auth, handshake, wire
 
 log = logging.getLogger("checkmate.shadow")
 

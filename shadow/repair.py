@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from checkmate import repair
 from checkmate.errors import CheckmateError
+from checkmate.protocol import repair
 
 log = logging.getLogger("checkmate.shadow")
 
@@ -34,7 +34,7 @@ class RepairRequester:
                  session: Callable[[], tuple[int, int]], stats: Counter,
                  key: tuple[int, int] | None = None) -> None:
         self.sock, self.job, self.partition = sock, job, partition
-        self.key = key  # checkmate.datamac: trainers answer tagged requests only
+        self.key = key  # checkmate.protocol.datamac: trainers answer tagged requests only
         self.session = session
         self.stats = stats
         self.trainers: list[tuple[str, int]] = []

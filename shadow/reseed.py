@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from checkmate.errors import CheckmateError
-from checkmate.shadow.assembler import Control
+from checkmate.shadow.control_message import Control
 from checkmate.shadow.intervals import IntervalSet
-from checkmate.spec import ModelSpec
+from checkmate.spec.model import ModelSpec
 
 
 @dataclass

@@ -3,7 +3,7 @@ fetch, and the reliability ops: peers (who to ask for repairs), reseed and resee
 live re-seed, checkmate.shadow.reseed).
 
 The shadow speaks first: a challenge. The first request must be ``auth`` with a proof made
-from the job secret (checkmate.auth); the answer carries the shadow's proof. Anything else,
+from the job secret (checkmate.protocol.auth); the answer carries the shadow's proof. Anything else,
 or nothing within ``AUTH_SECONDS``, closes the connection and is counted
 (``tcp_unauthenticated``). Until then a frame may not exceed 4 KiB and carries no payload,
 so an unauthenticated peer cannot make the shadow allocate; afterwards each op's payload is
@@ -28,13 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from checkmate import auth
 from checkmate.errors import CheckmateError
+from checkmate.protocol import auth
+from checkmate.protocol.frames import SEED_CHUNK, ShadowError, recv_frame, send_frame
 from checkmate.ratelog import RateLimitedLog
 from checkmate.shadow.osname import name_thread
 from checkmate.shadow.state import ShadowState
-from checkmate.shadow_client import SEED_CHUNK, ShadowError, recv_frame, send_frame
-from checkmate.spec import ModelSpec
+from checkmate.spec.model import ModelSpec
 
 log = logging.getLogger("checkmate.shadow")
 
@@ -56,7 +56,7 @@ class Service:
                  on_progress: Callable[[int], None] | None = None,
                  disk_dir: Path | None = None) -> None:
         self.state = state
-        #: This partition's checkpoint directory (persist.part_dir): ``holdings`` lists what
+        #: This partition's checkpoint directory (disk.part_dir): ``holdings`` lists what
         #: it holds and ``fetch`` with ``source: disk`` serves from it (a resume from disk).
         self.disk_dir = disk_dir
         self.key = auth.service_key(secret)
@@ -282,12 +282,12 @@ class Service:
     def _fetch_disk(self, it: int) -> tuple[dict[str, Any], Any]:
         """One iteration of this partition read from its checkpoint (verified against its
         manifest), for a resume whose consistent point no shadow holds in memory any more."""
-        from checkmate.shadow import persist
+        from checkmate.shadow import checkpoint_load
 
         st = self.state
         if self.disk_dir is None:
             raise CheckmateError("this shadow persists nothing (no --dir)")
-        ck = persist.load_partition(self.disk_dir / f"iter-{it:012d}")
+        ck = checkpoint_load.load_partition(self.disk_dir / f"iter-{it:012d}")
         m = ck.meta
         if m.get("seeded"):
             raise CheckmateError(f"checkpoint of iteration {it} is a seed point, not "

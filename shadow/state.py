@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 
 from checkmate.errors import CheckmateError
-from checkmate.shadow.assembler import Assembler, Control
+from checkmate.shadow.assembler import Assembler
+from checkmate.shadow.control_message import Control
 from checkmate.shadow.intervals import IntervalSet
 from checkmate.shadow.osname import name_thread
-from checkmate.spec import ModelSpec
+from checkmate.spec.model import ModelSpec
 
 log = logging.getLogger("checkmate.shadow")
 
@@ -111,7 +112,7 @@ class ShadowState:
         if retain < 1:
             raise CheckmateError(f"retain must be >= 1, got {retain}")
         self.partition, self.partitions, self.job = partition, partitions, job
-        #: checkmate.datamac.control_key of the job secret: control messages must end with
+        #: checkmate.protocol.datamac.control_key of the job secret: control messages must end with
         #: their MAC (set by the node; None only where the check's cost is measured).
         self.control_key: bytes | None = None
         self.retain, self.window, self.gap_timeout = retain, window, gap_timeout

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from checkmate.errors import CheckmateError
-from checkmate.spec import ModelSpec, ParamSpec
+from checkmate.spec.model import ModelSpec, ParamSpec
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int, int]  # offsets, sizes, flat [s, e)
 

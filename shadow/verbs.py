@@ -226,7 +226,7 @@ class RingConsumer:
         rx = self.receiver
         mask, all_ok = 0, True
         if rx.mac_key is not None:
-            from checkmate import datamac
+            from checkmate.protocol import datamac
 
             k0, k1 = rx.mac_key
             ok = datamac.check_at(np.uint64(k0), np.uint64(k1), self.u8, bases, lens,

@@ -23,7 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.testbed.scenario import parse_scenario
 
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         raise CheckmateError(f"unknown case(s) {', '.join(bad)} (known: {', '.join(known)})")
     if args.repeat < 1 or args.steps < 30:
         raise CheckmateError("--repeat must be >= 1 and --steps >= 30")
-    from checkmate.testbed.run import Cluster, execute
+    from checkmate.testbed.cluster import Cluster
+    from checkmate.testbed.run import execute
 
     rng = random.Random(args.seed)
     config_path = Path(args.config).resolve() if args.config else cfgmod.default_path()

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import warnings
 
-from checkmate import config
+from checkmate.config import cluster as config
 from checkmate.dataplane.switch import KernelSwitch, SwitchUnreachable, netns_exists
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.testbed.topology import Testbed

@@ -13,9 +13,10 @@ import argparse
 import struct
 import sys
 
-from checkmate import config, wire
+from checkmate.config import cluster as config
 from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.protocol import wire
 
 
 class _Parser(argparse.ArgumentParser):

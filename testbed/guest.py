@@ -231,7 +231,7 @@ def _run_locked(share: Path, command: str, timeout: float, env: dict[str, str] |
     link = pylib / "pyverbs"
     if not link.is_symlink():
         link.symlink_to("/usr/lib/python3/dist-packages/pyverbs")
-    from checkmate import auth
+    from checkmate.protocol import auth
 
     key = share / "secret.key"
     if not key.exists():

@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 
-from checkmate import auth, datamac
 from checkmate.errors import CheckmateError
+from checkmate.protocol import auth, datamac
 from checkmate.shadow.node import NodeOptions, ShadowNode
 from checkmate.shadow.state import make_optimizer
-from checkmate.shadow_client import ShadowClient, seed_share
 from checkmate.testbed.verbs_checks import JOB, LRS, Pair, _spec
+from checkmate.train.shadow_client import ShadowClient, seed_share
 
 
 def warm(timeout: float = 300.0) -> None:

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from checkmate import config
+from checkmate.config import cluster as config
 from checkmate.control import pipeline
 from checkmate.control.plan import switch_port
 from checkmate.errors import CheckmateError, cli_guard

@@ -453,7 +453,7 @@ class ReplicaTap:
         self._t.start()
 
     def _run(self) -> None:
-        from checkmate import wire
+        from checkmate.protocol import wire
 
         while not self._stop.is_set():
             try:
@@ -485,8 +485,8 @@ def check_replicas(datagrams: list[bytes], key: tuple[int, int], job: int,
     every iteration exactly once (a resent datagram is the same bytes: the shadow drops it
     as a duplicate), at its flat offset, with its owner partition, a valid CRC and a valid
     data MAC, and the value the allreduce produced (``expect[iteration]``)."""
-    from checkmate import datamac, wire
-    from checkmate.partition import partition_bounds
+    from checkmate.protocol import datamac, wire
+    from checkmate.spec.partition import partition_bounds
 
     total = sum(buckets)
     bounds = partition_bounds(total, partitions)

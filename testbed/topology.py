@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from checkmate.config import ClusterConfig
+from checkmate.config.cluster import ClusterConfig
 from checkmate.dataplane.switch import KernelSwitch, netns_exists, nsenter_argv
 from checkmate.errors import CheckmateError
 
@@ -37,7 +37,7 @@ CONTROLLER_MODULE = "checkmate.control.cli"
 
 
 def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
-    """The YAML document that checkmate.config.parse turns back into ``cfg``."""
+    """The YAML document that checkmate.config.cluster.parse turns back into ``cfg``."""
     sw = cfg.switch
     switch: dict[str, Any] = {"name": sw.name, "target": sw.target, "ip": sw.ip, "mac": sw.mac,
                               "device_id": sw.device_id, "cpu_port": sw.cpu_port,
@@ -182,13 +182,13 @@ class Testbed:
     def secret_file(self) -> Path:
         """The job secret every process of this testbed uses: $CHECKMATE_SECRET_FILE when
         set, else job.key in the state dir (a new one each `up`: `down` removes it)."""
-        from checkmate import auth
+        from checkmate.protocol import auth
 
         env = os.environ.get(auth.SECRET_ENV)
         return Path(env) if env else self.state_dir / "job.key"
 
     def _with_secret(self, kw: dict[str, Any]) -> dict[str, Any]:
-        from checkmate import auth
+        from checkmate.protocol import auth
 
         env = kw.get("env")
         kw["env"] = {**(os.environ if env is None else env),
@@ -222,7 +222,7 @@ class Testbed:
                                  "pin_dir": str(self.switch.pin_dir), "procs": []}
         self._write_state(state)
         try:
-            from checkmate import auth
+            from checkmate.protocol import auth
 
             auth.create_secret(self.secret_file)
             self._build_links()

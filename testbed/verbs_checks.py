@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from checkmate import auth
+from checkmate.protocol import auth
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
 from checkmate.shadow.node import NodeOptions, ShadowNode
 from checkmate.shadow.state import make_optimizer
 from checkmate.shadow.verbs import VerbsSender
-from checkmate.shadow_client import ShadowClient, fetch_all, seed_share
-from checkmate.spec import ModelSpec
+from checkmate.spec.model import ModelSpec
+from checkmate.train.shadow_client import ShadowClient, fetch_all, seed_share
 
 JOB = 21
 LRS = [0.01, 0.003]

@@ -414,7 +414,7 @@ def rank_main(train: Callable[[int, int], int]) -> None:
 def host_layout(net: str, ips: list[str], rank: int, world: int, seed: int, **kw: object):
     """A host-mode JobLayout for job 7: trainers at ``net``.10+rank on loopback, the shadows
     of ``loopback_shadows`` at ``ips`` (partition i at ips[i]), the standard ports."""
-    from checkmate import config as cfgmod
+    from checkmate.config import cluster as cfgmod
     from checkmate.train import JobLayout, ShadowTarget
 
     return JobLayout(

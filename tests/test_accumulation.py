@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from fakes import free_port
 from torch import nn
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError
 from checkmate.train.ddp import CheckmateDDP
 from checkmate.train.ring import RingAllreduce
@@ -126,9 +126,9 @@ def test_no_sync_accumulates_and_reduces_once():
 
 
 def _trainer(rank: int, net: str, ips: list[str], port: int, out: str) -> None:
-    from checkmate.shadow_client import restore_state_dicts
     from checkmate.testbed.models import build
     from checkmate.train import CheckmateSession, JobLayout, ShadowTarget
+    from checkmate.train.shadow_client import restore_state_dicts
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

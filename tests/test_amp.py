@@ -110,8 +110,8 @@ def _reference(rank: int, out: str) -> None:
 def _fp16_worker(cfg: dict, rank: int, world: int) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from checkmate.shadow_client import restore_state_dicts
     from checkmate.train.ddp_hook import DDPSession
+    from checkmate.train.shadow_client import restore_state_dicts
 
     if cfg.get("reference"):
         _reference(rank, cfg["reference"])
@@ -149,8 +149,8 @@ def _fp16_worker(cfg: dict, rank: int, world: int) -> int:
 def _bf16_worker(cfg: dict, rank: int, world: int) -> int:
     """Checkmate's own ring under bf16 autocast, then the same job without Checkmate
     (mode off: the same ring, no shadows)."""
-    from checkmate.shadow_client import restore_state_dicts
     from checkmate.train.session import CheckmateSession
+    from checkmate.train.shadow_client import restore_state_dicts
 
     outs = {}
     for mode in ("host", "off"):
@@ -188,9 +188,9 @@ def _fsdp_fp16_worker(cfg: dict, rank: int, world: int) -> int:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from checkmate.shadow_client import restore_state_dicts
     from checkmate.train import FSDPSession
     from checkmate.train.session import rng_seed
+    from checkmate.train.shadow_client import restore_state_dicts
 
     def make() -> tuple:
         m = _model()
@@ -266,7 +266,7 @@ def test_shadow_unscale_then_clip_equals_gradscaler_then_clip_bit_for_bit():
     from checkmate.optim import AdamW
     from checkmate.optim.clip import clip_grad_norm_
     from checkmate.optim.flat import FlatOptimizer
-    from checkmate.shadow.assembler import Control
+    from checkmate.shadow.control_message import Control
     from checkmate.train import amp
 
     torch.manual_seed(0)
@@ -306,7 +306,7 @@ def test_shadow_unscale_then_clip_equals_gradscaler_then_clip_bit_for_bit():
 
 
 def test_control_inv_scale_is_checked():
-    from checkmate.shadow.assembler import parse_control
+    from checkmate.shadow.control_message import parse_control
 
     def body(inv: object) -> bytes:
         return json.dumps({"iteration": 1, "lrs": [0.1], "inv_scale": inv}).encode()

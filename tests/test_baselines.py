@@ -1,7 +1,7 @@
 """The CheckFreq baseline (checkmate.train.baselines): its snapshot overlaps the next
 iteration and only the next update waits for it; what it persists is the state of the
 iteration it was taken at, bit for bit. Real model, real optimizer, real files; the copy
-runs on the CPU stand-in for a copy stream (checkmate.copyengine.ThreadCopyEngine)."""
+runs on the CPU stand-in for a copy stream (checkmate.train.copyengine.ThreadCopyEngine)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from checkmate.copyengine import ThreadCopyEngine
 from checkmate.optim import AdamW
 from checkmate.train.baselines import Baseline
+from checkmate.train.copyengine import ThreadCopyEngine
 
 
 def _job():

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from checkmate import config
+from checkmate.config import cluster as config
 
 BASE = yaml.safe_load(config.default_path().read_text())
 

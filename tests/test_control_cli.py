@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from checkmate import config
+from checkmate.config import cluster as config
 
 
 def control(*args: str, state: Path | None = None) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from checkmate import config
+from checkmate.config import cluster as config
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers.kernel import KernelDriver
 from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry

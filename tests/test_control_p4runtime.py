@@ -22,7 +22,7 @@ import pytest
 from fakes import FakeSwitch, compiled_p4info, fixture_p4info, stale_p4info
 from google.protobuf import text_format
 
-from checkmate import config
+from checkmate.config import cluster as config
 from checkmate.control import p4proto
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers.p4runtime import P4RuntimeDriver

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from checkmate import config
+from checkmate.config import cluster as config
 from checkmate.control import pfc
 from checkmate.control import plan as plan_mod
 from checkmate.errors import CheckmateError

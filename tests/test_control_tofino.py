@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from checkmate import config
+from checkmate.config import cluster as config
 from checkmate.control import devports, pfc, pipeline
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers import tofino, tofino_tm

@@ -1,4 +1,4 @@
-"""checkmate.copyengine: the ordering, fencing and buffer-reuse rules, on CPU stand-ins.
+"""checkmate.train.copyengine: the ordering, fencing and buffer-reuse rules, on CPU stand-ins.
 
 ``ThreadCopyEngine`` runs copies on a thread, as a CUDA side stream would, with a delay
 that widens every race: a reader that did not wait, or a writer that did not fence, would
@@ -15,14 +15,14 @@ import time
 import pytest
 import torch
 
-from checkmate.copyengine import (
+from checkmate.errors import CheckmateError
+from checkmate.train.copyengine import (
     BufferPool,
     CudaCopyEngine,
     SyncCopyEngine,
     ThreadCopyEngine,
     engine_for,
 )
-from checkmate.errors import CheckmateError
 
 
 def test_copies_read_the_state_as_issued_once_fenced_and_wait_returns_only_complete_copies():
@@ -148,7 +148,7 @@ def test_gockpt_with_a_slow_copy_engine_still_checkpoints_bit_exactly(tmp_path):
     the checkpoint. It must equal the trainer's state at the window's end, bit for bit."""
     from fakes import assert_optim_equal, assert_state_equal
 
-    from checkmate.gockpt import GoCkpt, restore
+    from checkmate.gockpt.trainer import GoCkpt, restore
     from checkmate.optim import AdamW, clip_grad_norm_
     from checkmate.optim.hyper import control_hyper
 

@@ -188,11 +188,11 @@ def _worker(cfg: dict, rank: int, world: int) -> int:
     the copier on ThreadStager; rank 0 saves both and the shadows' state."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from checkmate.shadow_client import restore_state_dicts
     from checkmate.testbed.models import build
     from checkmate.train import FSDPSession
     from checkmate.train.ddp_hook import DDPSession
     from checkmate.train.session import rng_seed
+    from checkmate.train.shadow_client import restore_state_dicts
 
     fsdp = cfg["kind"] == "fsdp"
 

@@ -14,9 +14,10 @@ import struct
 import pytest
 from fakes import LENGTH_RULE_CASES
 
-from checkmate import config, wire
+from checkmate.config import cluster as config
 from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry, SwitchUnreachable
 from checkmate.errors import CheckmateError
+from checkmate.protocol import wire
 
 pytestmark = [
     pytest.mark.netns,

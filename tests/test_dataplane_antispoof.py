@@ -15,9 +15,10 @@ import struct
 
 import pytest
 
-from checkmate import config, wire
+from checkmate.config import cluster as config
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers.kernel import KernelDriver
+from checkmate.protocol import wire
 
 pytestmark = [
     pytest.mark.netns,

@@ -10,9 +10,9 @@ import socket
 
 import pytest
 
-from checkmate import wire
 from checkmate.control import pfc
 from checkmate.control import plan as plan_mod
+from checkmate.protocol import wire
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_trainer_repair_answers_mark_ckm(receiver):
 def test_trainer_session_query_marks_ckm(receiver):
     """query_sessions (switch mode) asks the controller over the ckm class too."""
     from checkmate.errors import CheckmateError
-    from checkmate.train.session import query_sessions
+    from checkmate.train.layout import query_sessions
 
     with pytest.raises(CheckmateError, match="did not answer"):
         query_sessions(receiver.getsockname(), 7, timeout=0.2, tries=1,
@@ -105,7 +105,7 @@ def test_unmarked_socket_is_not_ckm_class(receiver):
 
 
 def test_host_commands_map_the_marked_dscp_to_the_pfc_priority():
-    from checkmate import config
+    from checkmate.config import cluster as config
 
     cfg = config.load(config.default_path())
     cmds = plan_mod.host_commands(cfg)

@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from checkmate import config, wire
+from checkmate.config import cluster as config
 from checkmate.errors import CheckmateError
+from checkmate.protocol import wire
 
 _needs = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("bpftool") is None,
                             reason="needs root for namespaces and BPF, and bpftool")

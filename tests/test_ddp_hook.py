@@ -103,7 +103,7 @@ def _worker(cfg: dict, rank: int, world: int) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
     prot = sess.finish(timeout=30)
     if rank == 0:
-        from checkmate.shadow_client import restore_state_dicts
+        from checkmate.train.shadow_client import restore_state_dicts
 
         msd, osd, sit, _, _ = restore_state_dicts(layout.shadow_tcp, sess.spec, STEPS)
         torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
@@ -183,7 +183,7 @@ def _launch(tmp_path: Path, name: str, env: dict[str, str] | None = None
     """``checkmate launch`` of examples/train_ddp.py, 2 ranks, 2 shadows, one restart."""
     out = tmp_path / f"{name}.pt"
     p = subprocess.run(
-        [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
+        [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
          "--shadows", "2", "--max-restarts", "1", str(EXAMPLE), "--steps", str(STEPS + 4),
          "--out", str(out)], capture_output=True, text=True, timeout=400,
         env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
@@ -211,7 +211,7 @@ def test_launch_restarts_a_killed_stock_ddp_trainer_bit_identical(tmp_path):
                                                            (4, 3, 1 << 20)])
 def test_owned_segments_cover_every_element_once_and_match_the_repair_owners(
         world, partitions, bucket_elems):
-    from checkmate.spec import ModelSpec
+    from checkmate.spec.model import ModelSpec
     from checkmate.testbed.models import build
     from checkmate.train.ddp import bucket_ranges
     from checkmate.train.ddp_hook import owned_segments

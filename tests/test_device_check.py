@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from checkmate.testbed import device_check as dc
+from checkmate.testbed import device_common as common
+from checkmate.testbed import device_runs as runs
 
 
 def test_cpu_smoke_runs_end_to_end_and_names_every_skipped_cuda_part(tmp_path):
@@ -28,13 +30,13 @@ def test_cpu_smoke_runs_end_to_end_and_names_every_skipped_cuda_part(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.strip().splitlines()
     assert lines[0].startswith("device-check: python ")
-    for name in dc.OPTIM_CASES:
+    for name in runs.OPTIM_CASES:
         assert f"PASS optim-cpu[{name}]: cpu tensors == shadow kernel bit for bit" in p.stdout
         assert any(ln.startswith(f"SKIP optim[{name}]: CUDA vs shadow kernel: ")
                    for ln in lines), name
     for name in ("optim-speed", "ddp", "fsdp", "schemes"):
         assert any(ln.startswith(f"SKIP {name}: ") for ln in lines), name
-    n = len(dc.OPTIM_CASES)
+    n = len(runs.OPTIM_CASES)
     assert lines[-1].startswith(f"device-check summary: {n} passed, 0 failed, {n + 4} skipped "
                                 "in "), lines[-1]
     assert "Traceback" not in p.stderr
@@ -46,7 +48,7 @@ def test_cpu_smoke_runs_end_to_end_and_names_every_skipped_cuda_part(tmp_path):
 def test_the_optimizer_comparison_fails_when_the_shadow_differs(monkeypatch):
     from checkmate.optim import FlatOptimizer
 
-    ok = dc.optim_case("adamw-clip", "cpu", 2003, 3)
+    ok = runs.optim_case("adamw-clip", "cpu", 2003, 3)
     assert ok.status == "PASS" and ok.figures["clipped"] > 0, ok.line()
     real = FlatOptimizer.step
 
@@ -54,19 +56,19 @@ def test_the_optimizer_comparison_fails_when_the_shadow_differs(monkeypatch):
         return real(self, grad, [lr * 1.001 for lr in lrs], clip_coef, hyper)
 
     monkeypatch.setattr(FlatOptimizer, "step", off_by_a_rate)
-    bad = dc.optim_case("adamw-clip", "cpu", 2003, 3)
+    bad = runs.optim_case("adamw-clip", "cpu", 2003, 3)
     assert bad.status == "FAIL" and "elements of param differ" in bad.reason, bad.line()
 
 
 def test_same_bits_compares_bits_not_values():
     z = torch.zeros(3)
-    assert dc.same_bits({"a": [z, 1]}, {"a": [z.clone(), 1]}) is None
-    assert dc.same_bits(z, -z) is not None  # -0.0 == 0.0 as values, not as bits
+    assert common.same_bits({"a": [z, 1]}, {"a": [z.clone(), 1]}) is None
+    assert common.same_bits(z, -z) is not None  # -0.0 == 0.0 as values, not as bits
     nan = torch.full((2,), float("nan"))
-    assert dc.same_bits(nan, nan.clone()) is None  # same NaN bits are the same state
-    assert dc.same_bits(z, z.double()) is not None
-    assert "keys differ" in dc.same_bits({"a": z}, {"b": z})
-    assert dc.same_bits(torch.tensor(1.0), torch.tensor(1.0)) is None  # 0-dim tensors
+    assert common.same_bits(nan, nan.clone()) is None  # same NaN bits are the same state
+    assert common.same_bits(z, z.double()) is not None
+    assert "keys differ" in common.same_bits({"a": z}, {"b": z})
+    assert common.same_bits(torch.tensor(1.0), torch.tensor(1.0)) is None  # 0-dim tensors
 
 
 def test_bad_arguments_are_one_line():
@@ -80,7 +82,7 @@ def test_bad_arguments_are_one_line():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU here)")
 def test_one_optimizer_case_on_cuda_equals_the_shadow_kernel():
-    r = dc.optim_case("adam-amsgrad", "cuda", 1_000_003, 5)
+    r = runs.optim_case("adam-amsgrad", "cuda", 1_000_003, 5)
     assert r.status == "PASS", r.line()
 
 
@@ -88,6 +90,6 @@ def test_doc_table_escapes_pipes_and_keeps_figures(tmp_path):
     doc = tmp_path / "gpu.md"
     env = {"card": "X", "torch": "t", "cuda": "c", "nccl": "n", "numba": "m", "triton": "r",
            "python": "p"}
-    dc.write_doc(doc, [dc.Result("a", "PASS", "x | y", {"k": np.float64(1.5).item()})], env, 3)
+    dc.write_doc(doc, [common.Result("a", "PASS", "x | y", {"k": np.float64(1.5).item()})], env, 3)
     text = doc.read_text()
     assert "| a | PASS | x / y `{\"k\": 1.5}` |" in text and "**X**" in text

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 
 pytestmark = [
     pytest.mark.netns,

@@ -1,4 +1,5 @@
-"""The FEC group codec (checkmate.fec): exact recovery from any k of k + m datagrams, nothing
+"""The FEC group codec (checkmate.protocol.fec): exact recovery from any k of k + m
+datagrams, nothing
 wrong from fewer, clean errors on malformed parity, and a decoder that stays bounded."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkmate import fec, wire
+from checkmate.protocol import fec, wire
 
 Piece = tuple[int, int, int, bytes]  # (group, index, offset, payload)
 

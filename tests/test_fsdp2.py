@@ -129,7 +129,7 @@ def _worker(cfg: dict, rank: int, world: int) -> int:
     prot = sess.finish(timeout=30)
     got = _full_state(m, opt)
     if rank == 0:
-        from checkmate.shadow_client import restore_state_dicts
+        from checkmate.train.shadow_client import restore_state_dicts
 
         msd, osd, sit, _, _ = restore_state_dicts(layout.shadow_tcp, sess.spec, STEPS)
         torch.save({**got, "shadow_model": msd, "shadow_optimizer": osd,
@@ -198,7 +198,7 @@ def test_launch_restarts_a_killed_fsdp2_trainer_bit_identical(tmp_path):
     def launch(name: str, env: dict[str, str] | None = None) -> tuple[str, dict]:
         out = tmp_path / f"{name}.pt"
         p = subprocess.run(
-            [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
+            [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
              "--shadows", "2", "--max-restarts", "1", str(EXAMPLE), "--steps",
              str(STEPS + 2), "--out", str(out)], capture_output=True, text=True,
             timeout=400, env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
@@ -222,7 +222,7 @@ def test_shards_follow_torch_chunk_and_the_owners_cover_every_element_once(world
     torch.chunk's (FSDP2 pads missing chunks with empty shards), every flat element is
     owned by one rank, and what a rank sends is what the shadows' owners map names it for."""
     from checkmate.optim import AdamW
-    from checkmate.spec import ModelSpec
+    from checkmate.spec.model import ModelSpec
     from checkmate.train.fsdp import shard_owners, shard_ranges, shard_rows
     from checkmate.train.segments import cut_segments
 

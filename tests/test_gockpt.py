@@ -27,7 +27,7 @@ STEPS, EVERY, K, SEED = 13, 4, 3, 3  # windows open after 4, 8, 12; checkpoints 
 
 
 def _worker(cfg: dict, rank: int, world: int) -> int:
-    from checkmate import config as cfgmod
+    from checkmate.config import cluster as cfgmod
     from checkmate.testbed.models import build
     from checkmate.train import CheckmateSession, JobLayout
 
@@ -73,9 +73,9 @@ def _run(cfg: dict, world: int = 2) -> list[subprocess.CompletedProcess]:
 
 
 def test_gockpt_checkpoints_equal_the_trainers_and_a_kill_restores_bit_identically(tmp_path):
-    from checkmate.gockpt import restore
+    from checkmate.gockpt.trainer import restore
     from checkmate.optim import AdamW  # noqa: F401  (the worker's optimizer kind)
-    from checkmate.spec import ModelSpec
+    from checkmate.spec.model import ModelSpec
     from checkmate.testbed.models import build
 
     net = f"127.82.{random.randrange(1, 255)}"

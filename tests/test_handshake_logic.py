@@ -13,11 +13,12 @@ from dataclasses import replace
 import pytest
 from test_control_p4runtime import FakeSwitch, ip, load_p4info
 
-from checkmate import auth, config, handshake, wire
+from checkmate.config import cluster as config
 from checkmate.control.drivers.p4runtime import P4RuntimeDriver
 from checkmate.control.p4rt_client import P4RuntimeClient
 from checkmate.control.service import HandshakeService
 from checkmate.control.sessions import SessionStore
+from checkmate.protocol import auth, handshake, wire
 
 
 @pytest.fixture

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from checkmate import auth, config, handshake, wire
+from checkmate.config import cluster as config
 from checkmate.dataplane.switch import KernelSwitch
+from checkmate.protocol import auth, handshake, wire
 
 pytestmark = [
     pytest.mark.netns,
@@ -27,7 +28,8 @@ pytestmark = [
 #: the reply as JSON, or "TIMEOUT".
 CLIENT = r"""
 import json, socket, sys
-from checkmate import handshake, config
+from checkmate.protocol import handshake
+from checkmate.config import cluster as config
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.settimeout(float(sys.argv[3]))
 s.sendto(bytes.fromhex(sys.argv[1]), (sys.argv[2], config.CONTROLLER_PORT))
@@ -43,7 +45,7 @@ print(json.dumps({"flags": int(m.header.flags), "seq": m.header.seq, "epoch": m.
 #: Runs in a shadow namespace: receive one ckm datagram on argv[1], print its header.
 RECEIVER = r"""
 import json, socket, sys
-from checkmate import wire
+from checkmate.protocol import wire
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind(("0.0.0.0", int(sys.argv[1])))
 s.settimeout(5)

@@ -13,11 +13,11 @@ import time
 
 import numpy as np
 
-from checkmate import auth, handshake, wire
+from checkmate.protocol import auth, handshake, wire
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
 from checkmate.shadow.node import NodeOptions, ShadowNode
-from checkmate.shadow_client import ShadowClient, seed_share
-from checkmate.spec import ModelSpec
+from checkmate.spec.model import ModelSpec
+from checkmate.train.shadow_client import ShadowClient, seed_share
 
 JOB, EPOCH, TOKEN = 7, 3, 0x5EED
 N = 3000  # forged datagrams per kind
@@ -123,7 +123,7 @@ def test_the_handshake_logic_survives_garbage_and_forged_requests(tmp_path):
     """Straight into HandshakeService.handle (no socket, so nothing is lost on the way):
     random bytes and valid requests with random bytes changed. None may raise, none may
     register anything, and each is counted once."""
-    from checkmate import config
+    from checkmate.config import cluster as config
     from checkmate.control.drivers.base import ApplyResult
     from checkmate.control.service import HandshakeService
     from checkmate.control.sessions import SessionStore

@@ -15,7 +15,7 @@ from torch import nn
 from checkmate.errors import CheckmateError
 from checkmate.optim import SGD, AdamW, FlatOptimizer
 from checkmate.optim import hyper as H
-from checkmate.shadow.assembler import parse_control
+from checkmate.shadow.control_message import parse_control
 
 
 def _control(it: int, lrs: list[float], hyper) -> bytes:

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkmate import config as cfgmod
-from checkmate.launch import main as launch_main
-from checkmate.shadow_client import ShadowClient
-from checkmate.spec import ModelSpec
+from checkmate.config import cluster as cfgmod
+from checkmate.launch.cli import main as launch_main
+from checkmate.spec.model import ModelSpec
+from checkmate.train.shadow_client import ShadowClient
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train.py"
@@ -35,7 +35,7 @@ EXAMPLE = ROOT / "examples" / "train.py"
 def _launch(tmp_path: Path, name: str, steps: int, env: dict[str, str] | None = None
             ) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / f"{name}.pt"
-    argv = [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "4",
+    argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "4",
             "--shadows", "2", "--max-restarts", "1", "--progress-every", "4",
             "--dir", str(tmp_path / name), str(EXAMPLE), "--steps", str(steps),
             "--out", str(out)]
@@ -109,7 +109,7 @@ def test_launch_gockpt_mode_restarts_a_killed_trainer_bit_identical(tmp_path):
     def launch(name: str, env: dict[str, str] | None = None) -> tuple[str, dict]:
         out = tmp_path / f"{name}.pt"
         p = subprocess.run(
-            [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
+            [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
              "--mode", "gockpt", "--gockpt", f"{every},{k}", "--max-restarts", "1",
              "--dir", str(tmp_path / name), str(EXAMPLE), "--steps", str(steps), "--out",
              str(out)], capture_output=True, text=True, timeout=400,
@@ -197,7 +197,7 @@ def test_restart_before_any_seed_starts_fresh(tmp_path):
         "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and os.environ['RANK'] == '1':\n"
         "    os._exit(5)\n"
         f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n")
-    p = subprocess.run([sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node",
+    p = subprocess.run([sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
                         "2", "--shadows", "1", "--max-restarts", "1", "--progress-every", "3",
                         str(script), "--steps", "3"], capture_output=True, text=True,
                        timeout=300)
@@ -220,7 +220,7 @@ def test_failed_group_without_restarts_is_one_line_per_process(tmp_path):
         "dist.barrier()\ndist.barrier()\n")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    p = subprocess.run([sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node",
+    p = subprocess.run([sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
                         "2", "--mode", "off", str(script)], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     out = p.stdout + p.stderr
@@ -263,7 +263,7 @@ def test_launcher_stopped_or_killed_leaves_no_process(tmp_path, sig):
     log = tmp_path / "out.log"
     with open(log, "wb") as f:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
+            [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
              "--shadows", "2", "--progress-every", "5", str(EXAMPLE), "--steps", "100000"],
             stdout=f, stderr=subprocess.STDOUT,
             env={**os.environ, "TMPDIR": str(tmp_path)})  # the kept logs stay in tmp_path
@@ -328,7 +328,7 @@ def test_launch_with_running_shadows_and_resume(tmp_path, capsys, serve_shadows)
                             "--shadow", ips[0], str(EXAMPLE)]) == 2
         err = capsys.readouterr().err
         assert "serves partition 1/2, --shadow number 1 must serve 0/2" in err, err
-        base = [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
+        base = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
                 "--shadow", ips[0], "--shadow", f"{ips[1]}:{cfgmod.RESTORE_PORT}",
                 "--progress-every", "4"]
         p = subprocess.run([*base, str(EXAMPLE), "--steps", "8"], capture_output=True,

@@ -1,7 +1,7 @@
 """``checkmate launch`` on GPUs: the launcher's and the worker's decisions, on the CPU.
 
 The default worker count depends on how many CUDA devices the launcher sees; that one
-number comes from ``checkmate.launch.cuda_device_count``, which these tests replace with a
+number comes from ``checkmate.launch.cli.cuda_device_count``, which these tests replace with a
 double (``fake_cuda_devices``: "CUDA present with N devices") to check the decision. It does
 not model a GPU: nothing here runs on one. The binding of a worker to its GPU and the NCCL
 process group need real devices; those tests skip without CUDA.
@@ -18,8 +18,8 @@ from unittest import mock
 import pytest
 import torch
 
-from checkmate import launch
 from checkmate.errors import CheckmateError
+from checkmate.launch import cli as launch
 from checkmate.train import env as envmod
 from checkmate.train.run_script import bind_device
 
@@ -129,7 +129,8 @@ def test_a_cuda_worker_runs_on_its_gpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA model needs a GPU")
 def test_the_ring_refuses_a_cuda_model(tmp_path):
     from checkmate.optim import SGD
-    from checkmate.train.session import CheckmateSession, JobLayout
+    from checkmate.train.layout import JobLayout
+    from checkmate.train.session import CheckmateSession
 
     model = torch.nn.Linear(4, 4).cuda()
     lay = JobLayout(job_id=1, rank=0, world=1, trainers=[("127.0.0.1", 0)], shadows=[],
@@ -147,7 +148,7 @@ def _launch_example(tmp_path: Path, name: str, amp: str, env: dict[str, str] | N
                     ) -> tuple[str, dict]:
     out = tmp_path / f"{name}.pt"
     p = subprocess.run(
-        [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "2",
+        [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
          "--shadows", "2", "--max-restarts", "1", str(GPU_EXAMPLE), "--steps", "12",
          "--width", "64", "--batch", "16", "--amp", amp, "--out", str(out)],
         capture_output=True, text=True, timeout=400,

@@ -20,9 +20,9 @@ from test_shadow_node import make_spec
 
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
 from checkmate.shadow.node import NodeOptions, ShadowNode
-from checkmate.shadow_client import seed_share
 from checkmate.train.protection import ProtectionMonitor
 from checkmate.train.repair import owners_body
+from checkmate.train.shadow_client import seed_share
 
 
 def _node(spec, p, udp, tcp, d):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from fakes import BUCKETS, BUFFSIZE, ITERATIONS, python_ring_replicas
 
-from checkmate import auth, datamac
+from checkmate.protocol import auth, datamac
 from checkmate.testbed import nccl_harness as H
 
 REPO = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from fakes import BUCKETS, BUFFSIZE, ITERATIONS, python_ring_replicas
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.testbed import nccl_harness as H
 
 pytestmark = [
@@ -71,11 +71,11 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(nccl_plugin, tm
     harness plays NCCL's profiler core, the plugin asks through the profiler callback)."""
     from checkmate.shadow.feed import control_body, control_datagrams
     from checkmate.shadow.state import make_optimizer
-    from checkmate.shadow_client import ShadowClient, seed_share
-    from checkmate.spec import ModelSpec
+    from checkmate.spec.model import ModelSpec
     from checkmate.testbed.netsock import call_in_netns, udp_socket_in
     from checkmate.testbed.topology import Testbed
-    from checkmate.train.session import query_sessions
+    from checkmate.train.layout import query_sessions
+    from checkmate.train.shadow_client import ShadowClient, seed_share
 
     cfg_path = tmp_path / "ckn.yaml"
     cfg_path.write_text(CONFIG.replace("PREFIX", f"cn{random.randrange(1000):03d}"))

@@ -23,7 +23,7 @@ PROGRAM = textwrap.dedent("""
     import ctypes as C, json, socket, sys, time
     import numpy as np
     sys.path.insert(0, sys.argv[2])
-    from checkmate import wire
+    from checkmate.protocol import wire
     from checkmate.testbed import nccl_abi as abi
     lib, v, net = abi.load(sys.argv[1])
     scenario, out = sys.argv[3], {}

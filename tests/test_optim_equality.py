@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import checkmate.optim as co
-from checkmate.partition import partition_bounds
+from checkmate.spec.partition import partition_bounds
 
 PARTITIONS = 3
 

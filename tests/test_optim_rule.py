@@ -335,7 +335,7 @@ def test_device_path_class_tracks_shadows_with_scheduler_and_clipping(kind, cls)
                 {**{k: v for k, v in g.items() if k != "params"},
                  "params": names[:2] if i == 0 else names[2:]} for i, g in enumerate(groups)]}}
     shadows = [co.FlatOptimizer.from_spec(spec, i) for i in range(2)]
-    from checkmate.partition import partition_bounds
+    from checkmate.spec.partition import partition_bounds
     bounds = partition_bounds(spec["total"], 2)
     start = _flat(model.parameters())
     for sh, (s, e) in zip(shadows, bounds, strict=True):

@@ -16,9 +16,10 @@ import pytest
 from fakes import FakeSwitch, compiled_p4info
 from google.protobuf import text_format
 
-from checkmate import config, wire
+from checkmate.config import cluster as config
 from checkmate.control import pipeline
 from checkmate.control import plan as plan_mod
+from checkmate.protocol import wire
 from checkmate.testbed import mininet_bmv2 as mb
 
 
@@ -96,7 +97,7 @@ def test_skip_reason_names_every_missing_piece(monkeypatch):
 
 RECEIVE = r"""
 import json, socket, sys
-from checkmate import wire
+from checkmate.protocol import wire
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind(("0.0.0.0", 47001)); s.settimeout(5)
 data, peer = s.recvfrom(65535)

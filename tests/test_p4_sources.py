@@ -27,12 +27,13 @@ from fakes import (
     fixture_p4info,
 )
 
-from checkmate import config, wire, wire_gen
+from checkmate.config import cluster as config
 from checkmate.control import p4info as p4info_mod
 from checkmate.control import p4proto, pfc
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers import p4runtime as p4rt_driver
 from checkmate.control.drivers import p4tables
+from checkmate.protocol import wire, wire_gen
 
 P4 = Path(__file__).resolve().parents[1] / "p4"
 ARCHS = {"v1model": "", "tna": "pipe."}
@@ -220,7 +221,7 @@ def test_driver_schema_loads_both_p4infos():
 
 def test_ckm_header_view_is_generated_and_matches_wire_fields():
     text = (P4 / "include" / "ckm_headers.p4").read_text()
-    assert text == wire_gen.p4_view(), "regenerate with python -m checkmate.wire_gen"
+    assert text == wire_gen.p4_view(), "regenerate with python -m checkmate.protocol.wire_gen"
     assert header_types()["ckm_h"] == {f.name: f.size * 8 for f in wire.FIELDS}
     assert list(header_types()["ckm_h"]) == [f.name for f in wire.FIELDS]
     # The programs use the generated view, through the shared include chain.

@@ -1,4 +1,4 @@
-"""checkmate.partition: the one cut of the flat space every component relies on."""
+"""checkmate.spec.partition: the one cut of the flat space every component relies on."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from checkmate.errors import CheckmateError
-from checkmate.partition import (
+from checkmate.spec.partition import (
     layout,
     parse_partition_arg,
     partition_bounds,

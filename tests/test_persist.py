@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_shadow_node import JOB, Cluster, make_spec
 
-from checkmate.shadow import persist
+from checkmate.shadow import checkpoint_load, disk, persist
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
 
 
@@ -32,7 +32,7 @@ def test_round_trip_and_manifest_check(tmp_path):
     d = persist.save(tmp_path, spec, 1, 8, 7, sl, {"bn.mean": "AAAAAAAAAAAAAAAA"}, {"k": 1},
                      [0.1, 0.2])
     assert (tmp_path / "part1" / "latest").read_text().strip() == d.name
-    ck = persist.load_partition(d)
+    ck = checkpoint_load.load_partition(d)
     assert ck.meta["iteration"] == 8 and ck.meta["step"] == 7 and ck.meta["extra"] == {"k": 1}
     for s in spec.slots:
         assert np.array_equal(ck.slots[s], sl[s])
@@ -44,9 +44,9 @@ def test_round_trip_and_manifest_check(tmp_path):
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 1
     data.write_bytes(raw)
-    with pytest.raises(persist.PersistError, match="sha256"):
-        persist.verify(newest)
-    got = persist.latest_valid(tmp_path / "part1")
+    with pytest.raises(disk.PersistError, match="sha256"):
+        checkpoint_load.verify(newest)
+    got = checkpoint_load.latest_valid(tmp_path / "part1")
     assert got.meta["iteration"] == 8
     assert older.exists()  # keep=3: 6, 8, 9 all kept
 
@@ -55,7 +55,7 @@ def test_keep_prunes_old_checkpoints(tmp_path):
     spec = make_spec()
     for it in range(1, 6):
         persist.save(tmp_path, spec, 0, it, it, _slots(spec, 0, it), keep=2)
-    assert persist.list_iterations(tmp_path / "part0") == [4, 5]
+    assert disk.list_iterations(tmp_path / "part0") == [4, 5]
 
 
 def test_prune_keeps_newest_iteration_every_partition_holds(tmp_path):
@@ -69,25 +69,25 @@ def test_prune_keeps_newest_iteration_every_partition_holds(tmp_path):
     for it in range(6, 21):
         saved[0][it] = _slots(spec, 0, it)
         persist.save(tmp_path, spec, 0, it, it, saved[0][it], keep=3)
-    assert persist.list_iterations(tmp_path / "part0") == [5, 18, 19, 20]
-    assert persist.list_iterations(tmp_path / "part1") == [3, 4, 5]
-    assert persist.newest_common(tmp_path, 2) == 5
+    assert disk.list_iterations(tmp_path / "part0") == [5, 18, 19, 20]
+    assert disk.list_iterations(tmp_path / "part1") == [3, 4, 5]
+    assert checkpoint_load.newest_common(tmp_path, 2) == 5
     # three steps: partition 0's newest differs from its iteration 5; load; equal to it
     assert not np.array_equal(saved[0][20]["param"], saved[0][5]["param"])
-    full = persist.load_full_state(tmp_path)
+    full = checkpoint_load.load_full_state(tmp_path)
     assert full.iteration == 5 and full.step == 5
     for p in (0, 1):
         a, b = spec.bounds(p)
         for s in spec.slots:
             assert np.array_equal(full.slots[s][a:b], saved[p][5][s]), (p, s)
-    _m, _o, it = persist.load_full(tmp_path)
+    _m, _o, it = checkpoint_load.load_full(tmp_path)
     assert it == 5
     # partition 1 catches up at 20: 20 becomes the shared point and 5 may go
     persist.save(tmp_path, spec, 1, 20, 20, _slots(spec, 1, 120), keep=3)
-    assert persist.list_iterations(tmp_path / "part1") == [4, 5, 20]
+    assert disk.list_iterations(tmp_path / "part1") == [4, 5, 20]
     persist.save(tmp_path, spec, 0, 21, 21, _slots(spec, 0, 21), keep=3)
-    assert persist.list_iterations(tmp_path / "part0") == [19, 20, 21]
-    assert persist.load_full(tmp_path)[2] == 20
+    assert disk.list_iterations(tmp_path / "part0") == [19, 20, 21]
+    assert checkpoint_load.load_full(tmp_path)[2] == 20
 
 
 def test_prune_without_all_sibling_dirs_applies_keep_only(tmp_path):
@@ -95,10 +95,10 @@ def test_prune_without_all_sibling_dirs_applies_keep_only(tmp_path):
     for it in range(1, 6):
         for p in (0, 1):  # part2 does not exist yet: nothing is held by all
             persist.save(tmp_path, spec, p, it, it, _slots(spec, p, it), keep=2)
-    assert persist.newest_common(tmp_path, 3) is None
-    assert persist.list_iterations(tmp_path / "part0") == [4, 5]
+    assert checkpoint_load.newest_common(tmp_path, 3) is None
+    assert disk.list_iterations(tmp_path / "part0") == [4, 5]
     assert persist.prune(tmp_path / "part0", 1, 3) == [4]
-    assert persist.list_iterations(tmp_path / "part0") == [5]
+    assert disk.list_iterations(tmp_path / "part0") == [5]
 
 
 def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
@@ -115,18 +115,18 @@ def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(dcp, "save", dying_save)
-    with pytest.raises(persist.PersistError, match="No space left on device"):
+    with pytest.raises(disk.PersistError, match="No space left on device"):
         persist.save(tmp_path, spec, 0, 6, 6, _slots(spec, 0, 1))
     pdir = tmp_path / "part0"
     assert [e.name for e in pdir.iterdir() if e.name.startswith(".tmp")] == []
-    ck = persist.latest_valid(pdir)
+    ck = checkpoint_load.latest_valid(pdir)
     assert ck.meta["iteration"] == 4 and np.array_equal(ck.slots["param"], first["param"])
 
     # a process killed mid-write leaves a temp dir behind: ignored, then cleaned at start
     junk = pdir / ".tmp-iter-000000000006-1-1"
     junk.mkdir()
     (junk / "__0_0.distcp").write_bytes(b"partial")
-    assert persist.latest_valid(pdir).meta["iteration"] == 4
+    assert checkpoint_load.latest_valid(pdir).meta["iteration"] == 4
     assert persist.clean_temp(pdir) == [junk.name] and not junk.exists()
 
 
@@ -167,7 +167,7 @@ def test_two_partitions_load_into_torch_model_and_adamw_in_fresh_process(tmp_pat
     torch.manual_seed(0)
     net = TinyNet()
     opt = torch.optim.AdamW(_groups(net), lr=1e-3)
-    from checkmate.spec import ModelSpec
+    from checkmate.spec.model import ModelSpec
 
     # flat order differs from module order on purpose (the trainer's bucket order)
     order = ["out.weight", "out.bias", "bn.weight", "bn.bias", "fc.weight", "fc.bias",
@@ -205,7 +205,7 @@ def test_two_partitions_load_into_torch_model_and_adamw_in_fresh_process(tmp_pat
         import sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_persist import TinyNet, _groups
-        from checkmate.shadow.persist import load_full
+        from checkmate.shadow.checkpoint_load import load_full
         model_sd, optim_sd, it = load_full({str(tmp_path)!r})
         net = TinyNet()
         opt = torch.optim.AdamW(_groups(net), lr=1e-3)
@@ -246,7 +246,7 @@ def test_time_based_persistence(tmp_path):
         time.sleep(0.6)
         c.send(5, c.rng.standard_normal(c.spec.total).astype(np.float32))
         sts = c.wait(lambda sts: sts[0]["persist"]["last_iteration"] == 5)
-        its = persist.list_iterations(tmp_path / "part0")
+        its = disk.list_iterations(tmp_path / "part0")
         assert its[-1] == 5
         if fast:  # at most one of iterations 0..4 was due, then 5 after the pause
             assert sts[0]["persist"]["written"] <= 2 and len(its) <= 2

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from test_shadow_node import JOB, make_spec
 
-from checkmate.shadow import persist
-from checkmate.shadow.assembler import Control
+from checkmate.shadow import checkpoint_load, disk, persist
+from checkmate.shadow.control_message import Control
 from checkmate.shadow.state import ShadowState
-from checkmate.spec import ModelSpec
+from checkmate.spec.model import ModelSpec
 
 LR = 0.01
 
@@ -104,10 +104,10 @@ class Shadow:
 def test_full_disk_keeps_writer_alive_and_resumes_when_space_returns(small_disk, caplog):
     caplog.set_level(logging.WARNING, logger="checkmate.shadow")
     root = small_disk / "ckpt"
-    pdir = persist.part_dir(root, 0)
+    pdir = disk.part_dir(root, 0)
     sh = Shadow(root, _big_spec(), keep=1)
     try:
-        assert sh.per.written == 1 and persist.list_iterations(pdir) == [0]
+        assert sh.per.written == 1 and disk.list_iterations(pdir) == [0]
         # take all but ~300 KiB: the next checkpoints (768 KiB each) cannot fit
         filler = small_disk / "filler"
         with open(filler, "wb") as f:
@@ -129,7 +129,7 @@ def test_full_disk_keeps_writer_alive_and_resumes_when_space_returns(small_disk,
         # three steps: on disk is still iteration 0, which differs from iteration 3
         sh.step(3)  # still full: fails too
         v3 = sh.version(3)
-        old = persist.latest_valid(pdir)
+        old = checkpoint_load.latest_valid(pdir)
         assert old.meta["iteration"] == 0
         assert not np.array_equal(old.slots["param"], v3["param"])
         # space returns: the next due version is written, by itself
@@ -139,11 +139,11 @@ def test_full_disk_keeps_writer_alive_and_resumes_when_space_returns(small_disk,
         st = sh.per.status()
         assert st["written"] == 2 and st["last_iteration"] == 4 and st["errors"] == 3
         assert st["error"] == "" and st["last_error"] and st["alive"]
-        ck = persist.latest_valid(pdir)
+        ck = checkpoint_load.latest_valid(pdir)
         assert ck.meta["iteration"] == 4 and ck.meta["step"] == 4
         for s in sh.spec.slots:
             assert np.array_equal(ck.slots[s], v4[s]), s
-        assert persist.list_iterations(pdir) == [4] and _hidden(root) == []
+        assert disk.list_iterations(pdir) == [4] and _hidden(root) == []
         assert any("writing again" in r.getMessage() for r in caplog.records)
     finally:
         sh.close()
@@ -170,10 +170,10 @@ def test_checkpoint_exception_is_counted_and_leaves_no_temp(tmp_path, monkeypatc
 
     monkeypatch.setattr(dcp, "save", failing_save)
     assert not issubclass(CheckpointException, Exception)
-    with pytest.raises(persist.PersistError, match="RuntimeError: .*unexpected pos 7"):
+    with pytest.raises(disk.PersistError, match="RuntimeError: .*unexpected pos 7"):
         persist.save(tmp_path, spec, 0, 2, 2, {s: np.ones(spec.total, np.float32)
                                                 for s in spec.slots})
-    assert _hidden(tmp_path) == [] and persist.list_iterations(tmp_path / "part0") == []
+    assert _hidden(tmp_path) == [] and disk.list_iterations(tmp_path / "part0") == []
 
     sh = Shadow(tmp_path, spec, keep=3)  # iteration 0 fails too
     try:
@@ -186,7 +186,7 @@ def test_checkpoint_exception_is_counted_and_leaves_no_temp(tmp_path, monkeypatc
         broken["on"] = False
         sh.step(2)
         v2 = sh.version(2)
-        ck = persist.latest_valid(tmp_path / "part0")
+        ck = checkpoint_load.latest_valid(tmp_path / "part0")
         assert sh.per.status()["last_iteration"] == 2 and ck.meta["iteration"] == 2
         for s in spec.slots:
             assert np.array_equal(ck.slots[s], v2[s]), s

@@ -25,11 +25,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkmate.shadow import merge, persist, torch_layout
-from checkmate.shadow.assembler import Control
+from checkmate.shadow import checkpoint_load, disk, merge, persist, torch_layout
 from checkmate.shadow.cli import main as shadow_main
+from checkmate.shadow.control_message import Control
 from checkmate.shadow.state import ShadowState
-from checkmate.spec import ModelSpec
+from checkmate.spec.model import ModelSpec
 
 LRS = [0.01, 0.002]
 EXTRA = {"scheduler": {"base_lrs": [0.02, 0.004], "last_epoch": 6,
@@ -113,7 +113,7 @@ def test_joined_checkpoint_loads_with_dcp_and_equals_the_state_dicts(tmp_path):
     md = dcp.FileSystemReader(tmp_path / name).read_metadata()
     assert len(md.state_dict_metadata["model.conv"].chunks) >= 3  # cut off its rows
     # the partition dirs are untouched by the join: each still restores on its own
-    assert persist.load_full(tmp_path)[2] == 6
+    assert checkpoint_load.load_full(tmp_path)[2] == 6
 
     sd = _load(tmp_path / name, spec)
     m, o = _expected(spec, full, 5)
@@ -218,11 +218,11 @@ def test_export_joins_separate_disks_and_skips_a_corrupt_iteration(tmp_path, cap
 def test_optimizer_state_at_step_zero_is_refused_not_dropped(tmp_path):
     spec = _spec(partitions=1)
     full = _full(spec, 5)
-    with pytest.raises(persist.PersistError, match="not zero at step 0"):
+    with pytest.raises(disk.PersistError, match="not zero at step 0"):
         persist.save(tmp_path, spec, 0, 0, 0, full)
     zero = {s: (v if s == "param" else np.zeros_like(v)) for s, v in full.items()}
     d = persist.save(tmp_path, spec, 0, 0, 0, zero)
-    ck = persist.load_partition(d)
+    ck = checkpoint_load.load_partition(d)
     assert all(np.array_equal(ck.slots[s], zero[s]) for s in spec.slots)
     md = dcp.FileSystemReader(tmp_path / "iter-000000000000").read_metadata()
     assert not [k for k in md.state_dict_metadata if k.startswith("optim.state")]
@@ -281,7 +281,7 @@ def test_a_new_run_purges_the_old_lineage_before_it_can_be_joined(tmp_path):
         for sh in old:
             sh.close()
     # the seed iteration 0 is written but never joined; 2 and 4 are
-    assert persist.list_iterations(tmp_path / "part1") == [0, 2, 4]
+    assert disk.list_iterations(tmp_path / "part1") == [0, 2, 4]
     assert merge.list_merged(tmp_path) == [2, 4]
 
     new = [_Shadow(tmp_path, spec, p) for p in (0, 1)]  # a new run in the same dir
@@ -289,14 +289,14 @@ def test_a_new_run_purges_the_old_lineage_before_it_can_be_joined(tmp_path):
         new[0].seed(2)
         # partition 0's old iterations and every join holding them are gone; iteration 0
         # is in both dirs (new and old run) but a seed point is never joined
-        assert persist.list_iterations(tmp_path / "part0") == [0]
-        assert persist.list_iterations(tmp_path / "part1") == [0, 2, 4]
+        assert disk.list_iterations(tmp_path / "part0") == [0]
+        assert disk.list_iterations(tmp_path / "part1") == [0, 2, 4]
         assert merge.list_merged(tmp_path) == [] and not (tmp_path / "latest").exists()
         assert new[0].per.purged == [0, 2, 4]
-        with pytest.raises(persist.PersistError, match="iteration 0 is where partition"):
-            persist.load_full_state(tmp_path)  # nor does a restore from disk mix them
+        with pytest.raises(disk.PersistError, match="iteration 0 is where partition"):
+            checkpoint_load.load_full_state(tmp_path)  # nor does a restore from disk mix them
         new[1].seed(2)
-        assert persist.list_iterations(tmp_path / "part1") == [0]
+        assert disk.list_iterations(tmp_path / "part1") == [0]
         for it in (1, 2):
             for sh in new:
                 sh.step(it, 2)
@@ -337,17 +337,17 @@ def test_a_write_in_flight_when_the_shadow_is_reseeded_is_discarded(tmp_path, mo
         assert entered.wait(30)  # the writer is inside iteration 4's save
         arrays = {s: np.zeros(spec.total, np.float32) for s in spec.slots}
         sh.state.install(0, 0, arrays)  # re-seeded meanwhile: a new lineage from 0
-        assert persist.list_iterations(tmp_path / "part0") == []  # 0 and 2 purged
+        assert disk.list_iterations(tmp_path / "part0") == []  # 0 and 2 purged
         gate.set()
         end = time.monotonic() + 30
-        while persist.list_iterations(tmp_path / "part0") != [0]:  # the new seed version
+        while disk.list_iterations(tmp_path / "part0") != [0]:  # the new seed version
             assert time.monotonic() < end
             time.sleep(0.01)
         time.sleep(0.2)
-        assert persist.list_iterations(tmp_path / "part0") == [0]  # iteration 4 discarded
+        assert disk.list_iterations(tmp_path / "part0") == [0]  # iteration 4 discarded
         meta = json.loads((tmp_path / "part0" / "iter-000000000000" / "ckm.json").read_text())
         assert meta["seeded"] is True and sh.per.status()["errors"] == 0
-        ck = persist.latest_valid(tmp_path / "part0")
+        ck = checkpoint_load.latest_valid(tmp_path / "part0")
         assert not np.any(ck.slots["param"])  # the new lineage's state, not the old one's
     finally:
         gate.set()

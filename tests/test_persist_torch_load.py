@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fakes import free_port
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.optim import AdamW
 from checkmate.train import CheckmateSession, JobLayout, ShadowTarget
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from checkmate.errors import CheckmateError
-from checkmate.plan import Scheme, plan, size, waste
+from checkmate.launch.plan import Scheme, plan, size, waste
 
 
 def test_the_interval_is_the_whole_number_next_to_young_daly():
@@ -47,7 +47,7 @@ def test_sizing_names_the_requirement_that_binds():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "checkmate.launch", "plan", *args],
+    return subprocess.run([sys.executable, "-m", "checkmate.launch.cli", "plan", *args],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -9,8 +9,8 @@ import threading
 import time
 from types import SimpleNamespace
 
-from checkmate import auth
-from checkmate.shadow_client import recv_frame, send_frame
+from checkmate.protocol import auth
+from checkmate.protocol.frames import recv_frame, send_frame
 from checkmate.train.protection import ProtectionMonitor
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkmate import auth, datamac, handshake, repair, wire
-from checkmate.shadow_client import send_frame
+from checkmate.protocol import auth, datamac, handshake, repair, wire
+from checkmate.protocol.frames import send_frame
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 KINDS = {"gradient", "control", "repair-request", "handshake-register",

@@ -16,8 +16,8 @@ import numpy as np
 from test_shadow_node import Cluster, make_spec
 
 from checkmate.shadow import assembler
-from checkmate.shadow_client import ShadowClient
 from checkmate.train.repair import owners_body
+from checkmate.train.shadow_client import ShadowClient
 
 
 def _count(sock: socket.socket) -> int:

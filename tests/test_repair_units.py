@@ -12,12 +12,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from checkmate import repair, wire
 from checkmate.errors import CheckmateError
+from checkmate.protocol import repair, wire
 from checkmate.shadow.assembler import REPAIR_DELAY, Assembler
 from checkmate.shadow.feed import control_body
 from checkmate.shadow.state import ShadowState, make_optimizer
-from checkmate.spec import ModelSpec
+from checkmate.spec.model import ModelSpec
 from checkmate.train.repair import RepairServer, TokenBucket
 from checkmate.train.replica_log import ReplicaLog
 from checkmate.train.replicate import ShadowTarget
@@ -236,7 +236,7 @@ def test_reseed_pieces_roll_forward_to_the_reference_state(kind, late):
     st.begin_reseed(t0, "test")
     cuts = np.linspace(start, end, 5).astype(int)
     pieces = []
-    from checkmate.shadow.assembler import Control
+    from checkmate.shadow.control_message import Control
 
     def ctl(it):
         return Control(it, [0.01], 0.5, False, {}, {"it": it})
@@ -282,7 +282,7 @@ def test_reseed_rejects_pieces_outside_the_partition_or_overlapping():
 
 # ----- FEC at the shadow: parity rebuilds lost pieces ---------------------------------------
 def test_parity_rebuilds_lost_pieces_and_a_lossless_group_costs_nothing():
-    from checkmate.fec import GroupEncoder
+    from checkmate.protocol.fec import GroupEncoder
 
     asm, done = _asm()  # partition [100, 200)
     _control(asm, 1)
@@ -309,7 +309,7 @@ def test_parity_rebuilds_lost_pieces_and_a_lossless_group_costs_nothing():
 
 
 def test_parity_waits_when_more_pieces_are_lost_than_it_can_rebuild():
-    from checkmate.fec import GroupEncoder
+    from checkmate.protocol.fec import GroupEncoder
 
     asm, done = _asm()
     _control(asm, 1)
@@ -332,9 +332,10 @@ def test_parity_waits_when_more_pieces_are_lost_than_it_can_rebuild():
 
 
 def test_with_the_job_key_only_tagged_requests_are_answered_and_answers_are_tagged():
-    """A trainer answers only requests made with the job secret (checkmate.datamac), and its
+    """A trainer answers only requests made with the job secret
+    (checkmate.protocol.datamac), and its
     answers and "gone" carry the tag a shadow checks."""
-    from checkmate import datamac
+    from checkmate.protocol import datamac
 
     net = f"127.{random.randrange(100, 200)}.{random.randrange(1, 250)}"
     key = datamac.data_key(bytes(range(32)))

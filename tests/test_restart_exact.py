@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkmate.spec import ModelSpec, difference
+from checkmate.spec.model import ModelSpec, difference
 
 ROOT = Path(__file__).resolve().parents[1]
 LM = ROOT / "examples" / "train_lm.py"
@@ -42,7 +42,7 @@ def _lm_module():  # noqa: ANN202
 def _launch(tmp: Path, name: str, world: int, args: list[str], script_args: list[str],
             env: dict[str, str] | None = None, ok: bool = True
             ) -> tuple[subprocess.CompletedProcess, str]:
-    argv = [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", str(world),
+    argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", str(world),
             "--progress-every", "0", *args, str(LM), *script_args]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
@@ -272,7 +272,7 @@ def test_a_script_error_is_one_line_per_rank_and_the_launcher_names_the_first(tm
         S.CheckmateSession.step = buggy
         runpy.run_path({str(LM)!r}, run_name="__main__")
     """))
-    argv = [sys.executable, "-m", "checkmate.launch", "launch", "--nproc-per-node", "3",
+    argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "3",
             "--shadows", "2", "--max-restarts", "1", "--dir", str(tmp_path / "run"),
             str(script)]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600,

@@ -16,7 +16,7 @@ import torch
 from test_shadow_node import JOB, LRS, Cluster, make_spec
 
 from checkmate.shadow.cli import main as shadow_main
-from checkmate.shadow_client import ShadowClient, restore_state_dicts
+from checkmate.train.shadow_client import ShadowClient, restore_state_dicts
 
 CONFIG = f"""\
 job: {{id: {JOB}, name: td}}

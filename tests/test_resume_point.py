@@ -18,9 +18,9 @@ from test_shadow_node import Cluster, make_spec
 
 from checkmate.errors import CheckmateError
 from checkmate.shadow.node import NodeOptions, ShadowNode
-from checkmate.shadow_client import ShadowClient, restore_point
 from checkmate.train import resume_point
 from checkmate.train.resume_point import Holding, choose, spans
+from checkmate.train.shadow_client import ShadowClient, restore_point
 
 
 def _h(p, memory=(), disk=(), error=""):

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from fakes import free_port
 from torch import nn
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError
-from checkmate.spec import ModelSpec, difference
+from checkmate.spec.model import ModelSpec, difference
 
 WORLD = 2
 STEPS = 4
@@ -112,8 +112,8 @@ def _train(sess, model, opt, rank: int, first: int, last: int) -> None:
 
 
 def _trainer(rank: int, net: str, ips: list[str], port: int, out: str) -> None:
-    from checkmate.shadow_client import restore_state_dicts
     from checkmate.train import CheckmateSession, JobLayout, ShadowTarget
+    from checkmate.train.shadow_client import restore_state_dicts
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

@@ -8,7 +8,7 @@ import sys
 import time
 import urllib.request
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 
 
 def test_shadow_serve_exports_metrics():

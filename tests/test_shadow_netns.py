@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 from test_shadow_node import LRS
 
-from checkmate import auth, config
+from checkmate.config import cluster as config
+from checkmate.protocol import auth
 from checkmate.shadow.feed import control_body, send_iteration
-from checkmate.shadow_client import ShadowClient
-from checkmate.spec import ModelSpec
+from checkmate.spec.model import ModelSpec
 from checkmate.testbed.netsock import call_in_netns, udp_socket_in
+from checkmate.train.shadow_client import ShadowClient
 
 pytestmark = [
     pytest.mark.netns,

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from checkmate import auth, datamac, handshake, wire
+from checkmate.protocol import auth, datamac, handshake, wire
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
 from checkmate.shadow.node import NodeOptions, ShadowNode
 from checkmate.shadow.state import make_optimizer
-from checkmate.shadow_client import (
+from checkmate.spec.model import ModelSpec
+from checkmate.train.shadow_client import (
     ShadowClient,
     ShadowError,
     consistent_point,
@@ -22,7 +23,6 @@ from checkmate.shadow_client import (
     restore_state_dicts,
     seed_share,
 )
-from checkmate.spec import ModelSpec
 
 JOB = 11
 LRS = [0.01, 0.003]

@@ -13,11 +13,12 @@ import time
 
 import pytest
 
-from checkmate import auth
+from checkmate.protocol import auth
+from checkmate.protocol.frames import ShadowError, recv_frame, send_frame
 from checkmate.shadow import service as service_mod
 from checkmate.shadow.node import NodeOptions, ShadowNode
-from checkmate.shadow_client import ShadowClient, ShadowError, recv_frame, send_frame
-from checkmate.spec import ModelSpec
+from checkmate.spec.model import ModelSpec
+from checkmate.train.shadow_client import ShadowClient
 
 JOB = 7
 

@@ -11,11 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkmate import wire
-from checkmate.shadow.assembler import Assembler, parse_control
+from checkmate.protocol import wire
+from checkmate.shadow.assembler import Assembler
+from checkmate.shadow.control_message import parse_control
 from checkmate.shadow.feed import control_body, encode_grad
 from checkmate.shadow.intervals import IntervalSet
-from checkmate.spec import ModelSpec, SpecError
+from checkmate.spec.model import ModelSpec, SpecError
 
 # ----- IntervalSet ------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from checkmate import config
+from checkmate.config import cluster as config
 
 pytestmark = [
     pytest.mark.netns,

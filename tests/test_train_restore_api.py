@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from fakes import free_port
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.testbed.models import build
 from checkmate.train import CheckmateSession, JobLayout, ShadowTarget, restore_trainer
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from checkmate import wire
-from checkmate.partition import partition_bounds
+from checkmate.protocol import wire
+from checkmate.spec.partition import partition_bounds
 from checkmate.train.ring import MAX_CHUNK
 
 

@@ -22,8 +22,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from checkmate import auth, datamac
 from checkmate.errors import CheckmateError
+from checkmate.protocol import auth, datamac
 from checkmate.shadow.feed import grad_datagrams
 from checkmate.shadow.receiver import Receiver
 from checkmate.shadow.verbs import GRH, RecvRing, RingConsumer, open_device

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from checkmate import wire, wire_gen
+from checkmate.protocol import wire, wire_gen
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,7 +66,7 @@ def test_count_must_match_payload() -> None:
 @pytest.mark.parametrize("rel", sorted(wire_gen.VIEWS))
 def test_checked_in_views_match_generator(rel: str) -> None:
     assert (REPO / rel).read_text() == wire_gen.VIEWS[rel](), (
-        f"{rel} drifted from checkmate/wire.py; run python -m checkmate.wire_gen"
+        f"{rel} drifted from checkmate/protocol/wire.py; run python -m checkmate.protocol.wire_gen"
     )
 
 

@@ -17,7 +17,7 @@ from checkmate.errors import CheckmateError
 from checkmate.optim import hyper as H
 from checkmate.optim import ops
 from checkmate.optim.grads import as_kernel_grad
-from checkmate.partition import layout, partition_bounds, partition_pieces
+from checkmate.spec.partition import layout, partition_bounds, partition_pieces
 
 
 class FlatOptimizer:

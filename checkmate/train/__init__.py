@@ -22,7 +22,7 @@ _WHERE = {
     "CheckmateSession": "checkmate.train.session",
     "DDPSession": "checkmate.train.ddp_hook",
     "FSDPSession": "checkmate.train.fsdp",
-    "JobLayout": "checkmate.train.session",
+    "JobLayout": "checkmate.train.layout",
     "RingAllreduce": "checkmate.train.ring",
     "ShadowTarget": "checkmate.train.replicate",
     "restore_trainer": "checkmate.train.restore",

@@ -6,7 +6,7 @@ next optimizer step waits for whatever must finish before the state changes agai
 ``finish()`` waits for the last write. Kinds:
 
 - ``none``, ``checkmate``, ``gockpt``: nothing here (no checkpoint; the shadows; the
-  session's GoCkpt process, checkmate.gockpt);
+  session's GoCkpt process, checkmate.gockpt.trainer);
 - ``torchsave``: rank 0 ``torch.save`` of model and optimizer, synchronous (data-parallel
   replicas are identical, so one rank writes);
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` with its defaults (a thread; the
@@ -17,7 +17,7 @@ next optimizer step waits for whatever must finish before the state changes agai
 - ``checkfreq``: CheckFreq's two phases: rank 0 snapshots model and optimizer into host
   buffers allocated once (pinned on CUDA), then a background thread persists the snapshot
   with ``torch.save``. The snapshot overlaps the next iteration's compute, as CheckFreq's
-  does: it runs on a copy stream (CUDA) or a copy thread (CPU; checkmate.copyengine), and
+  does: it runs on a copy stream (CUDA) or a copy thread (CPU; checkmate.train.copyengine), and
   only ``before_step`` -- right before the next update changes the state -- waits for it
   (on CUDA a device-side wait, so the host does not block). A snapshot first waits for the
   previous persist (one checkpoint in flight: the buffers are reused).
@@ -83,7 +83,7 @@ class Baseline:
         self._staging: Any = None  # dcp-process: staging must end before the next step
         self._stager: Any = None
         self._snapshot: Any = None  # checkfreq's buffers
-        self._engine: Any = None  # checkfreq's copy engine (checkmate.copyengine)
+        self._engine: Any = None  # checkfreq's copy engine (checkmate.train.copyengine)
         self._snap_ticket: Any = None  # checkfreq: the snapshot the next step waits for
         self._written: list[Path] = []
         #: Checkpoints started.
@@ -99,7 +99,7 @@ class Baseline:
                                   "iteration": it}, it)
         elif self.kind == "checkfreq":
             if self.rank == 0:
-                from checkmate.copyengine import engine_for
+                from checkmate.train.copyengine import engine_for
 
                 self._wait()  # the previous persist is done: its buffers are free again
                 if self._engine is None:

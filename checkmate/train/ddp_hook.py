@@ -45,9 +45,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from checkmate.errors import CheckmateError
+from checkmate.train.layout import JobLayout
 from checkmate.train.ring import replica_owners
 from checkmate.train.segments import Segment, cut_segments, send_runs
-from checkmate.train.session import CheckmateSession, JobLayout
+from checkmate.train.session import CheckmateSession
 
 
 def owned_segments(spec: Any, buckets: list[tuple[int, int]], world: int, rank: int

@@ -1,6 +1,6 @@
 """The environment contract between ``checkmate launch`` and a training script.
 
-The launcher (checkmate.launch) sets these variables, torch's elastic agent passes them to
+The launcher (checkmate.launch.cli) sets these variables, torch's elastic agent passes them to
 every worker next to its own (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 TORCHELASTIC_RESTART_COUNT), and ``CheckmateSession.from_env`` reads them back. Names and
 formats live here only, so the two sides cannot disagree. Anyone may set them by hand to run
@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from checkmate import config
+from checkmate.config import cluster as config
 from checkmate.errors import CheckmateError
 from checkmate.train.replicate import ShadowTarget
 

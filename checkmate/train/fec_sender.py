@@ -1,4 +1,4 @@
-"""FEC parity for the pieces a trainer replicates (optional; checkmate.fec is the codec).
+"""FEC parity for the pieces a trainer replicates (optional; checkmate.protocol.fec is the codec).
 
 With ``JobLayout.fec = (k, m)`` every k consecutive REPLICATE pieces this trainer sends for
 one (iteration, partition) form a group, and m parity datagrams go straight to the owning
@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from checkmate.fec import GroupEncoder
+from checkmate.protocol.fec import GroupEncoder
 from checkmate.train.replicate import ShadowSender
 
 

@@ -43,9 +43,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from checkmate.errors import CheckmateError
 from checkmate.optim.clip import clip_coef_of
+from checkmate.train.layout import JobLayout
 from checkmate.train.repair import owners_body
 from checkmate.train.segments import Segment, cut_segments, send_runs
-from checkmate.train.session import CheckmateSession, JobLayout
+from checkmate.train.session import CheckmateSession
 
 log = logging.getLogger("checkmate.train")
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkmate.errors import CheckmateError
-from checkmate.shadow_client import Addr, ShadowClient
+from checkmate.protocol.frames import Addr
+from checkmate.train.shadow_client import ShadowClient
 
 log = logging.getLogger("checkmate.train")
 

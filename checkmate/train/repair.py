@@ -2,7 +2,7 @@
 
 One thread per trainer with its own UDP socket on ``config.REPAIR_PORT`` (the ring's
 communication thread is never involved, so repair cannot slow an allreduce). A request
-(checkmate.repair) names an iteration, a partition and element ranges (or the control
+(checkmate.protocol.repair) names an iteration, a partition and element ranges (or the control
 message); the answer is the retained datagrams again, cut to the ranges, flagged ACK and
 sent straight to that partition's shadow. Answers are paced by a token bucket
 (``rate`` bytes per second, ``burst`` bytes), so a shadow that lost a whole iteration
@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from checkmate import datamac, repair, wire
+from checkmate.protocol import datamac, repair, wire
 from checkmate.train.replica_log import ReplicaLog
 from checkmate.train.replicate import CONTROL_FRAGMENT, ShadowTarget
 
@@ -59,7 +59,7 @@ class RepairServer:
                  targets: dict[int, ShadowTarget], rate: float = REPAIR_RATE,
                  burst: float = REPAIR_BURST, data_key: tuple[int, int] | None = None) -> None:
         self.job_id = job_id
-        #: checkmate.datamac key: answers carry the tag a shadow checks, like any copy.
+        #: checkmate.protocol.datamac key: answers carry the tag a shadow checks, like any copy.
         self.data_key = data_key
         self.log = log_
         self.targets = targets

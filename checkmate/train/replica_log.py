@@ -6,7 +6,7 @@ object; the log keeps a reference to it, so retaining costs no copy, one list ap
 piece on the ring's thread (``seconds``) and memory: about ``keep * 4 * total / world``
 bytes of gradient per trainer (each trainer sends 1/world of the reduced gradient as
 REPLICATE pieces) plus ``keep`` control messages on rank 0. Older iterations are dropped
-as new ones arrive; a request for one of them gets a "gone" answer (checkmate.repair),
+as new ones arrive; a request for one of them gets a "gone" answer (checkmate.protocol.repair),
 after which the shadow must be re-seeded.
 """
 

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from checkmate import datamac, wire
 from checkmate.control.pfc import mark_ckm
+from checkmate.protocol import datamac, wire
 
 _F = wire.Flags
 _PACK = wire.STRUCT.pack
@@ -41,7 +41,7 @@ class ShadowSender:
     def __init__(self, job_id: int, targets: Sequence[ShadowTarget],
                  secret: bytes | None = None) -> None:
         self.job_id = job_id
-        #: checkmate.datamac keys of the job secret (None: untagged, only for tests of
+        #: checkmate.protocol.datamac keys of the job secret (None: untagged, only for tests of
         #: what a shadow does with such datagrams).
         self.data_key = datamac.data_key(secret) if secret is not None else None
         self.control_key = datamac.control_key(secret) if secret is not None else None
@@ -117,7 +117,7 @@ class ShadowSender:
 
     def parity(self, iteration: int, partition: int, group: int, index: int, k: int, m: int,
                first_offset: int, payload: bytes) -> None:
-        """One FEC parity datagram of a group of this trainer's pieces (checkmate.fec)."""
+        """One FEC parity datagram of a group of this trainer's pieces (checkmate.protocol.fec)."""
         t = self.targets.get(partition)
         if t is not None:
             self.parity_bytes += len(payload)

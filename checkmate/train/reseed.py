@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from checkmate.errors import CheckmateError
-from checkmate.shadow_client import Addr, ShadowClient
-from checkmate.spec import ModelSpec
+from checkmate.protocol.frames import Addr
+from checkmate.spec.model import ModelSpec
+from checkmate.train.shadow_client import ShadowClient
 
 log = logging.getLogger("checkmate.train")
 

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 
 from checkmate.errors import CheckmateError, cli_guard
-from checkmate.shadow_client import (
+from checkmate.train import resume_point
+from checkmate.train.resume_point import ResumePoint
+from checkmate.train.shadow_client import (
     ShadowClient,
     parse_addr,
     restore_point,
 )
-from checkmate.train import resume_point
-from checkmate.train.resume_point import ResumePoint
 
 
 def settle(addrs: list[tuple[str, int]], quiet: float = 0.3, timeout: float = 10.0) -> None:
@@ -112,7 +112,7 @@ def restore_trainer(addrs: list[tuple[str, int]], model: torch.nn.Module,
     job at once. Returns ``(iteration, user extra)``; training continues at iteration + 1,
     with torch's RNG reseeded per iteration (``CheckmateSession.begin``).
     """
-    from checkmate.spec import ModelSpec, difference
+    from checkmate.spec.model import ModelSpec, difference
 
     with ShadowClient(addrs[0]) as c:
         theirs = c.get_spec()
@@ -136,7 +136,7 @@ def check_resume(addrs: list[tuple[str, int]], spec: Any,
     holds, memory first, then disk), after checking that every shadow holds state of a job
     whose spec equals ``spec`` (this trainer's model and optimizer); CheckmateError with
     one line naming the first difference, or what is missing when there is nothing."""
-    from checkmate.spec import difference
+    from checkmate.spec.model import difference
 
     wait = resume_point.RESUME_WAIT if wait is None else wait
     resume_point.choose(resume_point.survey(addrs, wait))  # nothing at all: fail first
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shadow:
         addrs = [parse_addr(a) for a in args.shadow]
     elif args.config:
-        from checkmate.config import load
-        from checkmate.shadow_client import addrs_from_config
+        from checkmate.config.cluster import load
+        from checkmate.train.shadow_client import addrs_from_config
 
         addrs = addrs_from_config(load(args.config))
     else:

@@ -79,7 +79,7 @@ def spans(its: Sequence[int]) -> str:
 
 def ask(addrs: Sequence[Addr], timeout: float = 10.0) -> list[Holding]:
     """Every shadow's holdings once; an unreachable shadow or a refusal is an ``error``."""
-    from checkmate.shadow_client import ShadowClient
+    from checkmate.train.shadow_client import ShadowClient
 
     out = []
     for p, a in enumerate(addrs):

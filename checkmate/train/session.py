@@ -23,127 +23,25 @@ from __future__ import annotations
 
 import atexit
 import secrets
-import socket
 import threading
-import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from checkmate import config, handshake, wire
 from checkmate.errors import CheckmateError
-from checkmate.spec import ModelSpec
-from checkmate.train.ddp import BUCKET_ELEMS, CheckmateDDP, bucket_ranges
-from checkmate.train.protection import LAG_WARN, POLL_SECONDS, ProtectionMonitor
-from checkmate.train.repair import REPAIR_RATE, RepairServer, owners_body
-from checkmate.train.replica_log import DEFAULT_KEEP, ReplicaLog
-from checkmate.train.replicate import ShadowSender, ShadowTarget
-from checkmate.train.reseed import RESEED_SLICES, ReseedSender
-from checkmate.train.ring import BIG_CHUNK, MAX_CHUNK, RingAllreduce, replica_owners
-from checkmate.train.transport import LossyLink, open_socket
-
-#: switch: the switch copies REPLICATE datagrams; host: trainers send the copies; off: no
-#: Checkmate at all (same ring, no tags, no shadows) -- the no-checkpoint baseline.
-MODES = ("switch", "host", "off")
-
-
-@dataclass
-class JobLayout:
-    """Addresses of one job: every trainer's ring endpoint and every shadow's.
-
-    Args:
-        job_id: the ckm job id.
-        rank, world: this trainer's place.
-        trainers: ``(ip, port)`` of each rank's ring socket, in rank order.
-        shadows: each partition's UDP target (epoch/token filled from the controller in
-            switch mode, or given for shadows that do not register).
-        shadow_tcp: each partition's TCP service address (seed, status, fetch).
-        mode: ``switch`` (the switch copies REPLICATE datagrams) or ``host`` (trainers send
-            the copies themselves).
-        controller: ``(ip, port)`` of the handshake service, asked for the shadows' current
-            sessions (switch mode).
-        repair: keep the last ``repair_keep`` iterations of what this trainer replicated and
-            answer shadows' repair requests on ``repair_port`` (default config.REPAIR_PORT),
-            paced to ``repair_rate`` bytes/s. Off: a lost copy is never repaired.
-        reseed_slices: slices a live re-seed sends a partition in (one per iteration).
-        monitor_poll, lag_warn: status poll period (s) and the lag that logs a warning.
-        fec: ``(k, m)`` to add m FEC parity datagrams to every k replicated pieces
-            (checkmate.train.fec_sender); None (default): repair alone.
-        gockpt: ``(directory, every, steps)`` for GoCkpt mode (checkmate.gockpt): no
-            shadows (mode ``off``), a periodic checkpoint every ``every`` iterations whose
-            transfer is spread over ``steps`` steps, written by a local process per rank.
-        verbs_device: host mode only: send the copies over RDMA UD from this device to the
-            queue pair each shadow publishes in its status (``shadow serve --transport
-            verbs``; docs/verbs.md). Empty (default): UDP.
-    """
-
-    job_id: int
-    rank: int
-    world: int
-    trainers: list[tuple[str, int]]
-    shadows: list[ShadowTarget]
-    shadow_tcp: list[tuple[str, int]]
-    mode: str = "switch"
-    controller: tuple[str, int] | None = None
-    chunk: int = BIG_CHUNK
-    bucket_elems: int = BUCKET_ELEMS
-    seed: int = 0
-    link: LossyLink | None = field(default=None, repr=False)
-    repair: bool = True
-    repair_keep: int = DEFAULT_KEEP
-    repair_rate: float = REPAIR_RATE
-    repair_port: int = config.REPAIR_PORT
-    reseed_slices: int = RESEED_SLICES
-    monitor_poll: float = POLL_SECONDS
-    lag_warn: int = LAG_WARN
-    fec: tuple[int, int] | None = None
-    gockpt: tuple[str, int, int] | None = None
-    verbs_device: str = ""
-    #: refuse to resume on another number of ranks (checkmate.train.world)
-    fixed_world: bool = False
-
-    def __post_init__(self) -> None:
-        if self.verbs_device and self.mode != "host":
-            raise CheckmateError(f"verbs_device applies to host mode (trainers send the "
-                                 f"copies), not mode {self.mode!r}")
-        if self.gockpt is not None and self.mode != "off":
-            raise CheckmateError(f"GoCkpt mode checkpoints without shadows: it needs mode "
-                                 f"off, got {self.mode!r}")
-        if self.mode not in MODES:
-            raise CheckmateError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if len(self.trainers) != self.world:
-            raise CheckmateError(f"{len(self.trainers)} trainer addresses for world "
-                                 f"size {self.world}")
-        if len(self.shadows) != len(self.shadow_tcp) or (not self.shadows
-                                                         and self.mode != "off"):
-            raise CheckmateError("need one UDP and one TCP address per shadow partition")
-
-
-def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
-                   tries: int = 5, secret: bytes | None = None) -> dict[int, dict[str, Any]]:
-    """The controller's current registrations: partition -> {epoch, token, ip, port}
-    (an authenticated ``session`` request; ``secret`` defaults to $CHECKMATE_SECRET_FILE's)."""
-    from checkmate import auth
-    from checkmate.control.pfc import mark_ckm
-
-    key = auth.handshake_key(secret if secret is not None else auth.load_secret())
-    with mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as s:
-        seq, nonces = secrets.randbits(31), []
-        for _ in range(tries):
-            req, nonce = handshake.request(key, job_id, seq, {"op": "session", "job": job_id})
-            nonces.append(nonce)  # a late answer to an earlier try counts too
-            s.sendto(req, controller)
-            m = handshake.await_reply(s, seq, key, nonces, timeout / tries)
-            if m is None:
-                continue
-            if not m.header.flags & wire.Flags.ACK:
-                raise CheckmateError(f"controller refused session query: "
-                                     f"{m.body.get('reason')}")
-            return {int(p): v for p, v in m.body.get("partitions", {}).items()}
-    raise CheckmateError(f"controller {controller[0]}:{controller[1]} did not answer")
+from checkmate.spec.model import ModelSpec
+from checkmate.train.control_message import _ControlMessage
+from checkmate.train.ddp import CheckmateDDP, bucket_ranges
+from checkmate.train.layout import JobLayout
+from checkmate.train.protection import ProtectionMonitor
+from checkmate.train.repair import RepairServer
+from checkmate.train.replica_log import ReplicaLog
+from checkmate.train.replicate import ShadowSender
+from checkmate.train.ring import MAX_CHUNK, RingAllreduce
+from checkmate.train.session_reliability import _Reliability
+from checkmate.train.transport import open_socket
 
 
 def _kill_hook(iteration: int) -> Any:
@@ -163,7 +61,7 @@ def rng_seed(seed: int, rank: int, iteration: int) -> int:
     return (seed * 1_000_003 + rank * 7_919 + iteration * 104_729) % (2**63 - 1)
 
 
-class CheckmateSession:
+class CheckmateSession(_Reliability, _ControlMessage):
     """Checkmate on one trainer: ring, wrapper, bootstrap, control messages, restore.
 
     ``scaler``: the job's ``torch.amp.GradScaler`` for fp16 loss scaling; ``step`` then does
@@ -200,12 +98,12 @@ class CheckmateSession:
         self.control_bytes = 0
         self.model: CheckmateDDP | None = None
         self.ring: RingAllreduce | None = None
-        # The job secret tags every datagram a shadow takes (checkmate.datamac) and opens
-        # every shadow connection (checkmate.auth); a job without shadows needs none.
+        # The job secret tags every datagram a shadow takes (checkmate.protocol.datamac) and opens
+        # every shadow connection (checkmate.protocol.auth); a job without shadows needs none.
         self.secret: bytes | None = None
         self.data_key: tuple[int, int] | None = None
         if layout.mode != "off":
-            from checkmate import auth, datamac
+            from checkmate.protocol import auth, datamac
 
             self.secret = auth.load_secret()
             self.data_key = datamac.data_key(self.secret)
@@ -222,7 +120,7 @@ class CheckmateSession:
         self.monitor: ProtectionMonitor | None = None
         self.metrics: Any = None  # Prometheus exporter (CHECKMATE_METRICS_PORT)
         self.parity: Any = None  # checkmate.train.fec_sender.ParitySender with layout.fec
-        self.gockpt: Any = None  # checkmate.gockpt.GoCkpt with layout.gockpt
+        self.gockpt: Any = None  # checkmate.gockpt.trainer.GoCkpt with layout.gockpt
         self.buckets = [(a, b) for a, b, _ in bucket_ranges(
             [p.numel for p in self.spec.params], layout.bucket_elems)]
         # A script that ends on an exception without close() would leave the session's
@@ -307,11 +205,11 @@ class CheckmateSession:
             return True
         answer: list[Any] = [True]
         if self.layout.rank == 0 and gk is not None:
-            from checkmate.gockpt import wait_idle
-            from checkmate.shadow import persist
+            from checkmate.gockpt.trainer import wait_idle
+            from checkmate.shadow import checkpoint_load
 
             wait_idle(gk[0], self.layout.world)  # the killed attempt's writes finish first
-            answer[0] = persist.newest_common(gk[0], self.layout.world) is not None
+            answer[0] = checkpoint_load.newest_common(gk[0], self.layout.world) is not None
             if answer[0] is False:
                 print("checkmate: no GoCkpt checkpoint was written before the restart: "
                       "starting fresh", flush=True)
@@ -348,7 +246,7 @@ class CheckmateSession:
             text += " | not protected (mode off)"
         else:
             # Asked now on connections of its own (the monitor thread owns its clients).
-            from checkmate.shadow_client import ShadowClient
+            from checkmate.train.shadow_client import ShadowClient
 
             latest: list[int | None] = []
             for a in self.layout.shadow_tcp:
@@ -382,7 +280,7 @@ class CheckmateSession:
                 raise CheckmateError("nothing to resume from without shadows (mode off)")
             self.iteration = self._gockpt_restore() if resume else 0
             if lay.gockpt is not None:  # after the restore: its process starts from there
-                from checkmate.gockpt import GoCkpt
+                from checkmate.gockpt.trainer import GoCkpt
 
                 root, every, steps = lay.gockpt
                 self.gockpt = GoCkpt(self.module, self.optimizer, root, every, steps,
@@ -392,7 +290,7 @@ class CheckmateSession:
 
             self.iteration = restore_session(self)
         else:
-            from checkmate.shadow_client import seed_share, wait_seeded
+            from checkmate.train.shadow_client import seed_share, wait_seeded
 
             flat = self._seed_flat()
             seed_share(lay.shadow_tcp, self.spec, flat, lay.rank, lay.world)
@@ -412,7 +310,7 @@ class CheckmateSession:
     def _use_verbs(self) -> None:
         """Host mode over RDMA: a UD sender per shadow, to the queue pair it publishes."""
         from checkmate.shadow.verbs import QPAddress, VerbsSender
-        from checkmate.shadow_client import ShadowClient
+        from checkmate.train.shadow_client import ShadowClient
 
         for p, a in enumerate(self.layout.shadow_tcp):
             with ShadowClient(a) as c:
@@ -436,7 +334,7 @@ class CheckmateSession:
 
     def _gockpt_restore(self) -> int:
         """Every rank loads the iteration rank 0 found newest in the GoCkpt directory."""
-        from checkmate.gockpt import restore
+        from checkmate.gockpt.trainer import restore
         from checkmate.train.restore import load_trainer_state
 
         lay = self.layout
@@ -485,80 +383,12 @@ class CheckmateSession:
         lay = self.layout
         if lay.fec is None or lay.mode == "off":
             return MAX_CHUNK
-        from checkmate.fec import max_piece_bytes
+        from checkmate.protocol.fec import max_piece_bytes
         from checkmate.train.fec_sender import ParitySender
 
         self.parity = ParitySender(lay.fec[0], lay.fec[1], self.sender)
         return max_piece_bytes(lay.fec[0]) // 4
 
-    def _start_reliability(self) -> None:
-        """Replica log, repair service, peers at every shadow, protection monitor."""
-        lay = self.layout
-        if lay.repair:
-            self.replica_log = ReplicaLog(lay.repair_keep)
-            self.repair = RepairServer((lay.trainers[lay.rank][0], lay.repair_port),
-                                       lay.job_id, self.replica_log, self.sender.targets,
-                                       lay.repair_rate, data_key=self.data_key)
-        if lay.rank == 0:
-            from checkmate.shadow_client import ShadowClient
-
-            for p, a in enumerate(lay.shadow_tcp):
-                with ShadowClient(a) as c:
-                    c.request(self.peers_body(p))
-        self.monitor = ProtectionMonitor(self, lay.monitor_poll, lay.lag_warn).start()
-        from checkmate import metrics
-
-        port = metrics.port_from_env(None)
-        if port is not None:  # one port per rank on a shared host: PORT + rank (0: any)
-            self.metrics = metrics.serve(metrics.TrainerCollector(self.protection, lay.rank),
-                                         port + lay.rank if port else 0,
-                                         lay.trainers[lay.rank][0])
-
-    def peers_body(self, partition: int) -> dict[str, Any]:
-        """The ``peers`` request for one shadow: trainers' repair addresses and owners."""
-        lay = self.layout
-        start, end = self.spec.bounds(partition)
-        trainers = [(ip, lay.repair_port) for ip, _ in lay.trainers]
-        return owners_body(trainers, replica_owners(self.buckets, lay.world, start, end)
-                           if lay.repair else [], 0)
-
-    def new_reseed(self, partition: int, reason: str) -> ReseedSender:
-        """A live re-seed of ``partition`` (the protection monitor starts it)."""
-        return ReseedSender(self.spec, dict(self.module.named_parameters()), self.optimizer,
-                            partition, self.layout.shadow_tcp[partition],
-                            self.layout.reseed_slices, reason)
-
-    def _on_reduced(self, iteration: int, bucket: int, offset: int, partition: int,
-                    payload: bytes) -> None:
-        if self.replica_log is not None:
-            self.replica_log.add_piece(iteration, bucket, offset, partition, payload)
-        if self.parity is not None:
-            self.parity.piece(iteration, partition, offset, payload)
-        if self.layout.mode == "host":
-            self.sender.copy(iteration, bucket, offset, partition, payload)
-
-    def protection(self) -> dict[str, Any]:
-        """The protection state: newest iteration every shadow committed, lag per shadow,
-        re-seeds, repairs answered (see checkmate.train.protection)."""
-        if self.monitor is None:
-            return {"iteration": self.done_iteration, "newest_consistent": None,
-                    "shadows": {}, "reseeds": 0, "repair": None}
-        out = self.monitor.protection()
-        out["repair"] = self.repair.status() if self.repair is not None else None
-        return out
-
-    def _refresh_sessions(self) -> None:
-        lay = self.layout
-        regs = query_sessions(lay.controller, lay.job_id)
-        self.sender.update_sessions({p: (int(v["epoch"]), int(v["token"]))
-                                     for p, v in regs.items()})
-
-    def _refresh_loop(self) -> None:
-        while not self._refresh_stop.wait(1.0):
-            try:
-                self._refresh_sessions()
-            except (CheckmateError, OSError):
-                pass  # keep the last known sessions; the next round tries again
 
     # ------------------------------------------------------------------ per iteration
     def begin(self, iteration: int) -> None:
@@ -634,73 +464,6 @@ class CheckmateSession:
             raise CheckmateError(f"step() again for iteration {it}: call begin(iteration) "
                                  "before each iteration's forward and backward")
 
-    def _control_body(self, lrs: list[float], coef: float | None, hyper: list[dict[str, Any]],
-                      extra: dict[str, Any] | None, inv_scale: float | None = None,
-                      skip: bool = False) -> dict[str, Any]:
-        """This step's control message: what a shadow (or GoCkpt's process) needs to repeat
-        it and to restore from it. ``inv_scale``: the float32 factor the trainers unscaled
-        the replicated (scaled) gradient by; GoCkpt's process gets None (it captures the
-        gradient after the unscale). ``skip``: the step was skipped (inf/nan gradient)."""
-        return {
-            "iteration": self.iteration, "lrs": lrs, "clip_coef": coef, "skip": skip,
-            "inv_scale": inv_scale, "hyper": hyper,
-            "buffers": self.spec.encode_buffers(dict(self.module.named_buffers())),
-            "extra": {
-                "scheduler": (self.scheduler.state_dict()
-                              if self.scheduler is not None else None),
-                "hyper": hyper,  # for a restore's param groups (extra is persisted)
-                "scaler": (self.scaler.state_dict() if self.scaler is not None else None),
-                "user": extra or {},
-                "world": self.layout.world,  # a resume on another size says so
-            },
-        }
-
-    def _clip(self) -> float | None:
-        """Clip to ``max_grad_norm``; the float32 factor applied (None: no gradients)."""
-        from checkmate.optim.clip import clip_grad_norm_
-
-        return clip_grad_norm_(self.module.parameters(), self.max_grad_norm)[1]
-
-    def _step_hyper(self) -> list[dict[str, Any]]:
-        """Check that this step may be taken and return the control message's ``hyper``:
-        every group's hyperparameters now, so a mid-run change reaches the shadows."""
-        from checkmate.optim import hyper as H
-
-        it, kind = self.iteration, self.spec.kind
-        # A user's own DDP (checkmate.train.ddp_hook) is checked by DDPSession.step.
-        if isinstance(self.model, CheckmateDDP) and self.model.reduced_iteration != it:
-            raise CheckmateError(
-                f"iteration {it}: step() without a reduced gradient (the last backward() ran "
-                "inside no_sync(), or none ran); run the last accumulation pass outside it")
-        groups = self.optimizer.param_groups
-        if len(groups) != len(self.spec.groups):
-            raise CheckmateError(f"iteration {it}: the optimizer has {len(groups)} param "
-                                 f"groups, the job started with {len(self.spec.groups)}")
-        out = []
-        for gi, (g, sg) in enumerate(zip(groups, self.spec.groups, strict=True)):
-            now = H.control_hyper(kind, g)
-            H.check_change(kind, H.resolve(kind, sg.hyper(kind)), now,
-                           f"iteration {it}: param group {gi}")
-            out.append(now)
-        return out
-
-    def _sync_buffers(self) -> None:
-        # Every rank takes rank 0's buffers (BatchNorm statistics) after each step, as DDP's
-        # broadcast_buffers does; they are also what the control message gives the shadows.
-        # Buffers are not gradients, so they go over the rendezvous group, not the ring.
-        # On host memory: the group is gloo (a GPU job's buffers come to the host once here;
-        # rank 0's control message encodes them from there too).
-        bufs = [b for b in self.module.buffers() if b.numel()]
-        if bufs and self.layout.world > 1:
-            flat = torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for b in bufs])
-            dist.broadcast(flat, src=0, group=self.group)
-            if self.layout.rank != 0:
-                off = 0
-                with torch.no_grad():
-                    for b in bufs:
-                        n = b.numel()
-                        b.copy_(flat[off:off + n].view(b.shape).to(b.dtype))
-                        off += n
 
     def __enter__(self) -> CheckmateSession:
         return self
@@ -729,45 +492,6 @@ class CheckmateSession:
         if self.gockpt is not None:
             self.gockpt.close()
         self.sender.close()
-
-    def finish(self, timeout: float = 30.0) -> dict[str, Any]:
-        """End of training, on every rank: wait (at most ``timeout`` s) until every shadow
-        committed the last iteration, then return the protection state, the same on every
-        rank. A shadow that did not get there is one warning line on rank 0, never a hang
-        or an exception; ``result["protected"]`` says whether the last iteration is
-        restorable. Repairs keep being answered meanwhile.
-        """
-        ok = [True]
-        if self.layout.mode == "off":
-            return {**self.protection(), "protected": False}
-        if self.layout.rank == 0:
-            try:
-                self.wait_shadows(self.done_iteration, timeout)
-            except CheckmateError as e:
-                ok[0] = False
-                import logging
-
-                logging.getLogger("checkmate.train").warning(
-                    "checkmate: training finished at iteration %d but it is not protected: "
-                    "%s", self.done_iteration, e)
-        dist.broadcast_object_list(ok, src=0, group=self.group)
-        if self.monitor is not None:
-            self.monitor.poll_once()
-        return {**self.protection(), "protected": bool(ok[0])}
-
-    def wait_shadows(self, iteration: int, timeout: float = 30.0) -> None:
-        """Block until every shadow committed ``iteration`` (for tests and clean shutdown)."""
-        from checkmate.shadow_client import ShadowClient
-
-        deadline = time.monotonic() + timeout
-        for p, a in enumerate(self.layout.shadow_tcp):
-            with ShadowClient(a) as c:
-                while (latest := c.status().get("latest") or 0) < iteration:
-                    if time.monotonic() > deadline:
-                        raise CheckmateError(f"the shadow of partition {p} ({a[0]}:{a[1]}) "
-                                             f"committed up to iteration {latest}, not "
-                                             f"{iteration}")
-                    time.sleep(0.02)
 
 
 def _closer(ref: weakref.ref) -> Any:

@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.train.baselines import Baseline
+from checkmate.train.layout import JobLayout
 from checkmate.train.replicate import ShadowTarget
-from checkmate.train.session import CheckmateSession, JobLayout
+from checkmate.train.session import CheckmateSession
 
 #: Failure injector for scenarios: "ITERATION:PHASE" makes this trainer SIGKILL itself at that
 #: point of that iteration (phase "before-control": after the optimizer step, before the

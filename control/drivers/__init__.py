@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from checkmate.config import ClusterConfig
+from checkmate.config.cluster import ClusterConfig
 from checkmate.control.drivers.base import ApplyResult, Driver
 from checkmate.errors import CheckmateError
 

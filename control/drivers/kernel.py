@@ -8,7 +8,7 @@ datagrams that entered there.
 
 from __future__ import annotations
 
-from checkmate.config import ClusterConfig
+from checkmate.config.cluster import ClusterConfig
 from checkmate.control.drivers.base import ApplyResult
 from checkmate.control.plan import Plan, Replication
 from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry, SwitchUnreachable

@@ -8,7 +8,7 @@ entries, and stale groups last.
 
 from __future__ import annotations
 
-from checkmate.config import ClusterConfig
+from checkmate.config.cluster import ClusterConfig
 from checkmate.control import p4proto, pipeline
 from checkmate.control.drivers import p4tables
 from checkmate.control.drivers.base import ApplyResult

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from checkmate.config import ClusterConfig
+from checkmate.config.cluster import ClusterConfig
 from checkmate.control import devports, pfc, pipeline
 from checkmate.control.drivers import tofino_tm
 from checkmate.control.drivers.base import ApplyResult

@@ -1,5 +1,5 @@
 /* Checkmate P4: header types, metadata and constants shared by the TNA and v1model programs.
- * The ckm header itself comes from ckm_headers.p4, generated from checkmate/wire.py. */
+ * The ckm header itself comes from ckm_headers.p4, generated from checkmate/protocol/wire.py. */
 #ifndef CHECKMATE_COMMON_P4
 #define CHECKMATE_COMMON_P4
 
@@ -12,7 +12,7 @@ const bit<8> IPPROTO_UDP = 17;
 const bit<3> IPV4_FLAG_MF = 1;
 /* UDP header + ckm header: a ckm datagram's UDP length is this plus its payload. */
 const bit<16> CKM_UDP_OVERHEAD = 8 + CKM_HEADER_LEN;
-/* UDP port of the controller's handshake service (checkmate.config.CONTROLLER_PORT). */
+/* UDP port of the controller's handshake service (checkmate.config.cluster.CONTROLLER_PORT). */
 const bit<16> CKM_CONTROLLER_PORT = CKM_PORT_BASE + CKM_PORT_COUNT - 1;
 /* Multicast group flooding broadcast/unknown frames to every host port and the CPU port. */
 const bit<16> FLOOD_GROUP = 1;

@@ -24,7 +24,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 
 SIZES_MB = (1, 4, 16, 64)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         raise CheckmateError("sizes must be in (0, 1024] MB and --reps >= 1")
     import yaml
 
-    from checkmate.testbed.run import Cluster
+    from checkmate.testbed.cluster import Cluster
     from checkmate.testbed.topology import config_to_dict
 
     cfg = cfgmod.with_prefix(cfgmod.load(cfgmod.default_path()), "teba")

@@ -39,8 +39,9 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from checkmate import config, wire
+from checkmate.config import cluster as config
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.protocol import wire
 
 PREFIX = "tabn"
 EPOCH, TOKEN = 0x11223344, 0x55667788

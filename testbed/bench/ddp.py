@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.testbed import lifeline
 

@@ -1,6 +1,6 @@
 """`testbed bench fec`: erasure-code throughput for the replica stream, pyeclib vs zfec.
 
-The shape checkmate.fec codes: groups of ``k`` pieces of ``--piece`` bytes (default 8916,
+The shape checkmate.protocol.fec codes: groups of ``k`` pieces of ``--piece`` bytes (default 8916,
 2229 float32) plus ``m`` parity blocks, one thread. Per library and (k, m):
 
 - encode: k pieces (separate ``bytes``, as a trainer holds them) -> m parity blocks;
@@ -8,16 +8,16 @@ The shape checkmate.fec codes: groups of ``k`` pieces of ``--piece`` bytes (defa
 - the same two with 4-byte pieces: what one group costs whatever its size (call overhead,
   the decode matrix), since groups are small.
 
-Each library is driven the way checkmate.fec would have to: pyeclib (liberasurecode
+Each library is driven the way checkmate.protocol.fec would have to: pyeclib (liberasurecode
 ``isa_l_rs_cauchy``) joins the pieces into one buffer and decodes only fragments with its
 header, so the decode puts cached headers back on the blocks; zfec takes the pieces as they
-are. A third row runs checkmate.fec itself (GroupEncoder / GroupDecoder: piece table,
+are. A third row runs checkmate.protocol.fec itself (GroupEncoder / GroupDecoder: piece table,
 validation, bookkeeping). Libraries alternate in every round (order reversed every other
 round) and a figure is the median over rounds: the machine is shared and noisy.
 
     testbed bench fec [--ks 8,16,32] [--ms 1,2,4] [--piece 8916] [--rounds 7] [--json OUT]
 
-Headline ``fec ratio: <x>``: checkmate.fec's library (pyeclib) encode MB/s divided by the
+Headline ``fec ratio: <x>``: checkmate.protocol.fec's library (pyeclib) encode MB/s divided by the
 other library's (zfec), geometric mean over the (k, m) pairs. Above 1 the chosen library
 encodes faster; below 1 the other one does on this machine (the choice should then be
 measured again), and ``nan`` when one of them is not installed.
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from checkmate import fec
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.protocol import fec
 
-CHOSEN, OTHER, OURS = "pyeclib", "zfec", "checkmate.fec"
+CHOSEN, OTHER, OURS = "pyeclib", "zfec", "checkmate.protocol.fec"
 TINY = 4  # bytes per piece for the per-group cost
 SAMPLE_S = 0.01  # one timed sample: this long, however many calls that takes
 

@@ -4,7 +4,7 @@ One run, same path for all (loopback UDP, one sender process, jumbo-sized ckm da
 float32 gradient): raw loops that only receive datagrams and count bytes (recv_into per
 datagram, and recvmmsg batches as the shadow's receiver uses), then the shadow's real
 receive path (checkmate.shadow.receiver + assembler: the per-datagram MAC check of
-checkmate.datamac, header and session checks, CRC32C, coverage, copy into the fp32 staging
+checkmate.protocol.datamac, header and session checks, CRC32C, coverage, copy into the fp32 staging
 buffer, control message parsing and MAC), and the same path without the MAC checks, to
 price them. The headline divides the shipped path by the faster raw loop.
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from checkmate import datamac, wire
+from checkmate.protocol import datamac, wire
 
 JOB, EPOCH, TOKEN = 7, 3, 0x5EED
 #: The bench's own job secret (the tags cost the same whatever the key).
@@ -222,7 +222,7 @@ def _ingest(total: int, chunk: int, iterations: int, depth: int,
 def _node(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, int, dict]:
     """The whole node (receiver, AdamW step, retained versions) via its public pieces."""
     from checkmate.shadow.node import NodeOptions, ShadowNode
-    from checkmate.spec import ModelSpec
+    from checkmate.spec.model import ModelSpec
 
     spec = ModelSpec.build(JOB, [("w", (total,))], "adamw", [{"params": ["w"], "lr": 1e-3}], 1)
     node = ShadowNode(NodeOptions(0, 1, JOB, bind="127.0.0.1", port=0,
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     raw_rates, mm_rates, ing_rates, plain_rates, drops = [], [], [], [], {}
     cpu: dict[str, list[float]] = {"raw": [], "mm": [], "ing": [], "plain": []}
     dgrams = a.iterations * -(-a.elements // a.chunk)
-    # The shadow compiles its batch check once when it starts (checkmate.datamac); done
+    # The shadow compiles its batch check once when it starts (checkmate.protocol.datamac); done
     # here before timing, as a started shadow has.
     from checkmate.shadow.mmsg import BatchReceiver
     from checkmate.shadow.receiver import _MAXDGRAM

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 
 
@@ -43,14 +43,10 @@ def _floats(text: str) -> list[float]:
 @cli_guard("testbed bench replica")
 def main(argv: list[str] | None = None) -> int:
     from checkmate.testbed.bench.training import _throughput, _Window
-    from checkmate.testbed.run import (
-        Cluster,
-        Run,
-        _clear_faults,
-        _inject,
-        check_run,
-        reliability_summary,
-    )
+    from checkmate.testbed.cluster import Cluster
+    from checkmate.testbed.comparison import check_run, reliability_summary
+    from checkmate.testbed.run import _clear_faults, _inject
+    from checkmate.testbed.runner import Run
     from checkmate.testbed.scenario import Fault, Scenario
     from checkmate.testbed.topology import config_to_dict
 

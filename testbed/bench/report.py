@@ -46,7 +46,7 @@ def _plots(d: dict[str, Any], figdir: Path) -> dict[str, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from checkmate.plan import Scheme, plan, waste
+    from checkmate.launch.plan import Scheme, plan, waste
 
     figdir.mkdir(parents=True, exist_ok=True)
     med, pl = d["median"], d["plan"]

@@ -10,7 +10,7 @@ order reversed every other round) and reported as medians:
                  in the background; pinned memory only where an accelerator exists)
   checkfreq      CheckFreq-style: synchronous snapshot to CPU buffers, background persist
   gockpt         GoCkpt mode: state transfer spread over k >= 2 steps, rolled forward on a
-                 local CPU process per rank, persisted with DCP (checkmate.gockpt); run at
+                 local CPU process per rank, persisted with DCP (checkmate.gockpt.trainer); run at
                  ``--interval`` only, with k = min(4, interval)
   proc-copy      GoCkpt's machinery with k = 1 at every iteration: the whole partition is
                  copied to the local process at each checkpoint, nothing is spread over
@@ -25,7 +25,7 @@ at least 2 to spread its transfer, so at every iteration its machinery runs as
 0's mean rate over the timed iterations (a median step interval would hide a checkpoint
 taken every 8th step). From the every-iteration runs the bench derives each scheme's stall
 per checkpoint and, with ``--mtbf`` and ``--load``, its Young/Daly best interval and
-effective throughput (checkmate.plan); the ``--interval`` runs check that model against a
+effective throughput (checkmate.launch.plan); the ``--interval`` runs check that model against a
 measurement.
 
 The workload (``--width``/``--layers``, default 25.4 M parameters: 102 MB of parameters, 305
@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 
 SCHEMES = ("none", "torchsave", "dcp", "dcp-process", "checkfreq", "proc-copy", "gockpt",
@@ -112,8 +112,8 @@ def _job(scheme: str, every: int, ckdir: Path, args: argparse.Namespace) -> dict
 
 def planned(results: dict[str, Any], mtbf_s: float, load_s: float) -> dict[str, Any]:
     """Per scheme, from the every-iteration medians: stall per checkpoint, best interval,
-    waste and effective throughput by the Young/Daly model (checkmate.plan)."""
-    from checkmate.plan import Scheme, plan
+    waste and effective throughput by the Young/Daly model (checkmate.launch.plan)."""
+    from checkmate.launch.plan import Scheme, plan
 
     out: dict[str, Any] = {}
     for key, ref in (("", "none"), ("-switch", "none-switch")):
@@ -142,9 +142,11 @@ def planned(results: dict[str, Any], mtbf_s: float, load_s: float) -> dict[str, 
 
 @cli_guard("testbed bench schemes")
 def main(argv: list[str] | None = None) -> int:
-    from checkmate.plan import _seconds
+    from checkmate.launch.plan import _seconds
     from checkmate.testbed.bench.training import _Window
-    from checkmate.testbed.run import LOOPBACK_NET, Cluster, Run, Scenario
+    from checkmate.testbed.cluster import LOOPBACK_NET, Cluster
+    from checkmate.testbed.runner import Run
+    from checkmate.testbed.scenario import Scenario
     from checkmate.testbed.topology import config_to_dict
 
     ap = argparse.ArgumentParser(prog="testbed bench schemes", description=__doc__,

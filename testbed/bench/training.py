@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 
 VARIANTS = (("none", "(a) no checkpoint"), ("checkmate", "(b) checkmate"),
@@ -109,7 +109,9 @@ def _repair_cost(run: Any, steps: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     import statistics
 
-    from checkmate.testbed.run import LOOPBACK_NET, Cluster, Run, Scenario
+    from checkmate.testbed.cluster import LOOPBACK_NET, Cluster
+    from checkmate.testbed.runner import Run
+    from checkmate.testbed.scenario import Scenario
     from checkmate.testbed.topology import config_to_dict
 
     ap = argparse.ArgumentParser(prog="testbed bench training", description=__doc__)

@@ -23,9 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from checkmate import config
+from checkmate.config import cluster as config
 from checkmate.errors import CheckmateError
-from checkmate.shadow_client import Addr, ShadowClient
+from checkmate.protocol.frames import Addr
+from checkmate.train.shadow_client import ShadowClient
 
 #: Host numbers inside the /24: trainers from .10, shadows from .100.
 TRAINER_BASE, SHADOW_BASE = 10, 100

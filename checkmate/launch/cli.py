@@ -35,9 +35,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from checkmate.auth import SECRET_ENV
 from checkmate.errors import CheckmateError, cli_guard
-from checkmate.local_shadows import (
+from checkmate.launch.local_shadows import (
     MAX_SHADOWS,
     MAX_TRAINERS,
     LocalShadows,
@@ -46,8 +45,9 @@ from checkmate.local_shadows import (
     shadows_latest,
     trainer_addrs,
 )
-from checkmate.shadow_client import parse_addr
+from checkmate.protocol.auth import SECRET_ENV
 from checkmate.train import env as envmod
+from checkmate.train.shadow_client import parse_addr
 
 PROG = "checkmate launch"
 
@@ -212,7 +212,7 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
 
 def _secret_command(argv: list[str]) -> int:
     """``checkmate secret new FILE``: a job secret for machines set up by hand."""
-    from checkmate import auth
+    from checkmate.protocol import auth
 
     if len(argv) != 2 or argv[0] != "new":
         raise CheckmateError("usage: checkmate secret new FILE")
@@ -226,10 +226,10 @@ def _secret_command(argv: list[str]) -> int:
 
 
 def _job_secret(running_shadows: bool, logdir: Path) -> Path | None:
-    """Make every shadow and worker share the job secret (checkmate.auth): the one
+    """Make every shadow and worker share the job secret (checkmate.protocol.auth): the one
     $CHECKMATE_SECRET_FILE names, else a new one in the log dir for the local shadows
     (returned: the launcher removes it when the job ends)."""
-    from checkmate import auth
+    from checkmate.protocol import auth
 
     if os.environ.get(auth.SECRET_ENV):
         auth.load_secret()  # a bad file is one line now, not a failure in every worker
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     elif argv[:1] == ["secret"]:
         return _secret_command(argv[1:])
     elif argv[:1] == ["plan"]:
-        from checkmate import plan
+        from checkmate.launch import plan
 
         return plan.main(argv[1:])
     elif argv and not argv[0].startswith("-"):
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: stopped by {e.sigval.name}", file=sys.stderr)
             return 130
         if args.mode == "gockpt":
-            from checkmate.shadow.persist import newest_common
+            from checkmate.shadow.checkpoint_load import newest_common
 
             print(f"{PROG}: done; the newest GoCkpt checkpoint is of iteration "
                   f"{newest_common(gockpt_dir(args), args.nproc_per_node)} (under "

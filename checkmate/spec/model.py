@@ -9,7 +9,7 @@ persisted checkpoints all read it. It fixes three things everyone must agree on:
 - the non-gradient buffers that travel in the control message.
 
 What a valid spec is -- field types and ranges, the rules across fields, the optimizer's
-defaults for a group field left out -- is the pydantic schema in checkmate.spec_schema.
+defaults for a group field left out -- is the pydantic schema in checkmate.spec.schema.
 It also converts between the flat per-slot arrays a shadow keeps and the ``state_dict``
 formats of ``torch.nn.Module`` and ``torch.optim`` (state indexed by the parameter's position
 in the concatenated ``param_groups[*]["params"]`` lists), so restore needs nothing else.
@@ -182,7 +182,7 @@ class ModelSpec:
         from pydantic import ValidationError
 
         from checkmate.schema import first_error
-        from checkmate.spec_schema import SpecDoc
+        from checkmate.spec.schema import SpecDoc
 
         if not isinstance(obj, dict):
             raise SpecError(f"spec must be an object, got {type(obj).__name__}")
@@ -251,7 +251,7 @@ class ModelSpec:
 
     def bounds(self, partition: int) -> tuple[int, int]:
         """Half-open flat range [start, end) that ``partition`` owns."""
-        from checkmate.partition import partition_bounds
+        from checkmate.spec.partition import partition_bounds
 
         if not 0 <= partition < self.partitions:
             raise SpecError(f"partition {partition} is outside 0..{self.partitions - 1}")

@@ -2,7 +2,7 @@
 
 Handshake datagrams are ckm datagrams with the HANDSHAKE flag, sent to the controller's UDP
 port (config.CONTROLLER_PORT) on the switch's address. The payload is a JSON object followed
-by a 32-byte MAC over the header (all but its CRC) and the JSON (checkmate.auth): requests
+by a 32-byte MAC over the header (all but its CRC) and the JSON (checkmate.protocol.auth): requests
 carry ``seq`` in the header and ``nonce`` and ``ts`` (Unix milliseconds) in the JSON, and
 the reply echoes ``seq`` with ACK (accepted) or
 NACK (refused, ``{"op": "error", "reason": ...}``). A reply's MAC binds it to the request's
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from checkmate import auth, wire
+from checkmate.protocol import auth, wire
 
 #: A refusal's MAC when the request could not be verified.
 NO_MAC = bytes(auth.MAC_BYTES)

@@ -4,7 +4,7 @@ Types and ranges per field, and the rules across fields: parameters contiguous i
 order with unique names, ``total`` their sum, every parameter in exactly one optimizer group,
 buffer names new. A group field left out takes torch's default for the optimizer kind
 (checkmate.optim.hyper.DEFAULTS, the one table of defaults). Errors follow the key path
-(``spec.params[1].offset must be 6 ...``); checkmate.spec turns the first into a SpecError.
+(``spec.params[1].offset must be 6 ...``); checkmate.spec.model turns the first into a SpecError.
 Unknown fields are ignored, so an older reader takes a newer spec's known part.
 """
 

@@ -2,7 +2,7 @@
 
 Frames in both directions: a 4-byte big-endian length, that many bytes of JSON header, then
 ``nbytes`` raw bytes (from the header). On connecting, the shadow speaks first with a
-challenge; the client's first request is ``auth`` with its proof (checkmate.auth), and the
+challenge; the client's first request is ``auth`` with its proof (checkmate.protocol.auth), and the
 shadow's answer carries the shadow's own proof, so each side knows the other holds the job
 secret before anything else is said. Trainers use this module to send the spec and seed
 their share of the initial state; restore uses it to find the consistent point (the newest
@@ -12,9 +12,7 @@ a restore never mixes iterations across partitions.
 
 from __future__ import annotations
 
-import json
 import socket
-import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,82 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from checkmate import auth
-from checkmate.config import RESTORE_PORT
+from checkmate.config.cluster import RESTORE_PORT
 from checkmate.errors import CheckmateError
-from checkmate.spec import ModelSpec
-
-_LEN = struct.Struct("!I")
-#: Largest JSON header either side accepts (a spec of a very large model fits).
-MAX_HEADER = 64 << 20
-#: Bytes a single ``seed`` request may carry; bigger shares are split.
-SEED_CHUNK = 64 << 20
-
-Addr = tuple[str, int]
-
-
-class ShadowError(CheckmateError):
-    """A shadow refused a request or could not be reached; the message says which and why."""
-
-
-# ----- framing (shared with the server in checkmate.shadow.service) -----------------------
-def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Any = b"") -> None:
-    """One frame; ``payload`` is bytes-like or a list of bytes-like parts (no joining)."""
-    parts = payload if isinstance(payload, (list, tuple)) else [payload]
-    views = [memoryview(p).cast("B") for p in parts]
-    head = dict(header)
-    head["nbytes"] = sum(v.nbytes for v in views)
-    text = json.dumps(head, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(text)) + text)
-    for v in views:
-        if v.nbytes:
-            sock.sendall(v)
-
-
-def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> memoryview:
-    """Exactly ``n`` bytes; ConnectionError on early EOF, TimeoutError past ``deadline``
-    (a time.monotonic() value: a peer that trickles bytes cannot hold the reader forever).
-    The buffer is allocated up front: callers check ``n`` against their limits first."""
-    buf = memoryview(bytearray(n))
-    got = 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"frame not complete in time ({got} of {n} bytes)")
-            sock.settimeout(left)
-        k = sock.recv_into(buf[got:n])
-        if k == 0:
-            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
-        got += k
-    return buf
-
-
-def recv_frame(sock: socket.socket, max_payload: Any = None, max_header: int = MAX_HEADER,
-               deadline: float | None = None) -> tuple[dict, memoryview]:
-    """(header, payload) of one frame; ConnectionError on EOF, TimeoutError past
-    ``deadline``, ShadowError if malformed or too big. ``max_payload``: a byte limit, or a
-    function of the header giving one (checked before any payload byte is read)."""
-    (n,) = _LEN.unpack(recv_exact(sock, 4, deadline))
-    if n > max_header:
-        raise ShadowError(f"frame header of {n} bytes exceeds the {max_header} byte limit")
-    try:
-        header = json.loads(bytes(recv_exact(sock, n, deadline)))
-    except RecursionError:
-        raise ShadowError("frame header is nested too deeply") from None
-    except ValueError:
-        raise ShadowError("frame header is not JSON") from None
-    if not isinstance(header, dict):
-        raise ShadowError("frame header is not a JSON object")
-    nbytes = header.get("nbytes", 0)
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-        raise ShadowError(f"frame nbytes must be a non-negative integer, got {nbytes!r}")
-    limit = max_payload(header) if callable(max_payload) else max_payload
-    if limit is not None and nbytes > limit:
-        raise ShadowError(f"frame payload of {nbytes} bytes exceeds the {limit} byte limit "
-                          f"for {str(header.get('op'))[:40]!r}")
-    payload = recv_exact(sock, nbytes, deadline) if nbytes else memoryview(b"")
-    return header, payload
+from checkmate.protocol import auth
+from checkmate.protocol.frames import (  # noqa: F401
+    MAX_HEADER,
+    SEED_CHUNK,
+    Addr,
+    ShadowError,
+    recv_exact,
+    recv_frame,
+    send_frame,
+)
+from checkmate.spec.model import ModelSpec
 
 
 def parse_addr(text: str, default_port: int = RESTORE_PORT) -> Addr:
@@ -376,7 +311,7 @@ def seed_share(
     Each partition's range is cut into ``world`` contiguous pieces; rank r sends piece r of
     every slot, so the trainers together cover every partition once.
     """
-    from checkmate.partition import partition_bounds
+    from checkmate.spec.partition import partition_bounds
 
     for p, (start, end) in enumerate(partition_bounds(spec.total, spec.partitions)):
         n = end - start
@@ -389,7 +324,6 @@ def seed_share(
 
 def wait_seeded(addrs: Sequence[Addr], timeout: float = 60.0, poll: float = 0.05) -> None:
     """Block until every shadow reports seeded; ShadowError after ``timeout`` seconds."""
-    import time
 
     deadline = time.monotonic() + timeout
     while True:

@@ -1,7 +1,7 @@
 """GoCkpt mode: periodic checkpoints whose state transfer is spread over k training steps.
 
 No switch and no shadow hosts: each trainer rank has a local CPU process
-(checkmate.gockpt_worker) and checkpoints its partition of the job's state (the model spec
+(checkmate.gockpt.worker) and checkpoints its partition of the job's state (the model spec
 cut into ``world`` partitions, partition = rank). Every ``every`` iterations, right after the
 optimizer step of iteration t0, a window opens:
 
@@ -16,7 +16,7 @@ optimizer step of iteration t0, a window opens:
   several writer threads); once every rank's partition of t0 + k is written, the joined
   checkpoint (plain ``dcp.load``) is published beside them.
 
-The copies overlap training (checkmate.copyengine): a slice is copied on a copy stream into
+The copies overlap training (checkmate.train.copyengine): a slice is copied on a copy stream into
 pinned host memory while the next step's forward and backward compute, and only that next
 optimizer step waits for it (on CUDA a device-side wait: the host never blocks); the
 gradient of the sent slices is snapshot on the device (it is clipped in place right after)
@@ -39,11 +39,12 @@ from typing import Any
 
 import torch
 
-from checkmate import copyengine, gockpt_worker
 from checkmate.errors import CheckmateError
-from checkmate.spec import ModelSpec, difference
+from checkmate.gockpt import worker as gockpt_worker
+from checkmate.spec.model import ModelSpec, difference
+from checkmate.train import copyengine
 
-log = logging.getLogger("checkmate.gockpt")
+log = logging.getLogger("checkmate.gockpt.trainer")
 
 
 class GoCkpt:
@@ -268,7 +269,7 @@ def _flat(t: torch.Tensor, lo: int, hi: int, name: str) -> torch.Tensor:
 
 
 def _control(body: dict[str, Any]) -> dict[str, Any]:
-    """The fields of ``checkmate.shadow.assembler.Control`` from a control-message body."""
+    """The fields of ``checkmate.shadow.control_message.Control`` from a control-message body."""
     return {"iteration": int(body["iteration"]), "lrs": [float(x) for x in body["lrs"]],
             "clip_coef": body.get("clip_coef"), "skip": bool(body.get("skip", False)),
             "buffers": dict(body.get("buffers") or {}), "extra": dict(body.get("extra") or {}),
@@ -306,11 +307,11 @@ def restore(root: str | Path, spec: ModelSpec, iteration: int | None = None,
     ``(iteration, optimizer steps, model_sd, optim_sd, extra)`` for a job whose spec is
     ``spec``; CheckmateError in one line when there is none or the job differs. Waits (at
     most ``settle`` s) for the processes of a killed incarnation to finish their writes."""
-    from checkmate.shadow import persist
+    from checkmate.shadow import checkpoint_load
 
     wait_idle(root, len(list(Path(root).glob(".rank*.lock"))), settle)
     try:
-        full = persist.load_full_state(root, iteration)
+        full = checkpoint_load.load_full_state(root, iteration)
     except CheckmateError as e:
         raise CheckmateError(f"gockpt: nothing to resume from in {root}: {e}") from None
     why = difference(full.spec, spec)

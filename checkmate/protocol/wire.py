@@ -6,7 +6,7 @@ below (network byte order) followed by ``count`` elements of ``dtype``.
 
 This module is the source of truth. The BPF C view (dataplane/bpf/ckm_wire.h), the P4
 view (p4/include/ckm_headers.p4) and the NCCL C view (nccl_plugin/ckm_wire.h) are produced
-by :mod:`checkmate.wire_gen` from :data:`FIELDS`, and a test fails when a checked-in view
+by :mod:`checkmate.protocol.wire_gen` from :data:`FIELDS`, and a test fails when a checked-in view
 drifts from what the generator writes.
 """
 

@@ -9,7 +9,7 @@ datagram, all ordinary ckm datagrams (56-byte header, CRC32C over the payload):
   the hole, ``epoch``/``token`` of the shadow's session, payload = up to
   :data:`MAX_RANGES` big-endian ``(start u64, end u64)`` pairs: flat element ranges, or
   byte ranges of the control message (an empty payload asks for all of it); tagged like
-  every data datagram (checkmate.datamac), so trainers answer only shadows of the job;
+  every data datagram (checkmate.protocol.datamac), so trainers answer only shadows of the job;
 - answer, trainer -> shadow (SHADOW_PORT): the retained datagram again with flag ``ACK``
   added in place of ``REPLICATE`` (so no switch copies it and the shadow counts it as a
   repair), stamped with the shadow's current epoch/token;
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 
-from checkmate import wire
+from checkmate.protocol import wire
 
 _RANGE = struct.Struct("!QQ")
 #: Ranges in one request: 16 bytes each, so a request stays far below one frame.
@@ -56,9 +56,9 @@ def decode_ranges(payload: bytes | memoryview) -> list[tuple[int, int]]:
 def request(job_id: int, epoch: int, token: int, iteration: int, partition: int,
             ranges: list[tuple[int, int]], control: bool = False, seq: int = 0,
             key: tuple[int, int] | None = None) -> bytes:
-    """One request datagram (see the module docstring); with ``key`` (checkmate.datamac)
+    """One request datagram (see the module docstring); with ``key`` (checkmate.protocol.datamac)
     it carries the tag a trainer checks, as every datagram a shadow takes does."""
-    from checkmate import datamac
+    from checkmate.protocol import datamac
 
     payload = encode_ranges(ranges)
     flags = REQUEST_CONTROL if control else REQUEST

@@ -4,7 +4,7 @@ It names the job, the switch, and every host with its role, address and (for sha
 partition it owns. Everything that must agree across machines (addresses, MACs, interface
 names, ports) is derived here so that no two components derive it differently. What a valid
 document is -- types, ranges, defaults, rules across keys -- is stated once, as a pydantic
-schema in checkmate.config_schema; ``parse`` turns its first error into one ConfigError
+schema in checkmate.config.schema; ``parse`` turns its first error into one ConfigError
 line that names the key.
 
 Example (testbed/default.yaml is the shipped default)::
@@ -26,10 +26,10 @@ from typing import Any
 
 import yaml
 
-from checkmate import wire
-from checkmate.config_schema import PREFIX_RE as _PREFIX_RE
-from checkmate.config_schema import ROLES, TARGETS, mac_for_ip  # noqa: F401 - re-exported
+from checkmate.config.schema import PREFIX_RE as _PREFIX_RE
+from checkmate.config.schema import ROLES, TARGETS, mac_for_ip  # noqa: F401 - re-exported
 from checkmate.errors import CheckmateError
+from checkmate.protocol import wire
 
 #: UDP port a trainer's ckm transport listens on (the ring allreduce receives here).
 TRAINER_PORT = wire.CKM_PORT_BASE
@@ -137,11 +137,11 @@ class ClusterConfig:
 
 
 def parse(data: Any) -> ClusterConfig:
-    """Validate a decoded YAML document (checkmate.config_schema); every problem is a
+    """Validate a decoded YAML document (checkmate.config.schema); every problem is a
     ConfigError with its key path, one line."""
     from pydantic import ValidationError
 
-    from checkmate.config_schema import ClusterDoc
+    from checkmate.config.schema import ClusterDoc
     from checkmate.schema import first_error
 
     try:

@@ -63,7 +63,7 @@ last group (``flush``) is a group of ``k' < k`` pieces, and its table says ``k'`
 Parity ``j`` of a group of ``k`` pieces has ``fec_index = k + j``; data pieces have
 ``fec_index`` 0 .. k-1. A parity payload is ``4 + 12 k + L`` bytes (:func:`parity_len`):
 with full 8916-byte pieces it exceeds one jumbo frame
-(:data:`checkmate.wire.MAX_PAYLOAD_JUMBO`), so a sender with FEC on cuts its data pieces at
+(:data:`checkmate.protocol.wire.MAX_PAYLOAD_JUMBO`), so a sender with FEC on cuts its data pieces at
 :func:`max_piece_bytes` (2180 float32 for k=16 instead of 2229).
 
 Which data pieces belong to group g
@@ -94,8 +94,8 @@ from dataclasses import dataclass
 
 from pyeclib.ec_iface import ECDriver, ECDriverError
 
-from checkmate import wire
 from checkmate.errors import CheckmateError
+from checkmate.protocol import wire
 
 #: liberasurecode backend: ISA-L Reed-Solomon with a Cauchy matrix (MDS for k + m <= 256;
 #: ``isa_l_rs_vand`` is not MDS for every k, m and loss pattern).
@@ -154,7 +154,7 @@ def _driver(k: int, m: int) -> tuple[ECDriver, int]:
           and all(frags[i][head:] == probe[16 * i:16 * (i + 1)] for i in range(k)))
     if not ok:
         raise FecError("this pyeclib does not lay fragments out as header + block; "
-                       "checkmate.fec cannot use it")
+                       "checkmate.protocol.fec cannot use it")
     return drv, head
 
 
@@ -164,7 +164,7 @@ def _headers(k: int, m: int, block: int) -> tuple[bytes, ...]:
     drv, head = _driver(k, m)
     frags = drv.encode(bytes(k * block))
     if any(len(f) != head + block for f in frags):
-        raise FecError(f"pyeclib pads {block}-byte blocks; checkmate.fec cannot use it")
+        raise FecError(f"pyeclib pads {block}-byte blocks; checkmate.protocol.fec cannot use it")
     return tuple(f[:head] for f in frags)
 
 
@@ -237,7 +237,8 @@ class GroupEncoder:
         drv, head = _driver(k, m)
         frags = drv.encode(b"".join(parts))
         if any(len(f) != head + block for f in frags):
-            raise FecError(f"pyeclib pads {block}-byte blocks; checkmate.fec cannot use it")
+            raise FecError(f"pyeclib pads {block}-byte blocks; checkmate.protocol.fec "
+                           "cannot use it")
         prefix = b"".join(table)
         return [(k + j, b"".join((prefix, memoryview(frags[k + j])[head:])))
                 for j in range(m)]

@@ -1,9 +1,9 @@
-"""The cluster config document's schema (pydantic), from YAML to checkmate.config's types.
+"""The cluster config document's schema (pydantic), from YAML to checkmate.config.cluster's types.
 
 One place states what a valid document is: types and ranges per key, defaults derived
 from other keys (the switch's address from the subnet, MACs from IPs), and the rules across
 keys (addresses inside the subnet and unique, ranks and partitions numbered 0..n-1 once).
-Every rule raises a ValueError whose text follows the key path, so checkmate.config can turn
+Every rule raises a ValueError whose text follows the key path, so checkmate.config.cluster can turn
 the first error into one line such as ``hosts[1].ip 10.77.0.10 is used twice``.
 """
 

@@ -1,13 +1,13 @@
-"""The CPU side of GoCkpt mode: one local process per trainer rank (checkmate.gockpt).
+"""The CPU side of GoCkpt mode: one local process per trainer rank (checkmate.gockpt.trainer).
 
 It receives one partition's state in slices, each captured at a later iteration, and the
 gradients of the slices already received, rolls every slice forward to the window's last
 iteration with the shadows' own code (``checkmate.shadow.reseed.Reseed``: a FlatOptimizer
 per slice, the trainers' arithmetic bit for bit), and persists the consistent result as a
-shadow partition checkpoint (DCP, several writer threads) that ``checkmate.gockpt.restore``
+shadow partition checkpoint (DCP, several writer threads) that ``checkmate.gockpt.trainer.restore``
 and a plain ``dcp.load`` of the joined checkpoint read. Training never waits for the roll
 forward or the write; it pays only for issuing the copies of the slices and gradients
-(checkmate.copyengine: they overlap its next steps; a sender thread writes them here).
+(checkmate.train.copyengine: they overlap its next steps; a sender thread writes them here).
 
 The roll-forward runs as messages arrive; the write runs on a thread of its own, so the
 process keeps taking the next window's slices while it writes (a window that completes
@@ -48,9 +48,9 @@ def serve(conn: Connection, root: str, keep: int, threads: int) -> None:
     import threading
 
     from checkmate.shadow import persist
-    from checkmate.shadow.assembler import Control
+    from checkmate.shadow.control_message import Control
     from checkmate.shadow.reseed import Reseed
-    from checkmate.spec import ModelSpec
+    from checkmate.spec.model import ModelSpec
 
     spec: ModelSpec | None = None
     window: Reseed | None = None
@@ -122,7 +122,8 @@ def serve(conn: Connection, root: str, keep: int, threads: int) -> None:
 
 
 def lock_path(root: str | Path, rank: int) -> Path:
-    """The file a rank's process holds locked while it lives (checkmate.gockpt.wait_idle)."""
+    """The file a rank's process holds locked while it lives
+    (checkmate.gockpt.trainer.wait_idle)."""
     return Path(root) / f".rank{rank}.lock"
 
 
@@ -144,7 +145,7 @@ def main(conn: Connection, root: str, rank: int, spec_json: Any, keep: int, thre
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             from checkmate.shadow.state import warm_up
-            from checkmate.spec import ModelSpec
+            from checkmate.spec.model import ModelSpec
 
             warm_up(ModelSpec.from_json(spec_json))  # compile before the first window
             conn.send(("ready",))

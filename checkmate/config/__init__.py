@@ -1,0 +1,1 @@
+"""The cluster config (hosts, switch, shadows, ports) and its schema."""

@@ -1,0 +1,1 @@
+"""GoCkpt mode: the trainer side (slices, gradients, restore) and the CPU worker."""

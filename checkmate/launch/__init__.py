@@ -1,0 +1,1 @@
+"""`checkmate launch` (torch elastic with Checkmate), local shadows, and `checkmate plan`."""

@@ -1,0 +1,123 @@
+"""Where a job's processes are: ranks, addresses, shadows, mode, and the sessions the
+controller holds for them."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkmate.config import cluster as config
+from checkmate.errors import CheckmateError
+from checkmate.protocol import handshake, wire
+from checkmate.train.ddp import BUCKET_ELEMS
+from checkmate.train.protection import LAG_WARN, POLL_SECONDS
+from checkmate.train.repair import REPAIR_RATE
+from checkmate.train.replica_log import DEFAULT_KEEP
+from checkmate.train.replicate import ShadowTarget
+from checkmate.train.reseed import RESEED_SLICES
+from checkmate.train.ring import BIG_CHUNK
+from checkmate.train.transport import LossyLink
+
+#: switch: the switch copies REPLICATE datagrams; host: trainers send the copies; off: no
+#: Checkmate at all (same ring, no tags, no shadows) -- the no-checkpoint baseline.
+MODES = ("switch", "host", "off")
+
+
+@dataclass
+
+
+class JobLayout:
+    """Addresses of one job: every trainer's ring endpoint and every shadow's.
+
+    Args:
+        job_id: the ckm job id.
+        rank, world: this trainer's place.
+        trainers: ``(ip, port)`` of each rank's ring socket, in rank order.
+        shadows: each partition's UDP target (epoch/token filled from the controller in
+            switch mode, or given for shadows that do not register).
+        shadow_tcp: each partition's TCP service address (seed, status, fetch).
+        mode: ``switch`` (the switch copies REPLICATE datagrams) or ``host`` (trainers send
+            the copies themselves).
+        controller: ``(ip, port)`` of the handshake service, asked for the shadows' current
+            sessions (switch mode).
+        repair: keep the last ``repair_keep`` iterations of what this trainer replicated and
+            answer shadows' repair requests on ``repair_port`` (default config.REPAIR_PORT),
+            paced to ``repair_rate`` bytes/s. Off: a lost copy is never repaired.
+        reseed_slices: slices a live re-seed sends a partition in (one per iteration).
+        monitor_poll, lag_warn: status poll period (s) and the lag that logs a warning.
+        fec: ``(k, m)`` to add m FEC parity datagrams to every k replicated pieces
+            (checkmate.train.fec_sender); None (default): repair alone.
+        gockpt: ``(directory, every, steps)`` for GoCkpt mode (checkmate.gockpt.trainer): no
+            shadows (mode ``off``), a periodic checkpoint every ``every`` iterations whose
+            transfer is spread over ``steps`` steps, written by a local process per rank.
+        verbs_device: host mode only: send the copies over RDMA UD from this device to the
+            queue pair each shadow publishes in its status (``shadow serve --transport
+            verbs``; docs/verbs.md). Empty (default): UDP.
+    """
+
+    job_id: int
+    rank: int
+    world: int
+    trainers: list[tuple[str, int]]
+    shadows: list[ShadowTarget]
+    shadow_tcp: list[tuple[str, int]]
+    mode: str = "switch"
+    controller: tuple[str, int] | None = None
+    chunk: int = BIG_CHUNK
+    bucket_elems: int = BUCKET_ELEMS
+    seed: int = 0
+    link: LossyLink | None = field(default=None, repr=False)
+    repair: bool = True
+    repair_keep: int = DEFAULT_KEEP
+    repair_rate: float = REPAIR_RATE
+    repair_port: int = config.REPAIR_PORT
+    reseed_slices: int = RESEED_SLICES
+    monitor_poll: float = POLL_SECONDS
+    lag_warn: int = LAG_WARN
+    fec: tuple[int, int] | None = None
+    gockpt: tuple[str, int, int] | None = None
+    verbs_device: str = ""
+    #: refuse to resume on another number of ranks (checkmate.train.world)
+    fixed_world: bool = False
+
+    def __post_init__(self) -> None:
+        if self.verbs_device and self.mode != "host":
+            raise CheckmateError(f"verbs_device applies to host mode (trainers send the "
+                                 f"copies), not mode {self.mode!r}")
+        if self.gockpt is not None and self.mode != "off":
+            raise CheckmateError(f"GoCkpt mode checkpoints without shadows: it needs mode "
+                                 f"off, got {self.mode!r}")
+        if self.mode not in MODES:
+            raise CheckmateError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if len(self.trainers) != self.world:
+            raise CheckmateError(f"{len(self.trainers)} trainer addresses for world "
+                                 f"size {self.world}")
+        if len(self.shadows) != len(self.shadow_tcp) or (not self.shadows
+                                                         and self.mode != "off"):
+            raise CheckmateError("need one UDP and one TCP address per shadow partition")
+
+
+def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
+                   tries: int = 5, secret: bytes | None = None) -> dict[int, dict[str, Any]]:
+    """The controller's current registrations: partition -> {epoch, token, ip, port}
+    (an authenticated ``session`` request; ``secret`` defaults to $CHECKMATE_SECRET_FILE's)."""
+    from checkmate.control.pfc import mark_ckm
+    from checkmate.protocol import auth
+
+    key = auth.handshake_key(secret if secret is not None else auth.load_secret())
+    with mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as s:
+        seq, nonces = secrets.randbits(31), []
+        for _ in range(tries):
+            req, nonce = handshake.request(key, job_id, seq, {"op": "session", "job": job_id})
+            nonces.append(nonce)  # a late answer to an earlier try counts too
+            s.sendto(req, controller)
+            m = handshake.await_reply(s, seq, key, nonces, timeout / tries)
+            if m is None:
+                continue
+            if not m.header.flags & wire.Flags.ACK:
+                raise CheckmateError(f"controller refused session query: "
+                                     f"{m.body.get('reason')}")
+            return {int(p): v for p, v in m.body.get("partitions", {}).items()}
+    raise CheckmateError(f"controller {controller[0]}:{controller[1]} did not answer")

@@ -1,0 +1,129 @@
+"""Reliability of a session"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from checkmate.errors import CheckmateError
+from checkmate.train.layout import query_sessions
+from checkmate.train.protection import ProtectionMonitor
+from checkmate.train.repair import RepairServer, owners_body
+from checkmate.train.replica_log import ReplicaLog
+from checkmate.train.reseed import ReseedSender
+from checkmate.train.ring import replica_owners
+
+
+class _Reliability:
+    """Part of :class:`CheckmateSession` (session.py):
+    Reliability of a session"""
+
+    def _start_reliability(self) -> None:
+        """Replica log, repair service, peers at every shadow, protection monitor."""
+        lay = self.layout
+        if lay.repair:
+            self.replica_log = ReplicaLog(lay.repair_keep)
+            self.repair = RepairServer((lay.trainers[lay.rank][0], lay.repair_port),
+                                       lay.job_id, self.replica_log, self.sender.targets,
+                                       lay.repair_rate, data_key=self.data_key)
+        if lay.rank == 0:
+            from checkmate.train.shadow_client import ShadowClient
+
+            for p, a in enumerate(lay.shadow_tcp):
+                with ShadowClient(a) as c:
+                    c.request(self.peers_body(p))
+        self.monitor = ProtectionMonitor(self, lay.monitor_poll, lay.lag_warn).start()
+        from checkmate import metrics
+
+        port = metrics.port_from_env(None)
+        if port is not None:  # one port per rank on a shared host: PORT + rank (0: any)
+            self.metrics = metrics.serve(metrics.TrainerCollector(self.protection, lay.rank),
+                                         port + lay.rank if port else 0,
+                                         lay.trainers[lay.rank][0])
+
+    def peers_body(self, partition: int) -> dict[str, Any]:
+        """The ``peers`` request for one shadow: trainers' repair addresses and owners."""
+        lay = self.layout
+        start, end = self.spec.bounds(partition)
+        trainers = [(ip, lay.repair_port) for ip, _ in lay.trainers]
+        return owners_body(trainers, replica_owners(self.buckets, lay.world, start, end)
+                           if lay.repair else [], 0)
+
+    def new_reseed(self, partition: int, reason: str) -> ReseedSender:
+        """A live re-seed of ``partition`` (the protection monitor starts it)."""
+        return ReseedSender(self.spec, dict(self.module.named_parameters()), self.optimizer,
+                            partition, self.layout.shadow_tcp[partition],
+                            self.layout.reseed_slices, reason)
+
+    def _on_reduced(self, iteration: int, bucket: int, offset: int, partition: int,
+                    payload: bytes) -> None:
+        if self.replica_log is not None:
+            self.replica_log.add_piece(iteration, bucket, offset, partition, payload)
+        if self.parity is not None:
+            self.parity.piece(iteration, partition, offset, payload)
+        if self.layout.mode == "host":
+            self.sender.copy(iteration, bucket, offset, partition, payload)
+
+    def protection(self) -> dict[str, Any]:
+        """The protection state: newest iteration every shadow committed, lag per shadow,
+        re-seeds, repairs answered (see checkmate.train.protection)."""
+        if self.monitor is None:
+            return {"iteration": self.done_iteration, "newest_consistent": None,
+                    "shadows": {}, "reseeds": 0, "repair": None}
+        out = self.monitor.protection()
+        out["repair"] = self.repair.status() if self.repair is not None else None
+        return out
+
+    def _refresh_sessions(self) -> None:
+        lay = self.layout
+        regs = query_sessions(lay.controller, lay.job_id)
+        self.sender.update_sessions({p: (int(v["epoch"]), int(v["token"]))
+                                     for p, v in regs.items()})
+
+    def _refresh_loop(self) -> None:
+        while not self._refresh_stop.wait(1.0):
+            try:
+                self._refresh_sessions()
+            except (CheckmateError, OSError):
+                pass  # keep the last known sessions; the next round tries again
+
+    def finish(self, timeout: float = 30.0) -> dict[str, Any]:
+        """End of training, on every rank: wait (at most ``timeout`` s) until every shadow
+        committed the last iteration, then return the protection state, the same on every
+        rank. A shadow that did not get there is one warning line on rank 0, never a hang
+        or an exception; ``result["protected"]`` says whether the last iteration is
+        restorable. Repairs keep being answered meanwhile.
+        """
+        ok = [True]
+        if self.layout.mode == "off":
+            return {**self.protection(), "protected": False}
+        if self.layout.rank == 0:
+            try:
+                self.wait_shadows(self.done_iteration, timeout)
+            except CheckmateError as e:
+                ok[0] = False
+                import logging
+
+                logging.getLogger("checkmate.train").warning(
+                    "checkmate: training finished at iteration %d but it is not protected: "
+                    "%s", self.done_iteration, e)
+        dist.broadcast_object_list(ok, src=0, group=self.group)
+        if self.monitor is not None:
+            self.monitor.poll_once()
+        return {**self.protection(), "protected": bool(ok[0])}
+
+    def wait_shadows(self, iteration: int, timeout: float = 30.0) -> None:
+        """Block until every shadow committed ``iteration`` (for tests and clean shutdown)."""
+        from checkmate.train.shadow_client import ShadowClient
+
+        deadline = time.monotonic() + timeout
+        for p, a in enumerate(self.layout.shadow_tcp):
+            with ShadowClient(a) as c:
+                while (latest := c.status().get("latest") or 0) < iteration:
+                    if time.monotonic() > deadline:
+                        raise CheckmateError(f"the shadow of partition {p} ({a[0]}:{a[1]}) "
+                                             f"committed up to iteration {latest}, not "
+                                             f"{iteration}")
+                    time.sleep(0.02)
