@@ -13,14 +13,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from checkmate import auth
-from checkmate import config as cfgmod
+from checkmate.config import cluster as cfgmod
+from checkmate.protocol import auth
 
 _SECRET_DIR: str | None = None
 
@@ -171,3 +172,25 @@ def nccl_plugin() -> Path:
 def testbed_of():
     """``with testbed_of("ta") as tb:`` -- a module's own testbed (needs root)."""
     return _testbed
+
+
+@pytest.fixture
+def service(tmp_path: Path):
+    """A controller's handshake service on loopback over the P4Runtime switch double, serving
+    in a thread (shadow registration tests)."""
+    from test_control_p4runtime import FakeSwitch, load_p4info
+    from test_handshake_logic import make_service
+
+    sw = FakeSwitch(load_p4info("v1model"))
+    svc = make_service(sw, tmp_path / "state.json")
+    svc.deploy()
+    svc.bind()
+    t = threading.Thread(target=svc.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield svc
+    finally:
+        svc.stop_event.set()
+        t.join(5)
+        svc.driver.close()
+        sw.stop()

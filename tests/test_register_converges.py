@@ -14,35 +14,15 @@ import sys
 import threading
 import time
 
-import pytest
-from test_handshake_logic import KEY, answer, make_service, req
+from test_handshake_logic import KEY, answer, req
 from test_shadow_node import Cluster
 
-from checkmate import handshake, wire
 from checkmate.control.sessions import SessionStore
-from checkmate.spec import ModelSpec
+from checkmate.protocol import handshake, wire
+from checkmate.spec.model import ModelSpec
 
 #: Seconds each switch write takes: well past the shadow's first retry (0.2 s).
 SLOW_WRITE = 0.6
-
-
-@pytest.fixture
-def service(tmp_path):
-    from test_control_p4runtime import FakeSwitch, load_p4info
-
-    sw = FakeSwitch(load_p4info("v1model"))
-    svc = make_service(sw, tmp_path / "state.json")
-    svc.deploy()
-    svc.bind()
-    t = threading.Thread(target=svc.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield svc
-    finally:
-        svc.stop_event.set()
-        t.join(5)
-        svc.driver.close()
-        sw.stop()
 
 
 def _register(svc, seq, host, partition, port, instance):

@@ -5,34 +5,11 @@ minted, and datagrams stamped with an older session must be dropped."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
-import pytest
-from test_handshake_logic import make_service
 from test_shadow_node import LRS, Cluster
 
-from checkmate.shadow_client import ShadowClient
-from checkmate.spec import ModelSpec
-
-
-@pytest.fixture
-def service(tmp_path):
-    from test_control_p4runtime import FakeSwitch, load_p4info
-
-    sw = FakeSwitch(load_p4info("v1model"))
-    svc = make_service(sw, tmp_path / "state.json")
-    svc.deploy()
-    svc.bind()
-    t = threading.Thread(target=svc.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield svc
-    finally:
-        svc.stop_event.set()
-        t.join(5)
-        svc.driver.close()
-        sw.stop()
+from checkmate.spec.model import ModelSpec
+from checkmate.train.shadow_client import ShadowClient
 
 
 def test_node_registers_with_handshake_service_and_filters_old_sessions(service):
