@@ -72,12 +72,20 @@ def popen(argv: list[str], **kw: Any) -> subprocess.Popen:
 
 def exit_on_signals() -> None:
     """SIGTERM and SIGHUP end the command through SystemExit (cleanup runs); only from the
-    main thread, where Python delivers signals."""
+    main thread, where Python delivers signals, and only in this process: a forked copy
+    that receives one exits at once."""
     if threading.current_thread() is not threading.main_thread():
         return
 
+    owner = os.getpid()
+
     def handler(signum: int, _frame: Any) -> None:
         signal.signal(signum, signal.SIG_DFL)  # a second one ends it at once
+        if os.getpid() != owner:
+            # A child forked without exec (pyroute2's netns helpers) inherits this handler:
+            # it must die as it would have, not unwind the command's stack and run its
+            # cleanup (which would remove the live testbed's namespaces under it).
+            os._exit(128 + signum)
         raise SystemExit(128 + signum)
 
     for s in (signal.SIGTERM, signal.SIGHUP):

@@ -65,3 +65,34 @@ def test_killed_testbed_command_takes_its_children_with_it(tmp_path, sig):
                 import os
 
                 os.kill(k, signal.SIGKILL)
+
+
+FORKED_CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+from checkmate.testbed import lifeline
+lifeline.exit_on_signals()
+marks = Path(sys.argv[1])
+try:
+    pid = os.fork()  # as pyroute2 forks its netns helpers: no exec, handlers inherited
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status))
+finally:
+    with marks.open("a") as f:  # the command's cleanup: once, by the command only
+        f.write(f"{os.getpid()}\\n")
+"""
+
+
+def test_a_forked_child_that_gets_sigterm_does_not_run_the_commands_cleanup(tmp_path):
+    marks = tmp_path / "cleanups"
+    p = subprocess.run([sys.executable, "-c", FORKED_CHILD, str(marks)], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == str(128 + signal.SIGTERM)
+    # one cleanup, the command's own: the forked child died without unwinding its stack
+    assert len(marks.read_text().split()) == 1, marks.read_text()
