@@ -322,7 +322,8 @@ def python_ring_replicas(ring_kit, seed: int, world: int, partitions: int) -> di
     got = {it: np.full(total, np.nan, np.float32) for it in range(1, ITERATIONS + 1)}
     cover = {it: np.zeros(total, np.int32) for it in got}
 
-    def on_reduced(rank, it, bucket, off, part, payload):
+    def on_reduced(rank, it, bucket, off, part, payload, switched):
+        assert switched  # every rank its own node: the switch copies each piece
         v = np.frombuffer(payload, "<f4")
         got[it][off:off + v.size] = v
         cover[it][off:off + v.size] += 1
