@@ -100,6 +100,12 @@ class RingSchedule:
     def nodes(self) -> int:
         return len(set(self.node_of))
 
+    def network_hops(self) -> list[tuple[int, int]]:
+        """``(sender rank, receiver rank)`` of every hop that crosses the switch: the hops
+        the switch needs replication entries for (one per partition each)."""
+        w = self.world
+        return [(self.order[p], self.order[(p + 1) % w]) for p in range(w) if self.crosses(p)]
+
     # ------------------------------------------------------------------ tagging
     def completer(self, segment: int) -> int:
         """The position where ``segment`` is fully reduced."""
