@@ -58,6 +58,7 @@ def _check(node_of: list[int]) -> None:
         assert s.left(s.right(r)) == r and order[s.position(r)] == r
     net = [along[p] != along[(p + 1) % w] for p in range(w)]  # the hop out of position p
     assert sum(net) == (n_nodes if n_nodes > 1 else 0)
+    assert s.network_hops() == [(order[p], order[(p + 1) % w]) for p in range(w) if net[p]]
     n = 3 * w + 1
     tagged_net = np.zeros(n, np.int32)  # times an element goes out tagged on a network hop
     tagged_any = np.zeros(n, np.int32)  # ... tagged on any hop
