@@ -18,6 +18,7 @@ import torch
 
 from checkmate.errors import CheckmateError
 from checkmate.protocol import wire
+from checkmate.spec.partition import partition_bounds
 from checkmate.train.ring import MAX_CHUNK, replica_owners
 from checkmate.train.ring_schedule import (
     RingSchedule,
@@ -95,6 +96,10 @@ def _check(node_of: list[int]) -> None:
         cover[a:b] += 1
     assert cover.min() == 1 and cover.max() == 1
     assert np.array_equal(owned, owner_of), "replica owners differ from the senders"
+    for lo, hi in partition_bounds(n, 3):  # what each partition's shadow is told
+        part = replica_owners([(0, n)], w, lo, hi, node_of)
+        assert sum(b - a for a, b, _ in part) == hi - lo
+        assert all(lo <= a < b <= hi and (owner_of[a:b] == rank).all() for a, b, rank in part)
 
 
 def test_every_element_tagged_once_on_a_network_hop_over_the_grid():
