@@ -342,3 +342,107 @@ def test_the_trainer_sends_a_copy_unless_the_switch_makes_it(mode):
         finally:
             sess.sender.close()
     assert sorted(got) == ([0, 2] if mode == "host" else [2])
+
+
+# ------------------------------------------------- through the kernel switch (netns, slow)
+NODES_CONFIG = """\
+job: {id: 7, name: tn}
+switch: {name: sw0, target: kernel}
+network: {subnet: 10.77.0.0/24, mtu: 9000, prefix: PREFIX}
+hosts:
+  - {name: t0, role: trainer, rank: 0, ip: 10.77.0.10}
+  - {name: t1, role: trainer, rank: 1, ip: 10.77.0.11}
+  - {name: s0, role: shadow, partition: 0, ip: 10.77.0.100}
+  - {name: s1, role: shadow, partition: 1, ip: 10.77.0.101}
+"""
+
+# One rank of a ring of two nodes of two ranks: a node's ranks share its address.
+NODE_RANK_PROGRAM = """
+import sys, torch
+from checkmate.train.ring import RingAllreduce
+from checkmate.train.ring_schedule import RingSchedule
+from checkmate.train.transport import open_socket
+rank, n, out, ips = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+node_of = [0, 0, 1, 1]
+addrs = [(ips[node_of[r]], 47000 + r % 2) for r in range(4)]
+sched = RingSchedule.build(4, node_of)
+ring = RingAllreduce(rank, 4, open_socket(*addrs[rank]), addrs[sched.right(rank)],
+                     addrs[sched.left(rank)], 7, 4242, n, 2, rto=0.05, stall_timeout=60,
+                     node_of=node_of)
+res = [ring.allreduce(torch.full((n,), float(rank + it)), 0, it, 0).clone()
+       for it in (1, 2)]
+torch.save({"res": res}, out)
+ring.close(timeout=3)
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="needs root for namespaces and BPF")
+def test_two_nodes_of_two_ranks_through_the_kernel_switch_copy_each_element_once(tmp_path):
+    """The switch has replication entries for the two node-crossing hops only (t0 -> t1 and
+    t1 -> t0, per partition), as the schedule needs: every element of every iteration
+    reaches its partition's shadow exactly once (an element tagged on a hop inside a node
+    would never be copied)."""
+    import subprocess
+    import sys
+    import time
+
+    from checkmate.config import cluster as cfgmod
+    from checkmate.dataplane.switch import ReplicationEntry
+    from checkmate.spec.partition import partition_bounds
+    from checkmate.testbed.netsock import udp_socket_in
+    from checkmate.testbed.topology import Testbed
+
+    p = tmp_path / "tn.yaml"
+    p.write_text(NODES_CONFIG.replace("PREFIX", f"tn{random.randrange(1000):03d}"))
+    cfg = cfgmod.load(p)
+    n, ips = 30_011, [cfg.host("t0").ip, cfg.host("t1").ip]
+    with Testbed(cfg) as tb:
+        for src, dst in (("t0", "t1"), ("t1", "t0")):
+            for part in (0, 1):
+                sh = cfg.shadow_for(part)
+                tb.switch.add_replication(ReplicationEntry(
+                    cfg.job_id, cfg.host(src).ip, cfg.host(dst).ip, part,
+                    cfg.switch_ifname(sh.name), sh.mac, sh.ip, sh.port, 1, 2,
+                    cfg.switch_ifname(src)))
+        rx = {part: udp_socket_in(cfg.netns(cfg.shadow_for(part).name),
+                                  ("0.0.0.0", cfg.shadow_for(part).port), 64 << 20)
+              for part in (0, 1)}
+        procs = [tb.popen_in("t0" if r < 2 else "t1",
+                             [sys.executable, "-c", NODE_RANK_PROGRAM, str(r), str(n),
+                              str(tmp_path / f"r{r}.pt"), *ips], stderr=subprocess.PIPE)
+                 for r in range(4)]
+        errs = []
+        for pr in procs:
+            try:
+                errs.append(pr.communicate(timeout=120)[1].decode()[-2000:])
+            finally:
+                if pr.poll() is None:
+                    pr.kill()
+                    pr.wait()
+        assert all(pr.returncode == 0 for pr in procs), errs
+        bounds = partition_bounds(n, 2)
+        copies = {it: np.zeros(n, np.int32) for it in (1, 2)}
+        values = {it: np.zeros(n, np.float32) for it in (1, 2)}
+        deadline = time.monotonic() + 3
+        for part, s in rx.items():
+            s.settimeout(0.5)
+            while time.monotonic() < deadline:
+                try:
+                    d = s.recv(65536)
+                except TimeoutError:
+                    break
+                h = wire.decode_header(d)
+                assert h.partition == part and (h.epoch, h.token) == (1, 2)
+                assert bounds[part][0] <= h.offset < h.offset + h.count <= bounds[part][1]
+                copies[h.iteration][h.offset:h.offset + h.count] += 1
+                values[h.iteration][h.offset:h.offset + h.count] = np.frombuffer(
+                    d[wire.HEADER_LEN:], "<f4")
+            s.close()
+        counters = tb.switch.counters()
+    for it in (1, 2):
+        assert copies[it].min() == 1 and copies[it].max() == 1, it
+        assert (values[it] == sum(float(r + it) for r in range(4))).all()
+    for e in counters["entries"]:  # every entry a node-crossing hop, each one used
+        assert e["packets"] > 0, e
