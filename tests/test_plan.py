@@ -78,21 +78,22 @@ def _tna_size(table: str) -> int:
     return int(block[block.index("size = ") + 7:block.index(";", block.index("size = "))])
 
 
-def _scale_lines(gpus: int, per_node: int, params: str = "7B") -> list[str]:
-    r = _cli("--mtbf", "3h", "--step-time", "1.5", "--params", params, "--grad-dtype",
-             "bfloat16", "--shadow-ingest", "2G", "--shadow-step-rate", "2.3G",
-             "--gpus", str(gpus), "--gpus-per-node", str(per_node))
-    assert r.returncode == 0, r.stderr
-    return r.stdout.splitlines()[-5:]
+def _scale_lines(capsys, gpus: int, per_node: int, params: str = "7B") -> list[str]:
+    from checkmate.launch.plan import main
+
+    assert main(["--mtbf", "3h", "--step-time", "1.5", "--params", params, "--grad-dtype",
+                 "bfloat16", "--shadow-ingest", "2G", "--shadow-step-rate", "2.3G",
+                 "--gpus", str(gpus), "--gpus-per-node", str(per_node)]) == 0
+    return capsys.readouterr().out.splitlines()[-5:]
 
 
 @pytest.mark.parametrize("gpus,per_node", [(64, 8), (4096, 8), (20, 8), (8, 8)])
-def test_scale_figures_follow_from_the_inputs(gpus, per_node):
+def test_scale_figures_follow_from_the_inputs(gpus, per_node, capsys):
     """Worked here from first principles: a ring of nodes of consecutive ranks leaves each
     node once (N hops for N >= 2 nodes); one replication entry per (hop, partition); a
     group per (destination node, partition) of two replicas, and the flood group; the
     controller withdraws and installs all of them and re-stamps each shadow's rewrite."""
-    job, shadow, switch, ctl, jobs = _scale_lines(gpus, per_node)
+    job, shadow, switch, ctl, jobs = _scale_lines(capsys, gpus, per_node)
     nodes = -(-gpus // per_node)
     params, gb, step = 7e9, 2, 1.5
     p = math.ceil(max(params * gb / (2e9 * step), params / (2.3e9 * step)))  # 14e9/3e9 -> 5
@@ -125,10 +126,12 @@ def test_scale_needs_params_and_sane_counts():
     r = _cli("--mtbf", "3h", "--step-time", "1.5", "--checkmate-cost", "5ms", "--gpus", "64")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
         "--gpus needs --params (the shadows set the partitions)")
-    r = _cli("--mtbf", "3h", "--step-time", "1.5", "--params", "7B", "--gpus", "64",
-             "--gpus-per-node", "0")
-    assert r.returncode == 2 and "need --gpus >= 1 and --gpus-per-node >= 1" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    from checkmate.launch.plan import main
+
+    with pytest.raises(CheckmateError, match="need --gpus >= 1 and --gpus-per-node >= 1"):
+        main(["--mtbf", "3h", "--step-time", "1.5", "--params", "7B", "--gpus", "64",
+              "--gpus-per-node", "0"])
 
 
 def test_docs_scale_shows_what_plan_prints_now(capsys):
