@@ -182,8 +182,10 @@ def _finish(code: int) -> None:
 
 def _open(obj: object) -> bool:
     """Whether ``obj`` is a stream that is still open."""
+    if not issubclass(type(obj), io.IOBase):  # type(), not isinstance: no __class__ lookup
+        return False  # (torch.distributed.reduce_op warns when asked for its __class__)
     try:
-        return isinstance(obj, io.IOBase) and not obj.closed
+        return not obj.closed
     except Exception:  # noqa: BLE001 -- a half-built or detached stream: nothing to flush
         return False
 
