@@ -255,6 +255,7 @@ class ShadowNode:
             "restored_from": self.restored_from,
             "warm_seconds": self.warm_seconds,
             "rcvbuf": self.rcvbuf,
+            "tcp_service": self.service.health(),
             "verbs": self.verbs.status() if self.verbs is not None else None,
             "range": [st.start, st.end] if st.spec else None,
             **({"commit_times": [[i, round(t, 4)] for i, t in list(st.commit_times)]}
