@@ -284,3 +284,21 @@ def test_count_length_mismatch_is_malformed_never_copied(net):
     assert delta(after, before, port, "replicated") == len(good)
     assert delta(after, before, port, "no_entry") == 0
     assert delta(after, before, port, "spoofed") == 0
+
+
+def test_the_chaos_hijack_round_is_dropped_as_its_check_expects(net):
+    """testbed.attacks.hijack_frames (the attack-mac-hijack chaos case) through the real
+    switch: each round is 3 frames dropped for their MAC and 1 for its IP, nothing else."""
+    from checkmate.testbed.attacks import hijack_frames
+
+    cfg, sw, rx = net
+    t3, s0 = cfg.host("t3"), cfg.host("s0")
+    before = sw.counters()
+    send_raw(cfg, "t3", hijack_frames(t3.mac, t3.ip, s0.mac, s0.ip) * 7)
+    after = sw.counters()
+    port = cfg.switch_ifname("t3")
+    assert delta(after, before, port, "bad_src_mac") == 3 * 7
+    assert delta(after, before, port, "bad_src_ip") == 7
+    assert delta(after, before, port, "rx") == 4 * 7
+    assert sw.fdb()[s0.mac.lower()] == cfg.switch_ifname("s0")
+    assert all(received(s, 0.05) == [] for s in rx.values())
