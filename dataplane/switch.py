@@ -258,23 +258,22 @@ class KernelSwitch:
         learning and unknown-unicast flooding off on every port. Idempotent; returns one
         label per binding it had to write (none when the switch already agreed)."""
         ports = self._port_ifindexes()
-        want = self._want_bindings()
-        have = self.bindings()
+        want = {maps.U32.pack(ports[name]): (name, mac, ip)
+                for name, (mac, ip) in self._want_bindings().items()}
         changed = []
         with self._map("ckm_bind") as m:
-            for name, (mac, ip) in want.items():
-                if have.get(name) != (mac, ip):
-                    m.update(maps.U32.pack(ports[name]),
-                             maps.PORT_BIND.pack(maps.mac_bytes(mac), 0, maps.ip_bytes(ip)))
+            have = dict(m.items())
+            for key, (name, mac, ip) in want.items():
+                val = maps.PORT_BIND.pack(maps.mac_bytes(mac), 0, maps.ip_bytes(ip))
+                if have.get(key) != val:
+                    m.update(key, val)
                     changed.append(f"port {name} bound to {mac} {ip}")
-            for name in set(have) - set(want):  # a port the config no longer has
-                idx = next((i for n, i in self._ifindexes().items() if n == name), None)
-                if idx is not None:
-                    m.delete(maps.U32.pack(idx))
-                    changed.append(f"port {name} unbound")
-        lines = [f"link set dev {p} learning off flood off" for p in want]
+            for key in set(have) - set(want):  # an interface the config no longer has
+                m.delete(key)
+                changed.append(f"ifindex {maps.U32.unpack(key)[0]} unbound")
+        lines = [f"link set dev {p} learning off flood off" for p, _, _ in want.values()]
         lines += [f"fdb replace {mac} dev {p} master static sticky"
-                  for p, (mac, _) in want.items()]
+                  for p, mac, _ in want.values()]
         lines.append(f"fdb flush dev {self.cfg.bridge_name} dynamic")
         self._bridge(lines)
         return changed

@@ -14,6 +14,7 @@ last line is ``chaos ratio: <passed/total>``.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import sys
@@ -264,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = _row(name, rep, time.perf_counter() - t0)
                 rows.append(row)
                 print(" ".join(f"{c}={row[c]}" for c in _COLS), flush=True)
+                for a in rep.get("attacks", []):  # what an attack did and what it met
+                    print(f"  attack {json.dumps(a, sort_keys=True)}", flush=True)
     from rich.console import Console
     from rich.table import Table
 
