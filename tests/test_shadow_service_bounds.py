@@ -306,3 +306,27 @@ def test_nested_json_headers_are_refused_and_the_service_lives_on(node):
     c.close()
     with ShadowClient(("127.0.0.1", node.tcp_port)) as c2:
         assert c2.status()["partition"] == 0
+
+
+def test_a_failing_gate_loop_is_restarted_counted_and_shown(node, monkeypatch):
+    """A bug in the authentication loop (here: the first accept after the patch raises)
+    must not leave a silently dead door: the loop restarts, status says so, and clients are
+    served again."""
+    real = gate.Gate._accept
+    calls = [0]
+
+    def broken(self):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected")
+        return real(self)
+
+    monkeypatch.setattr(gate.Gate, "_accept", broken)
+    # the connection that met the bug waits in the backlog for the restarted loop
+    with ShadowClient(("127.0.0.1", node.tcp_port), timeout=10) as c:
+        assert c.status()["partition"] == 0
+    svc = node.status()["tcp_service"]
+    assert svc["alive"] and svc["restarts"] == 1 and "RuntimeError: injected" in svc["error"]
+    assert _drops(node)["tcp_gate_restarts"] == 1
+    with ShadowClient(("127.0.0.1", node.tcp_port)) as c:
+        assert c.status()["tcp_service"]["restarts"] == 1
