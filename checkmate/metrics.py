@@ -401,6 +401,11 @@ class MetricsServer(NamedTuple):
         """The real port, also when port 0 was asked for."""
         return int(self.server.server_port)
 
+    def health(self) -> dict[str, Any]:
+        """For the owner's status: the accepting thread alive (False: scrapes go unanswered)
+        and the connections closed unserved, by reason."""
+        return {"alive": self.thread.is_alive(), "refused": dict(self.server.refused)}
+
     def close(self) -> None:
         """Stop serving, release the socket and wait for the threads."""
         self.server.shutdown()

@@ -399,7 +399,10 @@ def test_slow_connections_cannot_exhaust_the_endpoint() -> None:
         assert srv.server.refused["deadline"] >= 1
         assert _scrape_from(srv.port, "127.0.0.1").startswith(b"HTTP/1.0 200")
         assert threading.active_count() <= base
+        health = srv.health()
+        assert health["alive"] and health["refused"]["per_source"] == refused["per_source"]
     finally:
         for s in held:
             s.close()
         srv.close()
+    assert not srv.health()["alive"]
