@@ -110,6 +110,17 @@ class PortPlan:
 
 
 @dataclass(frozen=True)
+class SourceBinding:
+    """Frames entering switch port ``port`` must come from ``mac`` / ``ip`` (the host's, for
+    the CPU port the switch's own): the P4 programs' port_bind table."""
+
+    port: int
+    host: str
+    mac: str
+    ip: str
+
+
+@dataclass(frozen=True)
 class Punt:
     """HANDSHAKE datagrams to (ip, udp_port) go to the CPU port, where the controller is."""
 
@@ -130,6 +141,7 @@ class Plan:
     ports: tuple[PortPlan, ...]
     punt: Punt
     host_commands: tuple[str, ...] = field(default=())
+    bindings: tuple[SourceBinding, ...] = field(default=())
 
 
 def switch_port(cfg: ClusterConfig, host: Host) -> int:
@@ -244,6 +256,11 @@ def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None =
         rewrites=tuple(rewrites), ports=ports,
         punt=Punt(cfg.switch.ip, CONTROLLER_PORT, cfg.switch.cpu_port),
         host_commands=host_commands(cfg),
+        bindings=tuple(
+            [SourceBinding(switch_port(cfg, h), h.name, h.mac.lower(), h.ip)
+             for h in cfg.hosts]
+            + [SourceBinding(cfg.switch.cpu_port, cfg.switch.name, cfg.switch.mac.lower(),
+                             cfg.switch.ip)]),
     )
 
 
