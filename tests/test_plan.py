@@ -115,6 +115,9 @@ def test_scale_figures_follow_from_the_inputs(gpus, per_node, capsys):
         assert "EXCEEDS control/plan.py's id encoding" in switch
     ports = nodes + p
     assert f"ports {ports} of 64" + (" (EXCEEDS)" if ports > 64 else "") in switch
+    bind = min(_tna_size("port_bind"), _tna_size("l2_fwd"))  # one per host port + CPU port
+    assert f"port_bind and l2_fwd entries {ports + 1} of {bind}" + (
+        " (EXCEEDS)" if ports + 1 > bind else "") in switch
     assert f"shadow_rewrite entries {p} of {_tna_size('shadow_rewrite')}" in switch
     assert f"controller per rendezvous: {2 * entries + 2 * hops * p + p} writes" in ctl
     fit = min(size // max(1, entries), _tna_size("shadow_rewrite") // p,

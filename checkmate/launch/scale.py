@@ -8,9 +8,10 @@ controller, computed from the ring schedule, the P4 program and the controller's
 - Switch state of one job, as control/plan.py lays it out with one destination per node:
   a ``ckm_replicate`` entry per (network hop, partition), a multicast group per (hop
   destination, partition) holding two replicas (the destination's port, rid 0; the shadow's
-  port, rid partition + 1) plus the flood group, and a ``shadow_rewrite`` entry per
-  partition. Table sizes are read from p4/checkmate_tna.p4; the id spaces are Tofino's
-  (TNA: ``MulticastGroupId_t`` and ``ReplicationId_t`` are 16 bits).
+  port, rid partition + 1) plus the flood group, a ``shadow_rewrite`` entry per
+  partition, and a ``port_bind`` and an ``l2_fwd`` entry per host port and the CPU port.
+  Table sizes are read from p4/checkmate_tna.p4; the id spaces are Tofino's (TNA:
+  ``MulticastGroupId_t`` and ``ReplicationId_t`` are 16 bits).
 - Controller work per rendezvous: the previous attempt's entries and groups withdrawn, the
   new attempt's installed, each shadow's rewrite re-stamped with the new epoch (an upper
   bound: entries whose hop did not change could stay).
@@ -48,7 +49,7 @@ def p4_table_sizes(source: str | None = None) -> dict[str, int]:
         size = re.search(r"\bsize\s*=\s*(\d+)\s*;", m.group(2))
         if size:
             out[m.group(1)] = int(size.group(1))
-    for name in ("ckm_replicate", "shadow_rewrite"):
+    for name in ("ckm_replicate", "shadow_rewrite", "port_bind", "l2_fwd"):
         if name not in out:
             raise CheckmateError(f"p4/checkmate_tna.p4 declares no size for table {name}")
     return out
@@ -132,7 +133,8 @@ def describe(s: Scale) -> list[str]:
         f"switch state: ckm_replicate entries {of(s.entries, t['ckm_replicate'])}; "
         f"multicast groups {of(s.groups, MGID_SPACE - GROUP_BASE)} ({enc}), "
         f"{s.replicas} replicas; shadow_rewrite entries {of(s.rewrites, t['shadow_rewrite'])};"
-        f" ports {of(s.ports, SWITCH_PORTS)} at {PORT_GBPS} Gb/s",
+        f" ports {of(s.ports, SWITCH_PORTS)} at {PORT_GBPS} Gb/s; port_bind and l2_fwd "
+        f"entries {of(s.ports + 1, min(t['port_bind'], t['l2_fwd']))}",
         f"controller per rendezvous: {s.writes_per_rendezvous} writes ({s.entries} entries "
         f"and {s.groups - 1} groups withdrawn and installed, {s.rewrites} rewrites "
         "re-stamped with the new epoch)",
