@@ -174,10 +174,10 @@ int ckm_config_load(struct ckm_config *c, char *err, int errlen)
 		     "follows from it");
 	if (get_u64("NCCL_BUFFSIZE", 0, 4096, 1ULL << 34, &v, err, errlen))
 		return -1;
-	if (v % (CKM_SCHED_STEPS * 4 * CKM_SCHED_ALIGN))
+	if (v % (CKM_SCHED_STEPS * CKM_SCHED_GRAIN))
 		FAIL("NCCL_BUFFSIZE=%llu must be a multiple of %d", (unsigned long long)v,
-		     CKM_SCHED_STEPS * 4 * CKM_SCHED_ALIGN);
-	c->sched.chunk = v / CKM_SCHED_STEPS * CKM_SCHED_CHUNKSTEPS / 4;
+		     CKM_SCHED_STEPS * CKM_SCHED_GRAIN);
+	c->sched.buffsize = v;
 	if (check_nccl_env(c, err, errlen))
 		return -1;
 	if (get_u64("CKM_NCCL_PARTITIONS", 0, 1, 65535, &v, err, errlen))

@@ -4,7 +4,8 @@ channels, buckets that are not chunk multiples, 3 iterations; 2 `shadow serve` p
 registered with the controller, which installs the replication entries. The switch copies
 each REPLICATE datagram the plugin sends; rank 0's control messages come from the test.
 
-The switch drops and corrupts 3% of the ckm frames it sends to ranks 1 and 2.
+The switch drops and corrupts 3% of the ckm frames it sends to ranks 1 and 2; it counts the
+plugin's datagrams under DSCP 24 (the PFC lossless class).
 Checks: every rank's allreduce is exact, the transport resent what was lost or damaged,
 and each shadow commits, bit for bit, the state of an optimizer fed the Python ring's
 reduced gradients for the same inputs."""
@@ -181,3 +182,13 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(nccl_plugin, tm
     assert sum(v.get("replicated", 0) for v in counters["ports"].values()) > 0, counters
     for st in sts:
         assert st["drops"].get("mac", 0) == 0, st["drops"]
+    # the plugin's datagrams are in the lossless class: the switch counts every well-formed
+    # ckm datagram from ranks 1-3 under DSCP 24 (rank 0's port also carries the test's own
+    # unmarked control messages)
+    from checkmate.control import pfc
+
+    dscp = counters["dscp"]
+    for r in range(1, world):
+        per = dscp[cfg.switch_ifname(f"t{r}")]
+        assert set(per) == {pfc.CKM_DSCP} and per[pfc.CKM_DSCP] > 0, (r, per)
+    assert dscp[cfg.switch_ifname("t0")].get(pfc.CKM_DSCP, 0) > 0
