@@ -29,6 +29,7 @@
 #include "ckm_nccl_abi.h"
 #include "ckm_plugin.h"
 #include "ckm_prof.h"
+#include "ckm_repair.h"
 #include "ckm_sched.h"
 #include "ckm_tuner.h"
 #include "ckm_wire.h"
@@ -406,6 +407,8 @@ static ncclResult_t cut(struct comm *c)
 			s->hdr.fec_group = htonl((uint32_t)tag);
 			c->st.replicated++;
 			c->st.repl_elems += count;
+			ckm_repair_retain(iteration, offset, count, part, (uint16_t)r->msg,
+					  r->buf + r->pos);
 		}
 		s->req = r;
 		s->data = r->buf + r->pos;
@@ -776,6 +779,8 @@ static ncclResult_t ckm_init(void **ctx, uint64_t commId, ncclNetCommConfig_t *c
 	else if (x->prof && g_cfg.sched.release == CKM_REL_2_28)
 		refuse(x, "CKM_NCCL_IDENTITY=profiler needs profiler v6 (NCCL 2.29+); NCCL %d.%d.%d "
 		       "has v5: use CKM_NCCL_IDENTITY=model", v / 10000, v / 100 % 100, v % 100);
+	if (x->tagging || x->prof)
+		ckm_repair_start();
 	return ncclSuccess;
 }
 

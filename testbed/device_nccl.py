@@ -41,7 +41,9 @@ def device_env(rank: int, world: int, plugin: Path, secret: Path, job: int, stat
     host ids, network only, the plugin as net, tuner and profiler) and the plugin's."""
     from checkmate.testbed.nccl_harness import plugin_env
 
-    env = plugin_env(rank, world, CHANNELS, BUFFSIZE, BUCKETS, PARTITIONS, job, "127.0.0.1")
+    # one loopback address per rank: each rank's repair service has its own port
+    env = plugin_env(rank, world, CHANNELS, BUFFSIZE, BUCKETS, PARTITIONS, job,
+                     f"127.0.0.{10 + rank}")
     env.update({
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),

@@ -481,6 +481,11 @@ def run_rank(args: argparse.Namespace) -> None:
         time.sleep(0.01)
     rank.close()
     np.save(rdv / f"out-{args.rank}.npy", np.stack(outs))
+    # A trainer outlives its last allreduce: its repair service (the plugin's thread) answers
+    # the shadows' requests until the caller creates the linger file.
+    deadline = time.monotonic() + 120.0
+    while args.linger and not Path(args.linger).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels: int = 4,
@@ -488,14 +493,17 @@ def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels:
            partitions: int = 2, job: int = 7, first_iteration: int = 1, tag: bool = True,
            popen=None, timeout: float = 150.0, profiler: str = "off",
            algo: str = "Ring", version: str = "2.29.7", tuner: bool = True,
-           group: int = 1, plays: str | None = None) -> list[np.ndarray]:
+           group: int = 1, plays: str | None = None,
+           linger: Path | None = None) -> list[np.ndarray]:
     """Run ``nranks`` rank processes (``popen(rank, argv, env)`` starts one, default a plain
     subprocess) and return each rank's results, shape (iterations, sum(buckets)); each
     rank's output is in ``workdir/rank<r>.log``. ``version``: the NCCL release played;
     ``profiler``: off (the plugin places isends by its schedule alone) or callback (by the
     profiler events, as NCCL 2.29+ issues them); ``tuner``: NCCL loads the plugin's tuner;
     ``group``: allreduces per kernel plan (over 1: collective packing); ``plays``: the
-    release profile whose schedule is run while ``version`` is reported (a mismatch)."""
+    release profile whose schedule is run while ``version`` is reported (a mismatch);
+    ``linger``: ranks stay up (repair service on) until this file exists. Ranks sharing an
+    address keep no pieces for repair (one repair port per address)."""
     workdir.mkdir(parents=True, exist_ok=True)
     procs = []
     try:
@@ -504,6 +512,8 @@ def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels:
             env.update(plugin_env(r, nranks, channels, buffsize, buckets if tag else [],
                                   partitions, job, ips[r], first_iteration))
             env["CKM_NCCL_STATS"] = str(workdir / f"stats-{r}.jsonl")
+            if len(set(ips)) < nranks:
+                env["CKM_NCCL_REPAIR_KEEP"] = "0"
             argv = [sys.executable, "-m", "checkmate.testbed.nccl_harness", "--rank", str(r),
                     "--nranks", str(nranks), "--dir", str(workdir), "--plugin", plugin,
                     "--channels", str(channels), "--buffsize", str(buffsize),
@@ -513,6 +523,8 @@ def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels:
                     "--tuner", "on" if tuner else "off", "--group", str(group)]
             if plays:
                 argv += ["--plays", plays]
+            if linger:
+                argv += ["--linger", str(linger)]
             if profiler != "off":
                 env["CKM_NCCL_IDENTITY"] = "profiler"
             log = open(workdir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
@@ -536,10 +548,20 @@ def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels:
     return [np.load(workdir / f"out-{r}.npy") for r in range(nranks)]
 
 
+def _stat_lines(workdir: Path, r: int) -> list[dict]:
+    return [json.loads(line) for line in (workdir / f"stats-{r}.jsonl").read_text().split("\n")
+            if line]
+
+
 def stats(workdir: Path, nranks: int) -> list[list[dict]]:
     """Each rank's per-connection counters (CKM_NCCL_STATS lines)."""
-    return [[json.loads(line) for line in (workdir / f"stats-{r}.jsonl").read_text().split("\n")
-             if line] for r in range(nranks)]
+    return [[x for x in _stat_lines(workdir, r) if x["kind"] != "repair"] for r in range(nranks)]
+
+
+def repair_stats(workdir: Path, nranks: int) -> list[dict]:
+    """Each rank's repair service counters (requests, answered, gone, dropped); {} if none."""
+    return [next((x for x in _stat_lines(workdir, r) if x["kind"] == "repair"), {})
+            for r in range(nranks)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -560,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tuner", choices=["on", "off"], default="on")
     ap.add_argument("--group", type=int, default=1, help="allreduces per kernel plan")
     ap.add_argument("--plays", default=None, help="release profile run instead (a mismatch)")
+    ap.add_argument("--linger", default=None, help="stay up until this file exists")
     run_rank(ap.parse_args(argv))
     return 0
 
