@@ -57,6 +57,12 @@ struct ckm_ctx {
 	int prof;    /* this communicator's isends are placed by their profiler step handle */
 	ncclProfilerCallback_t prof_fn; /* NCCL's profiler callback, from init */
 	int conns;   /* send connections made: connection k is channel k */
+	int listens; /* listen comms made: listen k is channel k's receive side */
+	/* This rank's ring index per channel as the ring itself proves it (-1: not yet): NCCL's
+	 * index is the distance from rank 0 along the ring (init.cc, setupChannel); rank 0 is 0,
+	 * and each rank learns it from its previous rank's plain datagrams, which carry the
+	 * sender's index + 1 in fec_group (0: not known yet). */
+	int ring_index[64];
 	int checked; /* the first tagged isend's checks passed */
 };
 
@@ -410,6 +416,9 @@ static ncclResult_t cut(struct comm *c)
 			ckm_repair_retain(iteration, offset, count, part, (uint16_t)r->msg,
 					  r->buf + r->pos);
 		}
+		if (!r->repl && c->ctx && c->channel >= 0 && c->channel < 64 &&
+		    c->ctx->ring_index[c->channel] >= 0) /* tell the next rank where we are */
+			s->hdr.fec_group = htonl((uint32_t)c->ctx->ring_index[c->channel] + 1);
 		s->req = r;
 		s->data = r->buf + r->pos;
 		s->len = (uint32_t)len;
@@ -530,6 +539,35 @@ static void send_ack(struct comm *c, double t)
 	}
 }
 
+/* The communicator CKM_NCCL_COMM selects (the order of net init calls). */
+static int selected_index(void)
+{
+	const char *which = getenv("CKM_NCCL_COMM");
+	return which && *which ? atoi(which) : 0;
+}
+
+/* A plain datagram from the previous rank names its ring index (see ckm_ctx.ring_index). */
+static void learn_index(struct comm *c, const struct ckm_hdr *h)
+{
+	struct ckm_ctx *x = c->ctx;
+	uint32_t v = ntohl(h->fec_group);
+	/* learned and passed on even where this rank refused: the next ranks need it */
+	if (!x || !g_cfg.tagging || x->index != selected_index() || (h->flags & CKM_F_REPLICATE) ||
+	    !v || c->channel < 0 || c->channel >= 64)
+		return;
+	int n = g_cfg.sched.nranks, mine = (int)((v - 1 + 1) % (uint32_t)n);
+	if (v > (uint32_t)n) {
+		refuse(x, "a ring index %u from the previous rank on channel %d", v - 1, c->channel);
+		return;
+	}
+	if (x->ring_index[c->channel] < 0)
+		x->ring_index[c->channel] = mine;
+	if (x->ring_index[c->channel] != mine || mine != g_cfg.sched.rank)
+		refuse(x, "its ring on channel %d puts this rank %d at index %d (the distance from "
+		       "rank 0); the schedule needs the rank order", c->channel, g_cfg.sched.rank,
+		       mine);
+}
+
 static ncclResult_t deliver(struct comm *c)
 {
 	while (c->qn && c->rxlive[c->rx_cons % WINDOW]) {
@@ -545,6 +583,7 @@ static ncclResult_t deliver(struct comm *c)
 		if (r->pos + len > r->size)
 			return fail(c, ncclInternalError, "a message of more than %zu bytes for a "
 				    "receive of %zu", r->pos + len, r->size);
+		learn_index(c, &h);
 		memcpy(r->buf + r->pos, d + CKM_HEADER_LEN, len);
 		r->pos += len;
 		c->rxlive[c->rx_cons % WINDOW] = 0;
@@ -764,6 +803,8 @@ static ncclResult_t ckm_init(void **ctx, uint64_t commId, ncclNetCommConfig_t *c
 	int selected = g_cfg.tagging && x->index == (which && *which ? atoi(which) : 0);
 	x->tagging = selected && g_cfg.identity == CKM_IDENTITY_MODEL;
 	x->prof = selected && g_cfg.identity == CKM_IDENTITY_PROFILER;
+	for (int i = 0; i < 64; i++)
+		x->ring_index[i] = g_cfg.tagging && g_cfg.sched.rank == 0 ? 0 : -1;
 	*ctx = x;
 	if (!selected)
 		return ncclSuccess;
@@ -830,6 +871,8 @@ static ncclResult_t ckm_listen(void *ctx, int dev, void *handle, void **listenCo
 	}
 	c->kind = K_LISTEN;
 	c->ctx = ctx;
+	if (ctx)
+		c->channel = ((struct ckm_ctx *)ctx)->listens++;
 	c->peer_fd = -1;
 	c->listen_id = rand64();
 	struct handle hd = {htonl(HANDLE_MAGIC), self.sin_addr.s_addr, self.sin_port,
@@ -1026,6 +1069,7 @@ static ncclResult_t ckm_accept(void *listenComm, void **recvComm,
 	l->peer_fd = -1;
 	c->kind = K_RECV;
 	c->ctx = l->ctx;
+	c->channel = l->channel;
 	c->fd = l->fd;
 	c->peer_fd = -1;
 	l->fd_taken = 1;
@@ -1110,6 +1154,18 @@ static int first_checks(struct comm *c, int tag)
 	return 1;
 }
 
+/* The ring has shown this rank its index on the connection's channel (before the first
+ * fully reduced send a receive on that channel has completed, so it has had the chance). */
+static int index_proven(struct comm *c)
+{
+	int ix = c->channel >= 0 && c->channel < 64 ? c->ctx->ring_index[c->channel] : -1;
+	if (ix == g_cfg.sched.rank)
+		return 1;
+	refuse(c->ctx, "its ring position on channel %d is not proven yet (no ring index from the "
+	       "previous rank before the first fully reduced send)", c->channel);
+	return 0;
+}
+
 /* Where the schedule puts this isend (model path): the connection's next send of the
  * gradient allreduces in bucket order, skipping the ones that do not use its channel. A
  * size the schedule did not predict stops tagging before anything else is labelled. */
@@ -1142,7 +1198,7 @@ static void place(struct comm *c, struct req *r, size_t size, int tag)
 		       (unsigned long long)count, c->channel, (unsigned long long)c->ci);
 		return;
 	}
-	if (sl.final && sl.count) {
+	if (sl.final && sl.count && index_proven(c)) {
 		r->repl = 1;
 		r->flat = g_cfg.base[b] + sl.offset;
 		r->iteration = g_cfg.first_iteration + c->coll / (uint64_t)g_cfg.nbuckets;
@@ -1203,7 +1259,7 @@ static void place_profiled(struct comm *c, struct req *r, size_t size, int tag, 
 		       "expects %llu", size, id.step, id.channel, (unsigned long long)(sl.count * 4));
 		return;
 	}
-	if (sl.final && sl.count) {
+	if (sl.final && sl.count && index_proven(c)) {
 		int b = (int)(id.tag_index % (uint64_t)g_cfg.nbuckets);
 		r->repl = 1;
 		r->flat = g_cfg.base[b] + sl.offset;

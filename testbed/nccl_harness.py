@@ -199,7 +199,8 @@ class Rank:
     def __init__(self, plugin: str, rank: int, nranks: int, channels: int, buffsize: int,
                  rendezvous: Path, profiler: str = "off", algo: str = "Ring",
                  version: str = "2.29.7", standin: str | None = None,
-                 tuner: bool = True, plays: str | None = None) -> None:
+                 tuner: bool = True, plays: str | None = None,
+                 ring: list[int] | None = None) -> None:
         code = nr.version_code(version)
         rel = nr.release_of(code)
         # An unsupported release runs with the newest profile: the plugin must refuse it.
@@ -213,6 +214,12 @@ class Rank:
         if self.version != "v12":
             raise PluginError(f"expected ncclNetPlugin_v12, the loader found {self.version}")
         self.rank, self.nranks, self.channels = rank, nranks, channels
+        # The ring's order (NCCL's topology search picks it; rank order unless given): next,
+        # previous and the ring index = distance from rank 0 (init.cc, setupChannel).
+        order = ring or list(range(nranks))
+        pos = order.index(rank)
+        self.next, self.prev = order[(pos + 1) % nranks], order[pos - 1]
+        self.ring_index = (pos - order.index(0)) % nranks
         self.buffsize, self.algo = buffsize, algo
         self.recv_bytes = buffsize // nr.NCCL_STEPS * nr.SLICESTEPS  # net.cc:1480
         comm_id = 0x636B6D
@@ -264,11 +271,11 @@ class Rank:
         tmp = rdv / f".handles-{self.rank}.tmp"
         tmp.write_bytes(b"".join(bytes(h) for h in handles))
         tmp.rename(rdv / f"handles-{self.rank}.bin")
-        peer = rdv / f"handles-{(self.rank + 1) % self.nranks}.bin"
+        peer = rdv / f"handles-{self.next}.bin"
         deadline = time.monotonic() + SETUP_TIMEOUT
         while not peer.exists():
             if time.monotonic() > deadline:
-                raise PluginError(f"rank {(self.rank + 1) % self.nranks} published no handles")
+                raise PluginError(f"rank {self.next} published no handles")
             time.sleep(0.01)
         blob = peer.read_bytes()
         # NCCL's setup loop: connect and accept every channel, each call non-blocking.
@@ -299,7 +306,7 @@ class Rank:
     def run_plan(self, xs: list[np.ndarray]) -> list[np.ndarray]:
         """Allreduces of ``xs`` in one kernel plan, as NCCL runs a group of collectives
         (more than one: collective packing)."""
-        r, n = self.rank, self.nranks
+        n = self.nranks
         # ncclPrepareTasks (enqueue.cc:389-466): the group's allreduces come out of the size
         # sorter largest first and are binned LIFO, so they are planned smallest first;
         # neighbours within 4x of the first of a run are aggregated, and the tuner is asked
@@ -326,7 +333,8 @@ class Rank:
         recvs: list[list[_Slice]] = [[] for _ in self.chans]
         for k, op in enumerate(ops):
             base = len(sends[op.channel]) + len(recvs[op.channel])  # unique keys per channel
-            for ci, (kind, _loop, off, nelem) in enumerate(nr.kernel_ops(op, n, r)):
+            for ci, (kind, _loop, off, nelem) in enumerate(nr.kernel_ops(op, n,
+                                                                         self.ring_index)):
                 for j, (a, m) in enumerate(nr.slices(nelem, self.buffsize)):
                     sl = _Slice(op.task, (op.task, base + ci, j), kind, off + a, m, k)
                     if kind in nr.SENDS:
@@ -342,9 +350,9 @@ class Rank:
                 prof.stop(h)
             colls = [prof.coll(x.size, used[t], tuned[t][1], tuned[t][2], apis[t])
                      for t, x in enumerate(xs)]
-        pops = [(prof.op(colls[op.task], op.channel, (r + 1) % n, op.prof_nsteps,
+        pops = [(prof.op(colls[op.task], op.channel, self.next, op.prof_nsteps,
                          op.prof_chunk, True),
-                 prof.op(colls[op.task], op.channel, (r - 1) % n, op.prof_nsteps,
+                 prof.op(colls[op.task], op.channel, self.prev, op.prof_nsteps,
                          op.prof_chunk, False)) if prof else (None, None) for op in ops]
         step_of: dict[tuple, int] = {}  # ProxyStep step: slices of its op before it
         for lst in (*sends, *recvs):
@@ -377,14 +385,14 @@ class Rank:
 
     def _progress_recv(self, ch: int, st: _Channel, plan: list[_Slice], xs: list, ys: list,
                        ready: dict, pops: list, step_of: dict) -> None:
-        r, n, prof = self.rank, self.nranks, self.prof
+        prof = self.prof
         while len(st.recv_busy) < DEPTH and st.next_recv < len(plan):  # net.cc:1450-1510
             sl = plan[st.next_recv]
             buf = np.zeros(self.recv_bytes // 4, np.float32)
             req = C.c_void_p()
             ptr = (C.c_void_p * 1)(buf.ctypes.data)
             size = (C.c_size_t * 1)(self.recv_bytes)
-            tag = (C.c_int * 1)((r - 1) % n)  # tpRemoteRank
+            tag = (C.c_int * 1)(self.prev)  # tpRemoteRank
             ev, ph = (prof.step(pops[sl.op][1], step_of[(id(plan), sl.key)]) if prof
                       else (None, None))
             _ok(self.net.irecv(st.recv, 1, ptr, size, tag, None, (C.c_void_p * 1)(ph),
@@ -464,7 +472,7 @@ def run_rank(args: argparse.Namespace) -> None:
     rank = Rank(args.plugin, args.rank, args.nranks, args.channels, args.buffsize, rdv,
                 args.profiler, args.algo, args.version,
                 str(Path(args.plugin).with_name("libnccl-standin.so")), args.tuner == "on",
-                args.plays)
+                args.plays, [int(x) for x in args.ring.split(",")] if args.ring else None)
     outs = []
     for it in range(args.first_iteration, args.first_iteration + args.iterations):
         xs = [inputs(args.seed, it, b, args.rank, n) for b, n in enumerate(buckets)]
@@ -494,7 +502,7 @@ def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels:
            popen=None, timeout: float = 150.0, profiler: str = "off",
            algo: str = "Ring", version: str = "2.29.7", tuner: bool = True,
            group: int = 1, plays: str | None = None,
-           linger: Path | None = None) -> list[np.ndarray]:
+           linger: Path | None = None, ring: list[int] | None = None) -> list[np.ndarray]:
     """Run ``nranks`` rank processes (``popen(rank, argv, env)`` starts one, default a plain
     subprocess) and return each rank's results, shape (iterations, sum(buckets)); each
     rank's output is in ``workdir/rank<r>.log``. ``version``: the NCCL release played;
@@ -502,7 +510,8 @@ def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels:
     profiler events, as NCCL 2.29+ issues them); ``tuner``: NCCL loads the plugin's tuner;
     ``group``: allreduces per kernel plan (over 1: collective packing); ``plays``: the
     release profile whose schedule is run while ``version`` is reported (a mismatch);
-    ``linger``: ranks stay up (repair service on) until this file exists. Ranks sharing an
+    ``linger``: ranks stay up (repair service on) until this file exists; ``ring``: the
+    ring's order (default the rank order). Ranks sharing an
     address keep no pieces for repair (one repair port per address)."""
     workdir.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -525,6 +534,8 @@ def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels:
                 argv += ["--plays", plays]
             if linger:
                 argv += ["--linger", str(linger)]
+            if ring:
+                argv += ["--ring", ",".join(map(str, ring))]
             if profiler != "off":
                 env["CKM_NCCL_IDENTITY"] = "profiler"
             log = open(workdir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
@@ -583,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=1, help="allreduces per kernel plan")
     ap.add_argument("--plays", default=None, help="release profile run instead (a mismatch)")
     ap.add_argument("--linger", default=None, help="stay up until this file exists")
+    ap.add_argument("--ring", default=None, help="the ring's order, e.g. 0,4,1,2,3")
     run_rank(ap.parse_args(argv))
     return 0
 

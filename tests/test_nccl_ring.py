@@ -68,8 +68,11 @@ def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(nccl_plug
     summary = H.check_replicas(datagrams, key, job, BUCKETS, 1, ITERATIONS, partitions, expect)
     assert summary["pieces"] > 3 * len(BUCKETS)
     # the check fails on a lost piece, and on a second, different copy of a piece
+    first = wire.decode(datagrams[0])[0]  # every copy of it: a resend is the same piece
+    lost = [d for d in datagrams if (lambda h: (h.iteration, h.offset) != (
+        first.iteration, first.offset))(wire.decode(d)[0])]
     with pytest.raises(AssertionError, match="missing"):
-        H.check_replicas(datagrams[1:], key, job, BUCKETS, 1, ITERATIONS, partitions, expect)
+        H.check_replicas(lost, key, job, BUCKETS, 1, ITERATIONS, partitions, expect)
     forged = bytearray(datagrams[0])
     forged[-1] ^= 1
     with pytest.raises(Exception, match="CRC|MAC|payload"):
@@ -153,3 +156,31 @@ def test_nccl_ring_schedule_mismatch_is_refused_never_mislabelled(nccl_plugin, t
         assert np.array_equal(got, expect[h.iteration][h.offset:h.offset + h.count]), h
         tagged += h.count
     assert tagged < 2 * sum(BUCKETS)  # refused: not everything was labelled
+
+
+@ROOT
+def test_nccl_ring_order_other_than_rank_order_is_refused_never_mislabelled(nccl_plugin,
+                                                                             tmp_path):
+    """NCCL's ring 0 -> 4 -> 1 -> 2 -> 3: rank 2's own neighbours (1 and 3) are the rank
+    order's, but its ring index (distance from rank 0) is 3, so labelling by rank would be
+    wrong. Every rank stops tagging (the neighbour checks, and for rank 2 the index the ring
+    itself carries; the sizes cannot tell), and nothing wrong is labelled."""
+    world, seed, buckets = 5, 17, [20_480]  # 5 full chunks: every isend size is the same
+    job = random.randrange(1 << 20, 1 << 31)
+    net = _net()
+    tap = H.ReplicaTap("lo", job)
+    try:
+        outs = H.launch(world, tmp_path / "run", str(nccl_plugin),
+                        [f"{net}.{10 + r}" for r in range(world)], channels=1,
+                        buffsize=BUFFSIZE, buckets=buckets, iterations=1, seed=seed, job=job,
+                        ring=[0, 4, 1, 2, 3])
+    finally:
+        datagrams = tap.close()
+    exp = expected_flat(seed, 1, world, buckets)
+    assert all(np.array_equal(o[0], exp) for o in outs)
+    lines = _lines(tmp_path / "run", world)
+    assert all(len(x) == 1 and "continues untagged" in x[0] for x in lines[1:]), lines
+    assert "at index 3 (the distance from rank 0)" in lines[2][0], lines[2]
+    for d in datagrams:  # rank 0 (index 0 whatever the order) may label; never wrongly
+        h, payload = wire.decode(d)
+        assert np.array_equal(np.frombuffer(payload, "<f4"), exp[h.offset:h.offset + h.count])
