@@ -24,6 +24,7 @@ from checkmate.testbed import nccl_harness as H
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="the tap on lo is an AF_PACKET socket (root)")
+pytestmark = pytest.mark.slow  # rank processes
 
 
 def expected_flat(seed: int, it: int, world: int, buckets: list[int] = BUCKETS) -> np.ndarray:
@@ -41,10 +42,9 @@ def _lines(workdir: Path, world: int) -> list[list[str]]:
 
 @ROOT
 @pytest.mark.parametrize("version,profiler", [
-    ("2.28.9", "off"),       # the newest release without profiler v6: the model path
-    ("2.29.7", "callback"),  # profiler v6: NCCL's phandle, resolved through its callback
-    ("2.30.7", "off"),       # the newest release checked, model path
-])
+    ("2.28.9", "off"),       # profile 2.28, the newest release without profiler v6: model path
+    ("2.30.7", "callback"),  # profile 2.29 (2.29.2-2.30.7), profiler v6: NCCL's phandle
+])  # 2.29.7 on both paths: tests/test_nccl_switch.py
 def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(nccl_plugin, tmp_path,
                                                                        ring_kit, version,
                                                                        profiler):
@@ -84,7 +84,7 @@ def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(nccl_plug
     assert len(sends) == world * 4
     assert sum(s["repl_elems"] for s in sends) == ITERATIONS * sum(BUCKETS)
     assert all(s["malformed"] == s["corrupt"] == 0 for per in stats for s in per)
-    if version != "2.29.7":
+    if version != "2.28.9":
         return
     # and the shadows get exactly the bytes the Python ring gives them for these inputs
     py = python_ring_replicas(ring_kit, seed, world, partitions)
@@ -141,11 +141,11 @@ def test_nccl_ring_schedule_mismatch_is_refused_never_mislabelled(nccl_plugin, t
     try:
         outs = H.launch(world, tmp_path / "run", str(nccl_plugin),
                         [f"{net}.{10 + r}" for r in range(world)], channels=4,
-                        buffsize=BUFFSIZE, buckets=BUCKETS, iterations=2, seed=seed, job=job,
+                        buffsize=BUFFSIZE, buckets=BUCKETS, iterations=1, seed=seed, job=job,
                         profiler=profiler, version="2.29.7", plays="2.28")
     finally:
         datagrams = tap.close()
-    expect = {it: expected_flat(seed, it, world) for it in (1, 2)}
+    expect = {1: expected_flat(seed, 1, world)}
     assert all(np.array_equal(o[i], expect[it]) for o in outs for i, it in enumerate(expect))
     lines = _lines(tmp_path / "run", world)
     assert all(len(x) == 1 and "continues untagged" in x[0] for x in lines), lines
@@ -155,7 +155,7 @@ def test_nccl_ring_schedule_mismatch_is_refused_never_mislabelled(nccl_plugin, t
         got = np.frombuffer(payload, "<f4")
         assert np.array_equal(got, expect[h.iteration][h.offset:h.offset + h.count]), h
         tagged += h.count
-    assert tagged < 2 * sum(BUCKETS)  # refused: not everything was labelled
+    assert tagged < sum(BUCKETS)  # refused: not everything was labelled
 
 
 @ROOT
