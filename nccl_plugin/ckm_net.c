@@ -416,9 +416,10 @@ static ncclResult_t cut(struct comm *c)
 			ckm_repair_retain(iteration, offset, count, part, (uint16_t)r->msg,
 					  r->buf + r->pos);
 		}
-		if (!r->repl && c->ctx && c->channel >= 0 && c->channel < 64 &&
-		    c->ctx->ring_index[c->channel] >= 0) /* tell the next rank where we are */
-			s->hdr.fec_group = htonl((uint32_t)c->ctx->ring_index[c->channel] + 1);
+		int ix = c->ctx && c->channel >= 0 && c->channel < 64
+			? __atomic_load_n(&c->ctx->ring_index[c->channel], __ATOMIC_RELAXED) : -1;
+		if (!r->repl && ix >= 0) /* tell the next rank where we are */
+			s->hdr.fec_group = htonl((uint32_t)ix + 1);
 		s->req = r;
 		s->data = r->buf + r->pos;
 		s->len = (uint32_t)len;
@@ -560,9 +561,11 @@ static void learn_index(struct comm *c, const struct ckm_hdr *h)
 		refuse(x, "a ring index %u from the previous rank on channel %d", v - 1, c->channel);
 		return;
 	}
-	if (x->ring_index[c->channel] < 0)
-		x->ring_index[c->channel] = mine;
-	if (x->ring_index[c->channel] != mine || mine != g_cfg.sched.rank)
+	int none = -1; /* the receive and send sides run on different threads */
+	__atomic_compare_exchange_n(&x->ring_index[c->channel], &none, mine, 0, __ATOMIC_RELAXED,
+				    __ATOMIC_RELAXED);
+	if (__atomic_load_n(&x->ring_index[c->channel], __ATOMIC_RELAXED) != mine ||
+	    mine != g_cfg.sched.rank)
 		refuse(x, "its ring on channel %d puts this rank %d at index %d (the distance from "
 		       "rank 0); the schedule needs the rank order", c->channel, g_cfg.sched.rank,
 		       mine);
@@ -1158,7 +1161,8 @@ static int first_checks(struct comm *c, int tag)
  * fully reduced send a receive on that channel has completed, so it has had the chance). */
 static int index_proven(struct comm *c)
 {
-	int ix = c->channel >= 0 && c->channel < 64 ? c->ctx->ring_index[c->channel] : -1;
+	int ix = c->channel >= 0 && c->channel < 64
+		? __atomic_load_n(&c->ctx->ring_index[c->channel], __ATOMIC_RELAXED) : -1;
 	if (ix == g_cfg.sched.rank)
 		return 1;
 	refuse(c->ctx, "its ring position on channel %d is not proven yet (no ring index from the "
