@@ -81,6 +81,7 @@ def verdict(version: tuple[int, ...], outs: list[Any], datagrams: list[bytes],
     import numpy as np
 
     from checkmate.testbed import nccl_harness as H
+    from checkmate.testbed import nccl_replicas as R
     from checkmate.testbed.nccl_release import version_code
 
     rel = ".".join(map(str, version))
@@ -116,7 +117,7 @@ def verdict(version: tuple[int, ...], outs: list[Any], datagrams: list[bytes],
         return Result("nccl-plugin", "FAIL", f"NCCL {rel}: the plugin refused to tag: "
                       f"{first}", figs)
     try:
-        summary = H.check_replicas(datagrams, key, job, BUCKETS, 1, ITERATIONS, PARTITIONS,
+        summary = R.check_replicas(datagrams, key, job, BUCKETS, 1, ITERATIONS, PARTITIONS,
                                    expect)
     except AssertionError as e:
         return Result("nccl-plugin", "FAIL", f"NCCL {rel}: the copies a switch would make "
@@ -160,7 +161,7 @@ def nccl_plugin_check(budget: Budget) -> Result:
         return Result("nccl-plugin", "FAIL", f"building the plugin failed: "
                       f"{_short(build.stdout + build.stderr)}")
     from checkmate.protocol import auth, datamac
-    from checkmate.testbed import nccl_harness as H
+    from checkmate.testbed import nccl_replicas as R
 
     version = tuple(torch.cuda.nccl.version())
     work = Path(tempfile.mkdtemp(prefix="ckm-devcheck-nccl-"))
@@ -168,7 +169,7 @@ def nccl_plugin_check(budget: Budget) -> Result:
     key = datamac.data_key(auth.load_secret(secret))
     job = random.randrange(1 << 20, 1 << 31)
     port, ident = _free_port(), identity_for(version)
-    tap = H.ReplicaTap("lo", job)
+    tap = R.ReplicaTap("lo", job)
     procs = []
     try:
         for r in range(2):

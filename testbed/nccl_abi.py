@@ -245,6 +245,16 @@ CTYPES = {"ncclNet_v12_t": Net12, "ncclNet_v11_t": Net11, "ncclNet_v10_t": Net10
           "ncclProfiler_v6_t": Profiler6, "ncclTuner_v5_t": Tuner5}
 
 
+class PluginError(RuntimeError):
+    """A plugin call failed, or the harness driving it did."""
+
+
+def ok(res: int, what: str) -> None:
+    """An ncclResult_t that must be ncclSuccess."""
+    if res != SUCCESS:
+        raise PluginError(f"{what} returned ncclResult {res}")
+
+
 def load(path: str) -> tuple[C.CDLL, str, C.Structure]:
     """NCCL's rule: the newest ``ncclNetPlugin_vN`` the library exports. Returns (library,
     version, vtable)."""

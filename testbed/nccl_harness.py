@@ -1,27 +1,10 @@
 """NCCL stand-in: drives the ckm NCCL net plugin the way a given NCCL release runs a ring
 allreduce with the Simple protocol, one process per rank (docs/nccl_plugin.md, "The
-harness"). What NCCL does is in checkmate.testbed.nccl_release, written from NCCL's source
-(cited there), not from the plugin's model: the two can disagree, and the tests show they
-do not for the supported releases and that the plugin refuses where they do.
-
-Each rank loads a stand-in libnccl that answers ncclGetVersion with the release under test
-(RTLD_GLOBAL, so the plugin finds it as under real NCCL), dlopens the plugin, calls
-init/listen/connect/accept as NCCL's transport setup does (connect and accept return NULL
-until done, the handle keeps connect's state), initializes the plugin's tuner as NCCL does
-at communicator init and asks it per allreduce (enqueue.cc, ncclGetAlgoInfo), plans each
-collective over the channels (enqueue.cc, scheduleCollTasksToPlan), and then plays the
-proxy thread (net.cc, sendProxyProgress / recvProxyProgress): per channel one isend per
-kernel slice tagged with this rank, at most NCCL_STEPS / sliceSteps = 4 in flight each way,
-receives of stepSize * sliceSteps bytes tagged with the previous rank posted ahead, every
-request polled with test() until done. The reduction is done on the host in the kernel's
-step order (all_reduce.h, runRing). With ``--profiler callback`` it also plays NCCL's
-profiler core as profiler.cc does (NcclProfiler): the phandle given to isend is NCCL's own
-object, never the step's event, so the plugin asks through the profiler callback.
-
-What it does not model: GPU kernels and their timing, NCCL's own channel tuning when no
-tuner pins it (all channels are used), LL/LL128, Tree and NVLS (``--algo`` only changes
-what the profiler reports), several communicators, the ring order NCCL's topology search
-picks (rank order here).
+harness"). What NCCL does comes from checkmate.testbed.nccl_release, written from NCCL's
+source, not from the plugin's schedule: the two can disagree. Per rank: a stand-in libnccl
+answering ncclGetVersion, the plugin's net/tuner/profiler called as NCCL's setup, planner
+and proxy thread call them (isends tagged with this rank, receives with the previous one,
+4 in flight, test() until done), the reduction on the host.
 
     python -m checkmate.testbed.nccl_harness --rank R --nranks N --dir D --plugin LIB --ip A ...
 """
@@ -44,6 +27,9 @@ import numpy as np
 
 from checkmate.testbed import nccl_abi as abi
 from checkmate.testbed import nccl_release as nr
+from checkmate.testbed.nccl_abi import PluginError
+from checkmate.testbed.nccl_abi import ok as _ok
+from checkmate.testbed.nccl_profiler_core import NcclProfiler
 
 DEPTH = 4  # slices in flight per direction and channel: NCCL_STEPS / ALLREDUCE_SLICESTEPS
 SETUP_TIMEOUT = 60.0
@@ -76,15 +62,6 @@ def plugin_env(rank: int, nranks: int, channels: int, buffsize: int, buckets: li
     return env
 
 
-class PluginError(RuntimeError):
-    pass
-
-
-def _ok(res: int, what: str) -> None:
-    if res != abi.SUCCESS:
-        raise PluginError(f"{what} returned ncclResult {res}")
-
-
 @dataclass
 class _Channel:
     send: C.c_void_p
@@ -105,87 +82,6 @@ class _Slice:
     start: int
     n: int
     op: int  # index of its proxy op in the plan
-
-
-class NcclProfiler:
-    """NCCL's profiler core as far as the identity path needs it: ``ncclProfiler_v6`` from
-    the plugin's library, Coll / ProxyOp / ProxyStep events started and stopped as NCCL
-    does (a collective at enqueue, a send and a recv op per channel, a step per posted
-    slice), and the net plugin's profiler callback answered as NCCL's core answers it (a
-    NetPlugin event whose parent is the step's event). ``via_callback``: the phandle given
-    to isend is an opaque token of ours (as NCCL passes its own object), so the plugin must
-    take the callback route; else it is the step's event handle itself."""
-
-    _MEMBER = {abi.PROFILE_COLL: "coll", abi.PROFILE_PROXY_OP: "proxyOp",
-               abi.PROFILE_PROXY_STEP: "proxyStep", abi.PROFILE_NET_PLUGIN: "netPlugin"}
-
-    def __init__(self, lib: C.CDLL, rank: int, nranks: int, comm_id: int, algo: str,
-                 via_callback: bool) -> None:
-        self.prof = abi.Profiler6.in_dll(lib, "ncclProfiler_v6")
-        self.ctx, mask = C.c_void_p(), C.c_int(0)
-        _ok(self.prof.init(C.byref(self.ctx), comm_id, C.byref(mask), b"harness", 1, nranks,
-                           rank, None), "profiler init")
-        self.mask, self.rank, self.algo = mask.value, rank, algo.encode()
-        self.via_callback, self.seq = via_callback, 0
-        self.tokens: dict[int, int] = {}
-        self._token = 0x1000
-        self.callback = abi.PROF_CALLBACK(self._callback)  # kept alive with self
-
-    def _start(self, kind: int, parent: int | None, **fields: object) -> int | None:
-        if not self.mask & kind:
-            return None  # NCCL starts only the events the plugin activated
-        d = abi.EventDescr6(type=kind, parentObj=parent, rank=self.rank)
-        for k, v in fields.items():
-            setattr(getattr(d, self._MEMBER[kind]), k, v)
-        h = C.c_void_p()
-        _ok(self.prof.startEvent(self.ctx, C.byref(h), C.byref(d)), "startEvent")
-        return h.value
-
-    def stop(self, h: int | None) -> None:
-        if h:
-            _ok(self.prof.stopEvent(h), "stopEvent")
-
-    def group(self) -> int | None:
-        """The outermost group's GroupApi event (profiler.cc:246-262)."""
-        return self._start(abi.PROFILE_GROUP_API, None)
-
-    def coll_api(self, group: int | None) -> int | None:
-        """A collective call's CollApi event, child of its group (profiler.cc:319-330)."""
-        return self._start(abi.PROFILE_COLL_API, group)
-
-    def coll(self, count: int, channels: int, algo: str = "", proto: str = "Simple",
-             parent: int | None = None) -> int | None:
-        self.seq += 1
-        return self._start(abi.PROFILE_COLL, parent, seqNumber=self.seq - 1, func=b"AllReduce",
-                           count=count, datatype=b"ncclFloat32", nChannels=channels, nWarps=16,
-                           algo=(algo.encode() or self.algo), proto=proto.encode())
-
-    def op(self, coll: int | None, ch: int, peer: int, nsteps: int, chunk: int,
-           is_send: bool) -> int | None:
-        return self._start(abi.PROFILE_PROXY_OP, coll, pid=os.getpid(), channelId=ch,
-                           peer=peer, nSteps=nsteps, chunkSize=chunk, isSend=int(is_send))
-
-    def step(self, op: int | None, step: int) -> tuple[int | None, int | None]:
-        """(the step's event, the phandle NCCL would pass to isend/irecv for it)."""
-        h = self._start(abi.PROFILE_PROXY_STEP, op, step=step)
-        if not self.via_callback or h is None:
-            return h, h
-        self._token += 8
-        self.tokens[self._token] = h
-        return h, self._token
-
-    def end_step(self, h: int | None, phandle: int | None) -> None:
-        self.tokens.pop(phandle, None)
-        self.stop(h)
-
-    def _callback(self, ehandle, kind, phandle, plugin_id, data):  # noqa: ANN001, ANN202
-        if kind == abi.NET_EVENT_START:
-            parent = self.tokens.get(phandle) if self.via_callback else phandle
-            h = self._start(abi.PROFILE_NET_PLUGIN, parent, id=plugin_id, data=data)
-            ehandle[0] = h
-        elif kind == abi.NET_EVENT_STOP and ehandle[0]:
-            self.stop(ehandle[0])
-        return abi.SUCCESS
 
 
 ALGOS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
@@ -354,13 +250,12 @@ class Rank:
                          op.prof_chunk, True),
                  prof.op(colls[op.task], op.channel, self.prev, op.prof_nsteps,
                          op.prof_chunk, False)) if prof else (None, None) for op in ops]
-        step_of: dict[tuple, int] = {}  # ProxyStep step: slices of its op before it
+        step_of: dict[tuple, int] = {}  # ProxyStep step: slices of its op before it, per side
         for lst in (*sends, *recvs):
-            per_op: dict[tuple, int] = {}
+            per_op: dict[int, int] = {}
             for sl in lst:
-                kk = (sl.op, sl.kind in nr.SENDS and lst in sends)
-                step_of[(id(lst), sl.key)] = per_op.get(kk, 0)
-                per_op[kk] = per_op.get(kk, 0) + 1
+                step_of[(id(lst), sl.key)] = per_op.get(sl.op, 0)
+                per_op[sl.op] = per_op.get(sl.op, 0) + 1
         ready: list[dict[tuple, np.ndarray]] = [
             {sl.key: np.ascontiguousarray(xs[sl.task][sl.start:sl.start + sl.n])
              for sl in sends[ch] if sl.kind == nr.SEND} for ch in range(len(self.chans))]
@@ -601,90 +496,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-# ----- what a switch would copy ----------------------------------------------------------
-class ReplicaTap:
-    """Every REPLICATE datagram of job ``job`` seen on interface ``ifname`` (an AF_PACKET
-    socket: needs root), collected by a thread -- what the switch copies to the shadows.
-    Used on loopback, where there is no switch."""
-
-    def __init__(self, ifname: str, job: int) -> None:
-        import socket
-        import threading
-
-        self.job, self.datagrams = job, []
-        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(0x0800))
-        self.sock.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE
-        self.sock.bind((ifname, 0x0800))
-        self.sock.settimeout(0.1)
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        from checkmate.protocol import wire
-
-        while not self._stop.is_set():
-            try:
-                pkt, addr = self.sock.recvfrom(65536)
-            except TimeoutError:
-                continue
-            if addr[2] == 4:  # PACKET_OUTGOING: loopback shows each packet twice
-                continue
-            ihl = (pkt[0] & 0xF) * 4
-            if pkt[9] != 17 or len(pkt) < ihl + 8 + wire.HEADER_LEN:
-                continue
-            dport = int.from_bytes(pkt[ihl + 2:ihl + 4], "big")
-            body = pkt[ihl + 8:]
-            if (wire.is_ckm_port(dport) and body[3] & wire.Flags.REPLICATE
-                    and int.from_bytes(body[4:8], "big") == self.job):
-                self.datagrams.append(bytes(body))
-
-    def close(self) -> list[bytes]:
-        self._stop.set()
-        self._t.join(2)
-        self.sock.close()
-        return self.datagrams
-
-
-def check_replicas(datagrams: list[bytes], key: tuple[int, int], job: int,
-                   buckets: list[int], first_iteration: int, iterations: int, partitions: int,
-                   expect: dict[int, np.ndarray]) -> dict[str, int]:
-    """Raises AssertionError unless the REPLICATE datagrams carry every reduced element of
-    every iteration exactly once (a resent datagram is the same bytes: the shadow drops it
-    as a duplicate), at its flat offset, with its owner partition, a valid CRC and a valid
-    data MAC, and the value the allreduce produced (``expect[iteration]``)."""
-    from checkmate.protocol import datamac, wire
-    from checkmate.spec.partition import partition_bounds
-
-    total = sum(buckets)
-    bounds = partition_bounds(total, partitions)
-    seen: dict[tuple[int, int, int], bytes] = {}
-    resent = 0
-    for d in datagrams:
-        h, payload = wire.decode(d)  # raises on a bad CRC or length
-        assert h.dtype == wire.DType.FLOAT32, h
-        tag = datamac.data_tag(key, job, h.flags, h.iteration, h.offset, h.count, h.partition,
-                               h.dtype, h.crc32c)
-        assert tag == (h.fec_index, h.fec_k, h.fec_m, h.fec_group), f"bad MAC: {h}"
-        lo, hi = bounds[h.partition]
-        assert lo <= h.offset and h.offset + h.count <= hi, f"piece outside partition: {h}"
-        assert h.count <= wire.MAX_PAYLOAD_JUMBO // 4, h
-        k = (h.iteration, h.offset, h.count)
-        if k in seen:
-            assert seen[k] == bytes(payload), f"two different payloads for {k}"
-            resent += 1
-        seen[k] = bytes(payload)
-    its = range(first_iteration, first_iteration + iterations)
-    cover = {it: np.zeros(total, np.int32) for it in its}
-    for (it, off, n), payload in seen.items():
-        assert it in cover, f"iteration {it} outside {list(its)}"
-        cover[it][off:off + n] += 1
-        got = np.frombuffer(payload, "<f4")
-        assert np.array_equal(got, expect[it][off:off + n]), f"wrong values at {it}:{off}"
-    for it, c in cover.items():
-        assert c.min() == 1 and c.max() == 1, (
-            f"iteration {it}: {int((c == 0).sum())} elements missing, "
-            f"{int((c > 1).sum())} sent more than once")
-    return {"pieces": len(seen), "resent": resent}

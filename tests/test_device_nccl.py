@@ -14,6 +14,7 @@ import torch
 from checkmate.protocol import auth, datamac
 from checkmate.testbed import device_check, device_nccl
 from checkmate.testbed import nccl_harness as H
+from checkmate.testbed import nccl_replicas as R
 
 
 def test_device_nccl_env_two_nodes_on_one_gpu_through_the_plugin(tmp_path):
@@ -57,7 +58,7 @@ def test_device_nccl_verdict_on_a_harness_run(nccl_plugin, tmp_path, monkeypatch
     monkeypatch.setattr(device_nccl, "BUCKETS", buckets)
     monkeypatch.setattr(device_nccl, "ITERATIONS", iters)
     job = random.randrange(1 << 20, 1 << 31)
-    tap = H.ReplicaTap("lo", job)
+    tap = R.ReplicaTap("lo", job)
     try:
         outs = H.launch(2, tmp_path / "run", str(nccl_plugin), ["127.0.0.1"] * 2, channels=2,
                         buffsize=1 << 15, buckets=buckets, iterations=iters,

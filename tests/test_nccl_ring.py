@@ -21,6 +21,7 @@ from fakes import BUCKETS, BUFFSIZE, ITERATIONS, python_ring_replicas
 
 from checkmate.protocol import auth, datamac, wire
 from checkmate.testbed import nccl_harness as H
+from checkmate.testbed import nccl_replicas as R
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="the tap on lo is an AF_PACKET socket (root)")
@@ -51,7 +52,7 @@ def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(nccl_plug
     world, partitions, seed = 4, 2, 11
     job = random.randrange(1 << 20, 1 << 31)
     net = _net()
-    tap = H.ReplicaTap("lo", job)
+    tap = R.ReplicaTap("lo", job)
     try:
         outs = H.launch(world, tmp_path / "run", str(nccl_plugin),
                         [f"{net}.{10 + r}" for r in range(world)], channels=4,
@@ -65,18 +66,18 @@ def test_nccl_ring_loopback_exact_and_each_reduced_element_tagged_once(nccl_plug
             assert np.array_equal(outs[r][i], expect[it]), (r, it)
     assert _lines(tmp_path / "run", world) == [[]] * world
     key = datamac.data_key(auth.load_secret())
-    summary = H.check_replicas(datagrams, key, job, BUCKETS, 1, ITERATIONS, partitions, expect)
+    summary = R.check_replicas(datagrams, key, job, BUCKETS, 1, ITERATIONS, partitions, expect)
     assert summary["pieces"] > 3 * len(BUCKETS)
     # the check fails on a lost piece, and on a second, different copy of a piece
     first = wire.decode(datagrams[0])[0]  # every copy of it: a resend is the same piece
     lost = [d for d in datagrams if (lambda h: (h.iteration, h.offset) != (
         first.iteration, first.offset))(wire.decode(d)[0])]
     with pytest.raises(AssertionError, match="missing"):
-        H.check_replicas(lost, key, job, BUCKETS, 1, ITERATIONS, partitions, expect)
+        R.check_replicas(lost, key, job, BUCKETS, 1, ITERATIONS, partitions, expect)
     forged = bytearray(datagrams[0])
     forged[-1] ^= 1
     with pytest.raises(Exception, match="CRC|MAC|payload"):
-        H.check_replicas([*datagrams, bytes(forged)], key, job, BUCKETS, 1, ITERATIONS,
+        R.check_replicas([*datagrams, bytes(forged)], key, job, BUCKETS, 1, ITERATIONS,
                          partitions, expect)
     # the plugin's own counters agree: every reduced element once per iteration
     stats = H.stats(tmp_path / "run", world)
@@ -137,7 +138,7 @@ def test_nccl_ring_schedule_mismatch_is_refused_never_mislabelled(nccl_plugin, t
     world, seed = 4, 13
     job = random.randrange(1 << 20, 1 << 31)
     net = _net()
-    tap = H.ReplicaTap("lo", job)
+    tap = R.ReplicaTap("lo", job)
     try:
         outs = H.launch(world, tmp_path / "run", str(nccl_plugin),
                         [f"{net}.{10 + r}" for r in range(world)], channels=4,
@@ -168,7 +169,7 @@ def test_nccl_ring_order_other_than_rank_order_is_refused_never_mislabelled(nccl
     world, seed, buckets = 5, 17, [20_480]  # 5 full chunks: every isend size is the same
     job = random.randrange(1 << 20, 1 << 31)
     net = _net()
-    tap = H.ReplicaTap("lo", job)
+    tap = R.ReplicaTap("lo", job)
     try:
         outs = H.launch(world, tmp_path / "run", str(nccl_plugin),
                         [f"{net}.{10 + r}" for r in range(world)], channels=1,
