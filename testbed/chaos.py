@@ -57,7 +57,7 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # many iterations after the shadow kill.
     out["shadow-and-trainers-kill"] = {"shadow_kills": [{"partition": "R", "at": "E",
                                                          "disk": True}],
-                                       "persist_every": 10, "kill_after_shadow": 6}
+                                       "persist_every": 5, "kill_after_shadow": 6}
     out["trainer-kill-after-step"] = {"kill_at": "random"}
     out["trainer-kill-before-control"] = {"kill_at": "random", "kill_phase": "before-control"}
     out["controller-restart"] = {"controller_restart_at": "random", "kill_at": late}

@@ -54,4 +54,4 @@ def test_every_case_draws_a_valid_scenario():
     sc = draw("shadow-and-trainers-kill", cases(300)["shadow-and-trainers-kill"], 300, 0, 2,
               rng)
     (k,) = sc.shadow_kills
-    assert sc.kill_at == k.at + 6 and k.disk and sc.persist_every == 10
+    assert sc.kill_at == k.at + 6 and k.disk and sc.persist_every == 5
