@@ -236,6 +236,7 @@ class ShadowNode:
                 "active": st.reseed is not None,
                 "count": st.reseeds_done,
                 "reason": st.reseed_reason,
+                "seconds": st.reseed_seconds,
                 **({"progress": st.reseed.status()} if st.reseed is not None else {}),
             },
             "seeded_iteration": st.seeded_iteration,
