@@ -438,4 +438,6 @@ class Persister:
                 "last_failed_iteration": self.last_failed_iteration,
                 "failing": self.failing, "alive": self._thread.is_alive(),
                 "spacing": self.schedule.spacing if self.schedule else None,
+                "spacing_max": (self.every << self.schedule.max_level) if self.schedule
+                else None,
                 "dropped": self.dropped}

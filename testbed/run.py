@@ -22,12 +22,14 @@ addresses 127.77.N.x and the trainers send the shadow copies themselves.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,8 @@ def _inject(run: Run) -> None:
                                                                    k.restart))
     if sc.disk_limit is not None:
         run.limit_disk(*sc.disk_limit)
+    if sc.cpu_load:
+        run.load_cpu(sc.cpu_load)
     if sc.controller_restart_at is not None:
         if cl.testbed is None:
             raise CheckmateError("controller_restart_at needs --mode switch")
@@ -84,8 +88,33 @@ def _clear_faults(run: Run) -> dict[str, int]:
 # ----------------------------------------------------------------------------- main
 
 
-def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str, Any]:
-    """Run the scenario; returns the report (``ok`` False with ``problems`` on failure)."""
+@dataclass
+class Reference:
+    """A finished failure-free run, shared by every scenario of the same model, steps and
+    seed (``testbed chaos``): training is deterministic, so one reference serves them all."""
+
+    run: Run
+    entry: dict[str, Any]  # its report["runs"]["failure-free"]
+    problems: list[str]
+
+
+def reference(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> Reference:
+    """Run ``sc``'s job once, failure-free, to serve as the reference of its scenarios."""
+    base = dataclasses.replace(sc, kill_at=None, faults=[], shadow_kills=[], cpu_load=0,
+                               controller_restart_at=None, disk_limit=None, persist_every=0)
+    finished: dict[str, Run] = {}
+    rep = execute(base, cl, workdir, progress, finished=finished)
+    return Reference(finished["failure-free"], rep["runs"]["failure-free"], rep["problems"])
+
+
+def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
+            ref: Reference | None = None,
+            finished: dict[str, Run] | None = None) -> dict[str, Any]:
+    """Run the scenario; returns the report (``ok`` False with ``problems`` on failure).
+
+    ``ref``: a failure-free run of the same model, steps and seed taken as the reference
+    instead of running one; ``finished`` receives the runs (label -> Run).
+    """
     import torch
 
     report: dict[str, Any] = {"scenario": sc.name, "mode": cl.mode, "model": sc.model,
@@ -99,7 +128,15 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
     second = "chaos" if sc.chaos else "kill-restore"
     runs = [("failure-free", None)] + ([(second, sc.kill_at)] if sc.kill_at or sc.chaos
                                        else [])
-    finished: dict[str, Run] = {}
+    finished = {} if finished is None else finished
+    if ref is not None:
+        if (ref.run.sc.model, ref.run.sc.steps, ref.run.sc.seed) != (sc.model, sc.steps,
+                                                                      sc.seed):
+            raise CheckmateError("the reference run trained another job (model, steps, seed)")
+        runs = runs[1:]
+        finished["failure-free"] = ref.run
+        report["runs"]["failure-free"] = ref.entry
+        problems += [f"reference: {p}" for p in ref.problems]
     for label, kill in runs:
         run = Run(cl, sc, workdir, label, progress)
         if sc.gockpt is not None:  # no shadows: each trainer's GoCkpt process checkpoints
@@ -172,8 +209,13 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
                 # iteration was in every shadow's memory any more, so the resume came from
                 # the newest checkpoint every partition held, one persist interval (or one
                 # more while a write was in flight) before that shadow's kill.
+                # Writes that could not keep up were thinned alike on every partition
+                # (shadow/persist_schedule.py): the interval is the widest one used.
                 first = min((rs["at"] for rs in kr.restarts), default=kr.killed_at or 0)
-                allowed = (kr.max_done_before_kill or 0) - first + 2 * sc.persist_every + 3
+                spacing = max([sc.persist_every] + [
+                    (st.get("persist") or {}).get("spacing_max") or 0
+                    for st in kr.shadow_status])
+                allowed = (kr.max_done_before_kill or 0) - first + 2 * spacing + 3
             if repeated > allowed and kr.killed_at is not None:
                 problems.append(f"{repeated} iterations repeated (at most {allowed} allowed)")
     report["ok"] = not problems

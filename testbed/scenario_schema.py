@@ -108,6 +108,7 @@ class ScenarioDoc(_Strict):
     finish_timeout: float = 30.0
     disk_limit: DiskLimitDoc | None = None
     gockpt: GoCkptDoc | None = None
+    cpu_load: Annotated[int, _int_in(0, 64)] = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -142,6 +143,9 @@ class ScenarioDoc(_Strict):
                                         or self.controller_restart_at or self.disk_limit):
             raise ValueError("gockpt runs without shadows: no faults, shadow_kills, "
                              "persist_every, controller_restart_at or disk_limit")
+        if self.cpu_load and not (self.faults or self.shadow_kills
+                                  or self.controller_restart_at or self.disk_limit):
+            raise ValueError("cpu_load loads the chaos run: give faults or shadow_kills")
         if not 0 < self.finish_timeout <= 3600:
             raise ValueError("finish_timeout must be seconds in (0, 3600]")
         return self
