@@ -329,7 +329,6 @@ class Run:
                 self.result.stats.append({"rank": ev["rank"], **ev.get("stats", {}),
                                           "control_bytes": ev.get("control_bytes"),
                                           "copy_bytes": ev.get("copy_bytes"),
-                                          "parity_bytes": ev.get("parity_bytes"),
                                           "repair": ev.get("repair"),
                                           "reseeds": ev.get("reseeds", 0)})
                 if ev["rank"] == 0:

@@ -61,8 +61,6 @@ class _Reliability:
                     payload: bytes) -> None:
         if self.replica_log is not None:
             self.replica_log.add_piece(iteration, bucket, offset, partition, payload)
-        if self.parity is not None:
-            self.parity.piece(iteration, partition, offset, payload)
         if self.layout.mode == "host":
             self.sender.copy(iteration, bucket, offset, partition, payload)
 
