@@ -351,7 +351,7 @@ class Persister:
                 self.dropped += len(drop) + (not take)
             else:  # due by time only: never displaces nor delays an aligned write
                 take, gone = not self._queue, []
-            self._queue = [q for q in self._queue if q not in gone]
+            self._queue = [q for q in self._queue if all(q is not g for g in gone)]
             if take:
                 self._queue.append((v, self._generation, seeded, aligned))
                 self.last_time = time.monotonic()
