@@ -97,14 +97,15 @@ def _row(name: str, rep: dict[str, Any], seconds: float) -> dict[str, Any]:
                 "repair_overhead"), "repairs": run.get("repair_answers"),
             "reseeds": run.get("reseeds"), "rejoin": rj[0].get("iterations") if rj else None,
             "to_current_s": rj[0].get("reseed_seconds") if rj else None,
+            "epochs": run.get("epochs_minted"),
             "persist_errors": sum(p.get("errors") or 0 for p in run.get("persist") or []),
             "restart_at": rj[0].get("at") if rj else None,
             "problems": "; ".join(rep.get("problems", []))[:200], "seconds": round(seconds, 1)}
 
 
 _COLS = ("case", "ok", "bit_identical", "kill_at", "repeated", "lag_max", "repair_overhead",
-         "repairs", "reseeds", "restart_at", "rejoin", "to_current_s", "persist_errors",
-         "seconds")
+         "repairs", "reseeds", "restart_at", "rejoin", "to_current_s", "epochs",
+         "persist_errors", "seconds")
 
 
 #: The generated part of docs/reliability.md lies between these lines; the prose around
@@ -168,7 +169,8 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], seed: int) -> str:
              "`repair_overhead` the repair answer bytes over the replica bytes; `rejoin` the "
              "iterations from a shadow's SIGKILL to its first commit after restarting "
              "(restart, re-register, re-seed); `to_current_s` the seconds from the "
-             "re-seed being asked for to the restarted shadow's commit; `repeated` the "
+             "re-seed being asked for to the restarted shadow's commit; `epochs` the "
+             "registrations the controller made (one per shadow start); `repeated` the "
              "iterations a restore recomputed.", "", "Per case:", ""]
     lines += _table(summary(rows), _SUMMARY_COLS)
     lines += ["", "Every run:", ""]

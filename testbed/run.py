@@ -70,6 +70,26 @@ def _inject(run: Run) -> None:
         run.at_iteration(sc.controller_restart_at, cl.testbed.restart_controller)
 
 
+_REGISTERED = b"control serve: registered "
+
+
+def _controller_log_mark(cl: Cluster) -> int | None:
+    """Where the namespace testbed's controller log ends now (None: no such log)."""
+    tb = cl.testbed
+    path = tb.state_dir / "controller.log" if tb is not None else None
+    return path.stat().st_size if path is not None and path.exists() else None
+
+
+def _epochs_minted(cl: Cluster, mark: int | None) -> int | None:
+    """Registrations the controller made (each mints an epoch) since ``mark``; a retry of
+    one it made is answered again without a line (control/service.py)."""
+    if mark is None or cl.testbed is None:
+        return None
+    with open(cl.testbed.state_dir / "controller.log", "rb") as f:
+        f.seek(mark)
+        return f.read().count(_REGISTERED)
+
+
 def _clear_faults(run: Run) -> dict[str, int]:
     """Turn the scenario's knobs off; returns the frames each knob dropped."""
     dropped: dict[str, int] = {}
@@ -143,6 +163,7 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
             run.extra_job = {"ckpt": "gockpt", "ckpt_dir": str(gockpt_dir(run)),
                              "ckpt_every": sc.gockpt[0], "ckpt_steps": sc.gockpt[1]}
         t0 = time.perf_counter()
+        log_mark = _controller_log_mark(cl)
         try:
             if sc.gockpt is None:
                 run.start_shadows()
@@ -169,6 +190,13 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
             problems.append(f"{label}: the last iteration was not protected by every shadow")
         if summary["commits_missing"]:
             problems.append(f"{label}: shadows skipped iterations {summary['commits_missing']}")
+        minted = _epochs_minted(cl, log_mark) if sc.gockpt is None else None
+        starts = cl.cfg.num_partitions + r.shadow_restarts
+        # Registration converges: one epoch per shadow process start, however many tries
+        # its registration took (a restarted controller may see a shadow register again).
+        if minted is not None and minted != starts and sc.controller_restart_at is None:
+            problems.append(f"{label}: the controller minted {minted} epochs for {starts} "
+                            "shadow starts (registration retries must reuse their epoch)")
         report["runs"][label] = {
             "seconds": r.seconds, "first_loss": r.losses[0] if r.losses else None,
             "last_loss": r.losses[-1] if r.losses else None, "killed_at": r.killed_at,
@@ -176,6 +204,7 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
             "restored_sources": r.restored_sources,
             "shadows_match_trainers": r.shadow_matches_trainer, "ring": r.stats,
             "protected": r.protected, "shadow_restarts": r.shadow_restarts,
+            "epochs_minted": minted,
             "gockpt_checkpoint": r.gockpt_iteration, **summary,
         }
     if cl.mode == "switch":

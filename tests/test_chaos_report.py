@@ -11,7 +11,7 @@ def _row(case: str, ok: bool, lag: int | None, over: float | None, rejoin: int |
     return {"case": case, "ok": ok, "bit_identical": ok, "kill_at": 30, "repeated": repeated,
             "lag_max": lag, "repair_overhead": over, "repairs": 3, "reseeds": 0,
             "restart_at": None, "rejoin": rejoin, "to_current_s": None if rejoin is None
-            else rejoin / 100, "persist_errors": 0, "problems":
+            else rejoin / 100, "epochs": 2, "persist_errors": 0, "problems":
             "" if ok else "final state differs", "seconds": 1.0}
 
 
