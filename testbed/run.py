@@ -76,8 +76,10 @@ _REGISTERED = b"control serve: registered "
 def _controller_log_mark(cl: Cluster) -> int | None:
     """Where the namespace testbed's controller log ends now (None: no such log)."""
     tb = cl.testbed
-    path = tb.state_dir / "controller.log" if tb is not None else None
-    return path.stat().st_size if path is not None and path.exists() else None
+    if tb is None or cl.mode != "switch":  # host mode: shadows do not register
+        return None
+    path = tb.state_dir / "controller.log"
+    return path.stat().st_size if path.exists() else None
 
 
 def _epochs_minted(cl: Cluster, mark: int | None) -> int | None:
