@@ -282,6 +282,9 @@ class Persister:
         self.purged: list[int] = []  # iterations the last re-seed removed from this partition
         #: waiting writes, oldest first: (version, generation, seeded, aligned slot?)
         self._queue: list[tuple[Any, int, bool, bool]] = []
+        #: the newest due iteration the schedule thinned out (iteration, generation,
+        #: seeded): written when the writer has nothing else to do, e.g. once training stops
+        self._late: tuple[int, int, bool] | None = None
         self._generation = 0  # +1 at every (re)seed: older versions are of a purged lineage
         self._installs = getattr(state, "installs", 0)
         self._cv = threading.Condition()
@@ -318,6 +321,7 @@ class Persister:
             self._generation += 1
             self.last_iteration = None
             old, self._queue = self._queue, []
+            self._late = None
         for q in old:
             self.state.unpin(q[0])
         try:
@@ -355,23 +359,42 @@ class Persister:
             if take:
                 self._queue.append((v, self._generation, seeded, aligned))
                 self.last_time = time.monotonic()
-                self._cv.notify()
+                if self._late is not None and self._late[0] <= it:
+                    self._late = None
             else:
                 gone.append((v, 0, False, False))
+                if aligned:  # thinned out: written later only if the writer is idle
+                    self._late = (it, self._generation, seeded)
+            self._cv.notify()
         for q in gone:
             self.state.unpin(q[0])
 
     def _loop(self) -> None:
         name_thread()
         while True:
+            late = None
             with self._cv:
-                while not self._queue and not self._stop:
+                while not self._queue and self._late is None and not self._stop:
                     if self.schedule is not None:
                         self.schedule.drained()
                     self._cv.wait()
-                if not self._queue:
+                if self._queue:
+                    v, gen, seeded, _ = self._queue.pop(0)
+                elif self._late is not None:
+                    late, self._late = self._late, None
+                else:
                     return
-                v, gen, seeded, _ = self._queue.pop(0)
+            if late is not None:
+                # Idle (or stopping) with a thinned-out iteration newer than the disk's:
+                # write it as an extra (alignment needs only the coarse ones), if the state
+                # still retains it.
+                it, gen, seeded = late
+                if gen != self._generation or (self.last_iteration or -1) >= it:
+                    continue
+                try:
+                    v = self.state.pin(it)
+                except CheckmateError:
+                    continue  # evicted meanwhile: the next due iteration comes instead
             try:
                 self._write(v, gen, seeded)
             except BaseException as e:  # CheckpointException is not an Exception
@@ -419,6 +442,7 @@ class Persister:
             left: list[tuple[Any, int, bool, bool]] = []
             if not flush:
                 left, self._queue = self._queue, []
+                self._late = None
             self._stop = True
             self._cv.notify()
         for q in left:
