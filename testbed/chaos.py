@@ -2,9 +2,10 @@
 
     testbed chaos [--cases NAME,...] [--repeat N] [--seed S] [--steps N] [--out FILE]
 
-Each case is a scenario (testbed.scenario) run in switch mode on the namespace testbed: a
-failure-free reference run, then the same job with the case's faults, and the final model,
-optimizer and scheduler state must be bit-identical to the reference; the shadows must end
+Each case is a scenario (testbed.scenario) run in switch mode on the namespace testbed: the
+job with the case's faults, whose final model, optimizer and scheduler state must be
+bit-identical to a failure-free reference run of the same job (one per step count, shared by
+the cases: training is deterministic); the shadows must end
 equal to the trainers and protecting the last iteration. Cases with a random iteration are
 repeated ``--repeat`` times with draws from ``--seed``. A table goes to the terminal and,
 with ``--out``, a Markdown report (docs/reliability.md) with the command and seed. The
