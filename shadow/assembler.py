@@ -78,8 +78,6 @@ class _Iter:
     repair_tries: int = 0
     repair_next: float = 0.0
     repair_first: float = 0.0  # when it was first asked for
-    # FEC groups with lost pieces: first piece offset -> {parity index: payload}
-    parity: dict[int, dict[int, bytes]] = field(default_factory=dict)
 
 
 class Assembler:
@@ -124,8 +122,6 @@ class Assembler:
         self.heard_at = time.monotonic()
         self.repair_paused = False
         self.repair: Any = None  # checkmate.shadow.repair.RepairRequester, set by the node
-        #: FEC: parity seen, groups with nothing lost, pieces rebuilt, groups that failed.
-        self.fec: Counter = Counter()
         #: Why this partition cannot be repaired and must be re-seeded ("" while it can), and
         #: who to tell (the state cancels a live re-seed that can no longer complete).
         self.reseed_wanted = ""
@@ -263,68 +259,6 @@ class Assembler:
             if st.cov.total == self.size and it == self.next_dispatch:
                 self._dispatch()
 
-    def place_parity(self, it: int, index: int, payload: memoryview) -> None:
-        """An FEC parity datagram: rebuild the lost pieces of its group when it can
-        (checkmate.protocol.fec); a group that lost nothing costs one table parse."""
-        st = self._admit(it)
-        if st is None:
-            return
-        from checkmate.protocol.fec import FecError, parse_parity
-
-        try:
-            t = parse_parity(payload)
-        except FecError:
-            self.drops["parity_invalid"] += 1
-            return
-        self.fec["parity"] += 1
-        if any(off < self.start or off + n > self.end for off, n in t.pieces):
-            self.drops["range"] += 1
-            return
-        if not self._lost(st, t.pieces):
-            self.fec["unneeded"] += 1
-            return
-        st.parity.setdefault(t.pieces[0][0], {})[index] = bytes(payload)
-        self._try_fec(it, st, t.pieces[0][0])
-
-    def _lost(self, st: _Iter, pieces: Any) -> list[int]:
-        s = self.start
-        return [i for i, (off, n) in enumerate(pieces)
-                if st.cov.missing(off - s, off - s + n)]
-
-    def _try_fec(self, it: int, st: _Iter, first: int) -> bool:
-        """Decode one group if enough of it is here; True if it is done (or hopeless)."""
-        from checkmate.protocol.fec import FecError, GroupDecoder, parse_parity
-
-        held = st.parity.get(first)
-        if not held:
-            return True
-        t = parse_parity(next(iter(held.values())))
-        lost = self._lost(st, t.pieces)
-        if not lost:
-            del st.parity[first]
-            return True
-        if len(lost) > len(held):
-            return False  # not yet: more parity, or the data itself, may still come
-        dec = GroupDecoder(max_groups=1, max_bytes=(t.k + t.m) * t.block_len + 4096)
-        s = self.start
-        try:
-            for i, (off, n) in enumerate(t.pieces):
-                if i not in lost:
-                    dec.data(0, i, off, bytes(st.raw[4 * (off - s):4 * (off - s + n)]))
-            for idx, par in held.items():
-                dec.parity(0, idx, par)
-            got = dec.recover(0)
-        except FecError as e:
-            self.fec["failed"] += 1
-            log.warning("iteration %d: FEC group at %d did not decode: %s", it, first, e)
-            del st.parity[first]
-            return True
-        del st.parity[first]
-        self.fec["rebuilt"] += len(got)
-        for off, data in got:
-            self.place(it, off, len(data) // 4, 0, memoryview(data))
-        return True
-
     def _dispatch(self) -> None:
         """Hand complete iterations to the stepper, oldest first, without skipping any."""
         while True:
@@ -403,11 +337,6 @@ class Assembler:
                     continue
                 st = self._open(it)
                 st.last_progress = self.newest_seen_at
-            if st.parity:
-                for first in list(st.parity):
-                    self._try_fec(it, st, first)
-                if it not in self.open:  # FEC completed (and dispatched) it
-                    continue
             if st.control is not None and st.cov.total == self.size:
                 continue
             seen = st.cov.total + st.ctrl_cov.total

@@ -231,12 +231,12 @@ class ShadowNode:
             "newest_seen": asm.newest_seen if asm else None,
             "peers": self.repair.known,
             "repair": self.receiver.repair_status(),
-            "fec": dict(asm.fec) if asm else {},
             "reseed": {
                 "wanted": (asm.reseed_wanted if asm else "") if st.reseed is None else "",
                 "active": st.reseed is not None,
                 "count": st.reseeds_done,
                 "reason": st.reseed_reason,
+                "seconds": st.reseed_seconds,
                 **({"progress": st.reseed.status()} if st.reseed is not None else {}),
             },
             "seeded_iteration": st.seeded_iteration,

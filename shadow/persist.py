@@ -56,6 +56,7 @@ from checkmate.shadow.disk import (
     part_dir,
 )
 from checkmate.shadow.osname import name_thread
+from checkmate.shadow.persist_schedule import PersistSchedule
 from checkmate.spec.model import ModelSpec
 
 
@@ -248,9 +249,12 @@ def restorable_iterations(pdir: Path) -> list[int]:
 class Persister:
     """Writes selected versions in the background; never blocks the caller.
 
-    A version is due every ``every`` iterations (iteration % every == 0, so all shadows pick
-    the same iterations) or when ``seconds`` have passed since the last write. If a write is
-    still running, the newest due version waits and older waiting ones are dropped.
+    A version is due every ``every`` iterations (iteration % every == 0) or when ``seconds``
+    have passed since the last write. Up to ``backlog`` due versions wait behind a running
+    write; when more come, :class:`PersistSchedule` thins the schedule the same way on every
+    partition (multiples of 2 * every, 4 * every, ...), so the partitions keep writing common
+    iterations and a correlated failure finds one on disk. A version due only by time waits
+    only if nothing else does (time is not aligned across partitions).
 
     A failed write (full disk, I/O error, CheckpointException, anything but KeyboardInterrupt
     and SystemExit) never ends the writer thread: it is counted in ``status()``, logged once
@@ -260,9 +264,11 @@ class Persister:
     """
 
     def __init__(self, root: str | Path, partition: int, state: Any, every: int = 0,
-                 seconds: float = 0.0, keep: int = 3) -> None:
+                 seconds: float = 0.0, keep: int = 3, backlog: int = 2) -> None:
         self.root, self.partition, self.state = Path(root), partition, state
         self.every, self.seconds, self.keep = every, seconds, keep
+        self.schedule = PersistSchedule(every, backlog) if every > 0 else None
+        self.dropped = 0  # due versions the schedule thinned out (status)
         self.last_time = time.monotonic()
         self.last_iteration: int | None = None
         self.written = 0
@@ -274,7 +280,11 @@ class Persister:
         self._logged = ""  # key of the error last logged
         self.seconds_spent = 0.0
         self.purged: list[int] = []  # iterations the last re-seed removed from this partition
-        self._pending: tuple[Any, int, bool] | None = None  # version, generation, seeded
+        #: waiting writes, oldest first: (version, generation, seeded, aligned slot?)
+        self._queue: list[tuple[Any, int, bool, bool]] = []
+        #: the newest due iteration the schedule thinned out (iteration, generation,
+        #: seeded): written when the writer has nothing else to do, e.g. once training stops
+        self._late: tuple[int, int, bool] | None = None
         self._generation = 0  # +1 at every (re)seed: older versions are of a purged lineage
         self._installs = getattr(state, "installs", 0)
         self._cv = threading.Condition()
@@ -310,9 +320,10 @@ class Persister:
         with self._cv:
             self._generation += 1
             self.last_iteration = None
-            old, self._pending = self._pending, None
-        if old is not None:
-            self.state.unpin(old[0])
+            old, self._queue = self._queue, []
+            self._late = None
+        for q in old:
+            self.state.unpin(q[0])
         try:
             parts, joins = purge(self.root, self.partition, since)
         except OSError as e:
@@ -328,25 +339,62 @@ class Persister:
 
     def offer(self, version: Any, seeded: bool = False) -> None:
         """Pin and queue ``version`` if due (under the state lock)."""
-        if not self.due(version.iteration):
+        it = version.iteration
+        aligned = self.every > 0 and it % self.every == 0
+        if not aligned and not self.due(it):
             return
-        self.last_time = time.monotonic()
-        self.state.pin(version.iteration)
+        v = self.state.pin(it)
         with self._cv:
-            old, self._pending = self._pending, (version, self._generation, seeded)
+            if aligned:
+                assert self.schedule is not None
+                take, drop = self.schedule.admit(
+                    it, [q[0].iteration for q in self._queue if q[3]])
+                # an aligned version displaces a waiting time-only one; thinning drops some
+                gone = [q for q in self._queue
+                        if (q[3] and q[0].iteration in drop) or (take and not q[3])]
+                self.dropped += len(drop) + (not take)
+            else:  # due by time only: never displaces nor delays an aligned write
+                take, gone = not self._queue, []
+            self._queue = [q for q in self._queue if all(q is not g for g in gone)]
+            if take:
+                self._queue.append((v, self._generation, seeded, aligned))
+                self.last_time = time.monotonic()
+                if self._late is not None and self._late[0] <= it:
+                    self._late = None
+            else:
+                gone.append((v, 0, False, False))
+                if aligned:  # thinned out: written later only if the writer is idle
+                    self._late = (it, self._generation, seeded)
             self._cv.notify()
-        if old is not None:
-            self.state.unpin(old[0])
+        for q in gone:
+            self.state.unpin(q[0])
 
     def _loop(self) -> None:
         name_thread()
         while True:
+            late = None
             with self._cv:
-                while self._pending is None and not self._stop:
+                while not self._queue and self._late is None and not self._stop:
+                    if self.schedule is not None:
+                        self.schedule.drained()
                     self._cv.wait()
-                if self._pending is None:
+                if self._queue:
+                    v, gen, seeded, _ = self._queue.pop(0)
+                elif self._late is not None:
+                    late, self._late = self._late, None
+                else:
                     return
-                (v, gen, seeded), self._pending = self._pending, None
+            if late is not None:
+                # Idle (or stopping) with a thinned-out iteration newer than the disk's:
+                # write it as an extra (alignment needs only the coarse ones), if the state
+                # still retains it.
+                it, gen, seeded = late
+                if gen != self._generation or (self.last_iteration or -1) >= it:
+                    continue
+                try:
+                    v = self.state.pin(it)
+                except CheckmateError:
+                    continue  # evicted meanwhile: the next due iteration comes instead
             try:
                 self._write(v, gen, seeded)
             except BaseException as e:  # CheckpointException is not an Exception
@@ -391,11 +439,14 @@ class Persister:
 
     def stop(self, flush: bool = True) -> None:
         with self._cv:
-            if not flush and self._pending is not None:
-                self.state.unpin(self._pending[0])
-                self._pending = None
+            left: list[tuple[Any, int, bool, bool]] = []
+            if not flush:
+                left, self._queue = self._queue, []
+                self._late = None
             self._stop = True
             self._cv.notify()
+        for q in left:
+            self.state.unpin(q[0])
         self._thread.join(60)
 
     def status(self) -> dict[str, Any]:
@@ -409,4 +460,8 @@ class Persister:
                 "last_iteration": self.last_iteration, "written": self.written,
                 "errors": self.errors, "error": self.error, "last_error": self.last_error,
                 "last_failed_iteration": self.last_failed_iteration,
-                "failing": self.failing, "alive": self._thread.is_alive()}
+                "failing": self.failing, "alive": self._thread.is_alive(),
+                "spacing": self.schedule.spacing if self.schedule else None,
+                "spacing_max": (self.every << self.schedule.max_level) if self.schedule
+                else None,
+                "dropped": self.dropped}

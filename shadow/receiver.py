@@ -9,8 +9,8 @@ duplicate, control_range, control_invalid, control_mac. Every datagram but a con
 fragment must carry the tag checkmate.protocol.datamac derives from the job secret (checked for a
 whole batch in one compiled call); a control message is checked whole by the assembler.
 
-FEC parity datagrams (flag PARITY, checkmate.protocol.fec) go to Assembler.place_parity, which
-rebuilds lost pieces of their group from it. Repair answers from trainers (flag ACK,
+Datagrams flagged PARITY (the FEC parity of earlier versions) are dropped under ``flags``.
+Repair answers from trainers (flag ACK,
 checkmate.protocol.repair) are checked exactly like copies
 from the switch and counted in ``repair["answers"]``; a "gone" answer (ACK | NACK) marks the
 partition as needing a re-seed. The same thread sends the repair requests (Assembler.tick)
@@ -305,11 +305,8 @@ class Receiver:
                     continue
                 asm.place_control(it, offset, count, group, payload)
                 continue
-            if flags & _PARITY:
-                if dtype != bytes_dt or part != self.partition:
-                    drops["dtype" if dtype != bytes_dt else "partition"] += 1
-                    continue
-                asm.place_parity(it, _fi, payload)
+            if flags & _PARITY:  # FEC parity: no longer sent (docs/reliability.md, "FEC")
+                drops["flags"] += 1
                 continue
             if dtype != self.grad_dtype:
                 drops["dtype"] += 1

@@ -140,6 +140,10 @@ class ShadowState:
         self.reseeds_done = 0
         self.reseed_reason = ""
         self._reseed_pending: str | None = None
+        #: when the running re-seed was asked for (the trainers' reseed op, monotonic), and
+        #: how long the last one took from there to its commit: the time to current
+        self.reseed_started: float | None = None
+        self.reseed_seconds: float | None = None
         #: (iteration, wall-clock time) of recent commits: commit lag is measured from them.
         self.commit_times: deque[tuple[int, float]] = deque(maxlen=4096)
 
@@ -254,10 +258,13 @@ class ShadowState:
         compiling. The re-seed begins at the first piece's iteration."""
         if self.spec is None:
             raise CheckmateError("no spec yet: send it with the reseed op")
+        started = time.monotonic()
         warm_up(self.spec)
         with self.lock:
             self.reseed = None
             self._reseed_pending = reason
+            if self.reseed_started is None:  # a retry counts from the first ask
+                self.reseed_started = started
 
     def _reseed_failed(self, reason: str) -> None:
         """A hole the trainers no longer hold: a running re-seed cannot finish; drop it so
@@ -281,6 +288,8 @@ class ShadowState:
                 raise CheckmateError("no spec yet: send it with the reseed op")
             if t0 < 0:
                 raise CheckmateError("reseed iteration must be >= 0")
+            if self.reseed_started is None:
+                self.reseed_started = time.monotonic()
             warm_up(self.spec)
             self.reseed = Reseed(self.spec, self.start, self.end, t0, reason,
                                  limit=max(self.window, 8))
@@ -313,8 +322,13 @@ class ShadowState:
         it, step, arrays, ctl = rs.result()
         self.install(it, step, arrays, ctl.buffers, ctl.extra, ctl.lrs, reset_assembler=False)
         self.reseeds_done += 1
+        if self.reseed_started is not None:
+            self.reseed_seconds = round(time.monotonic() - self.reseed_started, 3)
+            self.reseed_started = None
         log.warning("partition %d: re-seed complete, committed iteration %d (pieces from "
-                    "iteration %d on)", self.partition, it, rs.t0)
+                    "iteration %d on) %s", self.partition, it, rs.t0,
+                    f"{self.reseed_seconds:.2f}s after it was asked for"
+                    if self.reseed_seconds is not None else "")
         return True
 
     # ----- stepping ---------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
     testbed chaos [--cases NAME,...] [--repeat N] [--seed S] [--steps N] [--out FILE]
 
-Each case is a scenario (testbed.scenario) run in switch mode on the namespace testbed: a
-failure-free reference run, then the same job with the case's faults, and the final model,
-optimizer and scheduler state must be bit-identical to the reference; the shadows must end
+Each case is a scenario (testbed.scenario) run in switch mode on the namespace testbed: the
+job with the case's faults, whose final model, optimizer and scheduler state must be
+bit-identical to a failure-free reference run of the same job (one per step count, shared by
+the cases: training is deterministic); the shadows must end
 equal to the trainers and protecting the last iteration. Cases with a random iteration are
 repeated ``--repeat`` times with draws from ``--seed``. A table goes to the terminal and,
 with ``--out``, a Markdown report (docs/reliability.md) with the command and seed. The
@@ -30,23 +31,30 @@ from checkmate.testbed.scenario import parse_scenario
 
 
 def cases(steps: int) -> dict[str, dict[str, Any]]:
-    """Case name -> scenario body (without name/model/steps), in report order."""
-    late = steps - steps // 4
+    """Case name -> scenario body (without name/model; ``steps`` only where a case needs
+    fewer iterations than ``steps``), in report order.
+
+    Cases that restart a process mid-run (seconds to start, at tens of ms per iteration)
+    or wait out a 5 s repair escalation take ``steps``; loss, corruption, trainer kills and
+    the full disk prove their point in ``short`` (2/5 of it, 120 of the default 300).
+    """
+    short = max(30, steps * 2 // 5)
+    late = short - short // 4
     out: dict[str, dict[str, Any]] = {}
     for p in (0.001, 0.01, 0.05):
         for s in ("s0", "s1"):
             out[f"replica-drop-{p * 100:g}%-{s}"] = {
-                "faults": [{"port": s, "drop": p}], "kill_at": late}
+                "faults": [{"port": s, "drop": p}], "kill_at": late, "steps": short}
     for s in ("s0", "s1"):
         out[f"replica-corrupt-1%-{s}"] = {"faults": [{"port": s, "corrupt": 0.01}],
-                                          "kill_at": late}
+                                          "kill_at": late, "steps": short}
     # Every datagram of one iteration to s0 is lost, repair answers included: the shadow
     # must give up on repair, ask for a re-seed and end protected.
     out["blackout-one-iteration-s0"] = {"faults": [{"port": "s0", "drop": 1.0,
                                                     "from": steps // 3, "until": steps // 3}]}
     for p in (0.01, 0.05):
         out[f"trainer-drop-{p * 100:g}%-t1"] = {"faults": [{"port": "t1", "drop": p}],
-                                                "kill_at": late}
+                                                "kill_at": late, "steps": short}
     # "R": a random partition; "E": a random iteration in the first third, so a shadow
     # restarted mid-run (seconds to start) rejoins before the job ends.
     out["shadow-restart-empty"] = {"shadow_kills": [{"partition": "R", "at": "E"}]}
@@ -58,13 +66,21 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # many iterations after the shadow kill.
     out["shadow-and-trainers-kill"] = {"shadow_kills": [{"partition": "R", "at": "E",
                                                          "disk": True}],
-                                       "persist_every": 10, "kill_after_shadow": 6}
-    out["trainer-kill-after-step"] = {"kill_at": "random"}
-    out["trainer-kill-before-control"] = {"kill_at": "random", "kill_phase": "before-control"}
-    out["controller-restart"] = {"controller_restart_at": "random", "kill_at": late}
+                                       "persist_every": 5, "kill_after_shadow": 6}
+    # Every shadow SIGKILLed at one iteration and restarted from disk: the trainers must say
+    # at once that the job is unprotected, and protection must return by itself.
+    out["all-shadows-restart-disk"] = {"every_shadow": {"disk": True}, "persist_every": 5}
+    # Every shadow restarted empty while 2 busy processes per core load the machine: the
+    # registrations must converge (one epoch each) and the re-seeds finish.
+    out["shadows-restart-under-load"] = {"every_shadow": {"disk": False}, "cpu_load": 4}
+    out["trainer-kill-after-step"] = {"kill_at": "random", "steps": short}
+    out["trainer-kill-before-control"] = {"kill_at": "random", "kill_phase": "before-control",
+                                          "steps": short}
+    out["controller-restart"] = {"controller_restart_at": "random",
+                                 "kill_at": steps - steps // 4}
     # Partition 1's checkpoints (~775 KiB each in the torch layout) go to a 1800 KiB tmpfs:
     # two fit, then the disk is full.
-    out["disk-full-s1"] = {"persist_every": 10, "keep": 2, "kill_at": late,
+    out["disk-full-s1"] = {"persist_every": 10, "keep": 2, "kill_at": late, "steps": short,
                            "disk_limit": {"partition": 1, "kib": 1800}}
     # Issue 23's attacks on the live job, from another host's port. t3 claims s0's MAC and
     # address all run long (the switch must drop it all and keep s0's entry; the trainers
@@ -72,7 +88,8 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # s0's TCP service, and s0 is restarted empty meanwhile: the trainers must still get
     # through to re-seed it.
     out["attack-mac-hijack-s0"] = {"attacks": [{"kind": "mac_hijack", "from": "t3",
-                                                "target": "s0", "at": 2}], "kill_at": late}
+                                                "target": "s0", "at": 2}], "kill_at": late,
+                                   "steps": short}
     out["attack-conn-flood-s0"] = {"attacks": [{"kind": "conn_flood", "from": "s1",
                                                 "target": "s0", "at": 2}],
                                    "shadow_kills": [{"partition": 0, "at": "E"}]}
@@ -80,7 +97,8 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
 
 
 RANDOM = {"attack-conn-flood-s0", "shadow-restart-empty", "shadow-restart-disk",
-          "shadow-and-trainers-kill", "trainer-kill-after-step",
+          "shadow-and-trainers-kill", "all-shadows-restart-disk", "shadows-restart-under-load",
+          "trainer-kill-after-step",
           "trainer-kill-before-control", "controller-restart"}
 
 
@@ -92,13 +110,16 @@ def _row(name: str, rep: dict[str, Any], seconds: float) -> dict[str, Any]:
             "lag_max": run.get("commit_lag_max"), "repair_overhead": run.get(
                 "repair_overhead"), "repairs": run.get("repair_answers"),
             "reseeds": run.get("reseeds"), "rejoin": rj[0].get("iterations") if rj else None,
+            "to_current_s": rj[0].get("reseed_seconds") if rj else None,
+            "epochs": run.get("epochs_minted"),
             "persist_errors": sum(p.get("errors") or 0 for p in run.get("persist") or []),
             "restart_at": rj[0].get("at") if rj else None,
             "problems": "; ".join(rep.get("problems", []))[:200], "seconds": round(seconds, 1)}
 
 
 _COLS = ("case", "ok", "bit_identical", "kill_at", "repeated", "lag_max", "repair_overhead",
-         "repairs", "reseeds", "restart_at", "rejoin", "persist_errors", "seconds")
+         "repairs", "reseeds", "restart_at", "rejoin", "to_current_s", "epochs",
+         "persist_errors", "seconds")
 
 
 #: The generated part of docs/reliability.md lies between these lines; the prose around
@@ -124,12 +145,14 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         over = [r["repair_overhead"] for r in rs if r["repair_overhead"] is not None]
         rj = [r["rejoin"] for r in rs if r["rejoin"] is not None]
         rep = [r["repeated"] for r in rs if r["repeated"] is not None]
+        cur = [r["to_current_s"] for r in rs if r.get("to_current_s") is not None]
         med = _median(over)
         out.append({
             "case": name, "passed": f"{sum(bool(r['ok']) for r in rs)}/{len(rs)}",
             "lag_max": max(lags) if lags else None,
             "repair_overhead_median": None if med is None else f"{med * 100:.2f}%",
             "rejoin_min/median/max": (f"{min(rj)}/{_median(rj):g}/{max(rj)}" if rj else None),
+            "to_current_s_max": max(cur) if cur else None,
             "repeated_max": max(rep) if rep else None,
             "persist_errors": sum(r["persist_errors"] or 0 for r in rs)})
     return out
@@ -144,7 +167,8 @@ def _table(rows: list[dict[str, Any]], cols: tuple[str, ...]) -> list[str]:
 
 
 _SUMMARY_COLS = ("case", "passed", "lag_max", "repair_overhead_median",
-                 "rejoin_min/median/max", "repeated_max", "persist_errors")
+                 "rejoin_min/median/max", "to_current_s_max", "repeated_max",
+                 "persist_errors")
 
 
 def markdown(rows: list[dict[str, Any]], argv: list[str], seed: int) -> str:
@@ -158,8 +182,10 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], seed: int) -> str:
              "`lag_max` is the most iterations the trainers were ahead of a shadow's commit; "
              "`repair_overhead` the repair answer bytes over the replica bytes; `rejoin` the "
              "iterations from a shadow's SIGKILL to its first commit after restarting "
-             "(restart, re-register, re-seed); `repeated` the iterations a restore "
-             "recomputed.", "", "Per case:", ""]
+             "(restart, re-register, re-seed); `to_current_s` the seconds from the "
+             "re-seed being asked for to the restarted shadow's commit; `epochs` the "
+             "registrations the controller made (one per shadow start); `repeated` the "
+             "iterations a restore recomputed.", "", "Per case:", ""]
     lines += _table(summary(rows), _SUMMARY_COLS)
     lines += ["", "Every run:", ""]
     lines += _table(rows, _COLS)
@@ -185,13 +211,19 @@ def write_report(path: Path, block: str) -> None:
 
 def draw(name: str, body: dict[str, Any], steps: int, seed: int, partitions: int,
          rng: random.Random) -> Any:
-    """The case's scenario with its random partition ("R"), early iteration ("E") and
+    """The case's scenario with its random partition ("R"), early iteration ("E"),
+    ``every_shadow`` (one kill per partition at one early iteration) and
     ``kill_after_shadow`` resolved (draws from ``rng`` in a fixed order)."""
     body = dict(body)
+    steps = body.pop("steps", steps)
     body["shadow_kills"] = [{**k, "partition": rng.randrange(partitions)
                              if k.get("partition", "R") == "R" else k["partition"],
                              "at": rng.randint(max(1, steps // 10), steps // 3)}
                             for k in body.get("shadow_kills", [])]
+    every = body.pop("every_shadow", None)
+    if every is not None:  # every partition's shadow, at one drawn early iteration
+        at = rng.randint(max(1, steps // 10), steps // 3)
+        body["shadow_kills"] = [{**every, "partition": p, "at": at} for p in range(partitions)]
     after = body.pop("kill_after_shadow", None)
     if after is not None:
         body["kill_at"] = min(body["shadow_kills"][0]["at"] + after, steps - 1)
@@ -231,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1 or args.steps < 30:
         raise CheckmateError("--repeat must be >= 1 and --steps >= 30")
     from checkmate.testbed.cluster import Cluster
-    from checkmate.testbed.run import execute
+    from checkmate.testbed.run import execute, reference
 
     rng = random.Random(args.seed)
     config_path = Path(args.config).resolve() if args.config else cfgmod.default_path()
@@ -243,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # A passed case's logs are removed; a failed case's are kept (their path is printed and
     # in its problems), so its cause can be known after the suite.
+    # Training is deterministic: one failure-free reference run per step count serves every
+    # case (each case used to run its own, half the suite's time).
     workdir = Path(tempfile.mkdtemp(prefix="ckm-chaos-"))
+    refs: dict[int, Any] = {}
     with ExitStack() as stack:
         stack.callback(_remove_if_empty, workdir)
         cl = Cluster(cfg, "switch", config_path, "", stack)
@@ -251,9 +286,23 @@ def main(argv: list[str] | None = None) -> int:
             for rep_i in range(args.repeat if name in RANDOM else 1):
                 sc = draw(name, known[name], args.steps, args.seed, cfg.num_partitions, rng)
                 t0 = time.perf_counter()
+                if sc.steps not in refs:
+                    ref_dir = workdir / f"reference-{sc.steps}"
+                    ref = reference(sc, cl, ref_dir, progress)
+                    if ref.problems:
+                        raise CheckmateError(f"the failure-free reference run failed "
+                                             f"({'; '.join(ref.problems)[:300]}); logs kept "
+                                             f"in {ref_dir}")
+                    # kept with the failed cases' logs (their reference), else removed
+                    stack.callback(lambda d=ref_dir: all(r["ok"] for r in rows)
+                                   and shutil.rmtree(d, ignore_errors=True))
+                    refs[sc.steps] = ref
+                    print(f"reference run of {sc.steps} iterations: "
+                          f"{time.perf_counter() - t0:.0f}s", flush=True)
+                    t0 = time.perf_counter()
                 case_dir = workdir / f"{name}-{rep_i}"
                 try:
-                    rep = execute(sc, cl, case_dir, progress)
+                    rep = execute(sc, cl, case_dir, progress, refs[sc.steps])
                 except CheckmateError as e:
                     rep = {"ok": False, "runs": {}, "problems": [str(e)]}
                 if rep["ok"]:

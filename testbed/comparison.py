@@ -112,10 +112,17 @@ def reliability_summary(r: RunResult) -> dict[str, Any]:
     rejoins = []
     for rs in r.restarts:  # the restarted shadow's first commit: where it rejoined
         st = next((s for s in r.shadow_status if s.get("partition") == rs["partition"]), {})
-        first = min((i for i, _ in st.get("commit_times") or [] if i > rs["at"]),
-                    default=None)
+        first, first_t = min(((i, t) for i, t in st.get("commit_times") or []
+                              if i > rs["at"]), default=(None, None))
+        # seconds: kill -> first commit (process start, registration, re-seed);
+        # reseed_seconds: the re-seed asked for -> committed (the time to current);
+        # warm_seconds: the kernel compile (or cache load) the restarted process ran at start
         rejoins.append({**rs, "rejoined_at": first,
-                        "iterations": None if first is None else first - rs["at"]})
+                        "iterations": None if first is None else first - rs["at"],
+                        "seconds": None if first_t is None or "time" not in rs
+                        else round(first_t - rs["time"], 2),
+                        "reseed_seconds": (st.get("reseed") or {}).get("seconds"),
+                        "warm_seconds": st.get("warm_seconds")})
     repair = [s.get("repair") or {} for s in r.shadow_status]
     # What the shadows received as repair answers (payload bytes): complete even when a
     # trainer incarnation was killed before reporting what it sent.

@@ -22,12 +22,14 @@ addresses 127.77.N.x and the trainers send the shadow copies themselves.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,8 @@ def _inject(run: Run) -> None:
                                                                    k.restart))
     if sc.disk_limit is not None:
         run.limit_disk(*sc.disk_limit)
+    if sc.cpu_load:
+        run.load_cpu(sc.cpu_load)
     if sc.controller_restart_at is not None:
         if cl.testbed is None:
             raise CheckmateError("controller_restart_at needs --mode switch")
@@ -82,6 +86,28 @@ def _stop_attacks(run: Run) -> list[dict[str, Any]]:
     return out
 
 
+_REGISTERED = b"control serve: registered "
+
+
+def _controller_log_mark(cl: Cluster) -> int | None:
+    """Where the namespace testbed's controller log ends now (None: no such log)."""
+    tb = cl.testbed
+    if tb is None or cl.mode != "switch":  # host mode: shadows do not register
+        return None
+    path = tb.state_dir / "controller.log"
+    return path.stat().st_size if path.exists() else None
+
+
+def _epochs_minted(cl: Cluster, mark: int | None) -> int | None:
+    """Registrations the controller made (each mints an epoch) since ``mark``; a retry of
+    one it made is answered again without a line (control/service.py)."""
+    if mark is None or cl.testbed is None:
+        return None
+    with open(cl.testbed.state_dir / "controller.log", "rb") as f:
+        f.seek(mark)
+        return f.read().count(_REGISTERED)
+
+
 def _clear_faults(run: Run) -> dict[str, int]:
     """Turn the scenario's knobs off; returns the frames each knob dropped."""
     dropped: dict[str, int] = {}
@@ -100,8 +126,33 @@ def _clear_faults(run: Run) -> dict[str, int]:
 # ----------------------------------------------------------------------------- main
 
 
-def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str, Any]:
-    """Run the scenario; returns the report (``ok`` False with ``problems`` on failure)."""
+@dataclass
+class Reference:
+    """A finished failure-free run, shared by every scenario of the same model, steps and
+    seed (``testbed chaos``): training is deterministic, so one reference serves them all."""
+
+    run: Run
+    entry: dict[str, Any]  # its report["runs"]["failure-free"]
+    problems: list[str]
+
+
+def reference(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> Reference:
+    """Run ``sc``'s job once, failure-free, to serve as the reference of its scenarios."""
+    base = dataclasses.replace(sc, kill_at=None, faults=[], shadow_kills=[], cpu_load=0,
+                               controller_restart_at=None, disk_limit=None, persist_every=0)
+    finished: dict[str, Run] = {}
+    rep = execute(base, cl, workdir, progress, finished=finished)
+    return Reference(finished["failure-free"], rep["runs"]["failure-free"], rep["problems"])
+
+
+def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
+            ref: Reference | None = None,
+            finished: dict[str, Run] | None = None) -> dict[str, Any]:
+    """Run the scenario; returns the report (``ok`` False with ``problems`` on failure).
+
+    ``ref``: a failure-free run of the same model, steps and seed taken as the reference
+    instead of running one; ``finished`` receives the runs (label -> Run).
+    """
     import torch
 
     report: dict[str, Any] = {"scenario": sc.name, "mode": cl.mode, "model": sc.model,
@@ -115,13 +166,22 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
     second = "chaos" if sc.chaos else "kill-restore"
     runs = [("failure-free", None)] + ([(second, sc.kill_at)] if sc.kill_at or sc.chaos
                                        else [])
-    finished: dict[str, Run] = {}
+    finished = {} if finished is None else finished
+    if ref is not None:
+        if (ref.run.sc.model, ref.run.sc.steps, ref.run.sc.seed) != (sc.model, sc.steps,
+                                                                      sc.seed):
+            raise CheckmateError("the reference run trained another job (model, steps, seed)")
+        runs = runs[1:]
+        finished["failure-free"] = ref.run
+        report["runs"]["failure-free"] = ref.entry
+        problems += [f"reference: {p}" for p in ref.problems]
     for label, kill in runs:
         run = Run(cl, sc, workdir, label, progress)
         if sc.gockpt is not None:  # no shadows: each trainer's GoCkpt process checkpoints
             run.extra_job = {"ckpt": "gockpt", "ckpt_dir": str(gockpt_dir(run)),
                              "ckpt_every": sc.gockpt[0], "ckpt_steps": sc.gockpt[1]}
         t0 = time.perf_counter()
+        log_mark = _controller_log_mark(cl)
         try:
             if sc.gockpt is None:
                 run.start_shadows()
@@ -150,6 +210,13 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
             problems.append(f"{label}: the last iteration was not protected by every shadow")
         if summary["commits_missing"]:
             problems.append(f"{label}: shadows skipped iterations {summary['commits_missing']}")
+        minted = _epochs_minted(cl, log_mark) if sc.gockpt is None else None
+        starts = cl.cfg.num_partitions + r.shadow_restarts
+        # Registration converges: one epoch per shadow process start, however many tries
+        # its registration took (a restarted controller may see a shadow register again).
+        if minted is not None and minted != starts and sc.controller_restart_at is None:
+            problems.append(f"{label}: the controller minted {minted} epochs for {starts} "
+                            "shadow starts (registration retries must reuse their epoch)")
         report["runs"][label] = {
             "seconds": r.seconds, "first_loss": r.losses[0] if r.losses else None,
             "last_loss": r.losses[-1] if r.losses else None, "killed_at": r.killed_at,
@@ -157,6 +224,7 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
             "restored_sources": r.restored_sources,
             "shadows_match_trainers": r.shadow_matches_trainer, "ring": r.stats,
             "protected": r.protected, "shadow_restarts": r.shadow_restarts,
+            "epochs_minted": minted,
             "gockpt_checkpoint": r.gockpt_iteration, **summary,
         }
     if cl.mode == "switch":
@@ -190,8 +258,13 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
                 # iteration was in every shadow's memory any more, so the resume came from
                 # the newest checkpoint every partition held, one persist interval (or one
                 # more while a write was in flight) before that shadow's kill.
+                # Writes that could not keep up were thinned alike on every partition
+                # (shadow/persist_schedule.py): the interval is the widest one used.
                 first = min((rs["at"] for rs in kr.restarts), default=kr.killed_at or 0)
-                allowed = (kr.max_done_before_kill or 0) - first + 2 * sc.persist_every + 3
+                spacing = max([sc.persist_every] + [
+                    (st.get("persist") or {}).get("spacing_max") or 0
+                    for st in kr.shadow_status])
+                allowed = (kr.max_done_before_kill or 0) - first + 2 * spacing + 3
             if repeated > allowed and kr.killed_at is not None:
                 problems.append(f"{repeated} iterations repeated (at most {allowed} allowed)")
     report["ok"] = not problems

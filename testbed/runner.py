@@ -70,6 +70,7 @@ class Run:
         self.last_reported = 0  # newest iteration rank 0 reported
         self.action_errors: list[str] = []
         self.mounts: list[Path] = []
+        self.hogs: list[subprocess.Popen] = []  # busy processes of a cpu_load scenario
         self.by_partition: dict[int, int] = {}
         self.attacks: list[Any] = []  # checkmate.testbed.attacks.Attack, stopped by run.py
 
@@ -139,7 +140,16 @@ class Run:
         self.shadows[i] = self._spawn_shadow(h, disk)
         self.result.shadow_restarts += 1
         self.result.restarts.append({"partition": partition, "at": self.last_reported,
-                                     "disk": disk})
+                                     "disk": disk, "time": time.time()})
+
+    def load_cpu(self, n: int) -> None:
+        """Start ``n`` busy processes (ended by ``stop``, and with this command): the
+        machine loaded while shadows restart and register."""
+        from checkmate.testbed import lifeline
+
+        for _ in range(n):
+            self.hogs.append(lifeline.popen([sys.executable, "-c", "while True: pass"],
+                                            stdin=subprocess.DEVNULL, start_new_session=True))
 
     def limit_disk(self, partition: int, kib: int) -> None:
         """Put the checkpoint directory of ``partition``'s shadow on a tmpfs of ``kib`` KiB
@@ -249,6 +259,10 @@ class Run:
             p.wait()
 
     def stop(self) -> None:
+        while self.hogs:
+            h = self.hogs.pop()
+            h.kill()
+            h.wait()
         for p in self.trainers + self.shadows:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGTERM)
@@ -316,7 +330,6 @@ class Run:
                 self.result.stats.append({"rank": ev["rank"], **ev.get("stats", {}),
                                           "control_bytes": ev.get("control_bytes"),
                                           "copy_bytes": ev.get("copy_bytes"),
-                                          "parity_bytes": ev.get("parity_bytes"),
                                           "repair": ev.get("repair"),
                                           "reseeds": ev.get("reseeds", 0)})
                 if ev["rank"] == 0:

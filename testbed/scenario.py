@@ -17,6 +17,7 @@ A scenario is a YAML file (testbed/scenarios/NAME.yaml, found by name, or any pa
     keep: 3
     controller_restart_at: 12   # switch mode: SIGKILL the controller there, start it again
     disk_limit: {partition: 1, kib: 1500}   # that shadow persists to a tmpfs this small
+    cpu_load: 4           # busy processes beside the faulted run (registration under load)
 
 Without faults, shadow kills or a controller restart, ``kill_at`` makes the second run
 "kill-restore"; with any of them the second run is "chaos" (the faults and kills, plus the
@@ -88,6 +89,7 @@ class Scenario:
     disk_limit: tuple[int, int] | None = None  # (partition, KiB of its checkpoint disk)
     gockpt: tuple[int, int] | None = None  # (every, steps): GoCkpt mode, no shadows
     attacks: list[Attack] = field(default_factory=list)
+    cpu_load: int = 0  # busy processes running beside the chaos run
 
     @property
     def chaos(self) -> bool:
@@ -133,7 +135,7 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
                     [Fault(f.port, f.drop, f.corrupt, f.start, f.until) for f in doc.faults],
                     kills, doc.persist_every, doc.keep, ctl, float(doc.finish_timeout), disk,
                     None if doc.gockpt is None else (doc.gockpt.every, doc.gockpt.steps),
-                    attacks)
+                    attacks, doc.cpu_load)
 
 
 def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:

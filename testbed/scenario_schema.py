@@ -119,6 +119,7 @@ class ScenarioDoc(_Strict):
     disk_limit: DiskLimitDoc | None = None
     gockpt: GoCkptDoc | None = None
     attacks: list[AttackDoc] = Field(default_factory=list)
+    cpu_load: Annotated[int, _int_in(0, 64)] = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -155,6 +156,9 @@ class ScenarioDoc(_Strict):
                                         or self.attacks):
             raise ValueError("gockpt runs without shadows: no faults, shadow_kills, "
                              "persist_every, controller_restart_at, disk_limit or attacks")
+        if self.cpu_load and not (self.faults or self.shadow_kills
+                                  or self.controller_restart_at or self.disk_limit):
+            raise ValueError("cpu_load loads the chaos run: give faults or shadow_kills")
         if not 0 < self.finish_timeout <= 3600:
             raise ValueError("finish_timeout must be seconds in (0, 3600]")
         return self

@@ -10,7 +10,8 @@ def _row(case: str, ok: bool, lag: int | None, over: float | None, rejoin: int |
          repeated: int = 1) -> dict:
     return {"case": case, "ok": ok, "bit_identical": ok, "kill_at": 30, "repeated": repeated,
             "lag_max": lag, "repair_overhead": over, "repairs": 3, "reseeds": 0,
-            "restart_at": None, "rejoin": rejoin, "persist_errors": 0, "problems":
+            "restart_at": None, "rejoin": rejoin, "to_current_s": None if rejoin is None
+            else rejoin / 100, "epochs": 2, "persist_errors": 0, "problems":
             "" if ok else "final state differs", "seconds": 1.0}
 
 
@@ -20,8 +21,9 @@ def test_summary_aggregates_repeats_of_a_case():
     a, b = chaos.summary(rows)
     assert a == {"case": "a", "passed": "2/3", "lag_max": 4,
                  "repair_overhead_median": "2.00%", "rejoin_min/median/max": "70/80/90",
-                 "repeated_max": 2, "persist_errors": 0}
+                 "to_current_s_max": 0.9, "repeated_max": 2, "persist_errors": 0}
     assert b["passed"] == "1/1" and b["lag_max"] is None and b["rejoin_min/median/max"] is None
+    assert b["to_current_s_max"] is None
 
 
 def test_report_block_replaces_only_the_generated_part(tmp_path):
@@ -50,8 +52,15 @@ def test_every_case_draws_a_valid_scenario():
     for steps in (30, 300):
         for name, body in cases(steps).items():
             sc = draw(name, body, steps, 0, 2, rng)
-            assert sc.steps == steps, name
+            assert sc.steps == body.get("steps", steps) <= steps, name
     sc = draw("shadow-and-trainers-kill", cases(300)["shadow-and-trainers-kill"], 300, 0, 2,
               rng)
     (k,) = sc.shadow_kills
-    assert sc.kill_at == k.at + 6 and k.disk and sc.persist_every == 10
+    assert sc.kill_at == k.at + 6 and k.disk and sc.persist_every == 5
+    sc = draw("all-shadows-restart-disk", cases(300)["all-shadows-restart-disk"], 300, 0, 2,
+              rng)
+    assert [k.partition for k in sc.shadow_kills] == [0, 1] and sc.persist_every
+    assert len({k.at for k in sc.shadow_kills}) == 1 and all(k.disk for k in sc.shadow_kills)
+    sc = draw("shadows-restart-under-load", cases(300)["shadows-restart-under-load"], 300, 0,
+              2, rng)
+    assert sc.cpu_load == 4 and not any(k.disk for k in sc.shadow_kills)

@@ -105,6 +105,11 @@ def test_shadow_killed_and_restarted_empty_is_reseeded_live(tmp_path):
     assert chaos["protected"] is True and chaos["shadows_match_trainers"] is True
     (rejoin,) = chaos["rejoins"]
     assert rejoin["rejoined_at"] is not None and rejoin["rejoined_at"] <= 150, rejoin
+    # The time to current: re-seed asked for -> committed. About 0.3-0.5 s here (4 slices
+    # over 4 iterations, kernels from Numba's cache); the bound leaves room for a loaded
+    # machine and would catch a compile in the way (5-8 s).
+    assert rejoin["reseed_seconds"] is not None and rejoin["reseed_seconds"] < 4.0, rejoin
+    assert rejoin["warm_seconds"] is not None, rejoin  # the empty start compiled or loaded
 
 
 def test_job_ending_with_a_dead_shadow_says_so_in_one_line(tmp_path):
@@ -132,9 +137,9 @@ def test_shadow_and_every_trainer_killed_together_resume_bit_exact_from_disk(tmp
     must take the newest iteration every partition holds on disk or in memory, say so in one
     line, and end bit-identical to the failure-free run."""
     sc = tmp_path / "correlated.yaml"
-    # persist_every 10: a checkpoint write takes about a second here under load, and a due
-    # iteration is dropped while a write runs; the partitions must hold a common one.
-    sc.write_text("name: correlated\nmodel: gpt\nsteps: 45\nseed: 6\npersist_every: 10\n"
+    # persist_every 5 while a write takes about a second here under load: the partitions
+    # thin their writes alike (shadow/persist_schedule.py) and still hold a common one.
+    sc.write_text("name: correlated\nmodel: gpt\nsteps: 45\nseed: 6\npersist_every: 5\n"
                   "shadow_kills: [{partition: 1, at: 25, disk: true}]\nkill_at: 31\n")
     rc, report, text = _run(tmp_path, str(sc), _net(), ["--workdir", str(tmp_path / "w")])
     assert rc == 0, text[-3000:]
@@ -142,7 +147,7 @@ def test_shadow_and_every_trainer_killed_together_resume_bit_exact_from_disk(tmp
     chaos = report["runs"]["chaos"]
     assert chaos["killed_at"] >= 31 and chaos["shadow_restarts"] == 1
     assert chaos["restored_sources"][0] == "disk", chaos
-    assert chaos["restored_from"] % 10 == 0 and chaos["restored_from"] <= 25, chaos
+    assert chaos["restored_from"] % 5 == 0 and chaos["restored_from"] <= 25, chaos
     assert chaos["protected"] is True and chaos["shadows_match_trainers"] is True
     (log,) = (tmp_path / "w").glob("run-*/chaos/trainer-t0-resumed.log")
     line = [ln for ln in log.read_text().splitlines() if "resuming at iteration" in ln]

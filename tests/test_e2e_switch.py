@@ -150,6 +150,7 @@ def test_kill_restore_switch_mode(cfg_path, tmp_path):
         assert run["shadows_match_trainers"] is True
         # switch mode: the trainers sent the shadows no gradient bytes themselves
         assert all(r["copy_bytes"] == 0 for r in run["ring"])
+        assert run["epochs_minted"] == 2  # one registration per shadow start
     # nothing of the testbed is left behind
     prefix = cfgmod.load(cfg_path).network.prefix
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -280,57 +280,6 @@ def test_reseed_rejects_pieces_outside_the_partition_or_overlapping():
     st.stop()
 
 
-# ----- FEC at the shadow: parity rebuilds lost pieces ---------------------------------------
-def test_parity_rebuilds_lost_pieces_and_a_lossless_group_costs_nothing():
-    from checkmate.protocol.fec import GroupEncoder
-
-    asm, done = _asm()  # partition [100, 200)
-    _control(asm, 1)
-    vals = np.arange(100, dtype="<f4") * 1.5
-    enc = GroupEncoder(4, 2)
-    pieces = [(100 + 25 * i, vals[25 * i:25 * (i + 1)].tobytes()) for i in range(4)]
-    parity = None
-    for off, p in pieces:
-        parity = enc.add(off, p) or parity
-    for i in (0, 2):  # pieces 1 and 3 lost
-        off, p = pieces[i]
-        asm.place(1, off, len(p) // 4, 0, memoryview(p))
-    assert done == []
-    for idx, par in parity:
-        asm.place_parity(1, idx, memoryview(par))
-    assert done == [1] and asm.fec["rebuilt"] == 2
-    # a group with nothing lost is parsed and dropped
-    for off, p in pieces:
-        asm.place(2, off, len(p) // 4, 0, memoryview(p))
-    asm.place_parity(2, parity[0][0], memoryview(parity[0][1]))
-    assert asm.fec["unneeded"] == 1 and not asm.open[2].parity
-    _control(asm, 2)
-    assert done == [1, 2]
-
-
-def test_parity_waits_when_more_pieces_are_lost_than_it_can_rebuild():
-    from checkmate.protocol.fec import GroupEncoder
-
-    asm, done = _asm()
-    _control(asm, 1)
-    enc = GroupEncoder(4, 1)
-    pieces = [(100 + 25 * i, np.full(25, i, "<f4").tobytes()) for i in range(4)]
-    parity = None
-    for off, p in pieces:
-        parity = enc.add(off, p) or parity
-    asm.place(1, *pieces[0][:1], 25, 0, memoryview(pieces[0][1]))
-    asm.place(1, pieces[1][0], 25, 0, memoryview(pieces[1][1]))
-    asm.place_parity(1, parity[0][0], memoryview(parity[0][1]))  # 2 lost, 1 parity
-    assert done == [] and asm.fec["rebuilt"] == 0
-    asm.place(1, pieces[2][0], 25, 0, memoryview(pieces[2][1]))  # now 1 lost: decodable
-    asm.tick(time.monotonic() + 1)
-    assert done == [1] and asm.fec["rebuilt"] == 1
-    asm.place_parity(1, 4, memoryview(b"garbage"))  # stale iteration: counted, no crash
-    asm2, _ = _asm()
-    asm2.place_parity(1, 4, memoryview(b"garbage"))
-    assert asm2.drops["parity_invalid"] == 1
-
-
 def test_with_the_job_key_only_tagged_requests_are_answered_and_answers_are_tagged():
     """A trainer answers only requests made with the job secret
     (checkmate.protocol.datamac), and its

@@ -329,7 +329,7 @@ def test_the_trainer_sends_a_copy_unless_the_switch_makes_it(mode):
         sess = object.__new__(CheckmateSession)  # only what on_reduced reads
         sess.layout = JobLayout(7, 0, 1, [("127.0.0.1", 1)], [target], [("127.0.0.1", 1)],
                                 mode=mode)
-        sess.sender, sess.replica_log, sess.parity = ShadowSender(7, [target]), None, None
+        sess.sender, sess.replica_log = ShadowSender(7, [target]), None
         try:
             sess._on_reduced(1, 0, 0, 0, b"\0" * 8, True)
             sess._on_reduced(1, 0, 2, 0, b"\1" * 8, False)

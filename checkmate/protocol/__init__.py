@@ -1,2 +1,2 @@
 """The ckm protocol: wire format and its generated views, data MACs, job-secret authentication,
-the controller handshake, FEC parity, repair messages, and the shadow service's frames."""
+the controller handshake, repair messages, and the shadow service's frames."""

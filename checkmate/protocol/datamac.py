@@ -2,7 +2,7 @@
 
 Every gradient datagram a shadow may take (a REPLICATE piece, its repair answer) carries a
 56-bit tag in the header fields it does not otherwise use (``fec_index``, ``fec_k``,
-``fec_m``, ``fec_group``); a PARITY datagram a 32-bit tag in ``seq``. The tag is SipHash-2-4,
+``fec_m``, ``fec_group``). The tag is SipHash-2-4,
 keyed from the job secret, over the fields that say what the payload is and where it goes
 (job, flags, iteration, offset, count, partition, dtype) and the payload's CRC32C; the
 fields the switch rewrites (epoch, token) and the ring's own (seq, bucket) are left out, so
@@ -137,25 +137,11 @@ def _put_fields(msg, job, flags, partition, dtype, iteration, offset, count, crc
 
 @njit(cache=True)
 def _message(hdr, base, msg):  # noqa: ANN001, ANN202
-    """The MAC input of the packed header at ``hdr[base:]`` (_put_fields), then, for
-    PARITY only, fec_index, fec_k, fec_m u8, fec_group u32 and a zero byte: 32 or 40."""
+    """The MAC input of the packed header at ``hdr[base:]`` (_put_fields): 32 bytes."""
     _put_fields(msg, _be(hdr, base + 4, 4), _be(hdr, base + 3, 1), _be(hdr, base + 42, 2),
                 _be(hdr, base + 44, 1), _be(hdr, base + 16, 8), _be(hdr, base + 24, 8),
                 _be(hdr, base + 32, 4), _be(hdr, base + 52, 4))
-    if hdr[base + 3] & 0x02:  # PARITY: its group fields are part of what it claims
-        for i in range(3):
-            msg[32 + i] = hdr[base + 45 + i]
-        _put_le(msg, 35, _be(hdr, base + 48, 4), 4)
-        msg[39] = 0
-        return 40
     return 32
-
-
-@njit(cache=True)
-def _tag_of(k0, k1, hdr, base):  # noqa: ANN001, ANN202
-    msg = np.zeros(40, np.uint8)
-    n = _message(hdr, base, msg)
-    return siphash24(k0, k1, msg[:n])
 
 
 @njit(cache=True, inline="always")
@@ -169,8 +155,6 @@ def _good(k0, k1, ring, base, length, msg):  # noqa: ANN001, ANN202
     if flags & 0x04:
         return True
     t = siphash24(k0, k1, msg[:_message(ring, base, msg)])
-    if flags & 0x02:
-        return (t & np.uint64(0xFFFFFFFF)) == _be(ring, base + 36, 4)
     return (t >> np.uint64(8)) == _be(ring, base + 45, 7)
 
 
@@ -178,7 +162,7 @@ def _good(k0, k1, ring, base, length, msg):  # noqa: ANN001, ANN202
 def check_batch(k0, k1, ring, lens, slot, ok):  # noqa: ANN001, ANN201
     """``ok[i]`` = 1 when datagram i of a batch (``ring[i*slot:]``, ``lens[i]`` bytes)
     is good (_good)."""
-    msg = np.zeros(40, np.uint8)
+    msg = np.zeros(32, np.uint8)
     for i in range(lens.shape[0]):
         ok[i] = 1 if _good(k0, k1, ring, i * slot, lens[i], msg) else 0
     return ok
@@ -188,7 +172,7 @@ def check_batch(k0, k1, ring, lens, slot, ok):  # noqa: ANN001, ANN201
 def check_at(k0, k1, buf, bases, lens, ok):  # noqa: ANN001, ANN201
     """``ok[i]`` = 1 when the datagram at ``buf[bases[i]:]`` (``lens[i]`` bytes) is good
     (_good): for receive rings whose completions name any slot (the verbs ring)."""
-    msg = np.zeros(40, np.uint8)
+    msg = np.zeros(32, np.uint8)
     for i in range(lens.shape[0]):
         ok[i] = 1 if _good(k0, k1, buf, bases[i], lens[i], msg) else 0
     return ok
@@ -199,7 +183,7 @@ def _mask_of(k0, k1, ring, msgs, n, slot, stride, len_off):  # noqa: ANN001, ANN
     """check_batch over a recvmmsg batch in place: lengths read from the mmsghdr array
     (``stride`` bytes apart, msg_len at ``len_off``, little-endian u32); bit i set when
     datagram i is good."""
-    msg = np.zeros(40, np.uint8)
+    msg = np.zeros(32, np.uint8)
     mask = np.uint64(0)
     for i in range(n):
         at = i * stride + len_off
@@ -257,8 +241,3 @@ def data_tag(key: tuple[int, int], job: int, flags: int, iteration: int, offset:
     """(fec_index, fec_k, fec_m, fec_group) carrying the 56-bit tag of a data datagram."""
     return split(int(tag56(key[0], key[1], job, flags, iteration, offset, count, partition,
                            dtype, crc)))
-
-
-def parity_tag(key: tuple[int, int], header: bytes) -> int:
-    """The ``seq`` of a PARITY datagram whose other header fields are ``header``."""
-    return int(_tag_of(key[0], key[1], np.frombuffer(header, np.uint8), 0)) & 0xFFFFFFFF

@@ -33,7 +33,7 @@ class Flags(enum.IntFlag):
     """Bits of the ``flags`` byte."""
 
     REPLICATE = 0x01  # the switch copies this datagram to the shadow owning ``partition``
-    PARITY = 0x02  # payload is FEC parity for ``fec_group``, not gradient elements
+    PARITY = 0x02  # reserved (FEC parity, removed): shadows drop it
     CONTROL = 0x04  # payload is a per-iteration control message (JSON), not elements
     LAST = 0x08  # last datagram of its bucket for this iteration from this sender
     ACK = 0x10  # reliability: receiver acknowledges ``seq``

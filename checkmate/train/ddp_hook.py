@@ -11,7 +11,7 @@ communication hook that
 2. when the allreduce completes, takes this rank's share of the reduced bucket (read in
    place on the CPU; on a GPU copied to pinned host memory asynchronously, on a side stream,
    and sent by a thread of its own once the copy completed: checkmate.train.d2h) and sends it
-   to the owning shadows (host replication, the replica log and FEC parity go
+   to the owning shadows (host replication and the replica log go
    through the session's ``_on_reduced``, as the ring's pieces do).
 
 Shares are fixed by the model spec, not by DDP's buckets (which DDP rebuilds after
@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from checkmate.errors import CheckmateError
 from checkmate.train.layout import JobLayout
-from checkmate.train.ring import replica_owners
+from checkmate.train.ring import MAX_CHUNK, replica_owners
 from checkmate.train.segments import Segment, cut_segments, send_runs
 from checkmate.train.session import CheckmateSession
 
@@ -140,7 +140,7 @@ class DDPSession(CheckmateSession):
         self.model = self.ddp
         if lay.mode == "off":  # the no-checkpoint baseline: stock DDP as it is
             return
-        self._piece = self._start_parity()
+        self._piece = MAX_CHUNK
         self._segments = owned_segments(self.spec, self.buckets, lay.world, lay.rank)
         from checkmate.train import d2h
 

@@ -8,7 +8,7 @@ exactly those rows. ``FSDPSession`` builds on that:
 - ``step()`` sends this rank's gradient shard of every parameter (on a GPU through an
   asynchronous copy to pinned host memory, checkmate.train.d2h) to the shadows that own
   it (flat offset = the parameter's offset + first row · row size), through the session's
-  ``_on_reduced`` (host copies, replica log, FEC parity), *before* clipping, as the ring
+  ``_on_reduced`` (host copies, replica log), *before* clipping, as the ring
   sends the reduced gradient. The shard is read where the optimizer reads it, right before
   the step, so whatever produced it -- one backward, several accumulated ones,
   ``set_requires_gradient_sync(False)`` passes -- is what trainers and shadows both apply.
@@ -45,6 +45,7 @@ from checkmate.errors import CheckmateError
 from checkmate.optim.clip import clip_coef_of
 from checkmate.train.layout import JobLayout
 from checkmate.train.repair import owners_body
+from checkmate.train.ring import MAX_CHUNK
 from checkmate.train.segments import Segment, cut_segments, send_runs
 from checkmate.train.session import CheckmateSession
 
@@ -163,7 +164,7 @@ class FSDPSession(CheckmateSession):
         self.model = self.module
         if self.layout.mode == "off":
             return
-        self._piece = self._start_parity()
+        self._piece = MAX_CHUNK
         rank = self.layout.rank
         self._segments = cut_segments(self.spec, [
             (lo, hi) for lo, hi, r in shard_owners(self.spec, self.shards, 0, self.spec.total)

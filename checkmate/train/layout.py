@@ -47,8 +47,6 @@ class JobLayout:
             paced to ``repair_rate`` bytes/s. Off: a lost copy is never repaired.
         reseed_slices: slices a live re-seed sends a partition in (one per iteration).
         monitor_poll, lag_warn: status poll period (s) and the lag that logs a warning.
-        fec: ``(k, m)`` to add m FEC parity datagrams to every k replicated pieces
-            (checkmate.train.fec_sender); None (default): repair alone.
         gockpt: ``(directory, every, steps)`` for GoCkpt mode (checkmate.gockpt.trainer): no
             shadows (mode ``off``), a periodic checkpoint every ``every`` iterations whose
             transfer is spread over ``steps`` steps, written by a local process per rank.
@@ -76,7 +74,6 @@ class JobLayout:
     reseed_slices: int = RESEED_SLICES
     monitor_poll: float = POLL_SECONDS
     lag_warn: int = LAG_WARN
-    fec: tuple[int, int] | None = None
     gockpt: tuple[str, int, int] | None = None
     verbs_device: str = ""
     #: refuse to resume on another number of ranks (checkmate.train.world)

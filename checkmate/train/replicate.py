@@ -55,7 +55,6 @@ class ShadowSender:
         self.sent_bytes = 0
         self.sent_datagrams = 0
         self.copy_bytes = 0  # host replication only (the extra traffic of host mode)
-        self.parity_bytes = 0  # FEC parity sent (checkmate.train.fec_sender)
         #: partition -> checkmate.shadow.verbs.VerbsSender: that shadow takes its datagrams
         #: on a UD queue pair (docs/verbs.md); pieces are cut to its message size.
         self.verbs: dict[int, Any] = {}
@@ -76,22 +75,18 @@ class ShadowSender:
                 self.targets[p].epoch, self.targets[p].token = epoch, token
 
     def _send(self, t: ShadowTarget, flags: int, iteration: int, offset: int, count: int,
-              bucket: int, dtype: int, payload: bytes, fec_group: int = 0,
-              fec: tuple[int, int, int] = (0, 0, 0)) -> None:
+              bucket: int, dtype: int, payload: bytes, fec_group: int = 0) -> None:
         with self._lock:
             seq = self._seq
             self._seq = (self._seq + 1) & 0xFFFFFFFF
         c = wire.crc(payload)
         key = self.data_key
-        if key is not None and flags & _F.PARITY:
-            seq = datamac.parity_tag(key, _PACK(
-                wire.MAGIC, wire.VERSION, flags, self.job_id, 0, 0, iteration, offset, count,
-                0, 0, t.partition, dtype, *fec, fec_group, c))
-        elif key is not None and not flags & _F.CONTROL:
-            *fec, fec_group = datamac.data_tag(key, self.job_id, flags, iteration, offset,
-                                               count, t.partition, dtype, c)
+        tag = (0, 0, 0, fec_group)  # the FEC fields carry a data MAC tag, if any
+        if key is not None and not flags & _F.CONTROL:
+            tag = datamac.data_tag(key, self.job_id, flags, iteration, offset, count,
+                                   t.partition, dtype, c)
         hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, t.epoch, t.token, iteration,
-                    offset, count, seq, bucket, t.partition, dtype, *fec, fec_group, c)
+                    offset, count, seq, bucket, t.partition, dtype, *tag, c)
         v = self.verbs.get(t.partition)
         try:
             if v is not None:
@@ -117,15 +112,6 @@ class ShadowSender:
             piece = payload[a:a + step]
             self._send(t, _F.REPLICATE, iteration, offset + a // 4, len(piece) // 4, bucket,
                        wire.DType.FLOAT32, piece)
-
-    def parity(self, iteration: int, partition: int, group: int, index: int, k: int, m: int,
-               first_offset: int, payload: bytes) -> None:
-        """One FEC parity datagram of a group of this trainer's pieces (checkmate.protocol.fec)."""
-        t = self.targets.get(partition)
-        if t is not None:
-            self.parity_bytes += len(payload)
-            self._send(t, _F.PARITY, iteration, first_offset, len(payload), 0,
-                       wire.DType.BYTES, payload, fec_group=group, fec=(index, k, m))
 
     def control(self, iteration: int, body: dict[str, Any]) -> bytes:
         """Send the control message of ``iteration`` to every shadow; returns its bytes

@@ -126,8 +126,7 @@ class RingAllreduce(_ReliableLink):
         link: a ``LossyLink`` test double applied to outgoing datagrams (loopback tests).
         rto: seconds without acknowledgement before resending.
         tag: set REPLICATE on first all-gather hops (off: a plain allreduce, no copies).
-        piece: largest REPLICATE piece in elements (smaller with FEC, so a parity payload
-            with its piece table still fits one frame).
+        piece: largest REPLICATE piece in elements (at most ``MAX_CHUNK``, one frame).
         stall_timeout: seconds without progress before an operation fails.
         node_of: each rank's node id (checkmate.train.ring_schedule); None: every rank its
             own node. Every rank must pass the same.

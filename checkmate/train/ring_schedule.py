@@ -23,7 +23,7 @@ replica owners a shadow asks for repairs (``replica_owners``) and the tests:
   ``replicator``/``switched``).
 
 The rank that sends a segment's copy (tagged hop or host fallback) also keeps it for
-repairs and computes its FEC parity, so the replica owners follow the same rule.
+repairs, so the replica owners follow the same rule.
 """
 
 from __future__ import annotations

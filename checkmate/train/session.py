@@ -126,7 +126,6 @@ class CheckmateSession(_Reliability, _ControlMessage):
         self.repair: RepairServer | None = None
         self.monitor: ProtectionMonitor | None = None
         self.metrics: Any = None  # Prometheus exporter (CHECKMATE_METRICS_PORT)
-        self.parity: Any = None  # checkmate.train.fec_sender.ParitySender with layout.fec
         self.gockpt: Any = None  # checkmate.gockpt.trainer.GoCkpt with layout.gockpt
         self.buckets = [(a, b) for a, b, _ in bucket_ranges(
             [p.numel for p in self.spec.params], layout.bucket_elems)]
@@ -398,7 +397,6 @@ class CheckmateSession(_Reliability, _ControlMessage):
         ip, port = lay.trainers[lay.rank]
         sock = open_socket(ip, port)
         on_reduced = self._on_reduced if lay.mode != "off" else None
-        piece = self._start_parity()
         from checkmate.train.ring_schedule import RingSchedule
 
         sched = RingSchedule.build(lay.world, self.node_of)
@@ -406,21 +404,10 @@ class CheckmateSession(_Reliability, _ControlMessage):
             lay.rank, lay.world, sock, lay.trainers[sched.right(lay.rank)],
             lay.trainers[sched.left(lay.rank)], lay.job_id, nonce, self.spec.total,
             self.spec.partitions, chunk=lay.chunk, on_reduced=on_reduced, link=lay.link,
-            tag=lay.mode != "off", piece=piece, mac_key=self.data_key, node_of=self.node_of)
+            tag=lay.mode != "off", piece=MAX_CHUNK, mac_key=self.data_key,
+            node_of=self.node_of)
         order = [p.name for p in self.spec.params]
         self.model = CheckmateDDP(self.module, self.ring, order, lay.bucket_elems)
-
-    def _start_parity(self) -> int:
-        """FEC parity sender with ``layout.fec``; returns the largest replicated piece in
-        elements (smaller with FEC, so a parity payload with its piece table fits a frame)."""
-        lay = self.layout
-        if lay.fec is None or lay.mode == "off":
-            return MAX_CHUNK
-        from checkmate.protocol.fec import max_piece_bytes
-        from checkmate.train.fec_sender import ParitySender
-
-        self.parity = ParitySender(lay.fec[0], lay.fec[1], self.sender)
-        return max_piece_bytes(lay.fec[0]) // 4
 
 
     # ------------------------------------------------------------------ per iteration
@@ -476,8 +463,6 @@ class CheckmateSession(_Reliability, _ControlMessage):
             self.control_bytes = len(data)
             if self.replica_log is not None:
                 self.replica_log.add_control(self.iteration, data)
-        if self.parity is not None:
-            self.parity.flush(self.iteration)
         self.opt_step = steps
         self.done_iteration = self.iteration
         if self.monitor is not None:
@@ -518,8 +503,6 @@ class CheckmateSession(_Reliability, _ControlMessage):
             self.ring.close()
         if self.repair is not None:
             self.repair.close()
-        if self.parity is not None:
-            self.parity.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.gockpt is not None:

@@ -66,8 +66,6 @@ class _Reliability:
         the copy itself."""
         if self.replica_log is not None:
             self.replica_log.add_piece(iteration, bucket, offset, partition, payload)
-        if self.parity is not None:
-            self.parity.piece(iteration, partition, offset, payload)
         if self.layout.mode == "host" or (self.layout.mode == "switch" and not switched):
             self.sender.copy(iteration, bucket, offset, partition, payload)
 

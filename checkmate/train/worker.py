@@ -61,7 +61,6 @@ def layout_from_job(job: dict, rank: int, world: int) -> JobLayout:
         controller=tuple(job["controller"]) if job.get("controller") else None,
         seed=int(job.get("seed", 0)),
         repair=bool(job.get("repair", True)),
-        fec=tuple(job["fec"]) if job.get("fec") else None,
         gockpt=((str(job["ckpt_dir"]), int(job["ckpt_every"]), int(job["ckpt_steps"]))
                 if job.get("ckpt") == "gockpt" else None),
     )
@@ -140,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
                 "iteration": steps}, out / f"final-rank{rank}.pt")
     _emit(event="done", rank=rank, iteration=steps, stats=sess.ring.stats,
           control_bytes=sess.control_bytes, copy_bytes=sess.sender.copy_bytes,
-          parity_bytes=sess.sender.parity_bytes,
           protected=prot["protected"], repair=prot.get("repair"),
           reseeds=prot.get("reseeds", 0), saves=ckpt.saves,
           gockpt=None if sess.gockpt is None else {**sess.gockpt.stats,
