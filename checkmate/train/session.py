@@ -108,6 +108,12 @@ class CheckmateSession(_Reliability, _ControlMessage):
             self.secret = auth.load_secret()
             self.data_key = datamac.data_key(self.secret)
         self.sender = ShadowSender(layout.job_id, layout.shadows, self.secret)
+        from checkmate.shadow.control_message import control_limit
+
+        self.sender.control_limit = control_limit(self.spec)
+        #: This start's run nonce (checkmate.protocol.datamac.run_secret): every key that
+        #: tags a datagram for the shadows derives from it; drawn by rank 0 in ``start``.
+        self.run = ""
         #: Failure-injection hook ``(phase, iteration)`` for tests and scenarios.
         self.injector: Any = None
         self._refresh_stop = threading.Event()
@@ -268,8 +274,11 @@ class CheckmateSession(_Reliability, _ControlMessage):
         every partition then hold the initial (or restored) state.
         """
         lay = self.layout
-        nonce = [secrets.randbits(32) if lay.rank == 0 else 0]
+        # The ring's incarnation nonce, and the run nonce the shadows' keys derive from: a
+        # datagram of an earlier run or attempt verifies in no later one.
+        nonce = [secrets.randbits(32), secrets.token_hex(16)] if lay.rank == 0 else [0, ""]
         dist.broadcast_object_list(nonce, src=0, group=self.group)
+        self._set_run(nonce[1])
         if lay.mode == "switch" and lay.controller is not None:
             self._refresh_sessions()
             self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
@@ -306,6 +315,15 @@ class CheckmateSession(_Reliability, _ControlMessage):
         # Every ring socket must be bound before anyone sends.
         dist.barrier(group=self.group)
         return self.iteration
+
+    def _set_run(self, run: str) -> None:
+        """Derive every datagram key from run ``run`` (the shadows learn it with ``peers``)."""
+        self.run = run
+        self.sender.set_run(run)
+        if self.secret is not None:
+            from checkmate.protocol import datamac
+
+            self.data_key = datamac.data_key(datamac.run_secret(self.secret, run))
 
     def _use_verbs(self) -> None:
         """Host mode over RDMA: a UD sender per shadow, to the queue pair it publishes."""
