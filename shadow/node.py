@@ -141,6 +141,7 @@ class ShadowNode:
             if asm is not None:
                 asm.control_key = ck if asm.control_key is not None else None
                 asm.forget_open()
+                asm.newest_seen = asm.known_done = 0  # the old run's progress means nothing
         log.info("run %s: datagrams are checked with its keys", run[:8] or "(none)")
 
     def _on_peers(self, body: dict[str, Any]) -> None:
@@ -271,6 +272,7 @@ class ShadowNode:
             "latest": st.latest,
             "retained": st.retained(),
             "epoch": self.receiver.epoch,
+            "run": self.run,
             "gaps": list(asm.gaps) if asm else [],
             "gap_count": asm.gap_count if asm else 0,
             "pending": sorted(asm.open) if asm else [],

@@ -286,7 +286,9 @@ def data_tag(key: tuple[int, int], job: int, flags: int, iteration: int, offset:
 def parity_tag(key: tuple[int, int], header: bytes) -> int:
     """The ``seq`` of a PARITY (or CONTROL) datagram whose other header fields are
     ``header`` (packed; its ``seq`` is not read)."""
-    return int(_tag_of(key[0], key[1], np.frombuffer(header, np.uint8), 0)) & 0xFFFFFFFF
+    # uint64 key words: a Python int of 2^63 or more does not convert to Numba's int64.
+    return int(_tag_of(np.uint64(key[0]), np.uint64(key[1]),
+                       np.frombuffer(header, np.uint8), 0)) & 0xFFFFFFFF
 
 
 #: A CONTROL fragment's ``seq`` is computed exactly as a PARITY datagram's.
