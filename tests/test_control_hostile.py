@@ -158,6 +158,27 @@ def test_forged_control_fragments_every_iteration_never_freeze_a_shadow(pair):
     assert not st["drops"].get("control_range") and not st["drops"].get("control_invalid")
 
 
+def test_forged_datagrams_before_seeding_are_mac_drops():
+    """docs/protocol.md: the tag is checked before anything but the header, in every state:
+    forged datagrams to a shadow that holds no spec yet are ``mac``, a good one
+    ``not_ready``."""
+    node = _node()
+    rng = np.random.default_rng(3)
+    try:
+        good = _iteration(1, np.ones(8, np.float32))
+        forged = [_forged_fragment(1, 5000, rng)]
+        forged += [d[:45] + bytes(7) + d[52:] for d in good[:-1]]  # gradients, tag zeroed
+        tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with ShadowClient(("127.0.0.1", node.tcp_port)) as c:
+            for d in forged + good[:1]:
+                tx.sendto(d, ("127.0.0.1", node.udp_port))
+            st = _wait(c, lambda st: st["received"] >= len(forged) + 1)
+        tx.close()
+        assert st["drops"] == {"mac": len(forged), "not_ready": 1}, st["drops"]
+    finally:
+        node.stop()
+
+
 def test_forged_fragments_reserve_no_memory(pair):
     """32 forged 1 KB fragments, each announcing a 64 MiB message of a different iteration
     in the window: they used to reserve 8 x 64 MiB."""
