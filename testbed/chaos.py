@@ -65,6 +65,11 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # two fit, then the disk is full.
     out["disk-full-s1"] = {"persist_every": 10, "keep": 2, "kill_at": late,
                            "disk_limit": {"partition": 1, "kib": 1800}}
+    # Issue 23: hostile traffic at the shadows while the job trains (checkmate.testbed.attack);
+    # each must end bit-exact and protected, its datagrams counted as dropped, no receive
+    # thread lost.
+    for a in ("forged-control", "deep-json", "replay-other-run"):
+        out[f"attack-{a}"] = {"attacks": [a]}
     return out
 
 

@@ -100,8 +100,13 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
     runs = [("failure-free", None)] + ([(second, sc.kill_at)] if sc.kill_at or sc.chaos
                                        else [])
     finished: dict[str, Run] = {}
+    from checkmate.testbed import attack
+
+    captures = (attack.capture_run(sc, cl, workdir, progress)
+                if "replay-other-run" in sc.attacks else [])
     for label, kill in runs:
         run = Run(cl, sc, workdir, label, progress)
+        attackers: list[Any] = []
         if sc.gockpt is not None:  # no shadows: each trainer's GoCkpt process checkpoints
             run.extra_job = {"ckpt": "gockpt", "ckpt_dir": str(gockpt_dir(run)),
                              "ckpt_every": sc.gockpt[0], "ckpt_steps": sc.gockpt[1]}
@@ -111,15 +116,22 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
                 run.start_shadows()
             if label == "chaos":
                 _inject(run)
+                if sc.attacks:
+                    attackers = attack.start(run, captures)
             self_kill = kill is not None and sc.kill_phase == "before-control"
             run.start_trainers(resume=False, fail_at=kill if self_kill else None)
             outcome = (run.follow(None, fail_at=kill) if self_kill else run.follow(kill))
             if outcome == "killed":
                 run.start_trainers(resume=True)
                 run.follow(None)
+            sent = attack.stop(attackers)
             problems += check_run(run)
             run.result.shadow_status = run.shadow_statuses() if sc.gockpt is None else []
+            if attackers:
+                more, report["attacks"] = attack.check(run, sent)
+                problems += more
         finally:
+            attack.stop(attackers)
             if label == "chaos":
                 report["faults_dropped"] = _clear_faults(run)
             run.stop()

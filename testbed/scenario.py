@@ -17,6 +17,8 @@ A scenario is a YAML file (testbed/scenarios/NAME.yaml, found by name, or any pa
     keep: 3
     controller_restart_at: 12   # switch mode: SIGKILL the controller there, start it again
     disk_limit: {partition: 1, kib: 1500}   # that shadow persists to a tmpfs this small
+    attacks: [forged-control, deep-json, replay-other-run]   # switch mode: hostile traffic
+                          # at the shadows during the chaos run (checkmate.testbed.attack)
 
 Without faults, shadow kills or a controller restart, ``kill_at`` makes the second run
 "kill-restore"; with any of them the second run is "chaos" (the faults and kills, plus the
@@ -76,11 +78,12 @@ class Scenario:
     finish_timeout: float = 30.0
     disk_limit: tuple[int, int] | None = None  # (partition, KiB of its checkpoint disk)
     gockpt: tuple[int, int] | None = None  # (every, steps): GoCkpt mode, no shadows
+    attacks: list[str] = field(default_factory=list)
 
     @property
     def chaos(self) -> bool:
         return bool(self.faults or self.shadow_kills or self.controller_restart_at
-                    or self.disk_limit)
+                    or self.disk_limit or self.attacks)
 
 
 def scenario_names() -> list[str]:
@@ -118,7 +121,8 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
                     doc.kill_phase,
                     [Fault(f.port, f.drop, f.corrupt, f.start, f.until) for f in doc.faults],
                     kills, doc.persist_every, doc.keep, ctl, float(doc.finish_timeout), disk,
-                    None if doc.gockpt is None else (doc.gockpt.every, doc.gockpt.steps))
+                    None if doc.gockpt is None else (doc.gockpt.every, doc.gockpt.steps),
+                    list(doc.attacks))
 
 
 def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:

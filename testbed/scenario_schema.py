@@ -16,6 +16,8 @@ from checkmate.schema import int_in as _int_in
 from checkmate.schema import one_of as _one_of
 
 KILL_PHASES = ("after-step", "before-control")
+#: Hostile traffic at the shadows during the chaos run (checkmate.testbed.attack).
+ATTACKS = ("forged-control", "deep-json", "replay-other-run")
 Random = Literal["random"]
 
 
@@ -108,6 +110,7 @@ class ScenarioDoc(_Strict):
     finish_timeout: float = 30.0
     disk_limit: DiskLimitDoc | None = None
     gockpt: GoCkptDoc | None = None
+    attacks: list[Annotated[str, _one_of(ATTACKS)]] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
