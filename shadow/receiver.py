@@ -250,11 +250,13 @@ class Receiver:
                 # a repair request falls due, so a hole is asked for within milliseconds.
                 wait = self._tick(now) if self.asm is not None else 0.1
                 next_tick = now + max(wait, MIN_TICK)
-            if check is not None:
-                k = len(lens)
-                mask = check(k)
-                all_ok = mask == (1 << k) - 1
             with lock:
+                # Checked under the lock that ShadowNode.set_run takes: a batch verified with
+                # the run that just ended cannot be placed after the new run dropped its bytes.
+                if check is not None:
+                    k = len(lens)
+                    mask = check(k)
+                    all_ok = mask == (1 << k) - 1
                 handle(ring, view, range(0, len(lens) * slot, slot), lens, mask, all_ok)
             if linger and len(lens) < LINGER_BATCH:
                 # A few datagrams per call means the sender trickles at about our pace: each

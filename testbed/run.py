@@ -130,6 +130,8 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
             if attackers:
                 more, report["attacks"] = attack.check(run, sent)
                 problems += more
+                print(f"testbed: {sc.name}: attacks sent {sent}, shadows dropped "
+                      f"{report['attacks']['drops']}", file=sys.stderr, flush=True)
         finally:
             attack.stop(attackers)
             if label == "chaos":
