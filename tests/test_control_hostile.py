@@ -378,3 +378,23 @@ def test_controller_state_file_is_private(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     store.save()  # and again over an existing file
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_each_start_draws_a_new_run_unless_one_is_given(monkeypatch, capsys):
+    from checkmate.errors import CheckmateError
+    from checkmate.train.session import RUN_ENV, draw_run
+
+    monkeypatch.delenv(RUN_ENV, raising=False)
+    monkeypatch.delenv("CKM_NCCL_BUCKETS", raising=False)
+    a, b = draw_run(), draw_run()
+    assert a != b and datamac.valid_run(a) and len(a) == 32
+    monkeypatch.setenv(RUN_ENV, RUN_A)
+    assert draw_run() == RUN_A
+    monkeypatch.setenv(RUN_ENV, "not-hex")
+    with pytest.raises(CheckmateError, match="32 lowercase hex"):
+        draw_run()
+    # the NCCL plugin tags with the job secret's own keys: the run stays the empty one, said
+    monkeypatch.delenv(RUN_ENV)
+    monkeypatch.setenv("CKM_NCCL_BUCKETS", "1024")
+    assert draw_run() == ""
+    assert "not bound" in capsys.readouterr().out

@@ -56,6 +56,35 @@ def _kill_hook(iteration: int) -> Any:
     return hook
 
 
+#: A run nonce given from outside (32 lowercase hex digits) instead of drawn: for a launcher
+#: that also hands the run's secret to a component deriving its keys from a secret file
+#: (the NCCL plugin, docs/nccl_plugin.md). It must change with every attempt.
+RUN_ENV = "CHECKMATE_RUN"
+
+
+def draw_run() -> str:
+    """Rank 0's run nonce (checkmate.protocol.datamac.run_secret): $CHECKMATE_RUN if set, else
+    16 random bytes. With the NCCL plugin tagging the replicas (CKM_NCCL_BUCKETS) and no
+    $CHECKMATE_RUN, the empty run: the plugin's tags are the job secret's own, and shadows
+    keyed to any other run would drop every replica; one warning line says the run is not
+    bound (docs/security.md, "Not yet protected")."""
+    import os
+
+    from checkmate.protocol import datamac
+
+    given = os.environ.get(RUN_ENV, "")
+    if given:
+        if not datamac.valid_run(given):
+            raise CheckmateError(f"{RUN_ENV} must be 32 lowercase hex digits")
+        return given
+    if os.environ.get("CKM_NCCL_BUCKETS"):
+        print(f"checkmate: warning: the NCCL plugin tags the replicas with the job secret's "
+              f"own keys ({RUN_ENV} not set): datagrams of this run are not bound to it "
+              "(docs/security.md)", flush=True)
+        return ""
+    return secrets.token_hex(16)
+
+
 def rng_seed(seed: int, rank: int, iteration: int) -> int:
     """The torch seed of (rank, iteration): a fixed function, so restores redraw the same."""
     return (seed * 1_000_003 + rank * 7_919 + iteration * 104_729) % (2**63 - 1)
@@ -276,8 +305,15 @@ class CheckmateSession(_Reliability, _ControlMessage):
         lay = self.layout
         # The ring's incarnation nonce, and the run nonce the shadows' keys derive from: a
         # datagram of an earlier run or attempt verifies in no later one.
-        nonce = [secrets.randbits(32), secrets.token_hex(16)] if lay.rank == 0 else [0, ""]
+        nonce: list[Any] = [0, "", None]
+        if lay.rank == 0:
+            try:
+                nonce = [secrets.randbits(32), draw_run(), None]
+            except CheckmateError as e:
+                nonce[2] = str(e)
         dist.broadcast_object_list(nonce, src=0, group=self.group)
+        if nonce[2] is not None:
+            raise CheckmateError(nonce[2])  # the same line on every rank
         self._set_run(nonce[1])
         if lay.mode == "switch" and lay.controller is not None:
             self._refresh_sessions()
