@@ -160,6 +160,11 @@ class ShadowCollector(Collector):
             [({"reason": str(reason)}, n) for reason, n in _by_key(drops)],
         )
         f.counter("gaps_total", "Holes found in an iteration's gradient.", st.get("gap_count"))
+        rx = _sub(st, "receiver")
+        f.gauge("receiver_alive", "1 while the receive thread runs (0: it failed for good).",
+                rx.get("alive"))
+        f.counter("receiver_restarts_total", "Restarts of the receive thread after a failure.",
+                  rx.get("restarts"))
         repair = _sub(st, "repair")
         f.counter("repair_requests_total", "Repair requests sent.", repair.get("requests"))
         f.counter("repair_ranges_total", "Element ranges asked for.", repair.get("ranges"))

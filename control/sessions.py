@@ -61,10 +61,19 @@ class SessionStore:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({
+        text = json.dumps({
             "max_epoch": self.max_epoch,
             "registrations": [asdict(r) for _, r in sorted(self.registrations.items())],
-        }, indent=1))
+        }, indent=1)
+        # Every epoch and token is in it: readable by the controller's user only (0600),
+        # from the first byte (created so, never chmod-ed after writing).
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         tmp.replace(self.path)
 
     def for_config(self, cfg: ClusterConfig) -> dict[int, Registration]:

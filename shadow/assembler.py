@@ -32,6 +32,7 @@ import numpy as np
 
 from checkmate.protocol import wire
 from checkmate.protocol.datamac import CONTROL_MAC, control_mac
+from checkmate.ratelog import RateLimitedLog
 from checkmate.shadow.control_message import MAX_CONTROL, Control, parse_control
 from checkmate.shadow.intervals import IntervalSet
 
@@ -54,6 +55,10 @@ REPAIR_ESCALATE = 5.0
 #: Seconds without a datagram or a progress report from the trainers after which they are
 #: taken to be gone: repair requests pause until something is heard again.
 TRAINERS_GONE = 5.0
+#: Seconds an incomplete control message may go without a new byte before it is forgotten
+#: (``control_expired``) and asked for whole again: bytes held that can never complete
+#: (another length, a message of a fragment that will not come) cannot pin the iteration.
+CONTROL_EXPIRE = 1.0
 
 
 @dataclass
@@ -70,6 +75,7 @@ class _Iter:
     ctrl_cov: IntervalSet = field(default_factory=IntervalSet)
     control: Control | None = None
     ctrl_error: str = ""
+    ctrl_at: float = 0.0  # when the last new control byte arrived
     gap_reported: bool = False
     # Progress seen by the last tick (covered elements + control bytes) and when it changed;
     # measured in tick() so the per-datagram path pays nothing for it.
@@ -95,9 +101,15 @@ class Assembler:
         max_gaps: int = 32,
         job: int = 0,
         control_key: bytes | None = None,
+        control_limit: int = MAX_CONTROL,
+        buffers: dict[str, int] | None = None,
     ) -> None:
         self.start, self.end, self.size = start, end, end - start
         self.job, self.control_key = job, control_key
+        #: Longest control message the spec allows (control_message.control_limit) and its
+        #: buffers' sizes: bigger messages and unknown buffers are refused.
+        self.control_limit, self.buffers = control_limit, buffers
+        self._bad_log = RateLimitedLog(log.warning)
         self.groups = groups
         self.on_complete = on_complete
         self.drops = drops
@@ -146,6 +158,13 @@ class Assembler:
         if it > self.newest_seen:
             self.newest_seen = it
             self.newest_seen_at = self.heard_at = time.monotonic()
+
+    def forget_open(self) -> None:
+        """Drop every iteration being assembled (its bytes may be of a run that ended, or
+        half-placed by a receive loop that failed); repair asks for them again. Caller holds
+        the receiver's lock (this thread owns the assembler)."""
+        for it in list(self.open):
+            self.free.append(self.open.pop(it).staging)
 
     def request_reset(self, committed: int) -> None:
         """From another thread: drop everything open and continue after ``committed``."""
@@ -222,10 +241,16 @@ class Assembler:
         st = self._admit(it)
         if st is None:
             return
-        if total <= 0 or total > MAX_CONTROL or offset + count > total:
+        if (total <= CONTROL_MAC or total > self.control_limit or count <= 0
+                or offset + count > total):
             self.drops["control_range"] += 1
             return
+        if st.control is not None:
+            self.drops["duplicate"] += 1
+            return
         if st.ctrl_buf is None:
+            # Reserved only for a fragment whose tag verified (the receiver checked it), and
+            # at most the spec's bound: a forged fragment reserves nothing.
             st.ctrl_len, st.ctrl_buf = total, bytearray(total)
         elif st.ctrl_len != total:
             self.drops["control_range"] += 1
@@ -234,27 +259,28 @@ class Assembler:
         if not new:
             self.drops["duplicate"] += 1
             return
+        st.ctrl_at = time.monotonic()
         for s, e in new:
             st.ctrl_buf[s:e] = payload[s - offset:e - offset]
-        if st.ctrl_cov.total == total and st.control is None:
+        if st.ctrl_cov.total == total:
             data = bytes(st.ctrl_buf)
+            st.ctrl_len, st.ctrl_buf, st.ctrl_cov = -1, None, IntervalSet()
             if self.control_key is not None:
                 body, mac = data[:-CONTROL_MAC], data[-CONTROL_MAC:]
-                if len(data) <= CONTROL_MAC or not hmac.compare_digest(
-                        mac, control_mac(self.control_key, self.job, it, body)):
-                    # Not from a trainer (or changed on the way): forget it, as a bad one.
-                    st.ctrl_len, st.ctrl_buf, st.ctrl_cov = -1, None, IntervalSet()
+                if not hmac.compare_digest(mac, control_mac(self.control_key, self.job, it,
+                                                            body)):
+                    # Not from a trainer (or changed on the way): forgotten, as a bad one.
                     self.drops["control_mac"] += 1
+                    self._bad_log(f"iteration {it}: control message MAC does not verify")
                     return
                 data = body
             try:
-                st.control = parse_control(data, it, self.groups)
-            except ValueError as e:
-                # Forget the bad bytes so a correct copy (a resend or a repair) is taken in.
-                st.ctrl_error = str(e)
-                st.ctrl_len, st.ctrl_buf, st.ctrl_cov = -1, None, IntervalSet()
+                st.control = parse_control(data, it, self.groups, self.buffers)
+            except Exception as e:  # noqa: BLE001 - no input may end the receive thread
+                # Forgotten, so a correct copy (a resend or a repair) is taken in.
+                st.ctrl_error = f"{type(e).__name__}: {e}"[:200]
                 self.drops["control_invalid"] += 1
-                log.warning("iteration %d: bad control message: %s", it, e)
+                self._bad_log(f"iteration {it}: bad control message: {st.ctrl_error}")
                 return
             if st.cov.total == self.size and it == self.next_dispatch:
                 self._dispatch()
@@ -305,10 +331,21 @@ class Assembler:
             self._apply_reset()
         now = time.monotonic() if now is None else now
         wait = 0.1
+        self._expire_control(now)
         if self.repair is not None:
             wait = min(wait, self._request_repairs(now))
         self.check_gaps(now)
         return wait
+
+    def _expire_control(self, now: float) -> None:
+        """Forget incomplete control messages that made no progress for CONTROL_EXPIRE
+        seconds (repair then asks for the whole message again)."""
+        for it, st in self.open.items():
+            if st.ctrl_buf is not None and now - st.ctrl_at > CONTROL_EXPIRE:
+                st.ctrl_len, st.ctrl_buf, st.ctrl_cov = -1, None, IntervalSet()
+                st.repair_next = 0.0  # ask at once
+                self.drops["control_expired"] += 1
+                self._bad_log(f"iteration {it}: incomplete control message expired")
 
     def _request_repairs(self, now: float) -> float:
         if self.reseed_wanted:

@@ -250,6 +250,13 @@ def _run_node(args: argparse.Namespace, opts: NodeOptions) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    fatal: list[str] = []
+
+    def on_fatal(why: str) -> None:  # a receive thread that gave up: never up but deaf
+        fatal.append(why)
+        stop.set()
+
+    node.receiver.on_fatal = on_fatal
     index, count = opts.partition, opts.partitions
     print(f"shadow: partition {index}/{count} serving udp {opts.bind}:{node.udp_port} "
           f"tcp {opts.restore_bind}:{node.tcp_port}", flush=True)
@@ -260,6 +267,8 @@ def _run_node(args: argparse.Namespace, opts: NodeOptions) -> int:
         node.stop()
         if exporter is not None:
             exporter.close()
+    if fatal:
+        raise CheckmateError(f"shadow partition {index}: {fatal[0]}")
     return 0
 
 

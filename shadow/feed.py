@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -41,11 +42,11 @@ def _secret(secret: bytes | None) -> bytes:
 def grad_datagrams(job: int, it: int, partition: int, start: int, grad: np.ndarray,
                    chunk: int = 2048, dtype: str = "float32", epoch: int = 0,
                    token: int = 0, secret: bytes | None = None,
-                   mac: bool = True) -> Iterator[bytes]:
+                   mac: bool = True, run: str = "") -> Iterator[bytes]:
     """Datagrams carrying ``grad`` (the partition's values, global offset ``start``), each
     with its checkmate.protocol.datamac tag (``secret``: default $CHECKMATE_SECRET_FILE's; ``mac``
     False sends none, only to measure what checking them costs)."""
-    key = datamac.data_key(_secret(secret)) if mac else None
+    key = datamac.data_key(datamac.run_secret(_secret(secret), run)) if mac else None
     flags = int(wire.Flags.REPLICATE)
     for a in range(0, len(grad), chunk):
         part = grad[a:a + chunk]
@@ -68,15 +69,21 @@ def control_body(it: int, lrs: list[float], clip_coef: float | None = None,
 
 def control_datagrams(job: int, it: int, body: bytes, frag: int = 1024, epoch: int = 0,
                       token: int = 0, partition: int = 0, secret: bytes | None = None,
-                      mac: bool = True) -> Iterator[bytes]:
-    """The control message ``body`` of ``it``, ending with its MAC, in fragments."""
+                      mac: bool = True, run: str = "") -> Iterator[bytes]:
+    """The control message ``body`` of ``it``, ending with its MAC, in fragments, each
+    tagged; the keys are run ``run``'s ("" : the job secret's own)."""
+    key = None
     if mac:
-        body = body + datamac.control_mac(datamac.control_key(_secret(secret)), job, it, body)
+        rs = datamac.run_secret(_secret(secret), run)
+        body = body + datamac.control_mac(datamac.control_key(rs), job, it, body)
+        key = datamac.data_key(rs)
     for a in range(0, len(body), frag):
         part = body[a:a + frag]
         h = wire.Header(flags=wire.Flags.CONTROL, job_id=job, epoch=epoch, token=token,
                         iteration=it, offset=a, count=len(part), dtype=wire.DType.BYTES,
-                        fec_group=len(body), partition=partition)
+                        fec_group=len(body), partition=partition, crc32c=wire.crc(part))
+        if key is not None:  # each fragment's own tag (checkmate.protocol.datamac)
+            h = replace(h, seq=datamac.control_tag(key, wire.pack_header(h)))
         yield wire.encode(h, part)
 
 
@@ -85,7 +92,7 @@ def send_iteration(sock: socket.socket, addr: tuple[str, int], job: int, it: int
                    **kw: Any) -> int:
     """Send a whole iteration (gradient then control); returns datagrams sent."""
     n = 0
-    ctrl_kw = {k: kw[k] for k in ("epoch", "token", "secret", "mac") if k in kw}
+    ctrl_kw = {k: kw[k] for k in ("epoch", "token", "secret", "mac", "run") if k in kw}
     for d in grad_datagrams(job, it, partition, start, grad, **kw):
         sock.sendto(d, addr)
         n += 1

@@ -67,6 +67,9 @@ class ShadowNode:
         self.state = ShadowState(opts.partition, opts.partitions, opts.job, opts.retain,
                                  opts.window, opts.gap_timeout, self._on_commit)
         self.state.drops = self.drops
+        #: The trainers' run (checkmate.protocol.datamac.run_secret) whose keys this shadow
+        #: checks with: "" (the job secret's own keys) until a ``peers`` request names one.
+        self.run = ""
         self.state.control_key = datamac.control_key(self.secret)
         self.state.on_assembler = self._on_assembler
         self.persister: persist.Persister | None = None
@@ -121,7 +124,34 @@ class ShadowNode:
             self.repair.set_peers(self._peers, self.state.start, self.state.end)
         self.receiver.attach(asm, self.state.spec.grad_dtype)
 
+    def set_run(self, run: str) -> None:
+        """Check everything from now on with run ``run``'s keys; a new run also drops every
+        iteration being assembled (bytes of the run that ended must not complete one of the
+        new run, whose gradients may differ: another world size, another restore point)."""
+        if run == self.run:
+            return
+        rs = datamac.run_secret(self.secret, run)
+        dk, ck = datamac.data_key(rs), datamac.control_key(rs)
+        rc = self.receiver
+        with rc._lock:  # between two batches of the receive thread
+            self.run = run
+            rc.mac_key = dk if rc.mac_key is not None else None
+            self.repair.key = dk
+            self.state.control_key = ck
+            asm = self.state.asm
+            if asm is not None:
+                asm.control_key = ck if asm.control_key is not None else None
+                asm.forget_open()
+                asm.newest_seen = asm.known_done = 0  # the old run's progress means nothing
+        log.info("run %s: datagrams are checked with its keys", run[:8] or "(none)")
+
     def _on_peers(self, body: dict[str, Any]) -> None:
+        run = body.get("run", "")
+        if not datamac.valid_run(run):
+            from checkmate.errors import CheckmateError
+
+            raise CheckmateError("peers 'run' must be 32 lowercase hex digits")
+        self.set_run(run)
         st = self.state
         if st.spec is None:  # ranges are checked once the partition's bounds are known
             self._peers = dict(body)
@@ -243,6 +273,7 @@ class ShadowNode:
             "latest": st.latest,
             "retained": st.retained(),
             "epoch": self.receiver.epoch,
+            "run": self.run,
             "gaps": list(asm.gaps) if asm else [],
             "gap_count": asm.gap_count if asm else 0,
             "pending": sorted(asm.open) if asm else [],

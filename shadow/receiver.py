@@ -24,8 +24,8 @@ import select
 import socket
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,9 @@ LINGER_MIN_RCVBUF = 32 << 20
 #: A call that returns fewer datagrams than this is a trickle too (see the loop).
 LINGER_BATCH = 8
 _MAXDGRAM = 65536
+#: Failures of the receive loop tolerated (each restarts it) within RESTART_WINDOW seconds.
+RESTARTS = 5
+RESTART_WINDOW = 60.0
 _GRAD_DTYPE = {"float32": wire.DType.FLOAT32, "bfloat16": wire.DType.BFLOAT16,
                "float16": wire.DType.FLOAT16}
 _DATA_FLAGS_OK = wire.Flags.REPLICATE | wire.Flags.LAST
@@ -120,6 +123,12 @@ class Receiver:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Health of the receive loop (see ``run``): restarts after a failure, the last
+        #: failure, whether it gave up; ``on_fatal(line)`` is called when it does.
+        self.restarts = 0
+        self.last_error = ""
+        self.failed = False
+        self.on_fatal: Callable[[str], None] | None = None
 
     def attach(self, asm: Assembler, grad_dtype: str) -> None:
         self.grad_dtype = int(_GRAD_DTYPE[grad_dtype])
@@ -138,12 +147,41 @@ class Receiver:
             self._thread.join(5)
 
     def run(self) -> None:
+        """The receive loop, restarted if it fails: an exception that escapes it (a bug,
+        never bad input, which is counted and dropped) is logged with its traceback, counted
+        (``receiver_crashed``, ``restarts`` in status), everything half-assembled is dropped
+        (repair fetches it again, so a batch cut short cannot leave coverage without its
+        bytes) and the loop starts again. More than RESTARTS failures within RESTART_WINDOW
+        seconds end it for good: ``failed`` in status, and ``on_fatal`` (``shadow serve``
+        exits with one line) so the shadow is never up but deaf."""
         name_thread()
-        try:
-            self._loop()
-        except Exception:  # keep the node alive and visible rather than silently dead
-            log.exception("receive thread failed")
-            self.drops["receiver_crashed"] += 1
+        crashes: deque[float] = deque()
+        while not self._stop.is_set():
+            try:
+                self._loop()
+                return
+            except Exception as e:  # noqa: BLE001 - restarted below, never silently dead
+                self.drops["receiver_crashed"] += 1
+                self.last_error = f"{type(e).__name__}: {e}"[:300]
+                log.exception("receive thread failed")
+                now = time.monotonic()
+                crashes.append(now)
+                while crashes and now - crashes[0] > RESTART_WINDOW:
+                    crashes.popleft()
+                if len(crashes) > RESTARTS:
+                    self.failed = True
+                    why = (f"the receive thread failed {len(crashes)} times in "
+                           f"{RESTART_WINDOW:.0f}s (last: {self.last_error}): this shadow "
+                           "takes no more datagrams")
+                    log.critical(why)
+                    if self.on_fatal is not None:
+                        self.on_fatal(why)
+                    return
+                self.restarts += 1
+                with self._lock:
+                    if self.asm is not None:
+                        self.asm.forget_open()
+                time.sleep(0.05)
 
     def _loop(self) -> None:
         sock = self.sock
@@ -155,25 +193,26 @@ class Receiver:
         poll = poller.poll
         rx = BatchReceiver(sock, self.batch, _MAXDGRAM)
         recv, ring, view, slot = rx.recv, rx.ring, rx.view, rx.slot
-        key = self.mac_key
         check = None
-        if key is not None:
+        if self.mac_key is not None:
             # One compiled pass over each batch (checkmate.protocol.datamac): a C call reading the
-            # recvmmsg memory in place; without recvmmsg, the array version.
+            # recvmmsg memory in place; without recvmmsg, the array version. The key is read
+            # per batch: a new run (the ``peers`` op) replaces it (ShadowNode.set_run).
             from checkmate.protocol import datamac
 
-            k0, k1 = key
             if rx.native:
                 fn = datamac.batch_checker(len(ring), rx.msgs_size)
 
                 def check(k: int, fn: Any = fn, ra: int = rx.ring_addr,
                           ma: int = rx.msgs_addr, stride: int = rx.msg_stride,
                           lo: int = rx.len_offset) -> int:
+                    k0, k1 = self.mac_key
                     return fn(k0, k1, ra, ma, k, slot, stride, lo)
             else:
                 ring_u8, oks = np.frombuffer(ring, np.uint8), np.zeros(self.batch, np.uint8)
 
                 def check(k: int) -> int:
+                    k0, k1 = self.mac_key
                     ok = datamac.check_batch(np.uint64(k0), np.uint64(k1), ring_u8,
                                              np.asarray(lens, np.int64), slot, oks)
                     return sum(1 << i for i in range(k) if ok[i])
@@ -211,11 +250,13 @@ class Receiver:
                 # a repair request falls due, so a hole is asked for within milliseconds.
                 wait = self._tick(now) if self.asm is not None else 0.1
                 next_tick = now + max(wait, MIN_TICK)
-            if check is not None:
-                k = len(lens)
-                mask = check(k)
-                all_ok = mask == (1 << k) - 1
             with lock:
+                # Checked under the lock that ShadowNode.set_run takes: a batch verified with
+                # the run that just ended cannot be placed after the new run dropped its bytes.
+                if check is not None:
+                    k = len(lens)
+                    mask = check(k)
+                    all_ok = mask == (1 << k) - 1
                 handle(ring, view, range(0, len(lens) * slot, slot), lens, mask, all_ok)
             if linger and len(lens) < LINGER_BATCH:
                 # A few datagrams per call means the sender trickles at about our pace: each
@@ -345,8 +386,12 @@ class Receiver:
         return wait
 
     def stats(self) -> dict[str, Any]:
+        t = self._thread
         return {"received": self.received, "wakeups": self.wakeups, "ticks": self.ticks,
-                "tick_seconds": round(self.tick_seconds, 6)}
+                "tick_seconds": round(self.tick_seconds, 6),
+                "alive": t is not None and t.is_alive() and not self.failed,
+                "restarts": self.restarts, "failed": self.failed,
+                "last_error": self.last_error}
 
     def repair_status(self) -> dict[str, int]:
         r = self.repair_stats

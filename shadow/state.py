@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from checkmate.errors import CheckmateError
+from checkmate.shadow import control_message
 from checkmate.shadow.assembler import Assembler
 from checkmate.shadow.control_message import Control
 from checkmate.shadow.intervals import IntervalSet
@@ -242,7 +243,9 @@ class ShadowState:
         assert spec is not None
         self.asm = Assembler(self.start, self.end, len(spec.groups), self._enqueue,
                              self.drops, self.window, self.gap_timeout, job=self.job,
-                             control_key=self.control_key)
+                             control_key=self.control_key,
+                             control_limit=control_message.control_limit(spec),
+                             buffers=control_message.buffer_sizes(spec))
         self.asm.committed = iteration
         self.asm.next_dispatch = iteration + 1
         self.asm.on_wanted = self._reseed_failed

@@ -225,16 +225,16 @@ class RingConsumer:
             return 0
         rx = self.receiver
         mask, all_ok = 0, True
-        if rx.mac_key is not None:
-            from checkmate.protocol import datamac
-
-            k0, k1 = rx.mac_key
-            ok = datamac.check_at(np.uint64(k0), np.uint64(k1), self.u8, bases, lens,
-                                  self._ok[:k])
-            mask = sum(1 << i for i in range(k) if ok[i])
-            all_ok = mask == (1 << k) - 1
         rx.received += k
-        with rx._lock:
+        with rx._lock:  # the key cannot change between the check and the placing
+            if rx.mac_key is not None:
+                from checkmate.protocol import datamac
+
+                k0, k1 = rx.mac_key
+                ok = datamac.check_at(np.uint64(k0), np.uint64(k1), self.u8, bases, lens,
+                                      self._ok[:k])
+                mask = sum(1 << i for i in range(k) if ok[i])
+                all_ok = mask == (1 << k) - 1
             rx.handle(self.buf, self.view, bases.tolist(), lens.tolist(), mask, all_ok)
         self.stats["datagrams"] += k
         return k

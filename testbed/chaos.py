@@ -93,6 +93,11 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     out["attack-conn-flood-s0"] = {"attacks": [{"kind": "conn_flood", "from": "s1",
                                                 "target": "s0", "at": 2}],
                                    "shadow_kills": [{"partition": 0, "at": "E"}]}
+    # Hostile datagrams and messages at the shadows while the job trains
+    # (checkmate.testbed.stream_attacks); each must end bit-exact and protected, its
+    # datagrams counted as dropped, no receive thread lost.
+    for a in ("forged-control", "deep-json", "replay-other-run"):
+        out[f"attack-{a}"] = {"stream_attacks": [a]}
     return out
 
 

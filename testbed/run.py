@@ -175,8 +175,13 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
         finished["failure-free"] = ref.run
         report["runs"]["failure-free"] = ref.entry
         problems += [f"reference: {p}" for p in ref.problems]
+    from checkmate.testbed import stream_attacks
+
+    captures = (stream_attacks.capture_run(sc, cl, workdir, progress)
+                if "replay-other-run" in sc.stream_attacks else [])
     for label, kill in runs:
         run = Run(cl, sc, workdir, label, progress)
+        attackers: list[Any] = []
         if sc.gockpt is not None:  # no shadows: each trainer's GoCkpt process checkpoints
             run.extra_job = {"ckpt": "gockpt", "ckpt_dir": str(gockpt_dir(run)),
                              "ckpt_every": sc.gockpt[0], "ckpt_steps": sc.gockpt[1]}
@@ -187,15 +192,24 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
                 run.start_shadows()
             if label == "chaos":
                 _inject(run)
+                if sc.stream_attacks:
+                    attackers = stream_attacks.start(run, captures)
             self_kill = kill is not None and sc.kill_phase == "before-control"
             run.start_trainers(resume=False, fail_at=kill if self_kill else None)
             outcome = (run.follow(None, fail_at=kill) if self_kill else run.follow(kill))
             if outcome == "killed":
                 run.start_trainers(resume=True)
                 run.follow(None)
+            sent = stream_attacks.stop(attackers)
             problems += check_run(run)
             run.result.shadow_status = run.shadow_statuses() if sc.gockpt is None else []
+            if attackers:
+                more, report["stream_attacks"] = stream_attacks.check(run, sent)
+                problems += more
+                print(f"testbed: {sc.name}: attacks sent {sent}, shadows dropped "
+                      f"{report['stream_attacks']['drops']}", file=sys.stderr, flush=True)
         finally:
+            stream_attacks.stop(attackers)
             if label == "chaos":
                 report["faults_dropped"] = _clear_faults(run)
                 if run.attacks:

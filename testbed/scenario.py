@@ -18,6 +18,8 @@ A scenario is a YAML file (testbed/scenarios/NAME.yaml, found by name, or any pa
     controller_restart_at: 12   # switch mode: SIGKILL the controller there, start it again
     disk_limit: {partition: 1, kib: 1500}   # that shadow persists to a tmpfs this small
     cpu_load: 4           # busy processes beside the faulted run (registration under load)
+    stream_attacks: [forged-control, deep-json, replay-other-run]   # switch mode: hostile
+                          # datagrams at the shadows (checkmate.testbed.stream_attacks)
 
 Without faults, shadow kills or a controller restart, ``kill_at`` makes the second run
 "kill-restore"; with any of them the second run is "chaos" (the faults and kills, plus the
@@ -90,11 +92,12 @@ class Scenario:
     gockpt: tuple[int, int] | None = None  # (every, steps): GoCkpt mode, no shadows
     attacks: list[Attack] = field(default_factory=list)
     cpu_load: int = 0  # busy processes running beside the chaos run
+    stream_attacks: list[str] = field(default_factory=list)
 
     @property
     def chaos(self) -> bool:
         return bool(self.faults or self.shadow_kills or self.controller_restart_at
-                    or self.disk_limit or self.attacks)
+                    or self.disk_limit or self.attacks or self.stream_attacks)
 
 
 def scenario_names() -> list[str]:
@@ -135,7 +138,7 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
                     [Fault(f.port, f.drop, f.corrupt, f.start, f.until) for f in doc.faults],
                     kills, doc.persist_every, doc.keep, ctl, float(doc.finish_timeout), disk,
                     None if doc.gockpt is None else (doc.gockpt.every, doc.gockpt.steps),
-                    attacks, doc.cpu_load)
+                    attacks, doc.cpu_load, list(doc.stream_attacks))
 
 
 def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:

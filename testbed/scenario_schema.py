@@ -16,6 +16,8 @@ from checkmate.schema import int_in as _int_in
 from checkmate.schema import one_of as _one_of
 
 KILL_PHASES = ("after-step", "before-control")
+#: Hostile datagrams at the shadows during the chaos run (checkmate.testbed.stream_attacks).
+STREAM_ATTACKS = ("forged-control", "deep-json", "replay-other-run")
 Random = Literal["random"]
 
 
@@ -120,6 +122,7 @@ class ScenarioDoc(_Strict):
     gockpt: GoCkptDoc | None = None
     attacks: list[AttackDoc] = Field(default_factory=list)
     cpu_load: Annotated[int, _int_in(0, 64)] = 0
+    stream_attacks: list[Annotated[str, _one_of(STREAM_ATTACKS)]] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -153,9 +156,10 @@ class ScenarioDoc(_Strict):
             raise ValueError("disk_limit needs persist_every")
         if self.gockpt is not None and (self.faults or self.shadow_kills or self.persist_every
                                         or self.controller_restart_at or self.disk_limit
-                                        or self.attacks):
+                                        or self.attacks or self.stream_attacks):
             raise ValueError("gockpt runs without shadows: no faults, shadow_kills, "
-                             "persist_every, controller_restart_at, disk_limit or attacks")
+                             "persist_every, controller_restart_at, disk_limit, attacks or "
+                             "stream_attacks")
         if self.cpu_load and not (self.faults or self.shadow_kills
                                   or self.controller_restart_at or self.disk_limit):
             raise ValueError("cpu_load loads the chaos run: give faults or shadow_kills")

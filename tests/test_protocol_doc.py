@@ -16,7 +16,7 @@ from checkmate.protocol import auth, datamac, handshake, repair, wire
 from checkmate.protocol.frames import send_frame
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
-KINDS = {"gradient", "control", "repair-request", "handshake-register",
+KINDS = {"gradient", "control", "run-keys", "repair-request", "handshake-register",
          "handshake-registered", "handshake-refusal", "service-auth"}
 
 
@@ -78,6 +78,13 @@ def test_datagram_examples(name):
         assert mac.hex() == ex["control_mac"]
         payload_in = body + mac
         assert h.fec_group == len(payload_in)  # CONTROL: total message length
+        # each fragment's own 32-bit tag, in seq, over the header with fec_group
+        key = datamac.data_key(bytes.fromhex(ex["secret"]))
+        assert h.seq == int(ex["tag32"], 16) == datamac.control_tag(key, data[:wire.HEADER_LEN])
+        ok = datamac.check_batch(np.uint64(key[0]), np.uint64(key[1]),
+                                 np.frombuffer(data, np.uint8), np.array([len(data)]),
+                                 len(data), np.zeros(1, np.uint8))
+        assert ok[0] == 1
     else:
         payload_in = repair.encode_ranges([tuple(r) for r in ex["ranges"]])
         assert repair.decode_ranges(payload) == [tuple(r) for r in ex["ranges"]]
@@ -149,3 +156,12 @@ def test_service_auth_example():
     assert json.loads(frame[4:4 + n]) == {"op": "auth", "nonce": ex["nonce"],
                                           "proof": ex["client_proof"], "nbytes": 0}
     assert len(frame) == 4 + n
+
+
+def test_run_keys_example():
+    ex = EXAMPLES["run-keys"]
+    secret = bytes.fromhex(ex["secret"])
+    rs = datamac.run_secret(secret, ex["run"])
+    assert rs.hex() == ex["run_secret"]
+    assert [hex(k) for k in datamac.data_key(rs)] == ex["data_key"]
+    assert datamac.control_key(rs).hex() == ex["control_key"]

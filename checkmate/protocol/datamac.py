@@ -2,7 +2,8 @@
 
 Every gradient datagram a shadow may take (a REPLICATE piece, its repair answer) carries a
 56-bit tag in the header fields it does not otherwise use (``fec_index``, ``fec_k``,
-``fec_m``, ``fec_group``). The tag is SipHash-2-4,
+``fec_m``, ``fec_group``); a CONTROL fragment a 32-bit tag in ``seq`` (its ``fec_*``
+fields say which message it belongs to, so the tag covers them). The tag is SipHash-2-4,
 keyed from the job secret, over the fields that say what the payload is and where it goes
 (job, flags, iteration, offset, count, partition, dtype) and the payload's CRC32C; the
 fields the switch rewrites (epoch, token) and the ring's own (seq, bucket) are left out, so
@@ -13,7 +14,12 @@ into another with the same CRC32C (docs/security.md).
 SipHash rather than HMAC: the shadow checks a whole recvmmsg batch in one compiled call,
 tens of nanoseconds a datagram, where hashlib costs ~0.5 µs a datagram from Python
 (measured: docs/benchmarks.md, "ingest"). Control messages are authenticated whole, once per
-iteration, with HMAC-SHA256 (``control_mac``).
+iteration, with HMAC-SHA256 (``control_mac``), on top of each fragment's tag.
+
+Keys are per run: the trainers' rank 0 draws a run nonce R at every start (fresh, resumed,
+or a restarted attempt) and tells each shadow in its ``peers`` request; every key here is
+derived from ``run_secret(S, R)`` instead of the job secret S, so a datagram or control
+message captured in one run verifies in no other (docs/security.md, "Replay").
 """
 
 from __future__ import annotations
@@ -30,10 +36,29 @@ from numba import njit
 
 _LABEL = b"checkmate data v1"
 _CTL_LABEL = b"checkmate control v1"
+_RUN_LABEL = b"checkmate run v1|"
 _CTL = struct.Struct("!4sIQ")
 #: Bytes of the HMAC that ends a control message.
 CONTROL_MAC = 32
 TAG_BITS = 56
+
+
+def valid_run(run: object) -> bool:
+    """Whether ``run`` is a run nonce: 32 lowercase hex digits (or "" for no run)."""
+    return isinstance(run, str) and (run == "" or (
+        len(run) == 32 and all(c in "0123456789abcdef" for c in run)))
+
+
+def run_secret(secret: bytes, run: str) -> bytes:
+    """The secret every per-datagram key of run ``run`` derives from: HMAC-SHA256(S, "checkmate
+    run v1|" | R) for a run nonce R (32 hex digits), S itself for the empty run (tools such
+    as ``shadow feed`` that speak for no trainer run). It has the job secret's form, so a
+    component that derives keys from a secret file (the NCCL plugin) takes it as one."""
+    if not valid_run(run):
+        raise ValueError("a run nonce is 32 lowercase hex digits")
+    if not run:
+        return secret
+    return hmac.new(secret, _RUN_LABEL + run.encode(), hashlib.sha256).digest()
 
 
 def data_key(secret: bytes) -> tuple[int, int]:
@@ -137,24 +162,39 @@ def _put_fields(msg, job, flags, partition, dtype, iteration, offset, count, crc
 
 @njit(cache=True)
 def _message(hdr, base, msg):  # noqa: ANN001, ANN202
-    """The MAC input of the packed header at ``hdr[base:]`` (_put_fields): 32 bytes."""
+    """The MAC input of the packed header at ``hdr[base:]`` (_put_fields), then, for
+    CONTROL only, fec_index, fec_k, fec_m u8, fec_group u32 and a zero byte:
+    32 or 40."""
     _put_fields(msg, _be(hdr, base + 4, 4), _be(hdr, base + 3, 1), _be(hdr, base + 42, 2),
                 _be(hdr, base + 44, 1), _be(hdr, base + 16, 8), _be(hdr, base + 24, 8),
                 _be(hdr, base + 32, 4), _be(hdr, base + 52, 4))
+    if hdr[base + 3] & 0x04:  # CONTROL: the message length is part of the claim
+        for i in range(3):
+            msg[32 + i] = hdr[base + 45 + i]
+        _put_le(msg, 35, _be(hdr, base + 48, 4), 4)
+        msg[39] = 0
+        return 40
     return 32
+
+
+@njit(cache=True)
+def _tag_of(k0, k1, hdr, base):  # noqa: ANN001, ANN202
+    msg = np.zeros(40, np.uint8)
+    n = _message(hdr, base, msg)
+    return siphash24(k0, k1, msg[:n])
 
 
 @njit(cache=True, inline="always")
 def _good(k0, k1, ring, base, length, msg):  # noqa: ANN001, ANN202
     """Whether the datagram at ``ring[base:]`` carries the tag its header and CRC call
-    for; CONTROL fragments pass (their message is checked whole), too short ones fail
-    (they are dropped as short anyway)."""
+    for: 32 bits in ``seq`` for CONTROL, else 56 in the fec fields; too short
+    ones fail (they are dropped as short anyway)."""
     if length < 56:
         return False
     flags = ring[base + 3]
-    if flags & 0x04:
-        return True
     t = siphash24(k0, k1, msg[:_message(ring, base, msg)])
+    if flags & 0x04:
+        return (t & np.uint64(0xFFFFFFFF)) == _be(ring, base + 36, 4)
     return (t >> np.uint64(8)) == _be(ring, base + 45, 7)
 
 
@@ -162,7 +202,7 @@ def _good(k0, k1, ring, base, length, msg):  # noqa: ANN001, ANN202
 def check_batch(k0, k1, ring, lens, slot, ok):  # noqa: ANN001, ANN201
     """``ok[i]`` = 1 when datagram i of a batch (``ring[i*slot:]``, ``lens[i]`` bytes)
     is good (_good)."""
-    msg = np.zeros(32, np.uint8)
+    msg = np.zeros(40, np.uint8)
     for i in range(lens.shape[0]):
         ok[i] = 1 if _good(k0, k1, ring, i * slot, lens[i], msg) else 0
     return ok
@@ -172,7 +212,7 @@ def check_batch(k0, k1, ring, lens, slot, ok):  # noqa: ANN001, ANN201
 def check_at(k0, k1, buf, bases, lens, ok):  # noqa: ANN001, ANN201
     """``ok[i]`` = 1 when the datagram at ``buf[bases[i]:]`` (``lens[i]`` bytes) is good
     (_good): for receive rings whose completions name any slot (the verbs ring)."""
-    msg = np.zeros(32, np.uint8)
+    msg = np.zeros(40, np.uint8)
     for i in range(lens.shape[0]):
         ok[i] = 1 if _good(k0, k1, buf, bases[i], lens[i], msg) else 0
     return ok
@@ -183,7 +223,7 @@ def _mask_of(k0, k1, ring, msgs, n, slot, stride, len_off):  # noqa: ANN001, ANN
     """check_batch over a recvmmsg batch in place: lengths read from the mmsghdr array
     (``stride`` bytes apart, msg_len at ``len_off``, little-endian u32); bit i set when
     datagram i is good."""
-    msg = np.zeros(32, np.uint8)
+    msg = np.zeros(40, np.uint8)
     mask = np.uint64(0)
     for i in range(n):
         at = i * stride + len_off
@@ -241,3 +281,11 @@ def data_tag(key: tuple[int, int], job: int, flags: int, iteration: int, offset:
     """(fec_index, fec_k, fec_m, fec_group) carrying the 56-bit tag of a data datagram."""
     return split(int(tag56(key[0], key[1], job, flags, iteration, offset, count, partition,
                            dtype, crc)))
+
+
+def control_tag(key: tuple[int, int], header: bytes) -> int:
+    """The ``seq`` of a CONTROL fragment whose other header fields are
+    ``header`` (packed; its ``seq`` is not read)."""
+    # uint64 key words: a Python int of 2^63 or more does not convert to Numba's int64.
+    return int(_tag_of(np.uint64(key[0]), np.uint64(key[1]),
+                       np.frombuffer(header, np.uint8), 0)) & 0xFFFFFFFF

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from checkmate.protocol import auth, wire
+from checkmate.protocol import auth, jsonbound, wire
 
 #: A refusal's MAC when the request could not be verified.
 NO_MAC = bytes(auth.MAC_BYTES)
@@ -96,9 +96,10 @@ def parse(buf: bytes) -> Message:
         raise wire.WireError("handshake payload too short for its MAC")
     raw, mac = payload[:-auth.MAC_BYTES], payload[-auth.MAC_BYTES:]
     try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise wire.WireError("handshake payload is not JSON") from None
+        body = jsonbound.loads(raw, len(raw))  # depth-bounded: a datagram is short anyway
+    except jsonbound.JsonBoundError:
+        raise wire.WireError("handshake payload is not JSON of at most "
+                             f"{jsonbound.MAX_DEPTH} levels") from None
     if not isinstance(body, dict) or "op" not in body:
         raise wire.WireError("handshake payload has no 'op'")
     return Message(h, body, raw, mac)

@@ -181,7 +181,7 @@ class FSDPSession(CheckmateSession):
         start, end = self.spec.bounds(partition)
         trainers = [(ip, lay.repair_port) for ip, _ in lay.trainers]
         return owners_body(trainers, shard_owners(self.spec, self.shards, start, end)
-                           if lay.repair else [], 0)
+                           if lay.repair else [], 0, self.run)
 
     def _seed_flat(self) -> dict[str, Any]:
         model_sd = {k: _full(v) for k, v in self.module.state_dict().items()}

@@ -189,9 +189,12 @@ class RepairServer:
             if not any(a < end and off < b for a, b in want):
                 continue
             frag = data[off:end]
-            hdr = _PACK(wire.MAGIC, wire.VERSION, repair.ANSWER_CONTROL, self.job_id,
-                        h.epoch, h.token, h.iteration, off, len(frag), 0, 0, h.partition,
-                        _BYTES, 0, 0, 0, len(data), wire.crc(frag))
+            fields = [wire.MAGIC, wire.VERSION, repair.ANSWER_CONTROL, self.job_id, h.epoch,
+                      h.token, h.iteration, off, len(frag), 0, 0, h.partition, _BYTES, 0, 0,
+                      0, len(data), wire.crc(frag)]
+            if self.data_key is not None:  # a fragment's tag, as rank 0's copy carried
+                fields[9] = datamac.control_tag(self.data_key, _PACK(*fields))
+            hdr = _PACK(*fields)
             self._send([hdr, frag], addr)
 
     def _send(self, parts: list[bytes], addr: tuple[str, int]) -> None:
@@ -206,7 +209,8 @@ class RepairServer:
 
 
 def owners_body(trainers: list[tuple[str, int]], owners: list[tuple[int, int, int]],
-                control_rank: int = 0) -> dict[str, Any]:
-    """The ``peers`` request telling a shadow whom to ask for which of its ranges."""
+                control_rank: int = 0, run: str = "") -> dict[str, Any]:
+    """The ``peers`` request telling a shadow whom to ask for which of its ranges, and the
+    run whose keys tag everything it takes (checkmate.protocol.datamac.run_secret)."""
     return {"op": "peers", "trainers": [[ip, port] for ip, port in trainers],
-            "owners": [list(o) for o in owners], "control": control_rank}
+            "owners": [list(o) for o in owners], "control": control_rank, "run": run}

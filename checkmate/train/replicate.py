@@ -46,8 +46,13 @@ class ShadowSender:
         self.job_id = job_id
         #: checkmate.protocol.datamac keys of the job secret (None: untagged, only for tests of
         #: what a shadow does with such datagrams).
-        self.data_key = datamac.data_key(secret) if secret is not None else None
-        self.control_key = datamac.control_key(secret) if secret is not None else None
+        self.secret = secret
+        #: Longest control message the shadows take (control_message.control_limit of the
+        #: job's spec; None: unchecked). A longer one is one CheckmateError, never sent.
+        self.control_limit: int | None = None
+        self.data_key: tuple[int, int] | None = None
+        self.control_key: bytes | None = None
+        self.set_run("")
         self.targets = {t.partition: t for t in targets}
         self.sock = mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
         self._seq = 0
@@ -58,6 +63,12 @@ class ShadowSender:
         #: partition -> checkmate.shadow.verbs.VerbsSender: that shadow takes its datagrams
         #: on a UD queue pair (docs/verbs.md); pieces are cut to its message size.
         self.verbs: dict[int, Any] = {}
+
+    def set_run(self, run: str) -> None:
+        """Tag everything from now on with run ``run``'s keys (checkmate.protocol.datamac)."""
+        if self.secret is not None:
+            rs = datamac.run_secret(self.secret, run)
+            self.data_key, self.control_key = datamac.data_key(rs), datamac.control_key(rs)
 
     def use_verbs(self, partition: int, sender: Any) -> None:
         """Send everything for ``partition`` through ``sender`` (a VerbsSender)."""
@@ -81,8 +92,12 @@ class ShadowSender:
             self._seq = (self._seq + 1) & 0xFFFFFFFF
         c = wire.crc(payload)
         key = self.data_key
-        tag = (0, 0, 0, fec_group)  # the FEC fields carry a data MAC tag, if any
-        if key is not None and not flags & _F.CONTROL:
+        tag = (0, 0, 0, fec_group)  # a CONTROL fragment's fec_group: its message's length
+        if key is not None and flags & _F.CONTROL:
+            seq = datamac.control_tag(key, _PACK(
+                wire.MAGIC, wire.VERSION, flags, self.job_id, 0, 0, iteration, offset, count,
+                0, 0, t.partition, dtype, *tag, c))
+        elif key is not None:
             tag = datamac.data_tag(key, self.job_id, flags, iteration, offset, count,
                                    t.partition, dtype, c)
         hdr = _PACK(wire.MAGIC, wire.VERSION, flags, self.job_id, t.epoch, t.token, iteration,
@@ -119,6 +134,13 @@ class ShadowSender:
         data = json.dumps(body, separators=(",", ":")).encode()
         if self.control_key is not None:  # the shadow checks the message whole
             data += datamac.control_mac(self.control_key, self.job_id, iteration, data)
+        if self.control_limit is not None and len(data) > self.control_limit:
+            from checkmate.errors import CheckmateError
+
+            raise CheckmateError(
+                f"the control message of iteration {iteration} is {len(data)} bytes, more "
+                f"than the {self.control_limit} the shadows take for this model (keep the "
+                "step's extra state, e.g. the data position, under 1 MiB)")
         for t in self.targets.values():
             v = self.verbs.get(t.partition)
             size = CONTROL_FRAGMENT if v is None else v.slot_bytes - wire.HEADER_LEN

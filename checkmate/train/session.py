@@ -56,6 +56,35 @@ def _kill_hook(iteration: int) -> Any:
     return hook
 
 
+#: A run nonce given from outside (32 lowercase hex digits) instead of drawn: for a launcher
+#: that also hands the run's secret to a component deriving its keys from a secret file
+#: (the NCCL plugin, docs/nccl_plugin.md). It must change with every attempt.
+RUN_ENV = "CHECKMATE_RUN"
+
+
+def draw_run() -> str:
+    """Rank 0's run nonce (checkmate.protocol.datamac.run_secret): $CHECKMATE_RUN if set, else
+    16 random bytes. With the NCCL plugin tagging the replicas (CKM_NCCL_BUCKETS) and no
+    $CHECKMATE_RUN, the empty run: the plugin's tags are the job secret's own, and shadows
+    keyed to any other run would drop every replica; one warning line says the run is not
+    bound (docs/security.md, "Not yet protected")."""
+    import os
+
+    from checkmate.protocol import datamac
+
+    given = os.environ.get(RUN_ENV, "")
+    if given:
+        if not datamac.valid_run(given):
+            raise CheckmateError(f"{RUN_ENV} must be 32 lowercase hex digits")
+        return given
+    if os.environ.get("CKM_NCCL_BUCKETS"):
+        print(f"checkmate: warning: the NCCL plugin tags the replicas with the job secret's "
+              f"own keys ({RUN_ENV} not set): datagrams of this run are not bound to it "
+              "(docs/security.md)", flush=True)
+        return ""
+    return secrets.token_hex(16)
+
+
 def rng_seed(seed: int, rank: int, iteration: int) -> int:
     """The torch seed of (rank, iteration): a fixed function, so restores redraw the same."""
     return (seed * 1_000_003 + rank * 7_919 + iteration * 104_729) % (2**63 - 1)
@@ -115,6 +144,12 @@ class CheckmateSession(_Reliability, _ControlMessage):
             self.secret = auth.load_secret()
             self.data_key = datamac.data_key(self.secret)
         self.sender = ShadowSender(layout.job_id, layout.shadows, self.secret)
+        from checkmate.shadow.control_message import control_limit
+
+        self.sender.control_limit = control_limit(self.spec)
+        #: This start's run nonce (checkmate.protocol.datamac.run_secret): every key that
+        #: tags a datagram for the shadows derives from it; drawn by rank 0 in ``start``.
+        self.run = ""
         #: Failure-injection hook ``(phase, iteration)`` for tests and scenarios.
         self.injector: Any = None
         self._refresh_stop = threading.Event()
@@ -274,8 +309,18 @@ class CheckmateSession(_Reliability, _ControlMessage):
         every partition then hold the initial (or restored) state.
         """
         lay = self.layout
-        nonce = [secrets.randbits(32) if lay.rank == 0 else 0]
+        # The ring's incarnation nonce, and the run nonce the shadows' keys derive from: a
+        # datagram of an earlier run or attempt verifies in no later one.
+        nonce: list[Any] = [0, "", None]
+        if lay.rank == 0:
+            try:
+                nonce = [secrets.randbits(32), draw_run(), None]
+            except CheckmateError as e:
+                nonce[2] = str(e)
         dist.broadcast_object_list(nonce, src=0, group=self.group)
+        if nonce[2] is not None:
+            raise CheckmateError(nonce[2])  # the same line on every rank
+        self._set_run(nonce[1])
         self.node_of = self._gather_nodes()
         if lay.mode == "switch" and lay.controller is not None:
             self._refresh_sessions()
@@ -335,6 +380,15 @@ class CheckmateSession(_Reliability, _ControlMessage):
             ring_schedule.check_hosts(ring_schedule.RingSchedule.build(lay.world, nodes),
                                       [ip for ip, _ in lay.trainers])
         return nodes
+
+    def _set_run(self, run: str) -> None:
+        """Derive every datagram key from run ``run`` (the shadows learn it with ``peers``)."""
+        self.run = run
+        self.sender.set_run(run)
+        if self.secret is not None:
+            from checkmate.protocol import datamac
+
+            self.data_key = datamac.data_key(datamac.run_secret(self.secret, run))
 
     def _use_verbs(self) -> None:
         """Host mode over RDMA: a UD sender per shadow, to the queue pair it publishes."""

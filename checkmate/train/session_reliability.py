@@ -50,7 +50,7 @@ class _Reliability:
         trainers = [(ip, lay.repair_port) for ip, _ in lay.trainers]
         return owners_body(trainers, replica_owners(self.buckets, lay.world, start, end,
                                                     self.node_of)
-                           if lay.repair else [], 0)
+                           if lay.repair else [], 0, self.run)
 
     def new_reseed(self, partition: int, reason: str) -> ReseedSender:
         """A live re-seed of ``partition`` (the protection monitor starts it)."""

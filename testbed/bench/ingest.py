@@ -30,6 +30,7 @@ import statistics
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,9 @@ def _control(it: int, mac: bool) -> bytes:
         body += datamac.control_mac(datamac.control_key(SECRET), JOB, it, body)
     h = wire.Header(flags=wire.Flags.CONTROL, job_id=JOB, epoch=EPOCH, token=TOKEN,
                     iteration=it, offset=0, count=len(body), dtype=wire.DType.BYTES,
-                    fec_group=len(body))
+                    fec_group=len(body), crc32c=wire.crc(body))
+    if mac:  # the fragment's own tag, as a trainer sends it
+        h = replace(h, seq=datamac.control_tag(datamac.data_key(SECRET), wire.pack_header(h)))
     return wire.encode(h, body)
 
 
