@@ -81,6 +81,15 @@ class JobLayout:
     verbs_device: str = ""
     #: refuse to resume on another number of ranks (checkmate.train.world)
     fixed_world: bool = False
+    #: seconds a ring operation may stall before it fails (a peer is gone)
+    stall_timeout: float = 60.0
+
+    def repair_addr(self, rank: int) -> tuple[str, int]:
+        """Where ``rank`` answers repair requests: its ring IP, at ``repair_port`` shifted
+        by as much as its ring port is from the default (several ranks of a node may share
+        one IP, each on its own ports)."""
+        ip, port = self.trainers[rank]
+        return ip, self.repair_port + (port - config.TRAINER_PORT)
 
     def __post_init__(self) -> None:
         if self.verbs_device and self.mode != "host":
