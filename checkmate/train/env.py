@@ -134,6 +134,8 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
     if mode not in ENV_MODES:
         raise CheckmateError(f"environment variable {MODE} must be one of "
                              f"{', '.join(ENV_MODES)}, got {mode!r}")
+    if mode == "switch" and not env.get(CONTROLLER):
+        raise CheckmateError(f"{MODE}=switch needs {CONTROLLER} (the controller's address)")
     local_trainer = None
     if env.get(LOCAL_TRAINERS) and not env.get(TRAINERS):
         local = _addrs(env, LOCAL_TRAINERS)
@@ -177,8 +179,6 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
                              f"{', '.join(ENV_DEVICES)}, got {device!r}")
     store = _addrs(env, RDZV_STORE)[0] if env.get(RDZV_STORE) else None
     controller = _addrs(env, CONTROLLER)[0] if env.get(CONTROLLER) else None
-    if mode == "switch" and controller is None:
-        raise CheckmateError(f"{MODE}=switch needs {CONTROLLER} (the controller's address)")
     stall = env.get(STALL_TIMEOUT)
     if stall and not stall.isdigit():
         raise CheckmateError(f"environment variable {STALL_TIMEOUT} must be whole seconds, "
