@@ -213,6 +213,20 @@ def _launcher(port: int, run: str, nnodes: str, shadows: list[str], out: Path,
                    "--restored-out", str(out.with_suffix(".restored"))]
 
 
+def _store_up(node: Node, port: int, timeout: float = 120) -> None:
+    """Wait until ``node`` (started first) hosts the rendezvous store at ``port``: a node
+    started later is then a client of it, and the test knows which node it may lose."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert node.proc.poll() is None, node.text()[-3000:]
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, node.text()[-3000:]
+            time.sleep(0.2)
+
+
 def _reached(nodes: list[Node], iteration: int, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -271,7 +285,7 @@ def test_lost_node_is_replaced_by_a_spare_and_the_job_ends_bit_identical(
         argv = lambda name: _launcher(port, "spare", "2", ips, tmp_path / f"{name}.pt",  # noqa: E731
                                       steps)
         a = Node(tmp_path, "a", argv("a"))  # first: it hosts the rendezvous store
-        time.sleep(2)
+        _store_up(a, port)
         b = Node(tmp_path, "b", argv("b"))
         nodes = [a, b]
         try:
@@ -306,7 +320,7 @@ def test_job_shrinks_to_two_nodes_from_the_shadows_checkpoint(tmp_path, serve_sh
             port, "shrink", "2:3", ips, tmp_path / f"{name}.pt", steps,
             "--rdzv-conf", "last_call_timeout=3")
         nodes = [Node(tmp_path, "a", argv("a"))]
-        time.sleep(2)
+        _store_up(nodes[0], port)
         nodes += [Node(tmp_path, n, argv(n)) for n in ("b", "c")]
         try:
             _reached(nodes, 5)
