@@ -132,3 +132,62 @@ def test_bad_attempts_are_refused_and_change_nothing(switch, tmp_path):  # noqa:
                  key=auth.handshake_key(b"another secret" * 3))
     h, _ = answer(svc.handle(forged))
     assert h.flags & wire.Flags.NACK and _replicate(switch) == table
+
+
+def test_shadow_adopts_the_attempts_epoch_from_the_controller(switch, tmp_path):  # noqa: F811
+    """A real shadow node (in this process, on loopback) registered with the service: the
+    TCP ``session`` op makes it ask the controller, and it takes the attempt's session;
+    the copies the switch stamped for the previous attempt no longer match it."""
+    import random
+    import threading
+
+    from checkmate.shadow.node import NodeOptions, ShadowNode
+    from checkmate.train.shadow_client import ShadowClient
+
+    svc = make_service(switch, tmp_path / "state.json")
+    svc.deploy()
+    svc.bind()
+    addr = svc.sock.getsockname()
+    t = threading.Thread(target=svc.serve_forever, daemon=True)
+    t.start()
+    cfg = svc.cfg
+    ip_ = f"127.86.{random.randrange(1, 255)}.100"
+    nodes = []
+    try:
+        for p in (0, 1):
+            h = cfg.shadow_for(p)
+            nodes.append(ShadowNode(NodeOptions(
+                partition=p, partitions=2, job=7, bind=ip_[:-3] + str(100 + p),
+                restore_bind=ip_[:-3] + str(100 + p), controller=addr, host=h.name,
+                ip=h.ip, mac=h.mac, register_deadline=10.0)).start())
+        first = nodes[0].receiver.epoch
+        assert first > 0
+        _, body = _attempt(svc, 40, "job:a1", [T["t0"], T["t1"]])
+        new = body["partitions"]["0"]
+        assert new["epoch"] > first and nodes[0].receiver.epoch == first  # not yet told
+        with ShadowClient((ip_, config.RESTORE_PORT), 5) as c:
+            reply, _ = c.request({"op": "session"})
+        assert reply["epoch"] == new["epoch"]
+        assert (nodes[0].receiver.epoch, nodes[0].receiver.token) == (new["epoch"],
+                                                                      new["token"])
+        # asked again (a retry): nothing changes; an older epoch is never taken back
+        with ShadowClient((ip_, config.RESTORE_PORT), 5) as c:
+            assert c.request({"op": "session"})[0]["epoch"] == new["epoch"]
+        assert nodes[1].receiver.epoch < new["epoch"]  # partition 1 was not asked yet
+    finally:
+        for n in nodes:
+            n.stop()
+        svc.close()
+        t.join(5)
+
+
+def test_shadow_without_a_controller_refuses_the_session_op(serve_shadows):
+    import random
+
+    from checkmate.train.shadow_client import ShadowClient
+
+    net = f"127.87.{random.randrange(1, 255)}"
+    with serve_shadows([f"{net}.100"], config=False):
+        with ShadowClient((f"{net}.100", config.RESTORE_PORT), 5) as c, \
+                pytest.raises(CheckmateError, match="no controller session"):
+            c.request({"op": "session"})
