@@ -2,7 +2,7 @@
 
 Several launchers on one machine play the nodes of one job: a c10d rendezvous at
 127.0.0.1:PORT, each launcher its own loopback addresses for its workers, real shadows,
-real training (tests/fixtures/elastic_train.py). A node is lost by SIGKILLing its launcher
+real training (examples/train_elastic.py). A node is lost by SIGKILLing its launcher
 and every worker under it. With a spare launcher waiting, the rendezvous takes it and the
 job ends bit-identical to a run without the loss; without one, and --nnodes MIN:MAX
 allowing it, the job continues on fewer nodes from the shadows' checkpoint, which the
@@ -32,7 +32,7 @@ from checkmate.train import agreement
 from checkmate.train import env as envmod
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "fixtures" / "elastic_train.py"
+SCRIPT = ROOT / "examples" / "train_elastic.py"
 EXAMPLE = ROOT / "examples" / "train.py"
 
 
@@ -309,7 +309,7 @@ def test_lost_node_is_replaced_by_a_spare_and_the_job_ends_bit_identical(
 
 @pytest.mark.slow
 def test_job_shrinks_to_two_nodes_from_the_shadows_checkpoint(tmp_path, serve_shadows):
-    from shadow.checkpoint_load import load_full_state
+    from checkmate.shadow.checkpoint_load import load_full_state
 
     steps, port = 24, _free_port()
     net = f"127.85.{os.getpid() % 250 + 1}"
