@@ -65,11 +65,17 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # two fit, then the disk is full.
     out["disk-full-s1"] = {"persist_every": 10, "keep": 2, "kill_at": late,
                            "disk_limit": {"partition": 1, "kib": 1800}}
+    # A node lost (testbed/multinode.py): one `checkmate launch` per node on its own
+    # cluster (testbed/multinode.yaml), a spare replacing it or the job shrinking.
+    from checkmate.testbed import multinode
+
+    for name in multinode.SCENARIOS:
+        out[name] = {"multinode": True}
     return out
 
 
-RANDOM = {"shadow-restart-empty", "shadow-restart-disk", "shadow-and-trainers-kill",
-          "trainer-kill-after-step",
+RANDOM = {"multinode-kill-node", "multinode-shrink", "shadow-restart-empty",
+          "shadow-restart-disk", "shadow-and-trainers-kill", "trainer-kill-after-step",
           "trainer-kill-before-control", "controller-restart"}
 
 
@@ -195,6 +201,21 @@ def _remove_if_empty(d: Path) -> None:
         pass
 
 
+def _multinode(name: str, case_dir: Path, rng: random.Random) -> dict[str, Any]:
+    """A multi-node case on its own namespace cluster (testbed/multinode.yaml), brought
+    up for the case and down after it (its prefix differs from the suite's)."""
+    from checkmate.testbed import multinode
+    from checkmate.testbed.cluster import Cluster
+
+    case_dir.mkdir(parents=True, exist_ok=True)
+    path = multinode.default_config()
+    with ExitStack() as stack:
+        cl = Cluster(cfgmod.load(path), "switch", path, "", stack)
+        rep = multinode.execute(multinode.SCENARIOS[name], cl, case_dir, None, rng)
+    rep.setdefault("runs", {})
+    return rep
+
+
 @cli_guard("testbed chaos")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -237,11 +258,15 @@ def main(argv: list[str] | None = None) -> int:
         cl = Cluster(cfg, "switch", config_path, "", stack)
         for name in names:
             for rep_i in range(args.repeat if name in RANDOM else 1):
-                sc = draw(name, known[name], args.steps, args.seed, cfg.num_partitions, rng)
                 t0 = time.perf_counter()
                 case_dir = workdir / f"{name}-{rep_i}"
                 try:
-                    rep = execute(sc, cl, case_dir, progress)
+                    if known[name].get("multinode"):
+                        rep = _multinode(name, case_dir, rng)
+                    else:
+                        sc = draw(name, known[name], args.steps, args.seed,
+                                  cfg.num_partitions, rng)
+                        rep = execute(sc, cl, case_dir, progress)
                 except CheckmateError as e:
                     rep = {"ok": False, "runs": {}, "problems": [str(e)]}
                 if rep["ok"]:

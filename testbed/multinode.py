@@ -106,7 +106,7 @@ def _launch_argv(sc: MultiNode, cl: Any, host: str, rdzv: str, shadows: list[str
                  out: Path, restored: Path, first: bool) -> list[str]:
     argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nnodes", sc.nnodes,
             "--nproc-per-node", str(sc.per_node), "--rdzv-endpoint", rdzv,
-            "--rdzv-id", f"{sc.name}-{out.parent.name}", "--max-restarts", "3",
+            "--rdzv-id", f"{sc.name}-{out.parent.parent.name}", "--max-restarts", "3",
             "--progress-every", "1", "--job-id", str(cl.cfg.job_id),
             "--rdzv-conf", f"last_call_timeout=5,is_host={'1' if first else '0'}"]
     if cl.mode == "switch":
