@@ -277,7 +277,10 @@ def _quiet_agent() -> None:
         if rec.levelno >= logging.WARNING:
             return True
         msg = rec.getMessage()
-        if "will restart worker group" in msg:
+        if "will restart worker group" in msg and "new nodes" in msg:
+            print(f"{PROG}: a node joined the rendezvous; restarting the worker group with "
+                  "it; it resumes from its checkpoints", flush=True)
+        elif "will restart worker group" in msg:
             left = msg.split(". ", 1)[1].split(";")[0] if ". " in msg else ""
             print(f"{PROG}: a trainer failed; restarting the worker group ({left}); it "
                   "resumes from its checkpoints", flush=True)
