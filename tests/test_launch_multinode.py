@@ -163,9 +163,11 @@ class Node:
     def __init__(self, tmp: Path, name: str, argv: list[str]) -> None:
         self.log = tmp / f"{name}.log"
         with open(self.log, "wb") as f:
+            # a lost peer is noticed after 6 s of ring stall (the launcher's default: 15)
             self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                          start_new_session=True,
-                                         env={**os.environ, "NUMBA_NUM_THREADS": "1"})
+                                         env={**os.environ, "NUMBA_NUM_THREADS": "1",
+                                              envmod.STALL_TIMEOUT: "6"})
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -209,7 +211,7 @@ def _launcher(port: int, run: str, nnodes: str, shadows: list[str], out: Path,
             "--nproc-per-node", "1", "--max-restarts", "2", "--progress-every", "1", *extra]
     for ip in shadows:
         argv += ["--shadow", ip]
-    return argv + [str(SCRIPT), "--steps", str(steps), "--sleep", "0.4", "--out", str(out),
+    return argv + [str(SCRIPT), "--steps", str(steps), "--sleep", "0.3", "--out", str(out),
                    "--restored-out", str(out.with_suffix(".restored"))]
 
 
@@ -279,7 +281,7 @@ def _equal(a: object, b: object, where: str = "") -> None:
 @pytest.mark.slow
 def test_lost_node_is_replaced_by_a_spare_and_the_job_ends_bit_identical(
         tmp_path, serve_shadows):
-    steps, port = 24, _free_port()
+    steps, port = 16, _free_port()
     net = f"127.84.{os.getpid() % 250 + 1}"
     with serve_shadows([f"{net}.100", f"{net}.101"], config=False) as ips:
         argv = lambda name: _launcher(port, "spare", "2", ips, tmp_path / f"{name}.pt",  # noqa: E731
@@ -311,7 +313,7 @@ def test_lost_node_is_replaced_by_a_spare_and_the_job_ends_bit_identical(
 def test_job_shrinks_to_two_nodes_from_the_shadows_checkpoint(tmp_path, serve_shadows):
     from checkmate.shadow.checkpoint_load import load_full_state
 
-    steps, port = 24, _free_port()
+    steps, port = 16, _free_port()
     net = f"127.85.{os.getpid() % 250 + 1}"
     ckpt = tmp_path / "ckpt"
     with serve_shadows([f"{net}.100", f"{net}.101"], "--dir", str(ckpt), "--persist-every",
