@@ -12,17 +12,29 @@ Every field of the status dicts may be missing or ``None`` (an older peer, a fea
 off, nothing committed yet); such a metric is left out of the scrape, never reported as 0 and
 never an exception. An exception raised by the status callable itself is not swallowed: the
 scrape fails, and Prometheus marks the target down instead of storing stale numbers.
+
+The endpoint is unauthenticated, so it must not be a way to exhaust the process: requests
+are served by a fixed pool of ``METRICS_WORKERS`` threads from a queue of
+``METRICS_QUEUE``; a source address may hold ``METRICS_PER_SOURCE`` connections at once,
+and a request not answered within ``METRICS_DEADLINE`` seconds of its accept is cut off.
+What does not fit is closed at once and counted (``MetricsServer.refused``). (prometheus-
+client's own server starts a thread per connection with no bound: 600 slow connections made
+501 threads.)
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import socket
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final, NamedTuple
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -35,6 +47,13 @@ from checkmate.errors import CheckmateError
 METRICS_PORT_ENV: Final[str] = "CHECKMATE_METRICS_PORT"
 
 _MAX_PORT: Final[int] = 65535
+
+#: Threads serving scrapes, connections waiting for one, connections per source address,
+#: and seconds a request may take from its accept to its answer.
+METRICS_WORKERS: Final[int] = 4
+METRICS_QUEUE: Final[int] = 16
+METRICS_PER_SOURCE: Final[int] = 2
+METRICS_DEADLINE: Final[float] = 5.0
 
 SHADOW_PREFIX: Final[str] = "checkmate_shadow_"
 TRAINER_PREFIX: Final[str] = "checkmate_trainer_"
@@ -281,10 +300,100 @@ def port_from_env(default: int | None) -> int | None:
     return _check_port(port, METRICS_PORT_ENV)
 
 
+class _Handler(WSGIRequestHandler):
+    """prometheus-client's handler, quiet; every read bounded by the request's deadline."""
+
+    timeout = METRICS_DEADLINE
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+        pass
+
+
+class BoundedWSGIServer(WSGIServer):
+    """A WSGI server whose requests run on a fixed pool (see the module docstring)."""
+
+    request_queue_size = 128  # the listen backlog: a burst waits in the kernel, not here
+
+    def __init__(self, addr: tuple[str, int], workers: int = METRICS_WORKERS,
+                 backlog: int = METRICS_QUEUE, per_source: int = METRICS_PER_SOURCE,
+                 deadline: float = METRICS_DEADLINE) -> None:
+        self.per_source, self.deadline = per_source, deadline
+        self.refused: Counter[str] = Counter()  # reason -> connections closed unserved
+        self._queue: queue.Queue = queue.Queue(backlog)
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, tuple[str, float]] = {}  # queued or being served
+        self._workers: list[threading.Thread] = []
+        super().__init__(addr, _Handler)  # binds (server_close on failure)
+        self._workers = [threading.Thread(target=self._work, name="metrics-worker",
+                                          daemon=True) for _ in range(workers)]
+        for w in self._workers:
+            w.start()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        source = client_address[0]
+        with self._lock:
+            mine = sum(1 for src, _ in self._open.values() if src == source)
+            if mine < self.per_source:
+                self._open[request] = (source, time.monotonic())
+        if mine >= self.per_source:
+            self.refused["per_source"] += 1
+            self.shutdown_request(request)
+            return
+        try:
+            self._queue.put_nowait(request)
+        except queue.Full:
+            self.refused["queue_full"] += 1
+            self._done(request)
+
+    def _done(self, request: Any) -> None:
+        with self._lock:
+            self._open.pop(request, None)
+        self.shutdown_request(request)
+
+    def _work(self) -> None:
+        while True:
+            request = self._queue.get()
+            if request is None:
+                return
+            try:
+                self.finish_request(request, request.getpeername())
+            except Exception:  # a broken or cut-off connection: nothing to report
+                pass
+            finally:
+                self._done(request)
+
+    def service_actions(self) -> None:
+        """Cut off requests past their deadline (called by serve_forever twice a second):
+        a peer trickling a header cannot keep a worker."""
+        now = time.monotonic()
+        with self._lock:
+            late = [r for r, (_, t) in self._open.items() if now - t > self.deadline]
+        for r in late:
+            self.refused["deadline"] += 1
+            try:
+                r.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def server_close(self) -> None:
+        super().server_close()
+        while True:  # what still waits is closed unserved
+            try:
+                request = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if request is not None:
+                self._done(request)
+        for _ in self._workers:
+            self._queue.put(None)
+        for w in self._workers:
+            w.join(self.deadline + 1)
+
+
 class MetricsServer(NamedTuple):
     """What :func:`serve` returns: unpacks as ``(server, thread)``; ``port`` is the bound port."""
 
-    server: WSGIServer
+    server: BoundedWSGIServer
     thread: threading.Thread
 
     @property
@@ -292,23 +401,32 @@ class MetricsServer(NamedTuple):
         """The real port, also when port 0 was asked for."""
         return int(self.server.server_port)
 
+    def health(self) -> dict[str, Any]:
+        """For the owner's status: the accepting thread alive (False: scrapes go unanswered)
+        and the connections closed unserved, by reason."""
+        return {"alive": self.thread.is_alive(), "refused": dict(self.server.refused)}
+
     def close(self) -> None:
-        """Stop serving, release the socket and wait for the thread."""
+        """Stop serving, release the socket and wait for the threads."""
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
 
 
 def serve(collector: Collector, port: int, bind: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``collector`` over HTTP on ``bind:port`` from a daemon thread.
+    """Serve ``collector`` over HTTP on ``bind:port`` from daemon threads (one accepting, a
+    bounded pool answering).
 
     Loopback by default: the numbers say little, but a scrape endpoint should be exposed on
     purpose. A bad or taken port raises :class:`CheckmateError` with one line.
     """
     port = _check_port(port, f"metrics port for {bind}")
     try:
-        server, thread = start_http_server(port, addr=bind, registry=_registry(collector))
+        server = BoundedWSGIServer((bind, port))
     except (OSError, OverflowError, ValueError) as e:
         reason = getattr(e, "strerror", None) or str(e)
         raise CheckmateError(f"cannot serve metrics on {bind}:{port}: {reason}") from e
+    server.set_app(make_wsgi_app(_registry(collector)))
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
     return MetricsServer(server, thread)

@@ -110,6 +110,17 @@ class PortPlan:
 
 
 @dataclass(frozen=True)
+class SourceBinding:
+    """Frames entering switch port ``port`` must come from ``mac`` / ``ip`` (the host's, for
+    the CPU port the switch's own): the P4 programs' port_bind table."""
+
+    port: int
+    host: str
+    mac: str
+    ip: str
+
+
+@dataclass(frozen=True)
 class Punt:
     """HANDSHAKE datagrams to (ip, udp_port) go to the CPU port, where the controller is."""
 
@@ -130,6 +141,7 @@ class Plan:
     ports: tuple[PortPlan, ...]
     punt: Punt
     host_commands: tuple[str, ...] = field(default=())
+    bindings: tuple[SourceBinding, ...] = field(default=())
 
 
 def switch_port(cfg: ClusterConfig, host: Host) -> int:
@@ -182,7 +194,7 @@ def host_commands(cfg: ClusterConfig) -> tuple[str, ...]:
 def ring_hops(cfg: ClusterConfig, ring: Sequence[str] | None) -> list[tuple[int, Host, Host]]:
     """The ring hops that cross the switch: ``(destination rank, source host, destination
     host)``. Without ``ring``: the config's trainers in rank order, one rank per host. With
-    it (a launcher's rendezvous: the ring IP of every rank, in rank order): consecutive
+    it (a launcher's rendezvous: the ring IP of every rank, in ring order): consecutive
     ranks on one host talk without the switch, so only hops between two hosts are kept; a
     host's ranks must be consecutive (torch's elastic agent numbers them so), or two hops
     would share one (source, destination) entry."""
@@ -218,7 +230,7 @@ def ring_hops(cfg: ClusterConfig, ring: Sequence[str] | None) -> list[tuple[int,
 def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None = None,
           ring: Sequence[str] | None = None) -> Plan:
     """The plan for ``cfg``; ``registrations`` (partition -> session) override shadows;
-    ``ring`` (every rank's IP, in rank order, from a launcher's rendezvous) overrides the
+    ``ring`` (every rank's IP, in ring order, from a launcher's rendezvous) overrides the
     config's static ranks (see ring_hops)."""
     regs = dict(registrations or {})
     for p, reg in regs.items():
@@ -278,6 +290,11 @@ def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None =
         rewrites=tuple(rewrites), ports=ports,
         punt=Punt(cfg.switch.ip, CONTROLLER_PORT, cfg.switch.cpu_port),
         host_commands=host_commands(cfg),
+        bindings=tuple(
+            [SourceBinding(switch_port(cfg, h), h.name, h.mac.lower(), h.ip)
+             for h in cfg.hosts]
+            + [SourceBinding(cfg.switch.cpu_port, cfg.switch.name, cfg.switch.mac.lower(),
+                             cfg.switch.ip)]),
     )
 
 

@@ -117,7 +117,7 @@ class HandshakeService:
 
     def _attempt(self, body: dict) -> dict:
         """A launcher's rendezvous made a new attempt: program the switch's replication for
-        its ranks (``ranks``: every rank's ring IP, in rank order) under a new epoch for
+        its ranks (``ranks``: every rank's ring IP, in ring order) under a new epoch for
         every partition, before the attempt's first iteration. A hop between two ranks of
         one host crosses no switch and gets no entry; entries of hosts that left (a lost
         node) are withdrawn by the plan's diff. A repeat of the current attempt (a retry
@@ -127,7 +127,7 @@ class HandshakeService:
             raise CheckmateError("bad attempt: a string of 1 to 128 characters")
         if not isinstance(ranks, list) or not 1 <= len(ranks) <= 4096 or \
                 not all(isinstance(ip, str) for ip in ranks):
-            raise CheckmateError("bad ranks: a list of 1 to 4096 IP strings in rank order")
+            raise CheckmateError("bad ranks: a list of 1 to 4096 IP strings in ring order")
         if attempt == self.store.attempt and ranks == self.store.ring:
             regs = self.store.for_config(self.cfg)
             self.stats["attempt_repeated"] += 1

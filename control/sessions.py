@@ -93,8 +93,11 @@ class SessionStore:
         """Validate a register request and mint its session (not stored until commit); a
         repeat of the current registration's ``instance`` (a retry whose reply was lost or
         late) returns that registration itself: same epoch and token, nothing to commit.
-        Only the partition's own shadow host, at its configured address, sending from it
-        (``peer_ip``; loopback: a local tool on its behalf) may register the partition."""
+        Only the partition's own shadow host, at its configured address and MAC, sending
+        from it (``peer_ip``; loopback: a local tool on its behalf) may register the
+        partition. ``peer_ip`` is verified by the switch, which binds every port to its
+        host's MAC and IP and drops frames from any other source (docs/security.md): a
+        register with a forged source address never reaches the controller."""
         p = body.get("partition")
         h = cfg.shadow_for(p) if isinstance(p, int) and not isinstance(p, bool) else None
         if h is None:
@@ -112,6 +115,8 @@ class SessionStore:
         mac = str(body.get("mac", h.mac)).lower()
         if not _MAC_RE.match(mac):
             raise CheckmateError(f"bad mac {mac!r}")
+        if mac != h.mac.lower():  # the switch binds the port to it: nothing else arrives
+            raise CheckmateError(f"{h.name}'s MAC is {h.mac.lower()}, not {mac}")
         port = body.get("port", h.port)
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             raise CheckmateError(f"bad port {port!r}")

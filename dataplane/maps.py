@@ -12,10 +12,13 @@ REPL_KEY = struct.Struct("<I4s4sHH")
 REPL_VAL = struct.Struct("<II6s2s4sIIIQQ")
 #: struct port_stats, in this order
 PORT_FIELDS = ("rx", "tx", "replicated", "dropped", "corrupted", "malformed", "no_entry",
-               "spoofed")
+               "spoofed", "bad_src_mac", "bad_src_ip")
 PORT_STATS = struct.Struct("<" + "Q" * len(PORT_FIELDS))
 #: struct fault: drop and corrupt probabilities scaled to 2**32
 FAULT = struct.Struct("<QQ")
+#: struct port_bind: the MAC and IPv4 address (network order) every frame entering a port
+#: must come from
+PORT_BIND = struct.Struct("<6sH4s")
 #: struct sw_cfg: the switch MAC
 SW_CFG = struct.Struct("<6sH")
 U32 = struct.Struct("<I")
@@ -27,6 +30,7 @@ MAP_LAYOUT = {
     "ckm_repl": (REPL_KEY.size, REPL_VAL.size),
     "ckm_ports": (U32.size, PORT_STATS.size),
     "ckm_fault": (U32.size, FAULT.size),
+    "ckm_bind": (U32.size, PORT_BIND.size),
     "ckm_cfg": (U32.size, SW_CFG.size),
     "ckm_dscp": (DSCP_KEY.size, U64.size),
 }

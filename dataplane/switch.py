@@ -13,17 +13,26 @@ copies included, and only on ckm traffic: UDP datagrams to ckm ports and IPv4/UD
 (later fragments carry no port; the testbed carries no other fragmented UDP). ARP, TCP and
 other traffic is never dropped or corrupted. A knob can be limited to an iteration window.
 
-Anti-spoofing: a replication entry names the port its source host is attached to
-(``ingress_ifname``); a matching REPLICATE datagram that enters through any other port is
-forwarded plainly and counted ``spoofed``: a host that forges another trainer's source
-address cannot make the switch deliver its datagram to a shadow stamped with the shadow's
-valid epoch/token (the shadow would accept it as that trainer's gradient). A ckm datagram whose
-``count`` disagrees with its length is ``malformed``: forwarded plainly, never copied.
+Anti-spoofing, two layers. Every port is bound to its host's MAC and IPv4 address from the
+config (``bind_ports``, done by ``attach`` and again by the controller's kernel driver): a
+frame entering a port from any other source MAC or source IP (ARP: sender addresses; any
+ethertype but IPv4 and ARP) is dropped and counted (``bad_src_mac`` / ``bad_src_ip``). The
+bridge does not learn: its forwarding entries are static and sticky, written from the config,
+with learning and unknown-unicast flooding off on every port, so no frame can move a host's
+entry to another port (one frame with a shadow's source MAC used to redirect the shadow's
+traffic, control messages with its epoch and token included, to the sender). Then, a
+replication entry names the port its source host is attached to (``ingress_ifname``); a
+matching REPLICATE datagram that enters through any other port is forwarded plainly and
+counted ``spoofed`` (with the bindings in place this only happens when they disagree with
+the entries): a copy carries the shadow's valid epoch/token, so a forged source must never
+get one. A ckm datagram whose ``count`` disagrees with its length is ``malformed``:
+forwarded plainly, never copied.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import shutil
 import struct
@@ -223,7 +232,72 @@ class KernelSwitch:
             lines.append(f"qdisc add dev {p} clsact")
             lines.append(f"filter add dev {p} ingress bpf da pinned {self.prog_dir}/ckm_ingress")
             lines.append(f"filter add dev {p} egress bpf da pinned {self.prog_dir}/ckm_egress")
+        self.bind_ports()  # before the filters: a port is never open to any source
         self._tc(lines)
+
+    # -- source bindings and static L2 -----------------------------------------------------
+    def _want_bindings(self) -> dict[str, tuple[str, str]]:
+        return {self.cfg.switch_ifname(h.name): (h.mac.lower(), h.ip) for h in self.cfg.hosts}
+
+    def bindings(self) -> dict[str, tuple[str, str]]:
+        """{port: (MAC, IPv4)} as the switch holds them: the only source of frames entering
+        that port."""
+        names = {v: k for k, v in self._ifindexes().items()}
+        with self._map("ckm_bind") as m:
+            items = m.items()
+        out = {}
+        for k, v in items:
+            mac, _, ip = maps.PORT_BIND.unpack(v)
+            (idx,) = maps.U32.unpack(k)
+            out[names.get(idx, f"if{idx}")] = (maps.mac_str(mac), maps.ip_str(ip))
+        return out
+
+    def bind_ports(self) -> list[str]:
+        """Bind every port to its host's MAC and IPv4 address (the config's) and program the
+        bridge's forwarding table from the config alone: a static, sticky entry per host,
+        learning and unknown-unicast flooding off on every port. Idempotent; returns one
+        label per binding it had to write (none when the switch already agreed)."""
+        ports = self._port_ifindexes()
+        want = {maps.U32.pack(ports[name]): (name, mac, ip)
+                for name, (mac, ip) in self._want_bindings().items()}
+        changed = []
+        with self._map("ckm_bind") as m:
+            have = dict(m.items())
+            for key, (name, mac, ip) in want.items():
+                val = maps.PORT_BIND.pack(maps.mac_bytes(mac), 0, maps.ip_bytes(ip))
+                if have.get(key) != val:
+                    m.update(key, val)
+                    changed.append(f"port {name} bound to {mac} {ip}")
+            for key in set(have) - set(want):  # an interface the config no longer has
+                m.delete(key)
+                changed.append(f"ifindex {maps.U32.unpack(key)[0]} unbound")
+        lines = [f"link set dev {p} learning off flood off" for p, _, _ in want.values()]
+        lines += [f"fdb replace {mac} dev {p} master static sticky"
+                  for p, mac, _ in want.values()]
+        lines.append(f"fdb flush dev {self.cfg.bridge_name} dynamic")
+        self._bridge(lines)
+        return changed
+
+    def _bridge(self, lines: list[str]) -> None:
+        res = subprocess.run(nsenter_argv(self.netns, ["bridge", "-force", "-batch", "-"]),
+                             input="\n".join(lines) + "\n", capture_output=True, text=True)
+        if res.returncode != 0:
+            first = (res.stderr.strip().splitlines() or ["no output"])[0]
+            raise CheckmateError(f"bridge in {self.netns} failed: {first}")
+
+    def fdb(self) -> dict[str, str]:
+        """{MAC: port} of every forwarding entry the bridge holds towards a host (learned ones
+        included, were there any; the ports' own addresses, ``permanent``, left out)."""
+        res = subprocess.run(nsenter_argv(self.netns, ["bridge", "-j", "fdb", "show", "br",
+                                                       self.cfg.bridge_name]),
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SwitchUnreachable(f"cannot read the bridge table in {self.netns}: "
+                                    f"{res.stderr.strip()}")
+        ports = set(self.port_names)
+        return {e["mac"]: e["ifname"] for e in json.loads(res.stdout or "[]")
+                if e.get("ifname") in ports and "self" not in e.get("flags", [])
+                and e.get("state") != "permanent"}
 
     def _remove_pins(self) -> None:
         if self.pin_dir.exists():
@@ -288,14 +362,17 @@ class KernelSwitch:
 
     # -- counters and faults -------------------------------------------------------------
     def counters(self) -> dict:
-        """{"ports": {ifname: {rx, tx, replicated, ..., spoofed, frag_dropped, frag_corrupted}},
+        """{"ports": {ifname: {rx, tx, replicated, ..., spoofed, bad_src_mac, bad_src_ip,
+        frag_dropped, frag_corrupted}},
         "faults": {ifname: {drop, corrupt, from_iteration, until_iteration, last_iteration}},
         "entries": [{job_id, src_ip, dst_ip, partition, shadow_ifname, ingress_ifname,
         packets, bytes}], "dscp": {ifname: {dscp: well-formed ckm datagrams that entered}}}
 
         A port's ``spoofed`` counts REPLICATE datagrams that entered it carrying the source
         address of another port's host (forwarded, not copied); ``malformed`` includes
-        datagrams whose ``count`` disagrees with their length.
+        datagrams whose ``count`` disagrees with their length; ``bad_src_mac`` /
+        ``bad_src_ip`` count the frames dropped on entering because their source is not the
+        port's bound host (any frame, not only ckm).
 
         ``last_iteration`` is the iteration the port's knobs give frames without one (later
         IP fragments, ACKs); it is tracked only while a knob is set and restarts at 0 with

@@ -174,10 +174,10 @@ int ckm_config_load(struct ckm_config *c, char *err, int errlen)
 		     "follows from it");
 	if (get_u64("NCCL_BUFFSIZE", 0, 4096, 1ULL << 34, &v, err, errlen))
 		return -1;
-	if (v % (CKM_SCHED_STEPS * 4 * CKM_SCHED_ALIGN))
+	if (v % (CKM_SCHED_STEPS * CKM_SCHED_GRAIN))
 		FAIL("NCCL_BUFFSIZE=%llu must be a multiple of %d", (unsigned long long)v,
-		     CKM_SCHED_STEPS * 4 * CKM_SCHED_ALIGN);
-	c->sched.chunk = v / CKM_SCHED_STEPS * CKM_SCHED_CHUNKSTEPS / 4;
+		     CKM_SCHED_STEPS * CKM_SCHED_GRAIN);
+	c->sched.buffsize = v;
 	if (check_nccl_env(c, err, errlen))
 		return -1;
 	if (get_u64("CKM_NCCL_PARTITIONS", 0, 1, 65535, &v, err, errlen))
@@ -190,5 +190,13 @@ int ckm_config_load(struct ckm_config *c, char *err, int errlen)
 	c->first_iteration = v;
 	if (!getenv("CKM_NCCL_JOB"))
 		FAIL("CKM_NCCL_BUCKETS needs CKM_NCCL_JOB (the job id the switch entries match)");
+	if (get_u64("CKM_NCCL_REPAIR_KEEP", 8, 0, 1024, &c->repair_keep, err, errlen))
+		return -1;
+	if (get_u64("CKM_NCCL_REPAIR_MB", 1024, 1, 1 << 20, &v, err, errlen))
+		return -1;
+	c->repair_bytes = v << 20;
+	if (get_u64("CKM_NCCL_REPAIR_PORT", CKM_PORT_BASE + 2, 1, 65535, &v, err, errlen))
+		return -1;
+	c->repair_port = (int)v;
 	return load_key(c, err, errlen);
 }

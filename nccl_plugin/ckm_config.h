@@ -25,7 +25,10 @@ struct ckm_config {
 	uint64_t bucket[CKM_MAX_BUCKETS], base[CKM_MAX_BUCKETS], total;
 	int partitions;
 	uint64_t first_iteration;
-	uint64_t k0, k1;       /* data MAC key from CHECKMATE_SECRET_FILE */
+	uint64_t k0, k1;       /* data MAC key: an input (today from CHECKMATE_SECRET_FILE) */
+	/* Repair (ckm_repair.c): iterations of REPLICATE pieces kept (0: none), bytes, port */
+	uint64_t repair_keep, repair_bytes;
+	int repair_port;
 };
 
 /* 0 on success; otherwise writes one line saying why into err. */

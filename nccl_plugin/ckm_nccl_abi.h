@@ -183,6 +183,8 @@ _Static_assert(sizeof(ncclNet_v10_t) == 160, "v10 vtable size");
 #define CKM_PROFILE_PROXY_OP (1 << 3)   /* ncclProfileProxyOp */
 #define CKM_PROFILE_PROXY_STEP (1 << 4) /* ncclProfileProxyStep */
 #define CKM_PROFILE_NET_PLUGIN (1 << 7) /* ncclProfileNetPlugin */
+#define CKM_PROFILE_GROUP_API (1 << 8)  /* ncclProfileGroupApi */
+#define CKM_PROFILE_COLL_API (1 << 9)   /* ncclProfileCollApi */
 #define CKM_PROF_NET_EVENT_START 0      /* ncclProfilerNetEventStart */
 #define CKM_PROF_NET_EVENT_STOP 1       /* ncclProfilerNetEventStop */
 

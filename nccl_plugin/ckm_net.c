@@ -7,6 +7,7 @@
  * window allows, resend what timed out). No thread of our own, bounded memory per comm. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <dlfcn.h>
 #include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -28,7 +29,9 @@
 #include "ckm_nccl_abi.h"
 #include "ckm_plugin.h"
 #include "ckm_prof.h"
+#include "ckm_repair.h"
 #include "ckm_sched.h"
+#include "ckm_tuner.h"
 #include "ckm_wire.h"
 
 #define EXPORT __attribute__((visibility("default")))
@@ -43,6 +46,7 @@
 #define NACK_GAP 0.002
 #define HANDLE_MAGIC 0x434b4d4eu   /* "CKMN" */
 #define SOCK_BUF (4 << 20)
+#define CKM_TOS 0x60               /* DSCP 24, the PFC lossless class (checkmate/control/pfc.py) */
 
 enum { K_LISTEN = 1, K_SEND, K_RECV };
 
@@ -53,6 +57,13 @@ struct ckm_ctx {
 	int prof;    /* this communicator's isends are placed by their profiler step handle */
 	ncclProfilerCallback_t prof_fn; /* NCCL's profiler callback, from init */
 	int conns;   /* send connections made: connection k is channel k */
+	int listens; /* listen comms made: listen k is channel k's receive side */
+	/* This rank's ring index per channel as the ring itself proves it (-1: not yet): NCCL's
+	 * index is the distance from rank 0 along the ring (init.cc, setupChannel); rank 0 is 0,
+	 * and each rank learns it from its previous rank's plain datagrams, which carry the
+	 * sender's index + 1 in fec_group (0: not known yet). */
+	int ring_index[64];
+	int checked; /* the first tagged isend's checks passed */
 };
 
 struct req {
@@ -102,7 +113,7 @@ struct comm {
 	uint64_t tx_next, tx_base, tx_credit;
 	double ack_at;
 	struct txslot tx[WINDOW];
-	int channel;
+	int channel, peer_rank; /* peer_rank: the receiver's ring rank from its handle, or -1 */
 	uint64_t coll, ci;
 	/* recv */
 	uint8_t *rx;
@@ -118,6 +129,7 @@ struct handle {
 	uint16_t udp_port, tcp_port;
 	uint64_t listen_id;
 	struct comm *pending; /* connect's state between NCCL's calls; NULL from the peer */
+	int32_t rank;         /* the listener's ring rank (CKM_NCCL_RANK), -1 when not tagging */
 };
 _Static_assert(sizeof(struct handle) <= NCCL_NET_HANDLE_MAXSIZE, "handle size");
 
@@ -155,6 +167,34 @@ static ncclResult_t fail(struct comm *c, ncclResult_t r, const char *fmt, ...)
 		say("%s", line);
 	c->failed = 1;
 	return r;
+}
+
+/* Tagging stops for the communicator, with one line; the transport carries on plain, so
+ * NCCL keeps working and the shadows re-seed. A label the plugin cannot prove is never sent. */
+static void refuse(struct ckm_ctx *x, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void refuse(struct ckm_ctx *x, const char *fmt, ...)
+{
+	char line[400];
+	va_list ap;
+	if (!x || (!x->tagging && !x->prof))
+		return;
+	va_start(ap, fmt);
+	vsnprintf(line, sizeof line, fmt, ap);
+	va_end(ap);
+	x->tagging = x->prof = 0;
+	say("not tagging communicator %d: %s; NCCL continues untagged (the shadows re-seed)",
+	    x->index, line);
+}
+
+/* The running NCCL's version code from ncclGetVersion in the process (NCCL loaded this
+ * library, so its symbols are there), or 0 when there is none. */
+static int nccl_version(void)
+{
+	ncclResult_t (*get)(int *) = (ncclResult_t (*)(int *))dlsym(RTLD_DEFAULT, "ncclGetVersion");
+	int v = 0;
+	if (!get || get(&v) != ncclSuccess)
+		return 0;
+	return v;
 }
 
 static double now_s(void)
@@ -195,6 +235,11 @@ static int open_udp(int bind_range, struct sockaddr_in *self)
 	int sz = SOCK_BUF;
 	setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
 	setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+	int tos = CKM_TOS;
+	if (setsockopt(fd, IPPROTO_IP, IP_TOS, &tos, sizeof tos) < 0) {
+		close(fd);
+		return -1;
+	}
 	memset(self, 0, sizeof *self);
 	self->sin_family = AF_INET;
 	self->sin_addr = g_cfg.ip;
@@ -368,7 +413,13 @@ static ncclResult_t cut(struct comm *c)
 			s->hdr.fec_group = htonl((uint32_t)tag);
 			c->st.replicated++;
 			c->st.repl_elems += count;
+			ckm_repair_retain(iteration, offset, count, part, (uint16_t)r->msg,
+					  r->buf + r->pos);
 		}
+		int ix = c->ctx && c->channel >= 0 && c->channel < 64
+			? __atomic_load_n(&c->ctx->ring_index[c->channel], __ATOMIC_RELAXED) : -1;
+		if (!r->repl && ix >= 0) /* tell the next rank where we are */
+			s->hdr.fec_group = htonl((uint32_t)ix + 1);
 		s->req = r;
 		s->data = r->buf + r->pos;
 		s->len = (uint32_t)len;
@@ -489,6 +540,37 @@ static void send_ack(struct comm *c, double t)
 	}
 }
 
+/* The communicator CKM_NCCL_COMM selects (the order of net init calls). */
+static int selected_index(void)
+{
+	const char *which = getenv("CKM_NCCL_COMM");
+	return which && *which ? atoi(which) : 0;
+}
+
+/* A plain datagram from the previous rank names its ring index (see ckm_ctx.ring_index). */
+static void learn_index(struct comm *c, const struct ckm_hdr *h)
+{
+	struct ckm_ctx *x = c->ctx;
+	uint32_t v = ntohl(h->fec_group);
+	/* learned and passed on even where this rank refused: the next ranks need it */
+	if (!x || !g_cfg.tagging || x->index != selected_index() || (h->flags & CKM_F_REPLICATE) ||
+	    !v || c->channel < 0 || c->channel >= 64)
+		return;
+	int n = g_cfg.sched.nranks, mine = (int)((v - 1 + 1) % (uint32_t)n);
+	if (v > (uint32_t)n) {
+		refuse(x, "a ring index %u from the previous rank on channel %d", v - 1, c->channel);
+		return;
+	}
+	int none = -1; /* the receive and send sides run on different threads */
+	__atomic_compare_exchange_n(&x->ring_index[c->channel], &none, mine, 0, __ATOMIC_RELAXED,
+				    __ATOMIC_RELAXED);
+	if (__atomic_load_n(&x->ring_index[c->channel], __ATOMIC_RELAXED) != mine ||
+	    mine != g_cfg.sched.rank)
+		refuse(x, "its ring on channel %d puts this rank %d at index %d (the distance from "
+		       "rank 0); the schedule needs the rank order", c->channel, g_cfg.sched.rank,
+		       mine);
+}
+
 static ncclResult_t deliver(struct comm *c)
 {
 	while (c->qn && c->rxlive[c->rx_cons % WINDOW]) {
@@ -504,6 +586,7 @@ static ncclResult_t deliver(struct comm *c)
 		if (r->pos + len > r->size)
 			return fail(c, ncclInternalError, "a message of more than %zu bytes for a "
 				    "receive of %zu", r->pos + len, r->size);
+		learn_index(c, &h);
 		memcpy(r->buf + r->pos, d + CKM_HEADER_LEN, len);
 		r->pos += len;
 		c->rxlive[c->rx_cons % WINDOW] = 0;
@@ -723,7 +806,25 @@ static ncclResult_t ckm_init(void **ctx, uint64_t commId, ncclNetCommConfig_t *c
 	int selected = g_cfg.tagging && x->index == (which && *which ? atoi(which) : 0);
 	x->tagging = selected && g_cfg.identity == CKM_IDENTITY_MODEL;
 	x->prof = selected && g_cfg.identity == CKM_IDENTITY_PROFILER;
+	for (int i = 0; i < 64; i++)
+		x->ring_index[i] = g_cfg.tagging && g_cfg.sched.rank == 0 ? 0 : -1;
 	*ctx = x;
+	if (!selected)
+		return ncclSuccess;
+	/* The schedule is release specific: learn the release, refuse any not checked. */
+	int v = nccl_version();
+	g_cfg.sched.release = ckm_sched_release(v);
+	if (!v)
+		refuse(x, "ncclGetVersion is not in this process, so the NCCL release and its ring "
+		       "schedule are unknown");
+	else if (g_cfg.sched.release == CKM_REL_NONE)
+		refuse(x, "NCCL %d.%d.%d is not a release whose ring schedule was checked (%s)",
+		       v / 10000, v / 100 % 100, v % 100, ckm_sched_supported());
+	else if (x->prof && g_cfg.sched.release == CKM_REL_2_28)
+		refuse(x, "CKM_NCCL_IDENTITY=profiler needs profiler v6 (NCCL 2.29+); NCCL %d.%d.%d "
+		       "has v5: use CKM_NCCL_IDENTITY=model", v / 10000, v / 100 % 100, v % 100);
+	if (x->tagging || x->prof)
+		ckm_repair_start();
 	return ncclSuccess;
 }
 
@@ -758,6 +859,9 @@ static ncclResult_t ckm_listen(void *ctx, int dev, void *handle, void **listenCo
 		return ncclSystemError;
 	}
 	c->tcp = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	int tos = CKM_TOS;
+	if (c->tcp >= 0)
+		setsockopt(c->tcp, IPPROTO_IP, IP_TOS, &tos, sizeof tos);
 	tself.sin_addr = g_cfg.ip;
 	if (c->tcp < 0 || bind(c->tcp, (struct sockaddr *)&tself, sizeof tself) < 0 ||
 	    listen(c->tcp, 16) < 0 || getsockname(c->tcp, (struct sockaddr *)&tself, &tl) < 0) {
@@ -770,10 +874,13 @@ static ncclResult_t ckm_listen(void *ctx, int dev, void *handle, void **listenCo
 	}
 	c->kind = K_LISTEN;
 	c->ctx = ctx;
+	if (ctx)
+		c->channel = ((struct ckm_ctx *)ctx)->listens++;
 	c->peer_fd = -1;
 	c->listen_id = rand64();
 	struct handle hd = {htonl(HANDLE_MAGIC), self.sin_addr.s_addr, self.sin_port,
-			    tself.sin_port, htobe64(c->listen_id), NULL};
+			    tself.sin_port, htobe64(c->listen_id), NULL,
+			    (int32_t)htonl((uint32_t)(g_cfg.tagging ? g_cfg.sched.rank : -1))};
 	memset(handle, 0, NCCL_NET_HANDLE_MAXSIZE);
 	memcpy(handle, &hd, sizeof hd);
 	*listenComm = c;
@@ -810,12 +917,15 @@ static ncclResult_t ckm_connect(void *ctx, int dev, void *handle, void **sendCom
 	struct comm *c = hd.pending;
 	if (!c) {
 		struct sockaddr_in self, peer = {.sin_family = AF_INET}, tself = {.sin_family = AF_INET};
-		if (x->tagging && x->conns >= g_cfg.sched.channels) {
-			say("connection %d of a communicator with %d channels (CKM_NCCL_CHANNELS): "
-			    "NCCL opened more connections than the schedule model knows; refusing to tag",
-			    x->conns + 1, g_cfg.sched.channels);
-			return ncclInvalidUsage;
-		}
+		if (x->conns >= g_cfg.sched.channels)
+			refuse(x, "NCCL opened send connection %d where CKM_NCCL_CHANNELS is %d, so "
+			       "connections are not channels", x->conns + 1, g_cfg.sched.channels);
+		int peer_rank = (int)ntohl((uint32_t)hd.rank), next = -1;
+		if (g_cfg.tagging)
+			next = (g_cfg.sched.rank + 1) % g_cfg.sched.nranks;
+		if ((x->tagging || x->prof) && peer_rank != next)
+			refuse(x, "its ring sends to rank %d where the schedule needs the next rank %d "
+			       "(ring order = rank order)", peer_rank, next);
 		if (!(c = calloc(1, sizeof *c)))
 			return ncclSystemError;
 		c->peer_fd = -1;
@@ -825,6 +935,7 @@ static ncclResult_t ckm_connect(void *ctx, int dev, void *handle, void **sendCom
 		tself.sin_addr = g_cfg.ip;
 		if (c->fd < 0 || connect(c->fd, (struct sockaddr *)&peer, sizeof peer) < 0 ||
 		    (c->peer_fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)) < 0 ||
+		    setsockopt(c->peer_fd, IPPROTO_IP, IP_TOS, &(int){CKM_TOS}, sizeof(int)) < 0 ||
 		    bind(c->peer_fd, (struct sockaddr *)&tself, sizeof tself) < 0) {
 			say("connect to %s: %s", inet_ntoa(peer.sin_addr), strerror(errno));
 			free_comm(c);
@@ -842,6 +953,7 @@ static ncclResult_t ckm_connect(void *ctx, int dev, void *handle, void **sendCom
 		c->token = (uint32_t)rand64();
 		c->tx_credit = WINDOW;
 		c->channel = x->conns++;
+		c->peer_rank = peer_rank;
 		c->since = now_s();
 		uint32_t m = htonl(HANDLE_MAGIC), tok = htonl(c->token), ip = self.sin_addr.s_addr;
 		uint16_t port = self.sin_port, pad = 0;
@@ -960,6 +1072,7 @@ static ncclResult_t ckm_accept(void *listenComm, void **recvComm,
 	l->peer_fd = -1;
 	c->kind = K_RECV;
 	c->ctx = l->ctx;
+	c->channel = l->channel;
 	c->fd = l->fd;
 	c->peer_fd = -1;
 	l->fd_taken = 1;
@@ -1016,40 +1129,94 @@ static struct req *new_req(struct comm *c, int kind)
 	return NULL;
 }
 
-/* Where the schedule model puts this isend; refuses any size it did not predict. */
-static ncclResult_t place(struct comm *c, struct req *r, size_t size, int tag)
+/* What must hold before the first label of a communicator (docs/nccl_plugin.md, "What the
+ * plugin proves"): NCCL passes the sender's own rank as the isend tag (net.cc:1342), the
+ * ckm tuner pinned Ring/Simple and the channel count, and every channel is connected. */
+static int first_checks(struct comm *c, int tag)
+{
+	struct ckm_ctx *x = c->ctx;
+	const char *why = NULL;
+	if (tag != g_cfg.sched.rank) {
+		refuse(x, "isend tag %d is not this rank %d: the communicator is not the one "
+		       "CKM_NCCL_RANK describes (NCCL tags with the sender's own top-parent rank)",
+		       tag, g_cfg.sched.rank);
+		return 0;
+	}
+	if (!ckm_tuner_pinned(x->comm_id, &why)) { /* every isend: the tuner sees each coll */
+		refuse(x, "%s", why);
+		return 0;
+	}
+	if (x->checked)
+		return 1;
+	if (x->conns != g_cfg.sched.channels) {
+		refuse(x, "it has %d channels where CKM_NCCL_CHANNELS is %d", x->conns,
+		       g_cfg.sched.channels);
+		return 0;
+	}
+	x->checked = 1;
+	return 1;
+}
+
+/* The ring has shown this rank its index on the connection's channel (before the first
+ * fully reduced send a receive on that channel has completed, so it has had the chance). */
+static int index_proven(struct comm *c)
+{
+	int ix = c->channel >= 0 && c->channel < 64
+		? __atomic_load_n(&c->ctx->ring_index[c->channel], __ATOMIC_RELAXED) : -1;
+	if (ix == g_cfg.sched.rank)
+		return 1;
+	refuse(c->ctx, "its ring position on channel %d is not proven yet (no ring index from the "
+	       "previous rank before the first fully reduced send)", c->channel);
+	return 0;
+}
+
+/* Where the schedule puts this isend (model path): the connection's next send of the
+ * gradient allreduces in bucket order, skipping the ones that do not use its channel. A
+ * size the schedule did not predict stops tagging before anything else is labelled. */
+static void place(struct comm *c, struct req *r, size_t size, int tag)
 {
 	const struct ckm_sched *s = &g_cfg.sched;
-	int next = (s->rank + 1) % s->nranks;
-	if (tag != next)
-		return fail(c, ncclInvalidUsage, "isend to rank %d but the ring model sends only "
-			    "to the next rank %d (NCCL_ALGO=Ring? ring order = rank order?)", tag, next);
-	int b = (int)(c->coll % (uint64_t)g_cfg.nbuckets);
-	uint64_t count = g_cfg.bucket[b];
+	if (!first_checks(c, tag))
+		return;
+	uint64_t count, sends;
+	int b = 0;
+	for (int k = 0;; k++) {
+		b = (int)(c->coll % (uint64_t)g_cfg.nbuckets);
+		count = g_cfg.bucket[b];
+		if ((sends = ckm_sched_sends(s, count, c->channel)))
+			break;
+		if (k == g_cfg.nbuckets) {
+			refuse(c->ctx, "an isend on channel %d, which no gradient allreduce uses",
+			       c->channel);
+			return;
+		}
+		c->coll++;
+		c->ci = 0;
+	}
 	struct ckm_slice sl;
 	ckm_sched_slice(s, count, c->channel, c->ci, &sl);
-	if (size != sl.count * 4)
-		return fail(c, ncclInvalidUsage, "isend of %zu bytes where the schedule model "
-			    "expects %llu (allreduce %llu, bucket %d of %llu elements, channel %d, "
-			    "send %llu): NCCL's schedule differs from the model; nothing was tagged",
-			    size, (unsigned long long)(sl.count * 4), (unsigned long long)c->coll, b,
-			    (unsigned long long)count, c->channel, (unsigned long long)c->ci);
-	if (sl.final && sl.count) {
+	if (size != sl.count * 4) {
+		refuse(c->ctx, "isend of %zu bytes where the schedule expects %llu (allreduce %llu, "
+		       "bucket %d of %llu elements, channel %d, send %llu): NCCL's schedule differs",
+		       size, (unsigned long long)(sl.count * 4), (unsigned long long)c->coll, b,
+		       (unsigned long long)count, c->channel, (unsigned long long)c->ci);
+		return;
+	}
+	if (sl.final && sl.count && index_proven(c)) {
 		r->repl = 1;
 		r->flat = g_cfg.base[b] + sl.offset;
 		r->iteration = g_cfg.first_iteration + c->coll / (uint64_t)g_cfg.nbuckets;
 	}
-	if (++c->ci == ckm_sched_sends(s, count)) {
+	if (++c->ci == sends) {
 		c->ci = 0;
 		c->coll++;
 	}
-	return ncclSuccess;
 }
 
-/* The profiler path: the step handle names collective, channel and step; the model
- * still gives the elements of that step. */
-static ncclResult_t place_profiled(struct comm *c, struct req *r, size_t size, int tag,
-				   void *phandle)
+/* The profiler path: the step's events name collective, channel and slice (profiler.cc:
+ * ProxyStep step = DIVUP(stepId, sliceSteps), one per isend since NCCL 2.24); the schedule
+ * gives that slice's elements. Anything unproven stops tagging. */
+static void place_profiled(struct comm *c, struct req *r, size_t size, int tag, void *phandle)
 {
 	const struct ckm_sched *s = &g_cfg.sched;
 	struct ckm_ident id;
@@ -1063,37 +1230,45 @@ static ncclResult_t place_profiled(struct comm *c, struct req *r, size_t size, i
 		if ((known = q.found))
 			id = q.id;
 	}
-	if (!known)
-		return fail(c, ncclInvalidUsage, "CKM_NCCL_IDENTITY=profiler but an isend of the "
-			    "tagged communicator carries no ckm profiler step: set NCCL_PROFILER_PLUGIN "
-			    "to this library");
-	if (id.bad)
-		return fail(c, ncclInvalidUsage, "%s", id.why);
+	if (!known) {
+		refuse(c->ctx, "an isend carries no ckm profiler step (NCCL_PROFILER_PLUGIN must "
+		       "name this library)");
+		return;
+	}
+	if (id.bad) {
+		refuse(c->ctx, "%s", id.why);
+		return;
+	}
 	if (!id.tagged)
-		return ncclSuccess; /* not a gradient bucket: plain */
+		return; /* not a gradient bucket: plain */
+	if (!first_checks(c, tag))
+		return;
 	int next = (s->rank + 1) % s->nranks;
-	if (!id.is_send || id.peer != next || tag != next || id.channel >= s->channels)
-		return fail(c, ncclInvalidUsage, "profiler step of a %s op to rank %d (isend tag %d, "
-			    "channel %d): the ring model sends only to the next rank %d on channels "
-			    "below %d", id.is_send ? "send" : "recv", id.peer, tag, id.channel, next,
-			    s->channels);
-	uint64_t i = (uint64_t)id.step / 2; /* ALLREDUCE_SLICESTEPS steps per isend */
-	if (id.step < 0 || id.step % 2 || i >= ckm_sched_sends(s, id.count))
-		return fail(c, ncclInvalidUsage, "profiler step %d outside the %llu slices of the "
-			    "ring model", id.step, (unsigned long long)ckm_sched_sends(s, id.count));
+	if (!id.is_send || id.peer != next || id.channel != c->channel) {
+		refuse(c->ctx, "profiler step of a %s op to rank %d on channel %d, sent on connection "
+		       "%d: the schedule sends to the next rank %d, connection k = channel k",
+		       id.is_send ? "send" : "recv", id.peer, id.channel, c->channel, next);
+		return;
+	}
+	uint64_t i = (uint64_t)id.step, sends = ckm_sched_sends(s, id.count, id.channel);
+	if (id.step < 0 || i >= sends) {
+		refuse(c->ctx, "profiler step %d outside the %llu slices the schedule has on channel "
+		       "%d", id.step, (unsigned long long)sends, id.channel);
+		return;
+	}
 	struct ckm_slice sl;
 	ckm_sched_slice(s, id.count, id.channel, i, &sl);
-	if (size != sl.count * 4)
-		return fail(c, ncclInvalidUsage, "isend of %zu bytes at step %d of channel %d where "
-			    "the schedule model expects %llu: nothing was tagged", size, id.step,
-			    id.channel, (unsigned long long)(sl.count * 4));
-	if (sl.final && sl.count) {
+	if (size != sl.count * 4) {
+		refuse(c->ctx, "isend of %zu bytes at step %d of channel %d where the schedule "
+		       "expects %llu", size, id.step, id.channel, (unsigned long long)(sl.count * 4));
+		return;
+	}
+	if (sl.final && sl.count && index_proven(c)) {
 		int b = (int)(id.tag_index % (uint64_t)g_cfg.nbuckets);
 		r->repl = 1;
 		r->flat = g_cfg.base[b] + sl.offset;
 		r->iteration = g_cfg.first_iteration + id.tag_index / (uint64_t)g_cfg.nbuckets;
 	}
-	return ncclSuccess;
 }
 
 static ncclResult_t isend_locked(void *sendComm, void *data, size_t size, int tag,
@@ -1108,11 +1283,12 @@ static ncclResult_t isend_locked(void *sendComm, void *data, size_t size, int ta
 	if (!r)
 		return ncclSuccess; /* full: NCCL calls again */
 	ncclResult_t res;
-	if (c->ctx && ((c->ctx->tagging && (res = place(c, r, size, tag))) ||
-		       (c->ctx->prof && (res = place_profiled(c, r, size, tag, phandle))))) {
-		r->used = 0;
-		return res;
-	}
+	if (c->ctx && c->ctx->tagging)
+		place(c, r, size, tag);
+	else if (c->ctx && c->ctx->prof)
+		place_profiled(c, r, size, tag, phandle);
+	if (c->ctx && !c->ctx->tagging && !c->ctx->prof)
+		r->repl = 0; /* refused while placing: this one goes plain too */
 	r->buf = data;
 	r->size = size;
 	r->msg = c->msg++;
@@ -1127,7 +1303,6 @@ static ncclResult_t irecv_locked(void *recvComm, int n, void **data, size_t *siz
 				 void **mhandles, void **phandles, void **request)
 {
 	struct comm *c = recvComm;
-	(void)tags;
 	(void)mhandles;
 	(void)phandles;
 	*request = NULL;
@@ -1135,6 +1310,12 @@ static ncclResult_t irecv_locked(void *recvComm, int n, void **data, size_t *siz
 		return ncclRemoteError;
 	if (n != 1)
 		return fail(c, ncclInvalidUsage, "irecv of %d buffers: maxRecvs is 1", n);
+	/* NCCL tags a receive with the sender's top-parent rank (net.cc:1488). */
+	int prev = g_cfg.tagging ? (g_cfg.sched.rank + g_cfg.sched.nranks - 1) % g_cfg.sched.nranks
+				 : -1;
+	if (c->ctx && (c->ctx->tagging || c->ctx->prof) && tags && tags[0] != prev)
+		refuse(c->ctx, "its ring receives from rank %d where the schedule needs the previous "
+		       "rank %d (ring order = rank order)", tags[0], prev);
 	struct req *r = new_req(c, K_RECV);
 	if (!r)
 		return ncclSuccess;

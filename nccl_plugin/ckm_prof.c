@@ -31,6 +31,67 @@ struct pev {
 };
 
 static int g_pinits;
+
+/* Collective packing (several collectives in one kernel plan) changes how each is spread
+ * over the channels. NCCL plans a group at its end, so a Coll event's group is complete when
+ * it starts: GroupApi and CollApi events (profiler.cc:246-330; Coll's parent is its CollApi,
+ * whose parent is the outermost GroupApi) say how many collectives share it. Their handles
+ * are slots of fixed rings, never freed (NCCL stops API events before the Coll starts), so a
+ * Coll's parent is looked up by address and generation, never dereferenced blindly. */
+#define NGROUPS 1024
+#define NCAPIS 4096
+struct gslot {
+	uint64_t gen;
+	int colls;
+};
+struct cslot {
+	struct gslot *group;
+	uint64_t gen;
+};
+static struct gslot g_groups[NGROUPS];
+static struct cslot g_capis[NCAPIS];
+static uint64_t g_ngroups, g_ncapis, g_gen;
+static pthread_mutex_t g_api_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void *group_start(void)
+{
+	pthread_mutex_lock(&g_api_lock);
+	struct gslot *g = &g_groups[g_ngroups++ % NGROUPS];
+	g->gen = ++g_gen;
+	g->colls = 0;
+	pthread_mutex_unlock(&g_api_lock);
+	return g;
+}
+
+static void *coll_api_start(const void *parent)
+{
+	pthread_mutex_lock(&g_api_lock);
+	struct cslot *c = &g_capis[g_ncapis++ % NCAPIS];
+	c->group = NULL;
+	const struct gslot *g = parent;
+	if (g >= g_groups && g < g_groups + NGROUPS &&
+	    ((const char *)g - (const char *)g_groups) % sizeof *g == 0) {
+		c->group = (struct gslot *)g;
+		c->gen = g->gen;
+		c->group->colls++;
+	}
+	pthread_mutex_unlock(&g_api_lock);
+	return c;
+}
+
+/* Collectives in the Coll's group, or 0 when its parent is not a CollApi event of ours. */
+static int group_colls(const void *parent)
+{
+	int n = 0;
+	pthread_mutex_lock(&g_api_lock);
+	const struct cslot *c = parent;
+	if (c >= g_capis && c < g_capis + NCAPIS &&
+	    ((const char *)c - (const char *)g_capis) % sizeof *c == 0 && c->group &&
+	    c->group->gen == c->gen)
+		n = c->group->colls;
+	pthread_mutex_unlock(&g_api_lock);
+	return n;
+}
 static pthread_mutex_t g_steps_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct pev *g_steps;
 
@@ -91,8 +152,9 @@ static ncclResult_t p_init(void **context, uint64_t commId, int *eActivationMask
 		free(c);
 		return ncclInvalidUsage;
 	}
-	*eActivationMask = c->selected ? CKM_PROFILE_COLL | CKM_PROFILE_PROXY_OP |
-		CKM_PROFILE_PROXY_STEP | CKM_PROFILE_NET_PLUGIN : 0;
+	*eActivationMask = c->selected ? CKM_PROFILE_GROUP_API | CKM_PROFILE_COLL_API |
+		CKM_PROFILE_COLL | CKM_PROFILE_PROXY_OP | CKM_PROFILE_PROXY_STEP |
+		CKM_PROFILE_NET_PLUGIN : 0;
 	*context = c;
 	return ncclSuccess;
 }
@@ -114,12 +176,23 @@ static void start_coll(struct pctx *c, struct pev *e, const ncclProfilerEventDes
 	e->id.tag_index = c->buckets_seen++;
 	e->id.count = d->coll.count;
 	char why[200];
+	int in_group = group_colls(d->parentObj);
+	if (in_group != 1) {
+		snprintf(why, sizeof why, "gradient allreduce %llu %s: its spread over the channels is "
+			 "not the schedule's", (unsigned long long)d->coll.seqNumber, in_group ?
+			 "was grouped with other collectives into one kernel plan (packing)" :
+			 "came without its group's API events, so packing cannot be ruled out");
+		mark_bad(e, why);
+		return;
+	}
+	/* Coll's nChannels is task->nChannels, the channels the plan gave it (enqueue.cc:690) */
+	int want = ckm_sched_nchannels(&g_cfg.sched, d->coll.count);
 	if (!same(d->coll.algo, "Ring") || !same(d->coll.proto, "Simple") ||
-	    d->coll.nChannels != g_cfg.sched.channels) {
-		snprintf(why, sizeof why, "gradient allreduce %llu ran as %s/%s on %d channels; only "
-			 "Ring/Simple on %d channels can be tagged (NCCL_ALGO, NCCL_PROTO, channel pins)",
+	    d->coll.nChannels != want) {
+		snprintf(why, sizeof why, "gradient allreduce %llu ran as %s/%s on %d channels where "
+			 "the schedule has Ring/Simple on %d (tuner, channel pins, packing)",
 			 (unsigned long long)d->coll.seqNumber, d->coll.algo ? d->coll.algo : "?",
-			 d->coll.proto ? d->coll.proto : "?", d->coll.nChannels, g_cfg.sched.channels);
+			 d->coll.proto ? d->coll.proto : "?", d->coll.nChannels, want);
 		mark_bad(e, why);
 		return;
 	}
@@ -137,12 +210,16 @@ static void start_op(struct pev *e, const struct pev *coll, const ncclProfilerEv
 	e->id.is_send = d->proxyOp.isSend;
 	if (!e->id.tagged || e->id.bad || !e->id.is_send)
 		return;
-	uint64_t want = ckm_sched_sends(&g_cfg.sched, e->id.count) * 2; /* 2 steps a slice */
-	if ((uint64_t)e->id.nsteps != want) {
+	/* nSteps = DIVUP(nsteps, sliceSteps): one per isend; chunkSize = chunkSize * sliceSteps
+	 * (profiler.cc:579-580, since NCCL 2.24) */
+	uint64_t want = ckm_sched_sends(&g_cfg.sched, e->id.count, e->id.channel);
+	uint64_t chunk = ckm_sched_prof_chunk(&g_cfg.sched);
+	if (!want || (uint64_t)e->id.nsteps != want || (uint64_t)d->proxyOp.chunkSize != chunk) {
 		char why[200];
-		snprintf(why, sizeof why, "proxy op of %d steps on channel %d where the ring model "
-			 "has %llu: NCCL's schedule differs from the model", e->id.nsteps,
-			 e->id.channel, (unsigned long long)want);
+		snprintf(why, sizeof why, "proxy op of %d steps of %zu bytes on channel %d where the "
+			 "schedule has %llu of %llu: NCCL's schedule differs", e->id.nsteps,
+			 (size_t)d->proxyOp.chunkSize, e->id.channel, (unsigned long long)want,
+			 (unsigned long long)chunk);
 		mark_bad(e, why);
 	}
 }
@@ -153,6 +230,14 @@ static ncclResult_t p_start(void *context, void **eHandle, ncclProfilerEventDesc
 	*eHandle = NULL;
 	if (!c || c->magic != CTX_MAGIC || !c->selected)
 		return ncclSuccess;
+	if (d->type == CKM_PROFILE_GROUP_API) {
+		*eHandle = group_start();
+		return ncclSuccess;
+	}
+	if (d->type == CKM_PROFILE_COLL_API) {
+		*eHandle = coll_api_start(d->parentObj);
+		return ncclSuccess;
+	}
 	const struct pev *parent = d->parentObj;
 	if (d->type != CKM_PROFILE_COLL && (!parent || parent->magic != EV_MAGIC))
 		return ncclSuccess; /* a child of an event we did not make */
@@ -197,6 +282,10 @@ static ncclResult_t p_start(void *context, void **eHandle, ncclProfilerEventDesc
 static ncclResult_t p_stop(void *eHandle)
 {
 	struct pev *e = eHandle;
+	if ((void *)e >= (void *)g_groups && (void *)e < (void *)(g_groups + NGROUPS))
+		return ncclSuccess; /* API events: slots, never freed */
+	if ((void *)e >= (void *)g_capis && (void *)e < (void *)(g_capis + NCAPIS))
+		return ncclSuccess;
 	if (e && e->magic == EV_MAGIC) {
 		if (e->type == CKM_PROFILE_PROXY_STEP)
 			steps_remove(e);

@@ -27,6 +27,9 @@
  *   the payload);
  * - a parser error drops the frame on Tofino unless ingress reads parser_err: it does, and
  *   counts STAT_PARSER_ERROR and forwards the frame as far as it was parsed.
+ * The same source check as v1model, first in ingress: a frame whose Ethernet source (or,
+ * for IPv4, source address) is not the one bound to its ingress port in port_bind is
+ * dropped (drop_ctl) and counted in src_check; nothing is learned.
  * The same anti-spoofing and length checks as v1model: a REPLICATE datagram is copied only
  * when it entered on the port its replication entry names (the source host's), and only
  * when its count agrees with its UDP length (CkmLengthCheck); otherwise it is forwarded
@@ -60,9 +63,30 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
      * direct counter): each is counted once per packet, in the apply block. */
     Counter<bit<32>, bit<32>>(STAT_SIZE, CounterType_t.PACKETS_AND_BYTES) ckm_stats;
     Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS_AND_BYTES) l2_miss;
+    Counter<bit<32>, bit<32>>(SRC_SIZE, CounterType_t.PACKETS_AND_BYTES) src_check;
+    DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) port_bind_counter;
     DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) l2_fwd_counter;
     DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) ckm_punt_counter;
     DirectCounter<bit<32>>(CounterType_t.PACKETS_AND_BYTES) ckm_replicate_counter;
+
+    action bind_source(bit<48> mac, bit<32> ip) {
+        meta.bind_mac = mac;
+        meta.bind_ip = ip;
+        port_bind_counter.count();
+    }
+
+    table port_bind {
+        key = {
+            ig_intr_md.ingress_port: exact @name("ingress_port");
+        }
+        actions = {
+            bind_source;
+            @defaultonly NoAction;
+        }
+        default_action = NoAction();
+        size = 512;
+        counters = port_bind_counter;
+    }
 
     action forward(PortId_t port) {
         ig_tm_md.ucast_egress_port = port;
@@ -149,6 +173,24 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         bool lossless = false;
         bool counted = false;     /* a datagram on a ckm port: one ckm_stats outcome */
         bit<32> outcome = STAT_PLAIN;
+        bool source_ok = false;
+        bit<32> source_bad = SRC_BAD_MAC;
+        if (port_bind.apply().hit) {
+            if (hdr.ethernet.src_addr == meta.bind_mac) {
+                if (!hdr.ipv4.isValid()) {
+                    source_ok = true;
+                } else if (hdr.ipv4.src_addr == meta.bind_ip) {
+                    source_ok = true;
+                } else {
+                    source_bad = SRC_BAD_IP;
+                }
+            }
+        }
+        if (!source_ok) {
+            src_check.count(source_bad);
+            ig_dprsr_md.drop_ctl = 1;
+            exit;
+        }
         hdr.bridge.setValid();
         hdr.bridge.pad = 0;
         hdr.bridge.ingress_port = ig_intr_md.ingress_port;

@@ -7,7 +7,12 @@
  * Needs a v1model.p4 with standard_metadata.priority (p4c >= 1.2.0) and simple_switch
  * started with --priority-queues for the ckm class to get its own queue.
  *
- * Ingress: L2 forwarding by destination MAC (flood group for unknown/broadcast, counted in
+ * Ingress: first the source check: a frame whose Ethernet source is not the MAC bound to
+ * its ingress port (port_bind, from the config; no entry: nothing is bound) or, for IPv4,
+ * whose source address is not the bound address is dropped and counted in src_check, so no
+ * host can use another's addresses (a MAC hijack, a forged source IP on a register or a
+ * REPLICATE). Forwarding entries are the controller's only: nothing is learned.
+ * Then L2 forwarding by destination MAC (flood group for unknown/broadcast, counted in
  * l2_miss); ckm datagrams whose count agrees with their UDP length (CkmLengthCheck), and
  * frames marked with DSCP CKM_DSCP or PCP CKM_COS (CkmLossless), go to the ckm priority;
  * other datagrams on ckm ports are counted malformed (or parser errors) and forwarded as
@@ -51,9 +56,29 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
      * the apply block, never inside a table action. */
     counter(STAT_SIZE, CounterType.packets_and_bytes) ckm_stats;
     counter(1, CounterType.packets_and_bytes) l2_miss;
+    counter(SRC_SIZE, CounterType.packets_and_bytes) src_check;
+    direct_counter(CounterType.packets_and_bytes) port_bind_counter;
     direct_counter(CounterType.packets_and_bytes) l2_fwd_counter;
     direct_counter(CounterType.packets_and_bytes) ckm_punt_counter;
     direct_counter(CounterType.packets_and_bytes) ckm_replicate_counter;
+
+    action bind_source(bit<48> mac, bit<32> ip) {
+        meta.bind_mac = mac;
+        meta.bind_ip = ip;
+    }
+
+    table port_bind {
+        key = {
+            std_md.ingress_port: exact @name("ingress_port");
+        }
+        actions = {
+            bind_source;
+            @defaultonly NoAction;
+        }
+        default_action = NoAction();
+        size = 512;
+        counters = port_bind_counter;
+    }
 
     action forward(bit<9> port) {
         std_md.egress_spec = port;
@@ -133,6 +158,24 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         bool lossless = false;
         bool counted = false;     /* a datagram on a ckm port: one ckm_stats outcome */
         bit<32> outcome = STAT_PLAIN;
+        bool source_ok = false;
+        bit<32> source_bad = SRC_BAD_MAC;
+        if (port_bind.apply().hit) {
+            if (hdr.ethernet.src_addr == meta.bind_mac) {
+                if (!hdr.ipv4.isValid()) {
+                    source_ok = true;
+                } else if (hdr.ipv4.src_addr == meta.bind_ip) {
+                    source_ok = true;
+                } else {
+                    source_bad = SRC_BAD_IP;
+                }
+            }
+        }
+        if (!source_ok) {
+            src_check.count(source_bad);
+            drop();
+            exit;
+        }
         if (hdr.ckm.isValid()) {
             ckm_length.apply(hdr, meta, well_formed);
         }

@@ -245,6 +245,7 @@ def _run_node(args: argparse.Namespace, opts: NodeOptions) -> int:
         except CheckmateError:
             node.stop()
             raise
+        node.metrics = exporter  # status shows whether it still serves
         print(f"shadow: metrics on http://{opts.bind}:{exporter.port}/metrics", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

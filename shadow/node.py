@@ -96,6 +96,7 @@ class ShadowNode:
         self.warm_seconds: float | None = None  # background kernel warm-up of an empty start
         self._peers: dict[str, Any] | None = None  # validated when the spec is known
         self.verbs: Any = None  # checkmate.shadow.verbs.VerbsReceiver with transport verbs
+        self.metrics: Any = None  # checkmate.metrics.MetricsServer, set by `shadow serve`
         if opts.transport == "verbs":
             from checkmate.shadow.verbs import VerbsReceiver
 
@@ -277,6 +278,8 @@ class ShadowNode:
             "restored_from": self.restored_from,
             "warm_seconds": self.warm_seconds,
             "rcvbuf": self.rcvbuf,
+            "tcp_service": self.service.health(),
+            "metrics": self.metrics.health() if self.metrics is not None else None,
             "verbs": self.verbs.status() if self.verbs is not None else None,
             "range": [st.start, st.end] if st.spec else None,
             **({"commit_times": [[i, round(t, 4)] for i, t in list(st.commit_times)]}

@@ -3,18 +3,22 @@ fetch, and the reliability ops: peers (who to ask for repairs), reseed and resee
 live re-seed, checkmate.shadow.reseed).
 
 The shadow speaks first: a challenge. The first request must be ``auth`` with a proof made
-from the job secret (checkmate.protocol.auth); the answer carries the shadow's proof. Anything else,
-or nothing within ``AUTH_SECONDS``, closes the connection and is counted
-(``tcp_unauthenticated``). Until then a frame may not exceed 4 KiB and carries no payload,
-so an unauthenticated peer cannot make the shadow allocate; afterwards each op's payload is
-checked against what that op can need for this partition before it is read.
+from the job secret (checkmate.protocol.auth); the answer carries the shadow's proof. Until
+then a connection lives in the gate (checkmate.shadow.gate): no thread, at most 4 KiB read,
+``AUTH_SECONDS`` to prove the secret, slots bounded per source address and in total so that
+a flood from other addresses cannot keep a real client out; anything else closes it and is
+counted (``tcp_unauthenticated``, ``tcp_evicted``). Afterwards each op's payload is
+checked against what that op can need for this partition before it is read, and read
+into a buffer that grows with the bytes that arrive (a stalled sender pins only what it
+sent).
 
-At most ``MAX_CONNECTIONS`` connections are served at once (more are closed at once and
-counted, ``tcp_conn_cap``), one thread each; a connection idle for ``IDLE_SECONDS`` is
-closed. Requests on a connection are answered in order. A bad request gets ``{"ok": false,
-"error": ...}`` and the connection stays usable; a malformed frame closes it. Fetch pins
-the retained version while its bytes are sent, so the version cannot be recycled
-underneath the reply.
+At most ``MAX_CONNECTIONS`` authenticated connections are served at once, one thread each
+(more are told "busy" and counted, ``tcp_conn_cap``); a connection idle for
+``IDLE_SECONDS`` is closed. Requests on a connection are answered in order. A bad request
+gets ``{"ok": false, "error": ...}`` and the connection stays usable; a malformed frame
+closes it. Fetch pins the retained version while its bytes are sent, so the version cannot
+be recycled underneath the reply. ``health()`` says whether the gate's thread is alive and
+how often it was restarted (status ``tcp_service``).
 """
 
 from __future__ import annotations
@@ -32,21 +36,18 @@ from checkmate.errors import CheckmateError
 from checkmate.protocol import auth
 from checkmate.protocol.frames import SEED_CHUNK, ShadowError, recv_frame, send_frame
 from checkmate.ratelog import RateLimitedLog
+from checkmate.shadow import gate
 from checkmate.shadow.osname import name_thread
 from checkmate.shadow.state import ShadowState
 from checkmate.spec.model import ModelSpec
 
 log = logging.getLogger("checkmate.shadow")
 
-#: Connections served at once.
+#: Authenticated connections served at once.
 MAX_CONNECTIONS = 32
-#: Seconds a new connection has to authenticate.
-AUTH_SECONDS = 5.0
 #: Seconds an authenticated connection may wait between requests (and one request may take
 #: to arrive).
 IDLE_SECONDS = 600.0
-#: Largest frame header before authentication.
-AUTH_HEADER = 4096
 
 
 class Service:
@@ -76,19 +77,37 @@ class Service:
         except OSError as e:
             self.sock.close()
             raise CheckmateError(f"cannot bind TCP {bind}:{port}: {e.strerror or e}") from None
-        self.sock.listen(64)
+        self.sock.listen(128)
         self.port = self.sock.getsockname()[1]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self.gate = gate.Gate(self.sock, self.key, self.drops, self._admit)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._accept, name="shadow-tcp", daemon=True)
+        self._thread = threading.Thread(target=self._run_gate, name="shadow-tcp",
+                                        daemon=True)
         self._thread.start()
+
+    def _run_gate(self) -> None:
+        name_thread()
+        self.gate.run()
+
+    def health(self) -> dict[str, Any]:
+        """The service's threads as status shows them: the gate alive (False after start
+        means no new client can get in), its restarts and last failure, connections."""
+        with self._lock:
+            served = len(self._conns)
+        return {"alive": self._thread is not None and self._thread.is_alive(),
+                "restarts": self.gate.restarts, "error": self.gate.error,
+                "served": served, "authenticating": self.gate.pending}
 
     def stop(self) -> None:
         self._stop.set()
+        self.gate.stop()
+        if self._thread is not None:
+            self._thread.join(5)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -100,53 +119,31 @@ class Service:
                     c.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-        if self._thread is not None:
-            self._thread.join(5)
 
-    def _accept(self) -> None:
-        name_thread()
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                full = len(self._conns) >= MAX_CONNECTIONS
-                if not full:
-                    self._conns.add(conn)
+    def _admit(self, conn: socket.socket, source: str, challenge: str, nonce: str) -> None:
+        """An authenticated connection from the gate: served on a thread of its own, or
+        told "busy" when ``MAX_CONNECTIONS`` are served already."""
+        with self._lock:
+            full = len(self._conns) >= MAX_CONNECTIONS
+            if not full:
+                self._conns.add(conn)
+        try:
             if full:
                 self.drops["tcp_conn_cap"] += 1
-                self._bad_log(f"refused a connection: {MAX_CONNECTIONS} already open")
+                self._bad_log(f"refused {source}: {MAX_CONNECTIONS} connections served")
+                send_frame(conn, {"ok": False, "error": f"busy: {MAX_CONNECTIONS} "
+                                  "connections served already"})
                 conn.close()
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="shadow-conn",
-                             daemon=True).start()
-
-    def _authenticate(self, conn: socket.socket) -> bool:
-        """Challenge, check the client's proof, answer with ours; False closes."""
-        challenge = auth.new_nonce()
-        try:
-            conn.settimeout(AUTH_SECONDS)
-            send_frame(conn, {"ok": True, "service": "checkmate-shadow", "version": 1,
-                              "challenge": challenge})
-            h, _ = recv_frame(conn, 0, AUTH_HEADER, time.monotonic() + AUTH_SECONDS)
-        except (ConnectionError, OSError, ShadowError) as e:
-            self.drops["tcp_unauthenticated"] += 1
-            self._bad_log(f"connection closed before authenticating: {e}")
-            return False
-        nonce = h.get("nonce")
-        if h.get("op") != "auth" or not isinstance(nonce, str) or not 16 <= len(nonce) <= 64 \
-                or not auth.same(h.get("proof"), auth.client_proof(self.key, challenge, nonce)):
-            self.drops["tcp_unauthenticated"] += 1
-            self._bad_log(f"refused an unauthenticated {str(h.get('op'))[:40]!r} request")
-            try:
-                send_frame(conn, {"ok": False, "error": "not authenticated"})
-            except OSError:
-                pass
-            return False
-        send_frame(conn, {"ok": True, "proof": auth.server_proof(self.key, challenge, nonce)})
-        return True
+                return
+            send_frame(conn, {"ok": True, "proof": auth.server_proof(self.key, challenge,
+                                                                     nonce)})
+        except OSError:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+            return
+        threading.Thread(target=self._serve, args=(conn,), name="shadow-conn",
+                         daemon=True).start()
 
     def _payload_limit(self, h: dict[str, Any]) -> int:
         """The most payload bytes ``h``'s op can need for this partition."""
@@ -164,11 +161,6 @@ class Service:
     def _serve(self, conn: socket.socket) -> None:
         name_thread()
         try:
-            try:
-                if not self._authenticate(conn):
-                    return
-            except OSError:
-                return
             while True:
                 try:
                     conn.settimeout(IDLE_SECONDS)
@@ -183,6 +175,11 @@ class Service:
                     reply, parts = self.handle(header, payload)
                 except (CheckmateError, ValueError, KeyError, TypeError) as e:
                     reply, parts = {"ok": False, "error": str(e) or type(e).__name__}, b""
+                except Exception as e:  # a bug, not the peer's mistake: said, not fatal
+                    self.drops["tcp_internal_error"] += 1
+                    log.exception("shadow service: %r failed", str(header.get("op"))[:40])
+                    reply, parts = {"ok": False, "error": f"internal error: "
+                                    f"{type(e).__name__}: {e}"}, b""
                 release = reply.pop("_release", None)
                 try:
                     send_frame(conn, reply, parts)

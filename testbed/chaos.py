@@ -14,6 +14,7 @@ last line is ``chaos ratio: <passed/total>``.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import sys
@@ -65,6 +66,16 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # two fit, then the disk is full.
     out["disk-full-s1"] = {"persist_every": 10, "keep": 2, "kill_at": late,
                            "disk_limit": {"partition": 1, "kib": 1800}}
+    # Issue 23's attacks on the live job, from another host's port. t3 claims s0's MAC and
+    # address all run long (the switch must drop it all and keep s0's entry; the trainers
+    # then die and resume from the shadows, so s0 must have kept every copy). s1 floods
+    # s0's TCP service, and s0 is restarted empty meanwhile: the trainers must still get
+    # through to re-seed it.
+    out["attack-mac-hijack-s0"] = {"attacks": [{"kind": "mac_hijack", "from": "t3",
+                                                "target": "s0", "at": 2}], "kill_at": late}
+    out["attack-conn-flood-s0"] = {"attacks": [{"kind": "conn_flood", "from": "s1",
+                                                "target": "s0", "at": 2}],
+                                   "shadow_kills": [{"partition": 0, "at": "E"}]}
     # A node lost (testbed/multinode.py): one `checkmate launch` per node on its own
     # cluster (testbed/multinode.yaml), a spare replacing it or the job shrinking.
     from checkmate.testbed import multinode
@@ -74,8 +85,9 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-RANDOM = {"multinode-kill-node", "multinode-shrink", "shadow-restart-empty",
-          "shadow-restart-disk", "shadow-and-trainers-kill", "trainer-kill-after-step",
+RANDOM = {"multinode-kill-node", "multinode-shrink", "attack-conn-flood-s0",
+          "shadow-restart-empty", "shadow-restart-disk", "shadow-and-trainers-kill",
+          "trainer-kill-after-step",
           "trainer-kill-before-control", "controller-restart"}
 
 
@@ -183,7 +195,8 @@ def draw(name: str, body: dict[str, Any], steps: int, seed: int, partitions: int
     """The case's scenario with its random partition ("R"), early iteration ("E") and
     ``kill_after_shadow`` resolved (draws from ``rng`` in a fixed order)."""
     body = dict(body)
-    body["shadow_kills"] = [{**k, "partition": rng.randrange(partitions),
+    body["shadow_kills"] = [{**k, "partition": rng.randrange(partitions)
+                             if k.get("partition", "R") == "R" else k["partition"],
                              "at": rng.randint(max(1, steps // 10), steps // 3)}
                             for k in body.get("shadow_kills", [])]
     after = body.pop("kill_after_shadow", None)
@@ -278,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = _row(name, rep, time.perf_counter() - t0)
                 rows.append(row)
                 print(" ".join(f"{c}={row[c]}" for c in _COLS), flush=True)
+                for a in rep.get("attacks", []):  # what an attack did and what it met
+                    print(f"  attack {json.dumps(a, sort_keys=True)}", flush=True)
     from rich.console import Console
     from rich.table import Table
 

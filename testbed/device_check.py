@@ -15,6 +15,10 @@ with CUDA it writes the figures into docs/gpu.md (``--doc``). Checks (docs/gpu.m
   fsdp            the same with FSDP2
   schemes         none, torch.save, DCP async (stager, pinned memory), CheckFreq, GoCkpt,
                   Checkmate (DDP hook, host mode) on >= 1 GB of model + optimizer state
+  nccl-plugin     NCCL's own allreduce through torch.distributed with the ckm NCCL plugin
+                  (NCCL_NET_PLUGIN, 2 ranks on one GPU, distinct NCCL_HOSTID, tagging on):
+                  exact results, every reduced element tagged once, the 2 shadows' shares
+                  equal to the trainers'; records the NCCL release (root: a tap on lo)
 
 Without CUDA every CUDA part is a SKIP line that names it; ``--cpu-smoke`` runs the
 optimizer harness on CPU tensors at a small size (the harness itself, not the device).
@@ -43,6 +47,8 @@ from checkmate.testbed.device_common import (
     _missing,
     environment,
 )
+from checkmate.testbed.device_nccl import nccl_plugin_check
+from checkmate.testbed.device_nccl import worker as _worker_nccl
 from checkmate.testbed.device_runs import (
     OPTIM_CASES,
     _probe,
@@ -129,6 +135,17 @@ def run_checks(args: argparse.Namespace, emit: Callable[[Result], None]) -> list
             add(Result("optim-speed", "SKIP", "does not fit the time budget"))
         else:
             guarded("optim-speed", lambda: optim_speed(args.speed_params))
+    # (e) the NCCL plugin under real NCCL (run before the launcher checks: it needs no
+    # launcher, only CUDA, gcc and the wire format's dependencies)
+    if wanted("nccl-plugin"):
+        if not cuda:
+            add(Result("nccl-plugin", "SKIP", "NCCL's own allreduce through the ckm plugin, "
+                       f"2 ranks on one GPU: {no_cuda}"))
+        elif _missing(("crc32c",)):
+            add(Result("nccl-plugin", "FAIL", "needs crc32c (the wire format's CRC); "
+                       "scripts/device-check.sh installs it from build/device-wheels"))
+        else:
+            guarded("nccl-plugin", lambda: nccl_plugin_check(budget))
     # (b)-(d) need the launcher, shadows and sessions: the project's own dependencies
     later = [c for c in ("ddp", "fsdp", "schemes") if wanted(c)]
     if not later:
@@ -203,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             return _worker_ddp_fsdp(kind, argv[2:])
         if kind == "bench":
             return _worker_bench(argv[2:])
+        if kind == "nccl-plugin":
+            return _worker_nccl(argv[2:])
     if argv[:1] == ["--probe"] and len(argv) > 1:
         return _probe(argv[1])
     return _main(argv)
@@ -236,7 +255,7 @@ def _main(argv: list[str]) -> int:
                         help="also run the launcher checks (ddp, fsdp, schemes) on CPU tensors "
                         "with gloo at the sizes given: their logic, not the device")
         ap.add_argument("--only", help="comma-separated subset: optim, optim-speed, ddp, "
-                        "fsdp, schemes")
+                        "fsdp, schemes, nccl-plugin")
         ap.add_argument("--params", type=_positive(int), default=10_500_000,
                         help="elements per optimizer case on CUDA (10M+)")
         ap.add_argument("--steps", type=_positive(int), default=50)
@@ -251,7 +270,7 @@ def _main(argv: list[str]) -> int:
                         help=f"write the results table here (default with CUDA: {DOC})")
         ap.add_argument("--no-doc", action="store_true", help="write no results table")
         args = ap.parse_args(argv)
-        known = {"optim", "optim-speed", "ddp", "fsdp", "schemes"}
+        known = {"optim", "optim-speed", "ddp", "fsdp", "schemes", "nccl-plugin"}
         if args.only and not set(args.only.split(",")) <= known:
             from checkmate.errors import CheckmateError
 

@@ -131,6 +131,7 @@ VTABLES = {"v12": Net12, "v11": Net11, "v10": Net10}
 
 # ----- the profiler plugin (ncclProfiler_v6): the events the identity path uses ----------
 PROFILE_COLL, PROFILE_PROXY_OP, PROFILE_PROXY_STEP, PROFILE_NET_PLUGIN = 2, 8, 16, 128
+PROFILE_GROUP_API, PROFILE_COLL_API = 256, 512
 NET_EVENT_START, NET_EVENT_STOP = 0, 1
 
 
@@ -180,6 +181,20 @@ class Profiler6(C.Structure):
     ]
 
 
+class Tuner5(C.Structure):
+    """ncclTuner_v5_t (NCCL 2.28-2.30: src/include/plugin/tuner/tuner_v5.h): init(ctx,
+    commId, nRanks, nNodes, logger, nvlDomainInfo, constants), getCollInfo(ctx, collType,
+    nBytes, numPipeOps, costTable, numAlgo, numProto, regBuff, nChannels), finalize(ctx)."""
+
+    _fields_ = [
+        ("name", C.c_char_p),
+        ("init", _F(RESULT, _PP, C.c_uint64, C.c_size_t, C.c_size_t, _P, _P, _P)),
+        ("getCollInfo", _F(RESULT, _P, C.c_int, C.c_size_t, C.c_int, _P, C.c_int, C.c_int,
+                           C.c_int, C.POINTER(C.c_int))),
+        ("finalize", _F(RESULT, _P)),
+    ]
+
+
 #: Offsets inside the descriptor's union members (from the descriptor's start).
 DESCR_MEMBERS = {"coll.seqNumber": 24, "coll.count": 56, "coll.datatype": 72,
                  "coll.nChannels": 80, "coll.algo": 88, "coll.proto": 96,
@@ -220,13 +235,24 @@ LAYOUT: dict[str, dict[str, int]] = {
                                     "sizeof": 112},
     "ncclProfiler_v6_t": {"name": 0, "init": 8, "startEvent": 16, "stopEvent": 24,
                           "recordEventState": 32, "finalize": 40, "sizeof": 48},
+    "ncclTuner_v5_t": {"name": 0, "init": 8, "getCollInfo": 16, "finalize": 24, "sizeof": 32},
 }
 
 CTYPES = {"ncclNet_v12_t": Net12, "ncclNet_v11_t": Net11, "ncclNet_v10_t": Net10,
           "ncclNetProperties_v12_t": Properties12, "ncclNetProperties_v11_t": Properties11,
           "ncclNetProperties_v10_t": Properties10, "ncclNetDeviceHandle_t": DeviceHandle,
           "ncclNetAttr_t": NetAttr, "ncclProfilerEventDescr_v6_t": EventDescr6,
-          "ncclProfiler_v6_t": Profiler6}
+          "ncclProfiler_v6_t": Profiler6, "ncclTuner_v5_t": Tuner5}
+
+
+class PluginError(RuntimeError):
+    """A plugin call failed, or the harness driving it did."""
+
+
+def ok(res: int, what: str) -> None:
+    """An ncclResult_t that must be ncclSuccess."""
+    if res != SUCCESS:
+        raise PluginError(f"{what} returned ncclResult {res}")
 
 
 def load(path: str) -> tuple[C.CDLL, str, C.Structure]:

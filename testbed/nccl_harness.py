@@ -1,17 +1,10 @@
-"""NCCL stand-in: drives the ckm NCCL net plugin exactly as NCCL's ring allreduce with the
-Simple protocol would, one process per rank (docs/nccl_plugin.md, "The harness").
-
-Each rank dlopens the plugin, calls init/listen/connect/accept as NCCL's transport setup
-does (connect and accept return NULL until done, the handle keeps connect's state), then
-runs allreduces the way NCCL's proxy thread feeds a ring: per channel, the kernel steps of
-testbed/nccl_schedule.py, one isend/irecv per slice, at most NCCL_STEPS / SLICESTEPS = 4 in
-flight each way, receives posted ahead, every request polled with test() until done. The
-reduction is done here on the host (NCCL does it on the GPU) in the kernel's step order.
-
-With ``--profiler direct|callback`` it also plays NCCL's profiler core (NcclProfiler).
-
-What it does not model: GPU kernels and their timing, NCCL's tuner (it always runs the
-pinned ring/Simple schedule), LL/LL128, tree and NVLS algorithms, several communicators.
+"""NCCL stand-in: drives the ckm NCCL net plugin the way a given NCCL release runs a ring
+allreduce with the Simple protocol, one process per rank (docs/nccl_plugin.md, "The
+harness"). What NCCL does comes from checkmate.testbed.nccl_release, written from NCCL's
+source, not from the plugin's schedule: the two can disagree. Per rank: a stand-in libnccl
+answering ncclGetVersion, the plugin's net/tuner/profiler called as NCCL's setup, planner
+and proxy thread call them (isends tagged with this rank, receives with the previous one,
+4 in flight, test() until done), the reduction on the host.
 
     python -m checkmate.testbed.nccl_harness --rank R --nranks N --dir D --plugin LIB --ip A ...
 """
@@ -20,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes as C
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,7 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from checkmate.testbed import nccl_abi as abi
-from checkmate.testbed.nccl_schedule import SLICES, Ring
+from checkmate.testbed import nccl_release as nr
+from checkmate.testbed.nccl_abi import PluginError
+from checkmate.testbed.nccl_abi import ok as _ok
+from checkmate.testbed.nccl_profiler_core import NcclProfiler
 
 DEPTH = 4  # slices in flight per direction and channel: NCCL_STEPS / ALLREDUCE_SLICESTEPS
 SETUP_TIMEOUT = 60.0
@@ -65,112 +62,67 @@ def plugin_env(rank: int, nranks: int, channels: int, buffsize: int, buckets: li
     return env
 
 
-class PluginError(RuntimeError):
-    pass
-
-
-def _ok(res: int, what: str) -> None:
-    if res != abi.SUCCESS:
-        raise PluginError(f"{what} returned ncclResult {res}")
-
-
 @dataclass
 class _Channel:
     send: C.c_void_p
     recv: C.c_void_p
-    sends: deque = field(default_factory=deque)  # (index, array) ready to post, in order
-    send_busy: list = field(default_factory=list)  # (request, array)
-    recv_busy: deque = field(default_factory=deque)  # (request, buffer, size var, index)
+    send_busy: list = field(default_factory=list)  # (request, array, event, phandle)
+    recv_busy: deque = field(default_factory=deque)  # (request, buffer, index, event, ph)
     next_recv: int = 0
     done_recv: int = 0
 
 
-class NcclProfiler:
-    """NCCL's profiler core as far as the identity path needs it: ``ncclProfiler_v6`` from
-    the plugin's library, Coll / ProxyOp / ProxyStep events started and stopped as NCCL
-    does (a collective at enqueue, a send and a recv op per channel, a step per posted
-    slice), and the net plugin's profiler callback answered as NCCL's core answers it (a
-    NetPlugin event whose parent is the step's event). ``via_callback``: the phandle given
-    to isend is an opaque token of ours (as NCCL passes its own object), so the plugin must
-    take the callback route; else it is the step's event handle itself."""
+@dataclass(frozen=True)
+class _Slice:
+    """One kernel slice on a channel: what its isend or irecv carries."""
 
-    _MEMBER = {abi.PROFILE_COLL: "coll", abi.PROFILE_PROXY_OP: "proxyOp",
-               abi.PROFILE_PROXY_STEP: "proxyStep", abi.PROFILE_NET_PLUGIN: "netPlugin"}
+    task: int
+    key: tuple  # (task, call index on the channel, slice): a recv and its send share it
+    kind: str
+    start: int
+    n: int
+    op: int  # index of its proxy op in the plan
 
-    def __init__(self, lib: C.CDLL, rank: int, nranks: int, comm_id: int, algo: str,
-                 via_callback: bool) -> None:
-        self.prof = abi.Profiler6.in_dll(lib, "ncclProfiler_v6")
-        self.ctx, mask = C.c_void_p(), C.c_int(0)
-        _ok(self.prof.init(C.byref(self.ctx), comm_id, C.byref(mask), b"harness", 1, nranks,
-                           rank, None), "profiler init")
-        self.mask, self.rank, self.algo = mask.value, rank, algo.encode()
-        self.via_callback, self.seq = via_callback, 0
-        self.tokens: dict[int, int] = {}
-        self._token = 0x1000
-        self.callback = abi.PROF_CALLBACK(self._callback)  # kept alive with self
 
-    def _start(self, kind: int, parent: int | None, **fields: object) -> int | None:
-        if not self.mask & kind:
-            return None  # NCCL starts only the events the plugin activated
-        d = abi.EventDescr6(type=kind, parentObj=parent, rank=self.rank)
-        for k, v in fields.items():
-            setattr(getattr(d, self._MEMBER[kind]), k, v)
-        h = C.c_void_p()
-        _ok(self.prof.startEvent(self.ctx, C.byref(h), C.byref(d)), "startEvent")
-        return h.value
-
-    def stop(self, h: int | None) -> None:
-        if h:
-            _ok(self.prof.stopEvent(h), "stopEvent")
-
-    def coll(self, count: int, channels: int) -> int | None:
-        self.seq += 1
-        return self._start(abi.PROFILE_COLL, None, seqNumber=self.seq - 1, func=b"AllReduce",
-                           count=count, datatype=b"ncclFloat32", nChannels=channels, nWarps=16,
-                           algo=self.algo, proto=b"Simple")
-
-    def op(self, coll: int | None, ch: int, peer: int, nsteps: int, chunk: int,
-           is_send: bool) -> int | None:
-        return self._start(abi.PROFILE_PROXY_OP, coll, pid=os.getpid(), channelId=ch,
-                           peer=peer, nSteps=nsteps, chunkSize=chunk, isSend=int(is_send))
-
-    def step(self, op: int | None, step: int) -> tuple[int | None, int | None]:
-        """(the step's event, the phandle NCCL would pass to isend/irecv for it)."""
-        h = self._start(abi.PROFILE_PROXY_STEP, op, step=step)
-        if not self.via_callback or h is None:
-            return h, h
-        self._token += 8
-        self.tokens[self._token] = h
-        return h, self._token
-
-    def end_step(self, h: int | None, phandle: int | None) -> None:
-        self.tokens.pop(phandle, None)
-        self.stop(h)
-
-    def _callback(self, ehandle, kind, phandle, plugin_id, data):  # noqa: ANN001, ANN202
-        if kind == abi.NET_EVENT_START:
-            parent = self.tokens.get(phandle) if self.via_callback else phandle
-            h = self._start(abi.PROFILE_NET_PLUGIN, parent, id=plugin_id, data=data)
-            ehandle[0] = h
-        elif kind == abi.NET_EVENT_STOP and ehandle[0]:
-            self.stop(ehandle[0])
-        return abi.SUCCESS
+ALGOS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
+PROTOS = ("LL", "LL128", "Simple")  # NCCL_ALGO_* / NCCL_PROTO_* indices (nccl_tuner.h)
+FUNC_ALLREDUCE = 4  # ncclFuncAllReduce (nccl_common.h)
 
 
 class Rank:
-    """One rank: the plugin loaded, its ring connections, and allreduce()."""
+    """One rank: the plugin loaded, its ring connections, and run_plan()."""
 
     def __init__(self, plugin: str, rank: int, nranks: int, channels: int, buffsize: int,
-                 rendezvous: Path, profiler: str = "off", algo: str = "Ring") -> None:
+                 rendezvous: Path, profiler: str = "off", algo: str = "Ring",
+                 version: str = "2.29.7", standin: str | None = None,
+                 tuner: bool = True, plays: str | None = None,
+                 ring: list[int] | None = None) -> None:
+        code = nr.version_code(version)
+        rel = nr.release_of(code)
+        # An unsupported release runs with the newest profile: the plugin must refuse it.
+        # ``plays``: run another release's schedule than the one reported (a mismatch test).
+        self.rel = (next(r for r in nr.RELEASES if r.name == plays) if plays
+                    else rel or nr.RELEASES[-1])
+        os.environ["NCCL_STANDIN_VERSION"] = str(code)
+        if standin:  # libnccl's ncclGetVersion, global as in a process running NCCL
+            C.CDLL(standin, mode=C.RTLD_GLOBAL)
         self.lib, self.version, self.net = abi.load(plugin)
         if self.version != "v12":
             raise PluginError(f"expected ncclNetPlugin_v12, the loader found {self.version}")
-        self.rank, self.nranks, self.ring = rank, nranks, Ring(nranks, channels, buffsize)
-        self.slice_bytes = buffsize // 8 * 2  # a receive buffer: SLICESTEPS steps
+        self.rank, self.nranks, self.channels = rank, nranks, channels
+        # The ring's order (NCCL's topology search picks it; rank order unless given): next,
+        # previous and the ring index = distance from rank 0 (init.cc, setupChannel).
+        order = ring or list(range(nranks))
+        pos = order.index(rank)
+        self.next, self.prev = order[(pos + 1) % nranks], order[pos - 1]
+        self.ring_index = (pos - order.index(0)) % nranks
+        self.buffsize, self.algo = buffsize, algo
+        self.recv_bytes = buffsize // nr.NCCL_STEPS * nr.SLICESTEPS  # net.cc:1480
         comm_id = 0x636B6D
-        # NCCL initializes the profiler plugin before the net plugin of a communicator.
-        self.prof = (NcclProfiler(self.lib, rank, nranks, comm_id, algo,
-                                  profiler == "callback") if profiler != "off" else None)
+        # Profiler v6 exists from 2.29: an older NCCL never calls ncclProfiler_v6.
+        use_prof = profiler != "off" and self.rel.profiler_v6
+        self.prof = (NcclProfiler(self.lib, rank, nranks, comm_id, algo, True)
+                     if use_prof else None)
         self.ctx = C.c_void_p()
         _ok(self.net.init(C.byref(self.ctx), comm_id, C.byref(abi.CommConfig(-1)), None,
                           C.cast(self.prof.callback, C.c_void_p) if self.prof else None),
@@ -179,7 +131,30 @@ class Rank:
         _ok(self.net.devices(C.byref(n)), "devices")
         if n.value < 1:
             raise PluginError("the plugin reports no device")
+        self.tuner = self.tctx = None
+        if tuner:  # init.cc:1447: the tuner is initialized per communicator
+            self.tuner = abi.Tuner5.in_dll(self.lib, "ncclTunerPlugin_v5")
+            self.tctx = C.c_void_p()
+            _ok(self.tuner.init(C.byref(self.tctx), comm_id, nranks, nranks, None, None, None),
+                "tuner init")
         self.chans = self._connect(channels, rendezvous)
+
+    def _tune(self, count: int) -> tuple[int, str, str]:
+        """ncclGetAlgoInfo (enqueue.cc:2030-2087) as far as the tuner decides: its cost table
+        and nChannels; topoGetAlgoInfo then takes the cheapest entry left."""
+        if not self.tuner:
+            return self.channels, self.algo, "Simple"
+        table = (C.c_float * (len(ALGOS) * len(PROTOS)))(*([1.0] * len(ALGOS) * len(PROTOS)))
+        nch = C.c_int(0)
+        _ok(self.tuner.getCollInfo(self.tctx, FUNC_ALLREDUCE, count * 4, 1,
+                                   C.cast(table, C.c_void_p), len(ALGOS), len(PROTOS), 0,
+                                   C.byref(nch)), "getCollInfo")
+        costs = [(v, i) for i, v in enumerate(table) if v >= 0]
+        best = min(costs)[1]
+        algo, proto = ALGOS[best // len(PROTOS)], PROTOS[best % len(PROTOS)]
+        if self.algo != "Ring":  # a test makes NCCL report another algorithm
+            algo = self.algo
+        return nch.value or self.channels, algo, proto
 
     def _connect(self, channels: int, rdv: Path) -> list[_Channel]:
         handles, listens = [], []
@@ -192,11 +167,11 @@ class Rank:
         tmp = rdv / f".handles-{self.rank}.tmp"
         tmp.write_bytes(b"".join(bytes(h) for h in handles))
         tmp.rename(rdv / f"handles-{self.rank}.bin")
-        peer = rdv / f"handles-{(self.rank + 1) % self.nranks}.bin"
+        peer = rdv / f"handles-{self.next}.bin"
         deadline = time.monotonic() + SETUP_TIMEOUT
         while not peer.exists():
             if time.monotonic() > deadline:
-                raise PluginError(f"rank {(self.rank + 1) % self.nranks} published no handles")
+                raise PluginError(f"rank {self.next} published no handles")
             time.sleep(0.01)
         blob = peer.read_bytes()
         # NCCL's setup loop: connect and accept every channel, each call non-blocking.
@@ -221,120 +196,167 @@ class Rank:
         return [_Channel(s, r) for s, r in zip(sends, recvs, strict=True)]
 
     def allreduce(self, x: np.ndarray) -> np.ndarray:
-        """Sum of every rank's ``x`` (float32), by the ring schedule over the plugin."""
-        ring, r, n = self.ring, self.rank, self.nranks
-        count, y = x.size, np.zeros_like(x)
-        steps = ring.kernel_steps() - 1  # sending (and receiving) steps per loop
-        plans = []
-        for ch, st in enumerate(self.chans):
-            st.sends.clear()
-            st.next_recv = st.done_recv = 0
-            loops = ring.loops(count)
-            # index -> (start, stop, kernel step) for sends (step t) and receives (step t+1)
-            plan = [(a, b, t, lp) for lp in range(loops) for t in range(steps)
-                    for a, b in ring.slices(*ring.chunk_range(count, lp, ch,
-                                                              ring.step_chunk(r, t)))]
-            rplan = [(a, b, t + 1, lp) for lp in range(loops) for t in range(steps)
-                     for a, b in ring.slices(*ring.chunk_range(count, lp, ch,
-                                                               ring.step_chunk(r, t + 1)))]
-            assert [(a, b) for a, b, _, _ in plan] == [(a, b) for a, b, _ in
-                                                       ring.sends(r, count, ch)]
-            for i, (a, b, t, _) in enumerate(plan):
-                if t == 0:  # send: own data, ready at once
-                    st.sends.append((i, np.ascontiguousarray(x[a:b])))
-            plans.append((plan, rplan))
-        prof, chunk_bytes = self.prof, ring.chunk * 4
-        coll = prof.coll(count, len(self.chans)) if prof else None
-        ops = [(prof.op(coll, ch, (r + 1) % n, 2 * len(plans[ch][0]), chunk_bytes, True),
-                prof.op(coll, ch, (r - 1) % n, 2 * len(plans[ch][1]), chunk_bytes, False))
-               if prof else (None, None) for ch in range(len(self.chans))]
-        pending = {ch: sorted(st.sends) for ch, st in enumerate(self.chans)}
-        for ch, st in enumerate(self.chans):
-            st.sends = deque(pending[ch])
+        """Sum of every rank's ``x`` (float32): one collective in its own kernel plan."""
+        return self.run_plan([x])[0]
+
+    def run_plan(self, xs: list[np.ndarray]) -> list[np.ndarray]:
+        """Allreduces of ``xs`` in one kernel plan, as NCCL runs a group of collectives
+        (more than one: collective packing)."""
+        n = self.nranks
+        # ncclPrepareTasks (enqueue.cc:389-466): the group's allreduces come out of the size
+        # sorter largest first and are binned LIFO, so they are planned smallest first;
+        # neighbours within 4x of the first of a run are aggregated, and the tuner is asked
+        # once per aggregate, about its summed size.
+        order = sorted(range(len(xs)), key=lambda t: -xs[t].size)[::-1]
+        tuned: list[tuple[int, str, str]] = [(0, "", "")] * len(xs)
+        i = 0
+        while i < len(order):
+            j = i + 1
+            while j < len(order) and xs[order[j]].size < 4 * xs[order[i]].size:
+                j += 1
+            t = self._tune(sum(xs[k].size for k in order[i:j]))
+            for k in order[i:j]:
+                tuned[k] = t
+            i = j
+        n_max = min(t[0] for t in tuned)
+        ops, used = nr.plan([xs[t].size for t in order], n, n_max, self.channels,
+                            self.buffsize, self.rel)
+        ops = [nr.ProxyOp(order[o.task], *dataclasses.astuple(o)[1:]) for o in ops]
+        used = [used[order.index(t)] for t in range(len(xs))]
+        ys = [np.zeros_like(x) for x in xs]
+        # per channel: its kernel slices in order (tasks of the plan in order, then loops)
+        sends: list[list[_Slice]] = [[] for _ in self.chans]
+        recvs: list[list[_Slice]] = [[] for _ in self.chans]
+        for k, op in enumerate(ops):
+            base = len(sends[op.channel]) + len(recvs[op.channel])  # unique keys per channel
+            for ci, (kind, _loop, off, nelem) in enumerate(nr.kernel_ops(op, n,
+                                                                         self.ring_index)):
+                for j, (a, m) in enumerate(nr.slices(nelem, self.buffsize)):
+                    sl = _Slice(op.task, (op.task, base + ci, j), kind, off + a, m, k)
+                    if kind in nr.SENDS:
+                        sends[op.channel].append(sl)
+                    if kind in nr.RECEIVES:
+                        recvs[op.channel].append(sl)
+        prof = self.prof
+        colls: list[int | None] = [None] * len(xs)
+        if prof:  # the group's API events, then each task's Coll at plan launch
+            group = prof.group()
+            apis = [prof.coll_api(group) for _ in xs]
+            for h in (*apis, group):
+                prof.stop(h)
+            colls = [prof.coll(x.size, used[t], tuned[t][1], tuned[t][2], apis[t])
+                     for t, x in enumerate(xs)]
+        pops = [(prof.op(colls[op.task], op.channel, self.next, op.prof_nsteps,
+                         op.prof_chunk, True),
+                 prof.op(colls[op.task], op.channel, self.prev, op.prof_nsteps,
+                         op.prof_chunk, False)) if prof else (None, None) for op in ops]
+        step_of: dict[tuple, int] = {}  # ProxyStep step: slices of its op before it, per side
+        for lst in (*sends, *recvs):
+            per_op: dict[int, int] = {}
+            for sl in lst:
+                step_of[(id(lst), sl.key)] = per_op.get(sl.op, 0)
+                per_op[sl.op] = per_op.get(sl.op, 0) + 1
+        ready: list[dict[tuple, np.ndarray]] = [
+            {sl.key: np.ascontiguousarray(xs[sl.task][sl.start:sl.start + sl.n])
+             for sl in sends[ch] if sl.kind == nr.SEND} for ch in range(len(self.chans))]
         next_send = [0] * len(self.chans)
-        ready: list[dict[int, np.ndarray]] = [dict(st.sends) for st in self.chans]
+        for st in self.chans:
+            st.next_recv = st.done_recv = 0
         deadline = time.monotonic() + RUN_TIMEOUT
-        while any(st.done_recv < len(plans[ch][1]) or next_send[ch] < len(plans[ch][0])
+        while any(st.done_recv < len(recvs[ch]) or next_send[ch] < len(sends[ch])
                   or st.send_busy for ch, st in enumerate(self.chans)):
             if time.monotonic() > deadline:
                 raise PluginError("allreduce made no progress in time")
             for ch, st in enumerate(self.chans):
-                plan, rplan = plans[ch]
-                # receives: posted in order, up to DEPTH ahead
-                while len(st.recv_busy) < DEPTH and st.next_recv < len(rplan):
-                    buf = np.zeros(self.slice_bytes // 4, np.float32)
-                    req = C.c_void_p()
-                    ptr = (C.c_void_p * 1)(buf.ctypes.data)
-                    size = (C.c_size_t * 1)(self.slice_bytes)
-                    tag = (C.c_int * 1)((r - 1) % n)
-                    ev, ph = prof.step(ops[ch][1], 2 * st.next_recv) if prof else (None, None)
-                    _ok(self.net.irecv(st.recv, 1, ptr, size, tag, None,
-                                       (C.c_void_p * 1)(ph), C.byref(req)), "irecv")
-                    if not req.value:
-                        if prof:
-                            prof.end_step(ev, ph)
-                        break
-                    st.recv_busy.append((req, buf, st.next_recv, ev, ph))
-                    st.next_recv += 1
-                while st.recv_busy:
-                    req, buf, i, ev, ph = st.recv_busy[0]
-                    done, got = C.c_int(), C.c_int()
-                    _ok(self.net.test(req, C.byref(done), C.byref(got)), "test(recv)")
-                    if not done.value:
-                        break
-                    st.recv_busy.popleft()
-                    if prof:
-                        prof.end_step(ev, ph)
-                    st.done_recv += 1
-                    a, b, t, _ = rplan[i]
-                    if got.value != 4 * (b - a):
-                        raise PluginError(f"received {got.value} bytes, expected {4 * (b - a)}")
-                    data = buf[: b - a]
-                    # Receive i is kernel step t; that step's send is send i + SLICES.
-                    j = i + SLICES
-                    if t < n - 1:  # recvReduceSend
-                        ready[ch][j] = data + x[a:b]
-                    elif t == n - 1:  # recvReduceCopySend: the final result
-                        y[a:b] = data + x[a:b]
-                        ready[ch][j] = y[a:b].copy()
-                    else:  # recvCopySend, and the last recv
-                        y[a:b] = data
-                        if t < 2 * n - 2:
-                            ready[ch][j] = data.copy()
-                # sends: in order, when their data is ready, up to DEPTH in flight
-                while (len(st.send_busy) < DEPTH and next_send[ch] < len(plan)
-                       and next_send[ch] in ready[ch]):
-                    arr = ready[ch][next_send[ch]]
-                    req = C.c_void_p()
-                    ev, ph = prof.step(ops[ch][0], 2 * next_send[ch]) if prof else (None, None)
-                    _ok(self.net.isend(st.send, C.c_void_p(arr.ctypes.data), arr.nbytes,
-                                       (r + 1) % n, None, ph, C.byref(req)), "isend")
-                    if not req.value:
-                        if prof:
-                            prof.end_step(ev, ph)
-                        break
-                    del ready[ch][next_send[ch]]
-                    st.send_busy.append((req, arr, ev, ph))
-                    next_send[ch] += 1
-                for item in list(st.send_busy):
-                    done, got = C.c_int(), C.c_int()
-                    _ok(self.net.test(item[0], C.byref(done), C.byref(got)), "test(send)")
-                    if done.value:
-                        st.send_busy.remove(item)
-                        if prof:
-                            prof.end_step(item[2], item[3])
+                self._progress_recv(ch, st, recvs[ch], xs, ys, ready[ch], pops, step_of)
+                self._progress_send(ch, st, sends[ch], ready[ch], next_send, pops, step_of)
         if prof:
-            for sop, rop in ops:
+            for sop, rop in pops:
                 prof.stop(sop)
                 prof.stop(rop)
-            prof.stop(coll)
-        return y
+            for c in colls:
+                prof.stop(c)
+        return ys
+
+    def _progress_recv(self, ch: int, st: _Channel, plan: list[_Slice], xs: list, ys: list,
+                       ready: dict, pops: list, step_of: dict) -> None:
+        prof = self.prof
+        while len(st.recv_busy) < DEPTH and st.next_recv < len(plan):  # net.cc:1450-1510
+            sl = plan[st.next_recv]
+            buf = np.zeros(self.recv_bytes // 4, np.float32)
+            req = C.c_void_p()
+            ptr = (C.c_void_p * 1)(buf.ctypes.data)
+            size = (C.c_size_t * 1)(self.recv_bytes)
+            tag = (C.c_int * 1)(self.prev)  # tpRemoteRank
+            ev, ph = (prof.step(pops[sl.op][1], step_of[(id(plan), sl.key)]) if prof
+                      else (None, None))
+            _ok(self.net.irecv(st.recv, 1, ptr, size, tag, None, (C.c_void_p * 1)(ph),
+                               C.byref(req)), "irecv")
+            if not req.value:
+                if prof:
+                    prof.end_step(ev, ph)
+                break
+            st.recv_busy.append((req, buf, st.next_recv, ev, ph))
+            st.next_recv += 1
+        while st.recv_busy:
+            req, buf, i, ev, ph = st.recv_busy[0]
+            done, got = C.c_int(), C.c_int()
+            _ok(self.net.test(req, C.byref(done), C.byref(got)), "test(recv)")
+            if not done.value:
+                break
+            st.recv_busy.popleft()
+            if prof:
+                prof.end_step(ev, ph)
+            st.done_recv += 1
+            sl = plan[i]
+            if got.value != 4 * sl.n:
+                raise PluginError(f"received {got.value} bytes, expected {4 * sl.n}")
+            data = buf[:sl.n]
+            a, b, x, y = sl.start, sl.start + sl.n, xs[sl.task], ys[sl.task]
+            if sl.kind == nr.RRS:
+                ready[sl.key] = data + x[a:b]
+            elif sl.kind == nr.RRCS:  # the final result, sent on
+                y[a:b] = data + x[a:b]
+                ready[sl.key] = y[a:b].copy()
+            else:  # recvCopySend, recv
+                y[a:b] = data
+                if sl.kind == nr.RCS:
+                    ready[sl.key] = data.copy()
+
+    def _progress_send(self, ch: int, st: _Channel, plan: list[_Slice], ready: dict,
+                       next_send: list[int], pops: list, step_of: dict) -> None:
+        prof = self.prof
+        while (len(st.send_busy) < DEPTH and next_send[ch] < len(plan)
+               and plan[next_send[ch]].key in ready):  # net.cc:1291-1353
+            sl = plan[next_send[ch]]
+            arr = ready[sl.key]
+            req = C.c_void_p()
+            ev, ph = (prof.step(pops[sl.op][0], step_of[(id(plan), sl.key)]) if prof
+                      else (None, None))
+            _ok(self.net.isend(st.send, C.c_void_p(arr.ctypes.data), arr.nbytes, self.rank,
+                               None, ph, C.byref(req)), "isend")  # tag: own tpRank
+            if not req.value:
+                if prof:
+                    prof.end_step(ev, ph)
+                break
+            del ready[sl.key]
+            st.send_busy.append((req, arr, ev, ph))
+            next_send[ch] += 1
+        for item in list(st.send_busy):
+            done, got = C.c_int(), C.c_int()
+            _ok(self.net.test(item[0], C.byref(done), C.byref(got)), "test(send)")
+            if done.value:
+                st.send_busy.remove(item)
+                if prof:
+                    prof.end_step(item[2], item[3])
 
     def close(self) -> None:
         for st in self.chans:
             _ok(self.net.closeSend(st.send), "closeSend")
             _ok(self.net.closeRecv(st.recv), "closeRecv")
         _ok(self.net.finalize(self.ctx), "finalize")
+        if self.tuner:
+            _ok(self.tuner.finalize(self.tctx), "tuner finalize")
         if self.prof:
             _ok(self.prof.prof.finalize(self.prof.ctx), "profiler finalize")
 
@@ -343,11 +365,16 @@ def run_rank(args: argparse.Namespace) -> None:
     buckets = [int(b) for b in args.buckets.split(",")]
     rdv = Path(args.dir)
     rank = Rank(args.plugin, args.rank, args.nranks, args.channels, args.buffsize, rdv,
-                args.profiler, args.algo)
+                args.profiler, args.algo, args.version,
+                str(Path(args.plugin).with_name("libnccl-standin.so")), args.tuner == "on",
+                args.plays, [int(x) for x in args.ring.split(",")] if args.ring else None)
     outs = []
     for it in range(args.first_iteration, args.first_iteration + args.iterations):
-        outs.append(np.concatenate([rank.allreduce(inputs(args.seed, it, b, args.rank, n))
-                                    for b, n in enumerate(buckets)]))
+        xs = [inputs(args.seed, it, b, args.rank, n) for b, n in enumerate(buckets)]
+        ys: list[np.ndarray] = []
+        for g in range(0, len(xs), args.group):  # a group of collectives: one kernel plan
+            ys += rank.run_plan(xs[g:g + args.group])
+        outs.append(np.concatenate(ys))
     # Wait for every rank before closing, as NCCL's communicator teardown does.
     (rdv / f"done-{args.rank}").touch()
     deadline = time.monotonic() + SETUP_TIMEOUT
@@ -357,17 +384,30 @@ def run_rank(args: argparse.Namespace) -> None:
         time.sleep(0.01)
     rank.close()
     np.save(rdv / f"out-{args.rank}.npy", np.stack(outs))
+    # A trainer outlives its last allreduce: its repair service (the plugin's thread) answers
+    # the shadows' requests until the caller creates the linger file.
+    deadline = time.monotonic() + 120.0
+    while args.linger and not Path(args.linger).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels: int = 4,
            buffsize: int = 1 << 16, buckets: list[int], iterations: int, seed: int = 1,
            partitions: int = 2, job: int = 7, first_iteration: int = 1, tag: bool = True,
            popen=None, timeout: float = 150.0, profiler: str = "off",
-           algo: str = "Ring") -> list[np.ndarray]:
+           algo: str = "Ring", version: str = "2.29.7", tuner: bool = True,
+           group: int = 1, plays: str | None = None,
+           linger: Path | None = None, ring: list[int] | None = None) -> list[np.ndarray]:
     """Run ``nranks`` rank processes (``popen(rank, argv, env)`` starts one, default a plain
-    subprocess) and return each rank's results, shape (iterations, sum(buckets)).
-    ``profiler``: off (the plugin places isends by the schedule model), direct or callback
-    (by the profiler events the harness issues, see NcclProfiler)."""
+    subprocess) and return each rank's results, shape (iterations, sum(buckets)); each
+    rank's output is in ``workdir/rank<r>.log``. ``version``: the NCCL release played;
+    ``profiler``: off (the plugin places isends by its schedule alone) or callback (by the
+    profiler events, as NCCL 2.29+ issues them); ``tuner``: NCCL loads the plugin's tuner;
+    ``group``: allreduces per kernel plan (over 1: collective packing); ``plays``: the
+    release profile whose schedule is run while ``version`` is reported (a mismatch);
+    ``linger``: ranks stay up (repair service on) until this file exists; ``ring``: the
+    ring's order (default the rank order). Ranks sharing an
+    address keep no pieces for repair (one repair port per address)."""
     workdir.mkdir(parents=True, exist_ok=True)
     procs = []
     try:
@@ -376,12 +416,21 @@ def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels:
             env.update(plugin_env(r, nranks, channels, buffsize, buckets if tag else [],
                                   partitions, job, ips[r], first_iteration))
             env["CKM_NCCL_STATS"] = str(workdir / f"stats-{r}.jsonl")
+            if len(set(ips)) < nranks:
+                env["CKM_NCCL_REPAIR_KEEP"] = "0"
             argv = [sys.executable, "-m", "checkmate.testbed.nccl_harness", "--rank", str(r),
                     "--nranks", str(nranks), "--dir", str(workdir), "--plugin", plugin,
                     "--channels", str(channels), "--buffsize", str(buffsize),
                     "--buckets", ",".join(map(str, buckets)), "--iterations", str(iterations),
                     "--seed", str(seed), "--first-iteration", str(first_iteration),
-                    "--profiler", profiler, "--algo", algo]
+                    "--profiler", profiler, "--algo", algo, "--version", version,
+                    "--tuner", "on" if tuner else "off", "--group", str(group)]
+            if plays:
+                argv += ["--plays", plays]
+            if linger:
+                argv += ["--linger", str(linger)]
+            if ring:
+                argv += ["--ring", ",".join(map(str, ring))]
             if profiler != "off":
                 env["CKM_NCCL_IDENTITY"] = "profiler"
             log = open(workdir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
@@ -405,10 +454,20 @@ def launch(nranks: int, workdir: Path, plugin: str, ips: list[str], *, channels:
     return [np.load(workdir / f"out-{r}.npy") for r in range(nranks)]
 
 
+def _stat_lines(workdir: Path, r: int) -> list[dict]:
+    return [json.loads(line) for line in (workdir / f"stats-{r}.jsonl").read_text().split("\n")
+            if line]
+
+
 def stats(workdir: Path, nranks: int) -> list[list[dict]]:
     """Each rank's per-connection counters (CKM_NCCL_STATS lines)."""
-    return [[json.loads(line) for line in (workdir / f"stats-{r}.jsonl").read_text().split("\n")
-             if line] for r in range(nranks)]
+    return [[x for x in _stat_lines(workdir, r) if x["kind"] != "repair"] for r in range(nranks)]
+
+
+def repair_stats(workdir: Path, nranks: int) -> list[dict]:
+    """Each rank's repair service counters (requests, answered, gone, dropped); {} if none."""
+    return [next((x for x in _stat_lines(workdir, r) if x["kind"] == "repair"), {})
+            for r in range(nranks)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,98 +482,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--first-iteration", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--profiler", choices=["off", "direct", "callback"], default="off")
+    ap.add_argument("--profiler", choices=["off", "callback"], default="off")
     ap.add_argument("--algo", default="Ring", help="what the Coll events report")
+    ap.add_argument("--version", default="2.29.7", help="the NCCL release played")
+    ap.add_argument("--tuner", choices=["on", "off"], default="on")
+    ap.add_argument("--group", type=int, default=1, help="allreduces per kernel plan")
+    ap.add_argument("--plays", default=None, help="release profile run instead (a mismatch)")
+    ap.add_argument("--linger", default=None, help="stay up until this file exists")
+    ap.add_argument("--ring", default=None, help="the ring's order, e.g. 0,4,1,2,3")
     run_rank(ap.parse_args(argv))
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-# ----- what a switch would copy ----------------------------------------------------------
-class ReplicaTap:
-    """Every REPLICATE datagram of job ``job`` seen on interface ``ifname`` (an AF_PACKET
-    socket: needs root), collected by a thread -- what the switch copies to the shadows.
-    Used on loopback, where there is no switch."""
-
-    def __init__(self, ifname: str, job: int) -> None:
-        import socket
-        import threading
-
-        self.job, self.datagrams = job, []
-        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(0x0800))
-        self.sock.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE
-        self.sock.bind((ifname, 0x0800))
-        self.sock.settimeout(0.1)
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        from checkmate.protocol import wire
-
-        while not self._stop.is_set():
-            try:
-                pkt, addr = self.sock.recvfrom(65536)
-            except TimeoutError:
-                continue
-            if addr[2] == 4:  # PACKET_OUTGOING: loopback shows each packet twice
-                continue
-            ihl = (pkt[0] & 0xF) * 4
-            if pkt[9] != 17 or len(pkt) < ihl + 8 + wire.HEADER_LEN:
-                continue
-            dport = int.from_bytes(pkt[ihl + 2:ihl + 4], "big")
-            body = pkt[ihl + 8:]
-            if (wire.is_ckm_port(dport) and body[3] & wire.Flags.REPLICATE
-                    and int.from_bytes(body[4:8], "big") == self.job):
-                self.datagrams.append(bytes(body))
-
-    def close(self) -> list[bytes]:
-        self._stop.set()
-        self._t.join(2)
-        self.sock.close()
-        return self.datagrams
-
-
-def check_replicas(datagrams: list[bytes], key: tuple[int, int], job: int,
-                   buckets: list[int], first_iteration: int, iterations: int, partitions: int,
-                   expect: dict[int, np.ndarray]) -> dict[str, int]:
-    """Raises AssertionError unless the REPLICATE datagrams carry every reduced element of
-    every iteration exactly once (a resent datagram is the same bytes: the shadow drops it
-    as a duplicate), at its flat offset, with its owner partition, a valid CRC and a valid
-    data MAC, and the value the allreduce produced (``expect[iteration]``)."""
-    from checkmate.protocol import datamac, wire
-    from checkmate.spec.partition import partition_bounds
-
-    total = sum(buckets)
-    bounds = partition_bounds(total, partitions)
-    seen: dict[tuple[int, int, int], bytes] = {}
-    resent = 0
-    for d in datagrams:
-        h, payload = wire.decode(d)  # raises on a bad CRC or length
-        assert h.dtype == wire.DType.FLOAT32, h
-        tag = datamac.data_tag(key, job, h.flags, h.iteration, h.offset, h.count, h.partition,
-                               h.dtype, h.crc32c)
-        assert tag == (h.fec_index, h.fec_k, h.fec_m, h.fec_group), f"bad MAC: {h}"
-        lo, hi = bounds[h.partition]
-        assert lo <= h.offset and h.offset + h.count <= hi, f"piece outside partition: {h}"
-        assert h.count <= wire.MAX_PAYLOAD_JUMBO // 4, h
-        k = (h.iteration, h.offset, h.count)
-        if k in seen:
-            assert seen[k] == bytes(payload), f"two different payloads for {k}"
-            resent += 1
-        seen[k] = bytes(payload)
-    its = range(first_iteration, first_iteration + iterations)
-    cover = {it: np.zeros(total, np.int32) for it in its}
-    for (it, off, n), payload in seen.items():
-        assert it in cover, f"iteration {it} outside {list(its)}"
-        cover[it][off:off + n] += 1
-        got = np.frombuffer(payload, "<f4")
-        assert np.array_equal(got, expect[it][off:off + n]), f"wrong values at {it}:{off}"
-    for it, c in cover.items():
-        assert c.min() == 1 and c.max() == 1, (
-            f"iteration {it}: {int((c == 0).sum())} elements missing, "
-            f"{int((c > 1).sum())} sent more than once")
-    return {"pieces": len(seen), "resent": resent}

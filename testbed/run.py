@@ -64,6 +64,22 @@ def _inject(run: Run) -> None:
         if cl.testbed is None:
             raise CheckmateError("controller_restart_at needs --mode switch")
         run.at_iteration(sc.controller_restart_at, cl.testbed.restart_controller)
+    for a in sc.attacks:
+        from checkmate.testbed.attacks import Attack
+
+        attack = Attack(run, a.kind, a.source, a.target)
+        run.attacks.append(attack)
+        run.at_iteration(a.at, attack.start)
+
+
+def _stop_attacks(run: Run) -> list[dict[str, Any]]:
+    """Stop the run's attacks; what each did, its problems added to the run's."""
+    out = []
+    for attack in run.attacks:
+        did, problems = attack.stop()
+        out.append(did)
+        run.action_errors += [f"{run.label}: {p}" for p in problems]
+    return out
 
 
 def _clear_faults(run: Run) -> dict[str, int]:
@@ -122,6 +138,8 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any) -> dict[str
         finally:
             if label == "chaos":
                 report["faults_dropped"] = _clear_faults(run)
+                if run.attacks:
+                    report["attacks"] = _stop_attacks(run)
             run.stop()
         problems += run.action_errors
         run.result.seconds = round(time.perf_counter() - t0, 2)

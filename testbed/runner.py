@@ -71,6 +71,7 @@ class Run:
         self.action_errors: list[str] = []
         self.mounts: list[Path] = []
         self.by_partition: dict[int, int] = {}
+        self.attacks: list[Any] = []  # checkmate.testbed.attacks.Attack, stopped by run.py
 
     # -- processes -----------------------------------------------------------------------
     def _shadow_argv(self, h: Any, disk: bool) -> list[str]:

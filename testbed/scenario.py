@@ -59,6 +59,17 @@ class ShadowKill:
     restart: bool = True
 
 
+@dataclass(frozen=True)
+class Attack:
+    """An attack (checkmate.testbed.attacks) from host ``source`` on host ``target``, from
+    the iteration ``at`` to the end of the chaos run."""
+
+    kind: str
+    source: str
+    target: str
+    at: int
+
+
 @dataclass
 class Scenario:
     name: str
@@ -76,11 +87,12 @@ class Scenario:
     finish_timeout: float = 30.0
     disk_limit: tuple[int, int] | None = None  # (partition, KiB of its checkpoint disk)
     gockpt: tuple[int, int] | None = None  # (every, steps): GoCkpt mode, no shadows
+    attacks: list[Attack] = field(default_factory=list)
 
     @property
     def chaos(self) -> bool:
         return bool(self.faults or self.shadow_kills or self.controller_restart_at
-                    or self.disk_limit)
+                    or self.disk_limit or self.attacks)
 
 
 def scenario_names() -> list[str]:
@@ -90,7 +102,7 @@ def scenario_names() -> list[str]:
 def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> Scenario:
     """A scenario from its YAML mapping (checkmate.testbed.scenario_schema); one
     CheckmateError line naming what is wrong. ``random`` iterations are drawn from ``rng``
-    in a fixed order: kill_at, each shadow kill, the controller restart."""
+    in a fixed order: kill_at, each shadow kill, the controller restart, each attack."""
     from pydantic import ValidationError
 
     from checkmate.schema import first_error
@@ -113,12 +125,15 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
     kills = [ShadowKill(k.partition, draw(k.at), k.disk, k.restart)  # type: ignore[arg-type]
              for k in doc.shadow_kills]
     ctl = draw(doc.controller_restart_at)
+    attacks = [Attack(a.kind, a.source, a.target, draw(a.at))  # type: ignore[arg-type]
+               for a in doc.attacks]
     disk = None if doc.disk_limit is None else (doc.disk_limit.partition, doc.disk_limit.kib)
     return Scenario(doc.name or where, doc.model, doc.steps, doc.seed, kill, doc.description,
                     doc.kill_phase,
                     [Fault(f.port, f.drop, f.corrupt, f.start, f.until) for f in doc.faults],
                     kills, doc.persist_every, doc.keep, ctl, float(doc.finish_timeout), disk,
-                    None if doc.gockpt is None else (doc.gockpt.every, doc.gockpt.steps))
+                    None if doc.gockpt is None else (doc.gockpt.every, doc.gockpt.steps),
+                    attacks)
 
 
 def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:

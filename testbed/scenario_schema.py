@@ -76,6 +76,16 @@ class ShadowKillDoc(_Strict):
     restart: Flag = True
 
 
+class AttackDoc(_Strict):
+    """An attack from host ``source`` on host ``target`` from iteration ``at`` to the end
+    of the run (checkmate.testbed.attacks)."""
+
+    kind: Annotated[str, _one_of(("mac_hijack", "conn_flood"))]
+    source: Annotated[str, BeforeValidator(_port)] = Field(alias="from")
+    target: Annotated[str, BeforeValidator(_port)]
+    at: Iteration = 1
+
+
 class DiskLimitDoc(_Strict):
     partition: NonNeg
     kib: Annotated[int, _int_in(64, 2**31 - 1)]
@@ -108,6 +118,7 @@ class ScenarioDoc(_Strict):
     finish_timeout: float = 30.0
     disk_limit: DiskLimitDoc | None = None
     gockpt: GoCkptDoc | None = None
+    attacks: list[AttackDoc] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -127,6 +138,7 @@ class ScenarioDoc(_Strict):
         its = [("kill_at", self.kill_at), ("controller_restart_at",
                                            self.controller_restart_at)]
         its += [(f"shadow_kills[{i}].at", k.at) for i, k in enumerate(self.shadow_kills)]
+        its += [(f"attacks[{i}].at", a.at) for i, a in enumerate(self.attacks)]
         for what, v in its:
             if isinstance(v, int) and not 1 <= v <= last:
                 raise ValueError(f"{what} must be an integer in 1..{last} or random, got {v}")
@@ -139,9 +151,10 @@ class ScenarioDoc(_Strict):
         if self.disk_limit is not None and not self.persist_every:
             raise ValueError("disk_limit needs persist_every")
         if self.gockpt is not None and (self.faults or self.shadow_kills or self.persist_every
-                                        or self.controller_restart_at or self.disk_limit):
+                                        or self.controller_restart_at or self.disk_limit
+                                        or self.attacks):
             raise ValueError("gockpt runs without shadows: no faults, shadow_kills, "
-                             "persist_every, controller_restart_at or disk_limit")
+                             "persist_every, controller_restart_at, disk_limit or attacks")
         if not 0 < self.finish_timeout <= 3600:
             raise ValueError("finish_timeout must be seconds in (0, 3600]")
         return self

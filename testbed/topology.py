@@ -32,7 +32,7 @@ from checkmate.dataplane.switch import KernelSwitch, netns_exists, nsenter_argv
 from checkmate.errors import CheckmateError
 
 STATE_ROOT = Path("/run/checkmate")
-NUD_NOARP, NUD_PERMANENT, NTF_MASTER = 0x40, 0x80, 0x04
+NUD_PERMANENT = 0x80
 CONTROLLER_MODULE = "checkmate.control.cli"
 
 
@@ -276,9 +276,10 @@ class Testbed:
                 sw.link("set", index=idx, state="up")
 
     def _static_l2(self) -> None:
-        """Permanent neighbour entries on every host and static bridge FDB entries for every
-        port: no ARP round trip or unknown-unicast flood at the start of a burst, so the
-        first datagrams of a test or bench are not queued, dropped or flooded."""
+        """Permanent neighbour entries on every host and on the switch: no ARP round trip at
+        the start of a burst, so the first datagrams of a test or bench are not queued or
+        dropped. The bridge's forwarding entries are the switch's own (static, sticky, no
+        learning: KernelSwitch.bind_ports, run by attach)."""
         from pyroute2 import NetNS
 
         cfg = self.cfg
@@ -293,8 +294,6 @@ class Testbed:
         with NetNS(cfg.netns(cfg.switch.name), flags=0) as sw:
             br = sw.link_lookup(ifname=cfg.bridge_name)[0]
             for h in cfg.hosts:
-                port = sw.link_lookup(ifname=cfg.switch_ifname(h.name))[0]
-                sw.fdb("add", ifindex=port, lladdr=h.mac, flags=NTF_MASTER, state=NUD_NOARP)
                 sw.neigh("replace", dst=h.ip, lladdr=h.mac, ifindex=br, state=NUD_PERMANENT)
 
     def _effective_config(self) -> Path:

@@ -113,21 +113,31 @@ class RingKit:
 
     @staticmethod
     def make(world: int, total: int, partitions: int = 2, chunk: int = 512,
-             link: float = 0.0, corrupt: float = 0.0, on_reduced=None, nonce: int = 99):
+             link: float = 0.0, corrupt: float = 0.0, on_reduced=None, nonce: int = 99,
+             node_of: list[int] | None = None):
+        """``node_of``: each rank's node; the ranks of a node share its address (ports
+        47000, 47001, ...), as a node's ranks do, and the ring follows the schedule."""
         from checkmate.train.ring import RingAllreduce
+        from checkmate.train.ring_schedule import RingSchedule
         from checkmate.train.transport import LossyLink, open_socket
 
         net = f"127.{_RING_OCTET}.{next(_ring_net)}"
-        addrs = [(f"{net}.{10 + r}", 47000) for r in range(world)]
+        nodes = list(range(world)) if node_of is None else node_of
+        seen: dict[int, int] = {}
+        addrs = []
+        for nd in nodes:
+            seen[nd] = seen.get(nd, -1) + 1
+            addrs.append((f"{net}.{10 + nd}", 47000 + seen[nd]))
+        sched = RingSchedule.build(world, node_of)
         socks = [open_socket(*a) for a in addrs]
         rings = []
         for r in range(world):
             lk = LossyLink(link, corrupt, seed=r) if (link or corrupt) else None
             cb = (lambda *a, r=r: on_reduced(r, *a)) if on_reduced else None
-            rings.append(RingAllreduce(r, world, socks[r], addrs[(r + 1) % world],
-                                       addrs[(r - 1) % world], 7, nonce, total, partitions,
+            rings.append(RingAllreduce(r, world, socks[r], addrs[sched.right(r)],
+                                       addrs[sched.left(r)], 7, nonce, total, partitions,
                                        chunk=chunk, link=lk, rto=0.03, on_reduced=cb,
-                                       stall_timeout=20))
+                                       stall_timeout=20, node_of=node_of))
         return rings
 
     @staticmethod

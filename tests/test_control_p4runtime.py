@@ -25,6 +25,7 @@ from google.protobuf import text_format
 from checkmate.config import cluster as config
 from checkmate.control import p4proto
 from checkmate.control import plan as plan_mod
+from checkmate.control.drivers import p4tables
 from checkmate.control.drivers.p4runtime import P4RuntimeDriver
 from checkmate.control.drivers.tofino import TofinoDriver
 from checkmate.control.p4rt_client import P4RuntimeClient, TargetUnreachable
@@ -231,6 +232,34 @@ def test_status_reads_entries_counters_and_groups(bmv2):
                                "handshake": 2, "spoofed": 4, "parser_error": 6,
                                "ckm": 5 + 3 + 1 + 2 + 4, "l2_miss": 9, "rewrite_miss": 2}
     assert set(st["groups"]) == set(EXPECTED_GROUPS)
+    # p4c's P4Info predates the per-port source check (fakes.COMPILED_BEHIND): said loudly
+    assert st["notes"] == [p4tables.SOURCE_UNCHECKED]
+
+
+def test_ports_are_bound_to_their_hosts_sources(tmp_path):
+    """With a build that has the source check (the hand-written P4Info of the current
+    sources), deploy binds every host's port and the CPU port to their MAC and IPv4
+    address, a redeploy writes nothing, and status reports the check's drops."""
+    sw = FakeSwitch(fixture_p4info("handwritten_v1model.p4info.txtpb"))
+    cfg = p4_cfg("bmv2", sw.address)
+    d = driver(cfg)
+    try:
+        res = d.apply(plan_mod.build(cfg))
+        assert p4tables.SOURCE_UNCHECKED not in res.notes
+        want = {((("ingress_port", port),), "bind_source",
+                 (("ip", ip(f"10.77.0.{x}")), ("mac", mac(f"02:00:0a:4d:00:{x:02x}"))))
+                for x, port in [(10, 1), (11, 2), (12, 3), (13, 4), (100, 5), (101, 6)]}
+        want.add(((("ingress_port", 64),), "bind_source",
+                  (("ip", ip("10.77.0.1")), ("mac", mac(SW_MAC)))))
+        assert sw.table("port_bind") == want
+        assert d.apply(plan_mod.build(cfg)).writes == 0
+        sw.counts[("CkmIngress.src_check", 0)] = (7, 700)
+        sw.counts[("CkmIngress.src_check", 1)] = (3, 300)
+        st = d.status()
+    finally:
+        d.close()
+        sw.stop()
+    assert st["ckm_stats"]["bad_src_mac"] == 7 and st["ckm_stats"]["bad_src_ip"] == 3
     assert st["notes"] == []
 
 

@@ -105,10 +105,11 @@ def test_plan_programs_every_entrys_ingress_port(net):
 
 
 @pytest.mark.parametrize("attacker", ["t2", "s1"])
-def test_spoofed_source_is_forwarded_not_copied_and_counted(net, attacker):
-    """t0 -> t1 REPLICATE datagrams sent from another host's port (with its own MAC, and
-    with t0's MAC too) reach t1 untouched but no shadow, and count as spoofed on the port
-    they entered; the same bytes sent from t0's port are copied with the shadow's session."""
+def test_spoofed_source_is_dropped_not_copied_and_counted(net, attacker):
+    """t0 -> t1 REPLICATE datagrams sent from another host's port (with its own MAC: a
+    foreign source IP; with t0's MAC: a foreign source MAC) reach neither t1 nor a shadow:
+    dropped where they entered and counted there; the same bytes sent from t0's port are
+    delivered and copied with the shadow's session."""
     cfg, sw, rx = net
     sent = [datagram(cfg, 1, partition=0), datagram(cfg, 2, partition=1),
             datagram(cfg, 3, partition=0)]
@@ -117,13 +118,18 @@ def test_spoofed_source_is_forwarded_not_copied_and_counted(net, attacker):
                frame(cfg, attacker, "t0", "t1", sent[2], src_mac=cfg.host("t0").mac)]
     before = sw.counters()
     send_raw(cfg, attacker, spoofed)
-    assert received(rx["t1"]) == sent  # forwarded, byte for byte
+    assert received(rx["t1"]) == []
     assert received(rx["s0"], 0.1) == [] and received(rx["s1"], 0.1) == []
     after = sw.counters()
     port = cfg.switch_ifname(attacker)
-    assert delta(after, before, port, "spoofed") == 3
+    assert delta(after, before, port, "bad_src_ip") == 2
+    assert delta(after, before, port, "bad_src_mac") == 1
     assert delta(after, before, port, "replicated") == 0
-    assert all(delta(after, before, p, "spoofed") == 0 for p in sw.port_names if p != port)
+    assert delta(after, before, port, "spoofed") == 0  # never got as far as the table
+    for p in sw.port_names:
+        if p != port:
+            assert delta(after, before, p, "bad_src_ip") == 0
+            assert delta(after, before, p, "bad_src_mac") == 0
     assert sum(e["packets"] for e in after["entries"]) == 0
 
     send_raw(cfg, "t0", [frame(cfg, "t0", "t0", "t1", d) for d in sent])
@@ -135,7 +141,99 @@ def test_spoofed_source_is_forwarded_not_copied_and_counted(net, attacker):
     assert wire.decode(copy1)[0] == wire.decode(sent[1])[0].with_(epoch=0, token=0)
     final = sw.counters()
     assert delta(final, after, cfg.switch_ifname("t0"), "replicated") == 3
-    assert delta(final, after, cfg.switch_ifname("t0"), "spoofed") == 0
+    for key in ("spoofed", "bad_src_ip", "bad_src_mac"):
+        assert delta(final, after, cfg.switch_ifname("t0"), key) == 0
+
+
+def test_ports_are_bound_and_the_bridge_learns_nothing(net):
+    """The bindings and forwarding entries are the config's: one per host, on its port."""
+    cfg, sw, _ = net
+    want = {cfg.switch_ifname(h.name): (h.mac.lower(), h.ip) for h in cfg.hosts}
+    assert sw.bindings() == want
+    assert sw.fdb() == {mac: port for port, (mac, _) in want.items()}
+    assert sw.bind_ports() == []  # already so: nothing to write
+
+
+@pytest.mark.parametrize("attacker", ["t2", "s1"])
+def test_a_frame_with_a_shadows_mac_moves_nothing_and_the_shadow_keeps_its_copies(
+        net, attacker):
+    """The issue's hijack: frames with s0's source MAC (with the attacker's IP, with s0's
+    IP, as an ARP reply claiming s0's address, as plain UDP to a non-ckm port) sent from
+    another port. Each is dropped and counted there; s0's forwarding entry stays on s0's
+    port; s0 keeps receiving its copies and plain traffic, and the attacker none of it."""
+    from scapy.layers.inet import IP, UDP
+    from scapy.layers.l2 import ARP, Ether
+
+    from checkmate.testbed.netsock import udp_socket_in
+
+    cfg, sw, rx = net
+    s0, me, t1 = cfg.host("s0"), cfg.host(attacker), cfg.host("t1")
+    spy = rx.get(attacker) or udp_socket_in(cfg.netns(attacker), ("0.0.0.0", me.port),
+                                            1 << 20)
+    hijack = [
+        bytes(Ether(src=s0.mac, dst=t1.mac) / IP(src=me.ip, dst=t1.ip)
+              / UDP(sport=1, dport=t1.port) / b"x"),
+        bytes(Ether(src=s0.mac, dst=t1.mac) / IP(src=s0.ip, dst=t1.ip)
+              / UDP(sport=1, dport=9) / b"x"),
+        bytes(Ether(src=s0.mac, dst="ff:ff:ff:ff:ff:ff")
+              / ARP(op=2, hwsrc=s0.mac, psrc=s0.ip, hwdst=t1.mac, pdst=t1.ip)),
+        bytes(Ether(src=me.mac, dst="ff:ff:ff:ff:ff:ff")
+              / ARP(op=2, hwsrc=me.mac, psrc=s0.ip, hwdst=t1.mac, pdst=t1.ip)),
+    ]
+    fdb_before = sw.fdb()
+    before = sw.counters()
+    try:
+        send_raw(cfg, attacker, hijack * 5)
+        port = cfg.switch_ifname(attacker)
+        after = sw.counters()
+        assert delta(after, before, port, "bad_src_mac") == 3 * 5
+        assert delta(after, before, port, "bad_src_ip") == 1 * 5
+        assert received(rx["t1"], 0.1) == []
+        assert sw.fdb() == fdb_before and sw.fdb()[s0.mac.lower()] == cfg.switch_ifname("s0")
+
+        sent = [datagram(cfg, i, partition=0) for i in range(4)]
+        send_raw(cfg, "t0", [frame(cfg, "t0", "t0", "t1", d) for d in sent])
+        assert received(rx["t1"]) == sent
+        assert [wire.decode(c)[0] for c in received(rx["s0"])] == [
+            wire.decode(d)[0].with_(epoch=EPOCH, token=TOKEN) for d in sent]
+        plain = wire.encode(wire.Header(job_id=cfg.job_id, seq=99))  # t0 -> s0 directly
+        send_raw(cfg, "t0", [frame(cfg, "t0", "t0", "s0", plain)])
+        assert received(rx["s0"]) == [plain]
+        assert received(spy, 0.1) == []
+    finally:
+        if attacker not in rx:
+            spy.close()
+
+
+def test_a_register_with_a_forged_source_never_reaches_the_controller(net):
+    """The controller's `register` check (sent from the shadow's own address) rests on
+    this: a datagram to the controller's address claiming s0's source from another port is
+    dropped at the switch, while s0's own arrives."""
+    from checkmate.config.cluster import CONTROLLER_PORT
+    from checkmate.testbed.netsock import udp_socket_in
+
+    cfg, sw, _ = net
+    ctl = udp_socket_in(cfg.netns(cfg.switch.name), (cfg.switch.ip, CONTROLLER_PORT), 1 << 20)
+    s0, t2 = cfg.host("s0"), cfg.host("t2")
+    try:
+        def to_ctl(via: str, src_ip: str, body: bytes) -> bytes:
+            from scapy.layers.inet import IP, UDP
+            from scapy.layers.l2 import Ether
+
+            return bytes(Ether(src=cfg.host(via).mac, dst=cfg.switch.mac)
+                         / IP(src=src_ip, dst=cfg.switch.ip)
+                         / UDP(sport=40000, dport=CONTROLLER_PORT) / body)
+
+        before = sw.counters()
+        send_raw(cfg, "t2", [to_ctl("t2", s0.ip, b"forged register")])
+        assert received(ctl, 0.2) == []
+        after = sw.counters()
+        assert delta(after, before, cfg.switch_ifname("t2"), "bad_src_ip") == 1
+        send_raw(cfg, "s0", [to_ctl("s0", s0.ip, b"register")])
+        send_raw(cfg, "t2", [to_ctl("t2", t2.ip, b"t2's own")])
+        assert sorted(received(ctl)) == [b"register", b"t2's own"]
+    finally:
+        ctl.close()
 
 
 def _with(d: bytes, **fields: int) -> bytes:
@@ -186,3 +284,21 @@ def test_count_length_mismatch_is_malformed_never_copied(net):
     assert delta(after, before, port, "replicated") == len(good)
     assert delta(after, before, port, "no_entry") == 0
     assert delta(after, before, port, "spoofed") == 0
+
+
+def test_the_chaos_hijack_round_is_dropped_as_its_check_expects(net):
+    """testbed.attacks.hijack_frames (the attack-mac-hijack chaos case) through the real
+    switch: each round is 3 frames dropped for their MAC and 1 for its IP, nothing else."""
+    from checkmate.testbed.attacks import hijack_frames
+
+    cfg, sw, rx = net
+    t3, s0 = cfg.host("t3"), cfg.host("s0")
+    before = sw.counters()
+    send_raw(cfg, "t3", hijack_frames(t3.mac, t3.ip, s0.mac, s0.ip) * 7)
+    after = sw.counters()
+    port = cfg.switch_ifname("t3")
+    assert delta(after, before, port, "bad_src_mac") == 3 * 7
+    assert delta(after, before, port, "bad_src_ip") == 7
+    assert delta(after, before, port, "rx") == 4 * 7
+    assert sw.fdb()[s0.mac.lower()] == cfg.switch_ifname("s0")
+    assert all(received(s, 0.05) == [] for s in rx.values())

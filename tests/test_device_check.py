@@ -34,10 +34,10 @@ def test_cpu_smoke_runs_end_to_end_and_names_every_skipped_cuda_part(tmp_path):
         assert f"PASS optim-cpu[{name}]: cpu tensors == shadow kernel bit for bit" in p.stdout
         assert any(ln.startswith(f"SKIP optim[{name}]: CUDA vs shadow kernel: ")
                    for ln in lines), name
-    for name in ("optim-speed", "ddp", "fsdp", "schemes"):
+    for name in ("optim-speed", "ddp", "fsdp", "schemes", "nccl-plugin"):
         assert any(ln.startswith(f"SKIP {name}: ") for ln in lines), name
     n = len(runs.OPTIM_CASES)
-    assert lines[-1].startswith(f"device-check summary: {n} passed, 0 failed, {n + 4} skipped "
+    assert lines[-1].startswith(f"device-check summary: {n} passed, 0 failed, {n + 5} skipped "
                                 "in "), lines[-1]
     assert "Traceback" not in p.stderr
     text = doc.read_text()  # the table went between the markers, the rest is kept
@@ -76,7 +76,8 @@ def test_bad_arguments_are_one_line():
                         "--only", "optim,warp"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == [
-        "testbed device-check: error: --only takes ddp, fsdp, optim, optim-speed, schemes; "
+        "testbed device-check: error: --only takes ddp, fsdp, nccl-plugin, optim, optim-speed, "
+        "schemes; "
         "got optim,warp"]
 
 

@@ -54,7 +54,11 @@ def _worker(cfg: dict, rank: int, world: int) -> int:
         if it == cfg.get("kill_at"):
             # Both ranks die after iteration kill_at: a rank whose step (its copies now
             # asynchronous) returns first must not die while its peer still needs the ring
-            # to finish that iteration's allreduce.
+            # to finish that iteration's allreduce. The copies of the window that ended at
+            # resume_from are asynchronous too: the kill comes once its checkpoint is on
+            # disk (under load it can be later than kill_at), so the test knows where the
+            # restart must resume.
+            assert sess.gockpt.wait_committed(cfg["resume_from"], 120)
             torch.distributed.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
     sess.close()  # waits for the checkpoint being written
@@ -103,7 +107,8 @@ def test_gockpt_checkpoints_equal_the_trainers_and_a_kill_restores_bit_identical
             "data": {"iteration": it}}
 
     # killed after iteration 9 (a window opened at 8 is in flight): resume from 7
-    res = _run({**base, "dir": str(killed / "ckpt"), "out": str(killed), "kill_at": 9})
+    res = _run({**base, "dir": str(killed / "ckpt"), "out": str(killed), "kill_at": 9,
+                "resume_from": 7})
     assert [r.returncode for r in res] == [-signal.SIGKILL] * 2, [r.stderr[-2000:] for r in res]
     res = _run({**base, "dir": str(killed / "ckpt"), "out": str(killed), "resume": True})
     assert all(r.returncode == 0 for r in res), [r.stderr[-2000:] for r in res]

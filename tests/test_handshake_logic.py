@@ -123,6 +123,22 @@ def test_garbage_and_replies_are_dropped_and_counted(switch, tmp_path):
     svc.driver.close()
 
 
+def test_register_cannot_repoint_copies_to_another_mac(switch, tmp_path):
+    """Even with the secret, a register naming another MAC than the shadow's configured one
+    is refused: the switch binds the shadow's port to that MAC (a copy addressed elsewhere
+    would go nowhere), and the source address it comes from is the switch's to verify."""
+    svc = make_service(switch, tmp_path / "s.json")
+    svc.deploy()
+    h, body = answer(svc.handle(req(7, 2, {**reg_body(), "mac": "02:00:0a:4d:00:0c"}, 1),
+                                "10.77.0.101"))
+    assert h.flags & wire.Flags.NACK and "s1's MAC is 02:00:0a:4d:00:65" in body["reason"]
+    assert svc.store.max_epoch == 0 and svc.stats["refused"] == 1
+    h, body = answer(svc.handle(req(7, 3, {**reg_body(), "mac": "02:00:0A:4D:00:65"}, 1),
+                                "10.77.0.101"))
+    assert h.flags & wire.Flags.ACK and body["epoch"] == 1  # the same MAC, any case
+    svc.driver.close()
+
+
 def test_serves_over_udp_until_stopped(switch, tmp_path):
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     probe.bind(("127.0.0.1", 0))

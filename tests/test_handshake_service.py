@@ -255,3 +255,40 @@ def test_sessions_survive_in_state_for_redeploy(served):
     assert "0 added, 0 changed, 0 removed" in r.stdout
     assert {(e.epoch, e.token, e.shadow_port) for e in entries_of(served, 1)} == {
         (sess["epoch"], sess["token"], 47031)}
+
+
+def test_a_register_with_a_forged_source_address_repoints_nothing(served):
+    """The issue's attack, with the job secret: t2 sends a valid register for s1's
+    partition claiming s1's source address (and t2's own MAC, or s1's), asking for the
+    copies on another port. The switch drops both at t2's port (its source binding), so
+    the controller never sees them: partition 1's entries keep their shadow, port and
+    session, and the drops are counted where they entered."""
+    from scapy.layers.inet import IP, UDP
+    from scapy.layers.l2 import Ether
+
+    from checkmate.testbed.netsock import packet_socket_in
+
+    cfg = served.cfg
+    sw = KernelSwitch(cfg)
+    s1, t2 = cfg.host("s1"), cfg.host("t2")
+    register(served, "s1", 1, s1.port, seq=40)  # a session to protect
+    before = entries_of(served, 1)
+    counts = sw.counters()["ports"]["tbp-t2"]
+    body = {"op": "register", "job": cfg.job_id, "partition": 1, "host": "s1", "ip": s1.ip,
+            "mac": s1.mac, "port": 47999, "instance": "attacker"}
+    frames = [bytes(Ether(src=mac, dst=cfg.switch.mac) / IP(src=s1.ip, dst=cfg.switch.ip)
+                    / UDP(sport=40000, dport=config.CONTROLLER_PORT)
+                    / req(cfg.job_id, 41 + i, body, 1))
+              for i, mac in enumerate([t2.mac, s1.mac])]
+    raw = packet_socket_in(cfg.netns("t2"), cfg.host_ifname("t2"))
+    try:
+        for f in frames:
+            raw.send(f)
+    finally:
+        raw.close()
+    time.sleep(0.5)
+    assert entries_of(served, 1) == before
+    assert all(e.shadow_port == s1.port for e in before)
+    after = sw.counters()["ports"]["tbp-t2"]
+    assert after["bad_src_ip"] - counts["bad_src_ip"] == 1
+    assert after["bad_src_mac"] - counts["bad_src_mac"] == 1

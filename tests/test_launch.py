@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -188,6 +189,35 @@ def test_console_script_and_worker_errors_are_one_line(tmp_path):
         assert p.returncode == 2, p.stderr
         assert needle in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_worker_that_succeeds_ends_as_python_would(tmp_path):
+    """The worker skips the interpreter's teardown (gloo can abort in it) but nothing the
+    script left to it is lost: an open file is flushed, a non-daemon thread finishes, an
+    atexit handler runs, and sys.exit's status is the worker's."""
+    out = tmp_path / "out.txt"
+    script = tmp_path / "ends.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys, threading, time
+        import torch.distributed  # its deprecated reduce_op warns if asked for __class__
+        log = open({str(out)!r}, "w")
+        log.write("unflushed;")
+        def late():
+            time.sleep(0.3)
+            log.write("thread;")
+        threading.Thread(target=late).start()
+        atexit.register(lambda: print("atexit ran", flush=True))
+        if len(sys.argv) > 1:
+            sys.exit(int(sys.argv[1]))
+        """))
+    for args, code in (([], 0), (["0"], 0), (["3"], 3)):
+        out.unlink(missing_ok=True)
+        p = subprocess.run([sys.executable, "-m", "checkmate.train.run_script", str(script),
+                            *args], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "RANK": "0"})
+        assert p.returncode == code, p.stderr
+        assert p.stderr == "" and "atexit ran" in p.stdout, (p.stdout, p.stderr)
+        assert out.read_text() == "unflushed;thread;"
 
 
 @pytest.mark.slow

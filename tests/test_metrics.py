@@ -357,3 +357,52 @@ def test_shadow_persist_last_error_is_a_labelled_gauge() -> None:
     assert ('checkmate_shadow_persist_last_error{error="cannot write checkpoint: disk full",'
             'partition="3"} 1.0') in text
     assert "persist_last_error" not in render(ShadowCollector(full_shadow_status))
+
+
+def _scrape_from(port: int, source: str) -> bytes:
+    """One scrape over a socket bound to loopback address ``source``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5,
+                                  source_address=(source, 0)) as s:
+        s.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_slow_connections_cannot_exhaust_the_endpoint() -> None:
+    """The issue's 600 slow connections (half a request line each) from one address: threads
+    stay at the pool's size, a scrape from another address is answered at once, and the
+    ones that got a worker are cut off at the deadline."""
+    import threading
+    import time
+
+    state = full_shadow_status()
+    srv = serve(ShadowCollector(lambda: state), 0)
+    srv.server.deadline = 1.0
+    base = threading.active_count()
+    held = []
+    try:
+        for _ in range(600):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5,
+                                         source_address=("127.0.0.1", 0))
+            s.sendall(b"GET /metr")
+            held.append(s)
+        assert threading.active_count() <= base  # the pool was started with the server
+        t0 = time.monotonic()
+        reply = _scrape_from(srv.port, "127.0.0.2")
+        assert time.monotonic() - t0 < 1.0
+        assert reply.startswith(b"HTTP/1.0 200") and b"checkmate_shadow_commits_total" in reply
+        refused = srv.server.refused
+        assert refused["per_source"] >= 600 - metrics.METRICS_PER_SOURCE
+        time.sleep(2.0)  # past the deadline: the two that got a worker are cut off
+        assert srv.server.refused["deadline"] >= 1
+        assert _scrape_from(srv.port, "127.0.0.1").startswith(b"HTTP/1.0 200")
+        assert threading.active_count() <= base
+        health = srv.health()
+        assert health["alive"] and health["refused"]["per_source"] == refused["per_source"]
+    finally:
+        for s in held:
+            s.close()
+        srv.close()
+    assert not srv.health()["alive"]

@@ -27,7 +27,7 @@ def test_nccl_exports_only_the_plugin_versions(nccl_plugin):
                          text=True, check=True).stdout
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
     assert names == {"ncclNetPlugin_v12", "ncclNetPlugin_v11", "ncclNetPlugin_v10",
-                     "ncclProfiler_v6"}
+                     "ncclProfiler_v6", "ncclTunerPlugin_v5"}
 
 
 @pytest.mark.parametrize("struct_name", sorted(abi.LAYOUT))
@@ -72,8 +72,8 @@ def test_nccl_profiler_vtable_and_activation(nccl_plugin, tmp_path):
         outs.append(subprocess.run([sys.executable, "-c", prog, str(nccl_plugin), str(REPO)],
                                    env=env, capture_output=True, text=True,
                                    check=True).stdout.split())
-    want = abi.PROFILE_COLL | abi.PROFILE_PROXY_OP | abi.PROFILE_PROXY_STEP | \
-        abi.PROFILE_NET_PLUGIN
+    want = abi.PROFILE_GROUP_API | abi.PROFILE_COLL_API | abi.PROFILE_COLL | \
+        abi.PROFILE_PROXY_OP | abi.PROFILE_PROXY_STEP | abi.PROFILE_NET_PLUGIN
     assert outs == [["ckm", "0", "0"], ["ckm", "0", str(want)]]
 
 
@@ -163,6 +163,8 @@ _INIT = textwrap.dedent("""
     import ctypes as C, sys
     sys.path.insert(0, sys.argv[2])
     from checkmate.testbed import nccl_abi as abi
+    if len(sys.argv) > 3:  # libnccl's ncclGetVersion (the stand-in), as under real NCCL
+        C.CDLL(sys.argv[3], mode=C.RTLD_GLOBAL)
     lib, v, net = abi.load(sys.argv[1])
     ctx = C.c_void_p()
     r = net.init(C.byref(ctx), 1, C.byref(abi.CommConfig(-1)), None, None)
@@ -170,7 +172,8 @@ _INIT = textwrap.dedent("""
 """)
 
 
-def _init(plugin: Path, env: dict[str, str]) -> tuple[int, list[str]]:
+def _init(plugin: Path, env: dict[str, str], version: str | None = "22907"
+          ) -> tuple[int, list[str]]:
     from checkmate.testbed.nccl_harness import plugin_env
 
     full = {k: v for k, v in os.environ.items() if not k.startswith(("CKM_NCCL", "NCCL_"))}
@@ -178,8 +181,11 @@ def _init(plugin: Path, env: dict[str, str]) -> tuple[int, list[str]]:
     full.update(env)
     for k in [k for k, v in full.items() if v is None]:
         del full[k]
-    p = subprocess.run([sys.executable, "-c", _INIT, str(plugin), str(REPO)], env=full,
-                       capture_output=True, text=True, timeout=60)
+    argv = [sys.executable, "-c", _INIT, str(plugin), str(REPO)]
+    if version is not None:
+        full["NCCL_STANDIN_VERSION"] = version
+        argv.append(str(plugin.with_name("libnccl-standin.so")))
+    p = subprocess.run(argv, env=full, capture_output=True, text=True, timeout=60)
     res = int(p.stdout.split()[-1])
     return res, [line for line in p.stderr.splitlines() if line.startswith("ckm-nccl:")]
 
@@ -211,3 +217,24 @@ def test_nccl_init_accepts_the_pinned_environment_and_plain_mode(nccl_plugin):
     assert _init(nccl_plugin, {"CKM_NCCL_BUCKETS": None, "NCCL_ALGO": None, "NCCL_PROTO": None,
                           "NCCL_BUFFSIZE": None, "CHECKMATE_SECRET_FILE": None}) == (
         abi.SUCCESS, [])
+
+
+@pytest.mark.parametrize("version,identity,why", [
+    ("22803", "model", None), ("22809", "model", None), ("22902", "profiler", None),
+    ("23007", "profiler", None),
+    ("22707", "model", "NCCL 2.27.7 is not a release whose ring schedule was checked"),
+    ("23100", "model", "NCCL 2.31.0 is not a release whose ring schedule was checked"),
+    ("22802", "model", "NCCL 2.28.2 is not a release"),
+    (None, "model", "ncclGetVersion is not in this process"),
+    ("22809", "profiler", "needs profiler v6 (NCCL 2.29+)"),
+])
+def test_nccl_init_learns_the_release_and_refuses_unchecked_ones_untagged(nccl_plugin, version,
+                                                                          identity, why):
+    """The running release comes from ncclGetVersion in the process; one it was not checked
+    against stops tagging with one line, and init still succeeds: NCCL runs untagged."""
+    res, lines = _init(nccl_plugin, {"CKM_NCCL_IDENTITY": identity}, version)
+    assert res == abi.SUCCESS
+    if why is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and why in lines[0] and "continues untagged" in lines[0], lines

@@ -4,7 +4,10 @@ channels, buckets that are not chunk multiples, 3 iterations; 2 `shadow serve` p
 registered with the controller, which installs the replication entries. The switch copies
 each REPLICATE datagram the plugin sends; rank 0's control messages come from the test.
 
-The switch drops and corrupts 3% of the ckm frames it sends to ranks 1 and 2.
+The switch drops and corrupts 3% of the ckm frames it sends to ranks 1 and 2 (the plugin's
+transport resends) and to both shadows (the copies: the shadows ask the ranks' repair
+services, which answer from the pieces the plugin kept); it counts the plugin's datagrams
+under DSCP 24 (the PFC lossless class).
 Checks: every rank's allreduce is exact, the transport resent what was lost or damaged,
 and each shadow commits, bit for bit, the state of an optimizer fed the Python ring's
 reduced gradients for the same inputs."""
@@ -15,6 +18,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -75,6 +79,7 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(nccl_plugin, tm
     from checkmate.testbed.netsock import call_in_netns, udp_socket_in
     from checkmate.testbed.topology import Testbed
     from checkmate.train.layout import query_sessions
+    from checkmate.train.repair import owners_body
     from checkmate.train.shadow_client import ShadowClient, seed_share
 
     cfg_path = tmp_path / "ckn.yaml"
@@ -105,9 +110,13 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(nccl_plugin, tm
             else None))
         for r in range(world):
             call_in_netns(tns, lambda r=r: seed_share(shadows, spec, flat, r, world))
-        # a lossy path between ranks: the switch drops and corrupts ckm frames leaving
-        # towards t1 and t2 (the copies to the shadows leave by the shadows' ports)
-        for h in ("t1", "t2"):
+        # the shadows learn the ranks' repair addresses (no owners: they ask every rank)
+        peers = owners_body([(h.ip, cfgmod.REPAIR_PORT) for h in cfg.trainers], [])
+        for a in shadows:
+            call_in_netns(tns, lambda a=a: ShadowClient(a, 5).request(peers))
+        # a lossy path between ranks (frames leaving towards t1 and t2) and towards the
+        # shadows (the switch's copies): dropped and corrupted ckm frames
+        for h in ("t1", "t2", "s0", "s1"):
             tb.switch.set_fault(cfg.switch_ifname(h), drop=0.03, corrupt=0.03)
         logs = []
 
@@ -116,14 +125,22 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(nccl_plugin, tm
             return tb.popen_in(f"t{r}", argv, env=env, stdout=logs[-1], stderr=logs[-1],
                                cwd=REPO)
 
-        try:
-            outs = H.launch(world, tmp_path / "run", str(nccl_plugin),
-                            [h.ip for h in cfg.trainers], channels=4, buffsize=BUFFSIZE,
-                            buckets=BUCKETS, iterations=ITERATIONS, seed=seed,
-                            partitions=parts, job=JOB, popen=popen, profiler=profiler)
-        finally:
-            for f in logs:
-                f.close()
+        linger, ran = tmp_path / "linger", {}
+
+        def run() -> None:  # the ranks stay up after their allreduces: repair is served
+            try:
+                ran["outs"] = H.launch(world, tmp_path / "run", str(nccl_plugin),
+                                       [h.ip for h in cfg.trainers], channels=4,
+                                       buffsize=BUFFSIZE, buckets=BUCKETS,
+                                       iterations=ITERATIONS, seed=seed, partitions=parts,
+                                       job=JOB, popen=popen, profiler=profiler, linger=linger)
+            except Exception as e:  # noqa: BLE001 - raised in the test below
+                ran["error"] = e
+
+        runner = threading.Thread(target=run)
+        runner.start()
+        _wait("the ranks' allreduces", lambda: "error" in ran or all(
+            (tmp_path / "run" / f"out-{r}.npy").exists() for r in range(world)), timeout=150)
         # rank 0's control message per iteration, to each shadow's current session; sent
         # again every 2 s until committed, standing in for rank 0's answers to the shadows'
         # control repair requests and its session refresh
@@ -152,6 +169,13 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(nccl_plugin, tm
             raise AssertionError(f"{e}; shadow status: {last}") from None
         finally:
             tx.close()
+            linger.touch()
+            runner.join(60)
+            for f in logs:
+                f.close()
+        if "error" in ran:
+            raise ran["error"]
+        outs = ran["outs"]
         got = [call_in_netns(tns, lambda a=a: ShadowClient(a, 10).fetch(ITERATIONS))
                for a in shadows]
         counters = tb.switch.counters()
@@ -181,3 +205,21 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(nccl_plugin, tm
     assert sum(v.get("replicated", 0) for v in counters["ports"].values()) > 0, counters
     for st in sts:
         assert st["drops"].get("mac", 0) == 0, st["drops"]
+    # copies were lost on the way to the shadows and repaired from the ranks' kept pieces,
+    # not by a re-seed
+    ports = counters["ports"]
+    assert sum(ports[cfg.switch_ifname(h)]["dropped"] for h in ("s0", "s1")) > 0
+    repaired = H.repair_stats(tmp_path / "run", world)
+    assert sum(r.get("answered", 0) for r in repaired) > 0, repaired
+    assert sum(st["repair"]["answers"] for st in sts) > 0, [st["repair"] for st in sts]
+    assert all(st["reseed"]["count"] == 0 and not st["reseed"]["wanted"] for st in sts)
+    # the plugin's datagrams are in the lossless class: the switch counts every well-formed
+    # ckm datagram from ranks 1-3 under DSCP 24 (rank 0's port also carries the test's own
+    # unmarked control messages)
+    from checkmate.control import pfc
+
+    dscp = counters["dscp"]
+    for r in range(1, world):
+        per = dscp[cfg.switch_ifname(f"t{r}")]
+        assert set(per) == {pfc.CKM_DSCP} and per[pfc.CKM_DSCP] > 0, (r, per)
+    assert dscp[cfg.switch_ifname("t0")].get(pfc.CKM_DSCP, 0) > 0

@@ -66,3 +66,89 @@ def test_cli_prints_a_row_per_scheme_and_refuses_bad_input_in_one_line():
     r = _cli("--mtbf", "soon", "--step-time", "1")
     assert r.returncode == 2 and "not a duration: 'soon'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ----- scale: --gpus (docs/scale.md) -------------------------------------------------------
+def _tna_size(table: str) -> int:
+    """The size the TNA program declares for ``table``, read here from the source."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "p4" / "checkmate_tna.p4").read_text()
+    block = text[text.index(f"table {table} {{"):]
+    return int(block[block.index("size = ") + 7:block.index(";", block.index("size = "))])
+
+
+def _scale_lines(capsys, gpus: int, per_node: int, params: str = "7B") -> list[str]:
+    from checkmate.launch.plan import main
+
+    assert main(["--mtbf", "3h", "--step-time", "1.5", "--params", params, "--grad-dtype",
+                 "bfloat16", "--shadow-ingest", "2G", "--shadow-step-rate", "2.3G",
+                 "--gpus", str(gpus), "--gpus-per-node", str(per_node)]) == 0
+    return capsys.readouterr().out.splitlines()[-5:]
+
+
+@pytest.mark.parametrize("gpus,per_node", [(64, 8), (4096, 8), (20, 8), (8, 8)])
+def test_scale_figures_follow_from_the_inputs(gpus, per_node, capsys):
+    """Worked here from first principles: a ring of nodes of consecutive ranks leaves each
+    node once (N hops for N >= 2 nodes); one replication entry per (hop, partition); a
+    group per (destination node, partition) of two replicas, and the flood group; the
+    controller withdraws and installs all of them and re-stamps each shadow's rewrite."""
+    job, shadow, switch, ctl, jobs = _scale_lines(capsys, gpus, per_node)
+    nodes = -(-gpus // per_node)
+    params, gb, step = 7e9, 2, 1.5
+    p = math.ceil(max(params * gb / (2e9 * step), params / (2.3e9 * step)))  # 14e9/3e9 -> 5
+    hops = nodes if nodes > 1 else 0
+    entries, groups = hops * p, hops * p + 1
+    assert f"= {nodes} node(s), {p} shadow(s); the ring crosses the switch on {hops} hop" in job
+    per_shadow = math.ceil(params / p) * gb / step
+    assert f"into each shadow: {per_shadow / 1e9:.3f} GB/s" in shadow
+    assert f"({per_shadow * 8 / 1e9:.1f} Gb/s" in shadow
+    size = _tna_size("ckm_replicate")
+    assert size == 4096
+    assert f"ckm_replicate entries {entries} of {size}" + (" (EXCEEDS)" if entries > size
+                                                            else ";") in switch
+    assert f"multicast groups {groups} of {65536 - 0x1000}" in switch
+    assert f"{2 * (groups - 1)} replicas" in switch
+    if 1 < nodes <= 240:  # control/plan.py: GROUP_BASE + destination * 256 + partition
+        assert f"ids 4096..{4096 + (nodes - 1) * 256 + p - 1}" in switch
+    elif nodes > 240:
+        assert "EXCEEDS control/plan.py's id encoding" in switch
+    ports = nodes + p
+    assert f"ports {ports} of 64" + (" (EXCEEDS)" if ports > 64 else "") in switch
+    bind = min(_tna_size("port_bind"), _tna_size("l2_fwd"))  # one per host port + CPU port
+    assert f"port_bind and l2_fwd entries {ports + 1} of {bind}" + (
+        " (EXCEEDS)" if ports + 1 > bind else "") in switch
+    assert f"shadow_rewrite entries {p} of {_tna_size('shadow_rewrite')}" in switch
+    assert f"controller per rendezvous: {2 * entries + 2 * hops * p + p} writes" in ctl
+    fit = min(size // max(1, entries), _tna_size("shadow_rewrite") // p,
+              (65536 - 0x1000) // max(1, hops * p), 65535 // p, 64 // ports)
+    assert f"one switch with disjoint group and rid ranges: {fit} " in jobs
+
+
+def test_scale_needs_params_and_sane_counts():
+    r = _cli("--mtbf", "3h", "--step-time", "1.5", "--checkmate-cost", "5ms", "--gpus", "64")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "--gpus needs --params (the shadows set the partitions)")
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    from checkmate.launch.plan import main
+
+    with pytest.raises(CheckmateError, match="need --gpus >= 1 and --gpus-per-node >= 1"):
+        main(["--mtbf", "3h", "--step-time", "1.5", "--params", "7B", "--gpus", "64",
+              "--gpus-per-node", "0"])
+
+
+def test_docs_scale_shows_what_plan_prints_now(capsys):
+    """Every ``$ checkmate plan ...`` block of docs/scale.md is the command's output today."""
+    import shlex
+    from pathlib import Path
+
+    from checkmate.launch.plan import main
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "scale.md").read_text()
+    blocks = [b.split("```")[0] for b in doc.split("```\n$ checkmate plan ")[1:]]
+    assert {b.split("--gpus ")[1].split()[0] for b in blocks} >= {"64", "512", "4096"}
+    for b in blocks:
+        cmd, _, shown = b.partition("\n")
+        assert main(shlex.split(cmd)) == 0
+        assert capsys.readouterr().out.strip() == shown.strip(), \
+            f"docs/scale.md is stale for: checkmate plan {cmd}"

@@ -8,6 +8,7 @@ import pytest
 
 from checkmate.errors import CheckmateError
 from checkmate.testbed.scenario import (
+    Attack,
     Fault,
     ShadowKill,
     load_scenario,
@@ -61,7 +62,22 @@ def test_random_iterations_come_from_the_seeded_draw():
     ({"gockpt": {"every": 2, "steps": 3}}, "steps must be at most every"),
     ({"gockpt": {"every": 4}}, "gockpt.steps"),
     ({"gockpt": {"every": 4, "steps": 2}, "persist_every": 3}, "gockpt runs without shadows"),
+    ({"attacks": [{"kind": "arp_storm", "from": "t3", "target": "s0"}]},
+     "kind must be one of mac_hijack, conn_flood"),
+    ({"attacks": [{"kind": "mac_hijack", "from": "t3", "target": "s0", "at": 99}]},
+     r"attacks\[0\].at must be an integer"),
+    ({"attacks": [{"kind": "mac_hijack", "target": "s0"}]}, "from"),
 ])
 def test_bad_scenarios_are_one_clear_error(body, msg):
     with pytest.raises(CheckmateError, match=msg):
         parse_scenario({"steps": 20, **body}, "bad")
+
+
+def test_attacks_parse_and_make_the_run_a_chaos_run():
+    sc = parse_scenario({"steps": 20, "attacks": [
+        {"kind": "conn_flood", "from": "s1", "target": "s0", "at": "random"},
+        {"kind": "mac_hijack", "from": "t3", "target": "s0"}]}, "x", random.Random(1))
+    assert sc.chaos
+    flood, hijack = sc.attacks
+    assert hijack == Attack("mac_hijack", "t3", "s0", 1)
+    assert flood.kind == "conn_flood" and 5 <= flood.at <= 15

@@ -31,6 +31,12 @@ def test_shadow_serve_exports_metrics():
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         assert 'checkmate_shadow_commits_total{partition="1"} 0.0' in text
         assert "checkmate_shadow_datagrams_total" in text
+        line = p.stdout.readline()  # "... serving udp IP:PORT tcp IP:PORT"
+        host, port = line.rsplit("tcp ", 1)[1].strip().rsplit(":", 1)
+        from checkmate.train.shadow_client import ShadowClient
+
+        with ShadowClient((host, int(port))) as c:  # status shows the endpoint serving
+            assert c.status()["metrics"] == {"alive": True, "refused": {}}
     finally:
         p.terminate()
         p.wait(timeout=20)

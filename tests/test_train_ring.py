@@ -78,7 +78,8 @@ def test_each_element_reduced_exactly_once_split_at_partitions(chunk, ring_kit):
     seen = []
     lock = threading.Lock()
 
-    def on_reduced(rank, iteration, bucket, offset, partition, payload):
+    def on_reduced(rank, iteration, bucket, offset, partition, payload, switched):
+        assert switched, "every rank is its own node: every copy crosses the switch"
         with lock:
             seen.append((rank, iteration, bucket, offset, partition, payload))
 

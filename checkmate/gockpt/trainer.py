@@ -229,6 +229,19 @@ class GoCkpt:
                 self.errors.append(str(msg[1]))
                 log.warning("gockpt: rank %d lost a checkpoint: %s", self.rank, msg[1])
 
+    def wait_committed(self, iteration: int, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until this rank's checkpoint process has written a
+        checkpoint of ``iteration`` or later; whether it has. The copies are asynchronous,
+        so a checkpoint is on disk some time after the step that ends its window."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._answers()
+            if self.committed is not None and self.committed >= iteration:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            self._conn.poll(0.05)
+
     def close(self, timeout: float = 300.0) -> None:
         """Let the process finish the checkpoint it is writing, then stop it. A window still
         open is dropped (its state transfer never completed)."""

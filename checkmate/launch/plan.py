@@ -168,6 +168,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizer", choices=tuple(SLOTS), default="adamw")
     ap.add_argument("--shadow-memory", type=_count, default=None,
                     help="bytes of memory a shadow may use (e.g. 256G)")
+    ap.add_argument("--shadow-ingest", type=_count, default=INGEST_BYTES_PER_S,
+                    help="gradient bytes/s one shadow takes in (default: the measured "
+                         f"{INGEST_BYTES_PER_S / 1e9:g}G, docs/benchmarks.md)")
+    ap.add_argument("--shadow-step-rate", type=_count, default=OPTIMIZER_PARAMS_PER_S,
+                    help="params/s one shadow steps (default: the measured "
+                         f"{OPTIMIZER_PARAMS_PER_S / 1e9:g}G)")
+    ap.add_argument("--gpus", type=_count, default=None,
+                    help="ranks of the job, for switch state and controller work (needs "
+                         "--params; docs/scale.md)")
+    ap.add_argument("--gpus-per-node", type=_count, default=8,
+                    help="ranks per node (default 8)")
     return ap
 
 
@@ -189,7 +200,8 @@ def main(argv: list[str]) -> int:
                   f"{pl.lost_per_failure_s:>16.2f}{pl.throughput:>12.4f}")
     if a.params is not None:
         gb = 2 if a.grad_dtype != "float32" else 4
-        sz = size(a.params, a.step_time, gb, a.optimizer, shadow_memory=a.shadow_memory)
+        sz = size(a.params, a.step_time, gb, a.optimizer, shadow_memory=a.shadow_memory,
+                  ingest=a.shadow_ingest, opt_rate=a.shadow_step_rate)
         print(f"shadows for {a.params:.3g} params ({a.optimizer}, {a.grad_dtype} gradient): "
               f"{sz.shadows}, set by {sz.bound}; each holds {sz.partition_params:.3g} params "
               f"in {sz.memory_bytes / 2**30:.1f} GiB and takes {sz.nic_bytes_per_s / 1e9:.2f} "
@@ -200,6 +212,18 @@ def main(argv: list[str]) -> int:
               f"{OPTIMIZER_PARAMS_PER_S / 1e9:.1f} G params/s on 2 vCPUs; the sizing runs out "
               "where one shadow's NIC cannot carry its share or the switch cannot copy at "
               "line rate (one copy of each byte: the gradient's size per step in total)")
+        if (a.shadow_ingest, a.shadow_step_rate) != (INGEST_BYTES_PER_S,
+                                                     OPTIMIZER_PARAMS_PER_S):
+            print(f"sized with ingest {a.shadow_ingest / 1e9:g} GB/s and step rate "
+                  f"{a.shadow_step_rate / 1e9:g} G params/s per shadow (given)")
+    if a.gpus is not None:
+        if a.params is None:
+            raise CheckmateError("--gpus needs --params (the shadows set the partitions)")
+        from checkmate.launch import scale
+
+        for line in scale.describe(scale.scale(a.gpus, a.gpus_per_node, sz, a.step_time, gb,
+                                               a.params)):
+            print(line)
     return 0
 
 

@@ -41,23 +41,32 @@ def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Any = b"
             sock.sendall(v)
 
 
+#: The first buffer of a read; it doubles as bytes arrive, up to what was asked for.
+_FIRST_BUFFER = 1 << 20
+
+
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> memoryview:
     """Exactly ``n`` bytes; ConnectionError on early EOF, TimeoutError past ``deadline``
     (a time.monotonic() value: a peer that trickles bytes cannot hold the reader forever).
-    The buffer is allocated up front: callers check ``n`` against their limits first."""
-    buf = memoryview(bytearray(n))
+    The buffer grows with what arrives (doubling from 1 MiB), so a peer that announces a
+    large frame and stalls pins about what it sent, not what it announced; callers still
+    check ``n`` against their limits first."""
+    buf = bytearray(min(n, _FIRST_BUFFER))
     got = 0
     while got < n:
+        if got == len(buf):  # full, more to come: grow (no view of buf is alive here)
+            buf.extend(bytes(min(len(buf), n - len(buf))))
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"frame not complete in time ({got} of {n} bytes)")
             sock.settimeout(left)
-        k = sock.recv_into(buf[got:n])
+        with memoryview(buf) as view:
+            k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
-    return buf
+    return memoryview(buf)
 
 
 def recv_frame(sock: socket.socket, max_payload: Any = None, max_header: int = MAX_HEADER,

@@ -2,7 +2,7 @@
 
 The rendezvous decides which rank runs where, anew for every attempt (a restart, a spare
 that replaced a lost node, a job that shrank). Before the attempt's first iteration,
-rank 0 sends the controller the ring IP of every rank in rank order (an authenticated
+rank 0 sends the controller the ring IP of every rank in ring order (an authenticated
 handshake request, as the shadows' registration is); the controller programs the switch's
 replication for exactly those hops under a new epoch for every partition, withdrawing the
 entries of hosts that left, and answers with the new sessions (control/service.py,
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 from checkmate.errors import CheckmateError
@@ -30,9 +31,11 @@ def attempt_id() -> str:
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')[:100]}:{secrets.token_hex(8)}"
 
 
-def program(lay: Any) -> dict[str, Any]:
-    """Rank 0's part: the controller programs this attempt, every shadow adopts its new
-    session; returns ``{"epoch": E, "attempt": id}``."""
+def program(lay: Any, order: Sequence[int]) -> dict[str, Any]:
+    """Rank 0's part: the controller programs this attempt's ring (``order``: ring position
+    -> rank, checkmate.train.ring_schedule; the rank order when each node's ranks are
+    consecutive, as torch's agent numbers them), every shadow adopts its new session;
+    returns ``{"epoch": E, "attempt": id}``."""
     from checkmate.train.layout import controller_request
     from checkmate.train.shadow_client import ShadowClient
 
@@ -41,7 +44,7 @@ def program(lay: Any) -> dict[str, Any]:
     aid = attempt_id()
     body = controller_request(lay.controller, lay.job_id,
                               {"op": "attempt", "attempt": aid,
-                               "ranks": [ip for ip, _ in lay.trainers]},
+                               "ranks": [lay.trainers[r][0] for r in order]},
                               timeout=ATTEMPT_TIMEOUT, tries=10)
     parts = {int(p): v for p, v in (body.get("partitions") or {}).items()}
     if sorted(parts) != list(range(len(lay.shadow_tcp))):
@@ -58,13 +61,13 @@ def program(lay: Any) -> dict[str, Any]:
     return {"epoch": max(epochs), "attempt": aid}
 
 
-def announce(lay: Any, group: Any = None) -> dict[str, Any]:
+def announce(lay: Any, order: Sequence[int]) -> dict[str, Any]:
     """Every rank: wait until rank 0 had this attempt programmed (see the module
     docstring); the same result, or the same CheckmateError, on every rank."""
     from checkmate.train import agreement
 
     got = agreement.decide(agreement.attempt_store(), "switch-attempt", lay.rank,
-                           lambda: program(lay))
+                           lambda: program(lay, order))
     if lay.rank == 0:
         print(f"checkmate: attempt {got['attempt']}: the switch copies for {lay.world} "
               f"rank(s) under epoch {got['epoch']}", flush=True)

@@ -76,6 +76,9 @@ class DDPSession(CheckmateSession):
     ``sess.model`` is ``ddp``; the loop is the same as with CheckmateSession.
     """
 
+    #: No ring: shares are ``owned_segments``', the same on any node layout.
+    ring_nodes = False
+
     def __init__(self, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
                  group: Any = None, *, scaler: Any = None, stager: Any = None) -> None:

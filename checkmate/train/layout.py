@@ -81,6 +81,9 @@ class JobLayout:
     verbs_device: str = ""
     #: refuse to resume on another number of ranks (checkmate.train.world)
     fixed_world: bool = False
+    #: each rank's node id (checkmate.train.ring_schedule); None: torch elastic's
+    #: GROUP_RANK of every rank, gathered at start, or without it every rank its own node
+    node_of: list[int] | None = None
     #: seconds a ring operation may stall before it fails (a peer is gone)
     stall_timeout: float = 60.0
 
@@ -103,6 +106,9 @@ class JobLayout:
         if len(self.trainers) != self.world:
             raise CheckmateError(f"{len(self.trainers)} trainer addresses for world "
                                  f"size {self.world}")
+        if self.node_of is not None and len(self.node_of) != self.world:
+            raise CheckmateError(f"node_of names {len(self.node_of)} ranks for world size "
+                                 f"{self.world}")
         if len(self.shadows) != len(self.shadow_tcp) or (not self.shadows
                                                          and self.mode != "off"):
             raise CheckmateError("need one UDP and one TCP address per shadow partition")

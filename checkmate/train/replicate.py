@@ -1,9 +1,12 @@
 """What a trainer sends to the shadows itself: host-mode gradient copies and control messages.
 
 In switch mode the switch copies the REPLICATE datagrams of the ring, so trainers send the
-shadows nothing but rank 0's control message. In host mode (no switch, e.g. loopback) each
-rank also sends every chunk it completes straight to the owning shadow: about 1/N of the
-gradient per rank per iteration, N the world size, on top of the ring's 2(N-1)/N.
+shadows nothing but rank 0's control message, except on one node, where no ring hop crosses
+the switch and the rank that completes a segment sends its copy itself
+(checkmate.train.ring_schedule). In host mode (no switch, e.g. loopback) each rank also sends
+every piece the ring schedule makes it replicate straight to the owning shadow: about 1/N of
+the gradient per rank per iteration with one rank per node, N the world size, on top of the
+ring's 2(N-1)/N.
 """
 
 from __future__ import annotations

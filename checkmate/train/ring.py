@@ -14,12 +14,16 @@ so the ring needs one reliable, ordered datagram stream per direction:
 
 A bucket of ``n`` elements is cut into ``world`` segments, and each segment into chunks of
 at most ``chunk`` elements (64 KB datagrams, IP-fragmented on a 9000-byte path) that never
-cross a partition boundary of the flat parameter space. Segment ``g`` starts at rank ``g``,
-collects one addend per hop, and is complete at rank ``g - 1``, which sends it on its first
-all-gather hop in frame-sized pieces with REPLICATE set (the switch copies each piece to the
-partition's shadow) and calls ``on_reduced`` per piece (host replication sends the copy
-itself). Later all-gather hops forward whole chunks untagged, so each element reaches its
-shadow once per iteration.
+cross a partition boundary of the flat parameter space. The ring's order and which hop of a
+segment's all-gather path carries the copy are checkmate.train.ring_schedule's: segment
+``g`` starts at ring position ``g``, collects one addend per hop and is complete at
+position ``g - 1``; the first hop of its all-gather path that leaves a node (its
+*tagger*'s send) goes in frame-sized pieces with REPLICATE set (the switch copies each
+piece to the partition's shadow), and the tagger calls ``on_reduced`` per piece (host
+replication sends the copy itself; ``switched`` True). Every other hop forwards whole
+chunks untagged, so each element reaches its shadow once per iteration. Without a hop that
+leaves a node (a job on one node) nothing is tagged and the completer calls ``on_reduced``
+per piece with ``switched`` False: the trainer must send that copy itself.
 
 The caller divides the bucket by the world size before submitting; the reduced bytes are then
 exactly the gradient every rank uses and the shadows receive.
@@ -35,7 +39,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +58,7 @@ from checkmate.train.ring_link import (
     RingError,
     _ReliableLink,
 )
+from checkmate.train.ring_schedule import RingSchedule, segment_bounds
 from checkmate.train.transport import LossyLink, receive_buffer
 
 #: Largest float32 count in one REPLICATE datagram: one 9000-byte frame with IPv4, UDP and ckm
@@ -63,26 +68,21 @@ MAX_CHUNK = wire.MAX_PAYLOAD_JUMBO // 4
 #: sending kernel fragments it and the switch forwards the fragments as plain traffic: seven
 #: times fewer datagrams for Python to handle on the hops nobody copies.
 BIG_CHUNK = 16_000
-#: Called for each fully reduced chunk once: (iteration, bucket, flat offset, partition, bytes).
-ReducedCallback = Callable[[int, int, int, int, bytes], None]
+#: Called for each fully reduced piece once: (iteration, bucket, flat offset, partition, bytes,
+#: switched). ``switched``: the piece went out tagged on a hop through the switch, which
+#: copies it; False: no hop of its path crosses the switch (one node), so in switch mode the
+#: trainer sends the copy itself.
+ReducedCallback = Callable[[int, int, int, int, bytes, bool], None]
 
 
-def replica_owners(buckets: list[tuple[int, int]], world: int, start: int, end: int
-                   ) -> list[tuple[int, int, int]]:
-    """Which rank sends which flat ranges of [start, end) as REPLICATE pieces.
-
-    Segment ``g`` of a bucket completes at rank ``g - 1``, which replicates it (see the
-    module docstring); the cut is the one ``RingAllreduce._layout`` makes. Returns sorted
+def replica_owners(buckets: list[tuple[int, int]], world: int, start: int, end: int,
+                   node_of: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+    """Which rank sends which flat ranges of [start, end) as REPLICATE pieces (and keeps
+    them for repairs): the ring schedule's rule (checkmate.train.ring_schedule) for ranks
+    on the nodes ``node_of`` names (None: every rank its own node). Returns sorted
     ``(lo, hi, rank)`` triples. A shadow uses them to ask the right trainer for a hole.
     """
-    out = []
-    for bs, be in buckets:
-        n = be - bs
-        for g in range(world):
-            lo, hi = max(start, bs + g * n // world), min(end, bs + (g + 1) * n // world)
-            if lo < hi:
-                out.append((lo, hi, (g - 1) % world))
-    return sorted(out)
+    return RingSchedule.build(world, node_of).replica_owners(buckets, start, end)
 
 
 @dataclass
@@ -110,9 +110,11 @@ class RingAllreduce(_ReliableLink):
     """The ring of one trainer. ``submit`` may be called from any thread.
 
     Args:
-        rank, world: this trainer's place in the ring.
+        rank, world: this trainer's rank and the number of ranks.
         sock: its bound UDP socket (see ``transport.open_socket``).
-        right, left: ``(ip, port)`` of ranks ``rank + 1`` and ``rank - 1``.
+        right, left: ``(ip, port)`` of the ranks the schedule puts after and before this
+            one (``RingSchedule.right``/``left``; ranks ``rank + 1`` and ``rank - 1``
+            when every rank is its own node or nodes hold contiguous ranks).
         job_id: stamped into every datagram; others are dropped and counted.
         nonce: stamped into ``token``; datagrams of an earlier incarnation of the job are
             dropped (every rank must use the same value).
@@ -127,6 +129,8 @@ class RingAllreduce(_ReliableLink):
         piece: largest REPLICATE piece in elements (smaller with FEC, so a parity payload
             with its piece table still fits one frame).
         stall_timeout: seconds without progress before an operation fails.
+        node_of: each rank's node id (checkmate.train.ring_schedule); None: every rank its
+            own node. Every rank must pass the same.
     """
 
     def __init__(
@@ -149,12 +153,16 @@ class RingAllreduce(_ReliableLink):
         tag: bool = True,
         piece: int = MAX_CHUNK,
         mac_key: tuple[int, int] | None = None,
+        node_of: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= rank < world:
             raise CheckmateError(f"rank {rank} outside 0..{world - 1}")
         if not 1 <= chunk <= BIG_CHUNK:
             raise CheckmateError(f"chunk must be 1..{BIG_CHUNK} elements, got {chunk}")
         self.rank, self.world = rank, world
+        #: ring order and tagging rule (checkmate.train.ring_schedule)
+        self.schedule = RingSchedule.build(world, node_of)
+        self.pos = self.schedule.position(rank)
         self.sock, self.right, self.left = sock, right, left
         self.job_id, self.nonce = job_id, nonce & 0xFFFFFFFF
         self.total, self.partitions = total, partitions
@@ -244,7 +252,7 @@ class RingAllreduce(_ReliableLink):
     def _layout(self, base: int, n: int) -> list[tuple[int, int, int, int]]:
         chunks = []
         for g in range(self.world):
-            s, e = g * n // self.world, (g + 1) * n // self.world
+            s, e = segment_bounds(n, self.world, g)
             pos = s
             while pos < e:
                 flat = base + pos
@@ -297,7 +305,7 @@ class RingAllreduce(_ReliableLink):
             n = tensor.numel()
             chunks = self._layout(base, n)
             at = {base + c[1]: i for i, c in enumerate(chunks)}
-            r, w = self.rank, self.world
+            r, w = self.pos, self.world
             # Each chunk has one final arrival: its all-gather hop, or, for the segment this
             # rank completes, its last reduce-scatter hop.
             op = _Op(iteration, bucket, base, tensor, tensor.numpy(), fut, chunks, at,
@@ -309,44 +317,63 @@ class RingAllreduce(_ReliableLink):
                                             "submitted twice"))
                 continue
             if w == 1:
-                for _g, s, e, p in chunks:
-                    self._reduced(op, base + s, p, op.buf[s:e].tobytes())
+                for i in range(len(chunks)):  # no hop at all: the trainer copies
+                    self._copy_pieces(op, i, switched=False, send=False)
                 fut.set_result(tensor)
                 continue
             self._ops[key] = op
             for i, c in enumerate(chunks):
                 if c[0] == r:
-                    self._queue(op, i, replicate=False)
+                    self._queue(op, i)
 
-    def _queue(self, op: _Op, i: int, replicate: bool) -> None:
+    def _queue(self, op: _Op, i: int) -> None:
+        """Send chunk ``i`` on to the right neighbour whole and untagged."""
         g, s, e, p = op.chunks[i]
-        if replicate:
-            # The first all-gather hop: frame-sized REPLICATE pieces the switch can copy
-            # (the same pieces untagged without Checkmate, so both send identical traffic).
-            flags = _REPLICATE if self.tag else 0
-            key = self.mac_key if self.tag else None
-            for a in range(s, e, self.piece):
-                b = min(e, a + self.piece)
-                payload = op.buf[a:b].tobytes()
+        payload = op.buf[s:e].tobytes()
+        self._ready.append((0, op.iteration, op.bucket, op.base + s, e - s, p, payload,
+                            wire.crc(payload), _NO_TAG))
+
+    def _all_gather(self, op: _Op, i: int) -> None:
+        """Send fully reduced chunk ``i`` on its all-gather path: tagged pieces where this
+        position is its segment's tagger, else whole; the completer of a segment without a
+        network hop also hands the copy to ``on_reduced`` (switched False)."""
+        g = op.chunks[i][0]
+        sched = self.schedule
+        if sched.tagged_hop(self.pos, g):
+            self._copy_pieces(op, i, switched=True, send=True)
+            return
+        if not sched.switched(g) and sched.completer(g) == self.pos:
+            self._copy_pieces(op, i, switched=False, send=False)
+        self._queue(op, i)
+
+    def _copy_pieces(self, op: _Op, i: int, switched: bool, send: bool) -> None:
+        """Chunk ``i`` in frame-sized pieces to ``on_reduced`` and, with ``send``, to the
+        right neighbour with REPLICATE (the switch copies each piece whole; the same pieces
+        untagged without Checkmate, so both send identical traffic)."""
+        g, s, e, p = op.chunks[i]
+        flags = _REPLICATE if self.tag else 0
+        key = self.mac_key if self.tag else None
+        for a in range(s, e, self.piece):
+            b = min(e, a + self.piece)
+            payload = op.buf[a:b].tobytes()
+            if send:
                 c = wire.crc(payload)
                 mac = _NO_TAG if key is None else _split(int(_tag(
                     key[0], key[1], self.job_id, flags, op.iteration, op.base + a, b - a, p,
                     _FLOAT32, c)))
                 self._ready.append((flags, op.iteration, op.bucket, op.base + a, b - a, p,
                                     payload, c, mac))
-                self._reduced(op, op.base + a, p, payload)
-            return
-        payload = op.buf[s:e].tobytes()
-        self._ready.append((0, op.iteration, op.bucket, op.base + s, e - s, p, payload,
-                            wire.crc(payload), _NO_TAG))
+            self._reduced(op, op.base + a, p, payload, switched)
 
-    def _reduced(self, op: _Op, offset: int, part: int, payload: bytes) -> None:
+    def _reduced(self, op: _Op, offset: int, part: int, payload: bytes, switched: bool
+                 ) -> None:
         if self.on_reduced is not None:
-            self.on_reduced(op.iteration, op.bucket, offset, part, payload)
+            self.on_reduced(op.iteration, op.bucket, offset, part, payload, switched)
 
 
     def _process_in_order(self) -> None:
-        r, w = self.rank, self.world
+        r, w = self.pos, self.world
+        sched = self.schedule
         while self._proc_next in self._held:
             h, payload = self._held[self._proc_next]
             op = self._ops.get((h[6], h[10]))
@@ -361,39 +388,30 @@ class RingAllreduce(_ReliableLink):
             g, s, e, _ = op.chunks[i] if i >= 0 else (-1, 0, 0, 0)
             lo = off - op.base
             whole = lo == s and lo + cnt == e
-            if i < 0 or lo + cnt > e or not (whole or g == r):
+            # Segment g's reduce-scatter arrival comes first (none at its start, g == r);
+            # its all-gather arrival comes in pieces from the segment's tagger.
+            gather = g == r or (i >= 0 and op.received[i] > 0)
+            pieces = gather and sched.tagged_hop((r - 1) % w, g)
+            if i < 0 or lo + cnt > e or not (whole or pieces):
                 raise RingError(f"datagram for unknown chunk at offset {off} of bucket "
                                 f"{h[10]}: ranks disagree on the bucket layout")
             vals = np.frombuffer(payload, dtype="<f4")
             op.last_progress = time.monotonic()
-            if g == r:  # first all-gather hop, possibly in pieces: take the result
+            if not gather:  # reduce-scatter hop: add
+                op.received[i] = 1
+                op.buf[s:e] += vals
+                if g != (r + 1) % w:
+                    self._queue(op, i)  # pass on
+                    continue
+                self._all_gather(op, i)  # last hop: this chunk is now fully reduced here
+            else:  # all-gather hop, possibly in pieces: take the result
                 op.buf[lo:lo + cnt] = vals
                 op.pending[i] -= cnt
                 if op.pending[i] > 0:
                     continue
-                if w > 2:
-                    self._queue(op, i, replicate=False)
-                op.left -= 1
-                if op.left == 0:
-                    del self._ops[(op.iteration, op.bucket)]
-                    op.future.set_result(op.tensor)
-                continue
-            k = op.received[i]
-            op.received[i] = k + 1
-            owner_seg = (r + 1) % w
-            if g == owner_seg:  # last reduce-scatter hop: this chunk is now fully reduced
-                op.buf[s:e] += vals
-                self._queue(op, i, replicate=True)
-            elif k == 0:  # reduce-scatter hop: add and pass on
-                op.buf[s:e] += vals
-                self._queue(op, i, replicate=False)
-                continue
-            else:  # all-gather hop: take the result, pass on unless the next rank owns it
-                op.buf[s:e] = vals
-                if (r - g) % w < w - 2:
-                    self._queue(op, i, replicate=False)
+                if (r - g) % w < w - 2:  # pass on unless the next position completed it
+                    self._all_gather(op, i)
             op.left -= 1
             if op.left == 0:
                 del self._ops[(op.iteration, op.bucket)]
                 op.future.set_result(op.tensor)
-

@@ -10,7 +10,9 @@ library -- is one line too (its type, message and the script's line), with its t
 in a file of the launcher's log directory that the line names (checkmate.train.failures);
 so is an exception that ends one of the process's threads. Every failure line is also
 recorded there, for the launcher's last line. On these paths the process ends at once
-(``os._exit``): threads still blocked on a dead peer must not hold it.
+(``os._exit``): threads still blocked on a dead peer must not hold it. A script that
+succeeds ends the same way once its objects are released, its non-daemon threads joined and
+its atexit handlers run: the interpreter's own teardown can abort in gloo's C++ threads.
 
 Ctrl-C (the agent forwards SIGINT) is one line and exit 130, at once: SIGINT is blocked in
 every thread and taken by one that waits for it, so it is answered even while the main
@@ -29,6 +31,10 @@ different hosts, so each sharing worker gets its own NCCL_HOSTID (unless one is 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
+import io
 import os
 import runpy
 import signal
@@ -133,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         if e.code not in (None, 0):  # the script said why itself: recorded, not repeated
             failures.record(f"checkmate: rank {rank}: the script exited with {e.code!r}",
                             rank)
-        raise
+        if e.code is not None and not isinstance(e.code, int):
+            raise  # sys.exit("message"): Python prints it and exits 1
+        code = e.code or 0
     except BaseException as e:  # noqa: BLE001 -- every other failure is one line too
         text = str(e)
         if isinstance(e, RuntimeError) and "/gloo/" in text:
@@ -141,7 +149,45 @@ def main(argv: list[str] | None = None) -> int:
             _exit_now(1, f"checkmate: rank {rank}: a peer of the process group is gone "
                       f"({why}); exiting for the launcher to restart the group")
         _exit_now(1, f"checkmate: rank {rank}: error: {failures.describe(e, rank)}")
-    return 0
+    else:
+        code = 0
+    _finish(code)
+    return code
+
+
+def _finish(code: int) -> None:
+    """End a worker whose script returned, without the interpreter's teardown.
+
+    Left to finalization, gloo's C++ worker threads can outlive the interpreter and abort
+    the process ("terminate called without an active exception", SIGABRT) after the script
+    succeeded; pytorch/pytorch#190489 and the abandoned #179291 describe it. So what the
+    teardown would do for the script is done here, in its order, while the interpreter is
+    whole: non-daemon threads joined, atexit handlers run, files the script left open
+    flushed (every live buffered file: one held in a reference cycle would lose its buffer
+    even to gc); then the process ends at once.
+    """
+    main = threading.main_thread()
+    for t in threading.enumerate():
+        if t is not main and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for obj in gc.get_objects():
+        if _open(obj):
+            with contextlib.suppress(Exception):
+                obj.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _open(obj: object) -> bool:
+    """Whether ``obj`` is a stream that is still open."""
+    if not issubclass(type(obj), io.IOBase):  # type(), not isinstance: no __class__ lookup
+        return False  # (torch.distributed.reduce_op warns when asked for its __class__)
+    try:
+        return not obj.closed
+    except Exception:  # noqa: BLE001 -- a half-built or detached stream: nothing to flush
+        return False
 
 
 def _thread_error(rank: str):  # noqa: ANN202

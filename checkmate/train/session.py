@@ -68,6 +68,10 @@ class CheckmateSession(_Reliability, _ControlMessage):
     unscale, skip and update (checkmate.train.amp), and a restore resumes its state.
     """
 
+    #: The gradient path is our ring, whose copies follow the ring schedule's nodes
+    #: (checkmate.train.ring_schedule); a session over another path says False.
+    ring_nodes = True
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
                  group: Any = None, *, scaler: Any = None) -> None:
@@ -98,6 +102,9 @@ class CheckmateSession(_Reliability, _ControlMessage):
         self.control_bytes = 0
         self.model: CheckmateDDP | None = None
         self.ring: RingAllreduce | None = None
+        #: Each rank's node (start(): the layout's, or torch elastic's GROUP_RANK gathered
+        #: from every rank); None: every rank its own node.
+        self.node_of: list[int] | None = None
         # The job secret tags every datagram a shadow takes (checkmate.protocol.datamac) and opens
         # every shadow connection (checkmate.protocol.auth); a job without shadows needs none.
         self.secret: bytes | None = None
@@ -179,11 +186,9 @@ class CheckmateSession(_Reliability, _ControlMessage):
                         trainers=trainers, shadows=job.shadows, shadow_tcp=job.shadow_tcp,
                         mode="off" if job.mode == "gockpt" else job.mode, seed=job.seed,
                         gockpt=job.gockpt, controller=job.controller, **layout)
-        if lay.mode == "switch":
-            from checkmate.train.attempt import announce
-
-            announce(lay, group)  # the switch copies for this attempt's ranks, new epoch
         sess = cls(model, optimizer, scheduler, lay, max_grad_norm, group, scaler=scaler)
+        # switch mode under the launcher: each attempt has the controller program its ring
+        sess.announce_attempt = lay.mode == "switch"
         sess.progress_every = job.progress_every
         if job.kill_at is not None and job.kill_at[0] == job.rank and not job.restart_count:
             sess.injector = _kill_hook(job.kill_at[1])
@@ -304,6 +309,13 @@ class CheckmateSession(_Reliability, _ControlMessage):
         lay = self.layout
         nonce = [secrets.randbits(32) if lay.rank == 0 else 0]
         dist.broadcast_object_list(nonce, src=0, group=self.group)
+        self.node_of = self._gather_nodes()
+        if lay.mode == "switch" and getattr(self, "announce_attempt", False):
+            from checkmate.train.attempt import announce
+            from checkmate.train.ring_schedule import RingSchedule
+
+            # the switch copies this attempt's ring hops, under a new epoch (iteration 0 waits)
+            announce(lay, RingSchedule.build(lay.world, self.node_of).order)
         if lay.mode == "switch" and lay.controller is not None:
             self._refresh_sessions()
             self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
@@ -340,6 +352,28 @@ class CheckmateSession(_Reliability, _ControlMessage):
         # Every ring socket must be bound before anyone sends.
         dist.barrier(group=self.group)
         return self.iteration
+
+    def _gather_nodes(self) -> list[int] | None:
+        """Every rank's node, the same on every rank: the layout's ``node_of``, else what
+        each rank reads from torch elastic's environment (GROUP_RANK), gathered. In switch
+        mode, ranks that share an address must share a node (ring_schedule.check_hosts)."""
+        import os
+
+        from checkmate.train import ring_schedule
+
+        lay = self.layout
+        if not self.ring_nodes:
+            return None
+        nodes = lay.node_of
+        if nodes is None:
+            keys: list[Any] = [None] * lay.world
+            dist.all_gather_object(keys, ring_schedule.node_from_env(os.environ),
+                                   group=self.group)
+            nodes = ring_schedule.node_of_from_keys(keys)
+        if lay.mode == "switch":
+            ring_schedule.check_hosts(ring_schedule.RingSchedule.build(lay.world, nodes),
+                                      [ip for ip, _ in lay.trainers])
+        return nodes
 
     def _use_verbs(self) -> None:
         """Host mode over RDMA: a UD sender per shadow, to the queue pair it publishes."""
@@ -403,11 +437,14 @@ class CheckmateSession(_Reliability, _ControlMessage):
         sock = open_socket(ip, port)
         on_reduced = self._on_reduced if lay.mode != "off" else None
         piece = self._start_parity()
+        from checkmate.train.ring_schedule import RingSchedule
+
+        sched = RingSchedule.build(lay.world, self.node_of)
         self.ring = RingAllreduce(
-            lay.rank, lay.world, sock, lay.trainers[(lay.rank + 1) % lay.world],
-            lay.trainers[(lay.rank - 1) % lay.world], lay.job_id, nonce, self.spec.total,
+            lay.rank, lay.world, sock, lay.trainers[sched.right(lay.rank)],
+            lay.trainers[sched.left(lay.rank)], lay.job_id, nonce, self.spec.total,
             self.spec.partitions, chunk=lay.chunk, on_reduced=on_reduced, link=lay.link,
-            tag=lay.mode != "off", piece=piece, mac_key=self.data_key,
+            tag=lay.mode != "off", piece=piece, mac_key=self.data_key, node_of=self.node_of,
             stall_timeout=lay.stall_timeout)
         order = [p.name for p in self.spec.params]
         self.model = CheckmateDDP(self.module, self.ring, order, lay.bucket_elems)

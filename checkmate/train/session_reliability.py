@@ -48,7 +48,8 @@ class _Reliability:
         lay = self.layout
         start, end = self.spec.bounds(partition)
         trainers = [lay.repair_addr(r) for r in range(lay.world)]
-        return owners_body(trainers, replica_owners(self.buckets, lay.world, start, end)
+        return owners_body(trainers, replica_owners(self.buckets, lay.world, start, end,
+                                                    self.node_of)
                            if lay.repair else [], 0)
 
     def new_reseed(self, partition: int, reason: str) -> ReseedSender:
@@ -58,12 +59,16 @@ class _Reliability:
                             self.layout.reseed_slices, reason)
 
     def _on_reduced(self, iteration: int, bucket: int, offset: int, partition: int,
-                    payload: bytes) -> None:
+                    payload: bytes, switched: bool = False) -> None:
+        """One reduced piece this rank hands to its shadow. ``switched``: the ring sent it
+        tagged through the switch, which copies it in switch mode; otherwise (host mode,
+        or no hop of the piece's ring path crosses the switch: one node) the trainer sends
+        the copy itself."""
         if self.replica_log is not None:
             self.replica_log.add_piece(iteration, bucket, offset, partition, payload)
         if self.parity is not None:
             self.parity.piece(iteration, partition, offset, payload)
-        if self.layout.mode == "host":
+        if self.layout.mode == "host" or (self.layout.mode == "switch" and not switched):
             self.sender.copy(iteration, bucket, offset, partition, payload)
 
     def protection(self) -> dict[str, Any]:

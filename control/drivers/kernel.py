@@ -3,7 +3,9 @@
 L2 forwarding is the Linux bridge under the BPF program, and veth has no FEC or PFC, so only
 replication entries are programmed; port settings are reported as not applicable. Each entry
 carries the source host's switch port (the plan's ``ingress_ifname``): the switch copies only
-datagrams that entered there.
+datagrams that entered there. Every apply also re-asserts the ports' source bindings and the
+bridge's static, non-learning forwarding table from the config
+(KernelSwitch.bind_ports): a frame from another source than its port's host is dropped.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class KernelDriver:
                 for e in self.switch.replication_entries()}
         res = ApplyResult(notes=["kernel target: L2 by the bridge; FEC/PFC not applicable "
                                  "to veth"])
+        res.changed.extend(self.switch.bind_ports())
         for key, e in have.items():
             if key not in want:
                 self.switch.remove_replication(*key)

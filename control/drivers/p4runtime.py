@@ -82,7 +82,7 @@ class P4RuntimeDriver:
         schema = self._ensure()
         pb = p4proto.p4runtime()
         ents = [pb.Entity(table_entry=pb.TableEntry(table_id=schema.table_id(t)))
-                for t in p4tables.Schema.TABLES]
+                for t in schema.tables]
         out = {}
         for ent in self.client.read(ents):
             spec = schema.from_proto(ent.table_entry)
@@ -116,13 +116,15 @@ class P4RuntimeDriver:
                 multicast_group_entry=g)))
 
     def apply(self, plan: Plan) -> ApplyResult:
-        self._ensure()
+        schema = self._ensure()
         pb = p4proto.p4runtime()
-        want = {e.key: e for e in p4tables.entries(plan)}
+        want = {e.key: e for e in p4tables.entries(plan) if e.table in schema.tables}
         have = self.read_entries()
         want_g = p4tables.groups(plan)
         have_g = self.read_groups()
         res = ApplyResult()
+        if not schema.source_checked:
+            res.notes.append(p4tables.SOURCE_UNCHECKED)
         stale = [self._entry_update(pb.Update.DELETE, s) for k, s in sorted(have.items())
                  if k not in want]
         res.removed += [s.label() for k, s in sorted(have.items()) if k not in want]
@@ -154,7 +156,8 @@ class P4RuntimeDriver:
         """Per-entry (packets, bytes) of a table's direct counter, None when unreadable over
         P4Runtime (a Tofino extern: compile with --p4runtime-force-std-externs)."""
         schema = self._ensure()
-        c = schema.counter(f"{p4tables.TABLES[short]}_counter")
+        c = schema.counter(f"{({**p4tables.TABLES, **p4tables.OPTIONAL_TABLES})[short]}"
+                           "_counter")
         if c.extern:
             return None
         pb = p4proto.p4runtime()
@@ -178,10 +181,12 @@ class P4RuntimeDriver:
                 for e in self.client.read([ent])}
 
     def status(self) -> dict:
-        self._ensure(load=False)
+        schema = self._ensure(load=False)
         entries, notes = [], []
+        if not schema.source_checked:
+            notes.append(p4tables.SOURCE_UNCHECKED)
         specs = self.read_entries()
-        for t in p4tables.Schema.TABLES:
+        for t in schema.tables:
             counts = self._direct_counts(t)
             for k, spec in sorted(specs.items()):
                 if spec.table != t:
@@ -200,6 +205,10 @@ class P4RuntimeDriver:
         for k, m in misses.items():
             if m is not None:
                 stats[k] = m.get(0, 0)
+        if schema.source_checked:  # frames dropped by the source check, per reason
+            src = self._indexed(p4tables.SOURCE_COUNTER)
+            if src is not None:
+                stats.update({n: src.get(i, 0) for i, n in enumerate(p4tables.SOURCE_NAMES)})
         return {"target": self.cfg.switch.target, "switch": self.cfg.switch.name,
                 "entries": entries, "groups": {g: list(r) for g, r in self.read_groups().items()},
                 "ckm_stats": stats, "notes": notes}

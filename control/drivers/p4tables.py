@@ -25,9 +25,17 @@ TABLES = {
     "ckm_replicate": "CkmIngress.ckm_replicate",
     "shadow_rewrite": "CkmEgress.shadow_rewrite",
 }
+#: Tables a build of the program may lack: port_bind (the per-port source check, issue 23)
+#: is newer than the compiler outputs at hand. Without it the switch checks no source
+#: address; the drivers say so on every deploy and in status (SOURCE_UNCHECKED).
+OPTIONAL_TABLES = {"port_bind": "CkmIngress.port_bind"}
+SOURCE_UNCHECKED = ("UNPROTECTED: the switch's P4 program has no port_bind table (a build "
+                    "older than the per-port source check): frames with another host's "
+                    "source MAC or IP are forwarded; recompile p4/ and reload it")
 #: Every key field, action and parameter the plan writes, with its width: what a P4Info
 #: must offer for the controller to program the switch.
 WRITES = {
+    "port_bind": ({"ingress_port": 9}, "CkmIngress.bind_source", {"mac": 48, "ip": 32}),
     "l2_fwd": ({"dst_mac": 48}, "CkmIngress.forward", {"port": 9}),
     "ckm_punt": ({"dst_ip": 32, "udp_dst_port": 16}, "CkmIngress.to_cpu", {"port": 9}),
     "ckm_replicate": ({"job_id": 32, "src_ip": 32, "dst_ip": 32, "partition": 16},
@@ -38,6 +46,9 @@ WRITES = {
 }
 #: Indexed counters the program keeps (checkmate_common.p4), by P4 name.
 STATS_COUNTER = "CkmIngress.ckm_stats"
+#: Frames dropped by the source check, by SRC_* index (checkmate_common.p4).
+SOURCE_COUNTER = "CkmIngress.src_check"
+SOURCE_NAMES = ("bad_src_mac", "bad_src_ip")
 #: Misses with no entry for a direct counter to count: l2_fwd floods, shadow_rewrite misses.
 MISS_COUNTERS = {"l2_miss": "CkmIngress.l2_miss", "rewrite_miss": "CkmEgress.rewrite_miss"}
 
@@ -71,7 +82,9 @@ def _ip(s: str) -> int:
 
 def entries(plan: Plan) -> list[EntrySpec]:
     """Every table entry the plan needs, in table order."""
-    out = [EntrySpec("l2_fwd", (("dst_mac", _mac(e.mac)),), "forward", (("port", e.port),))
+    out = [EntrySpec("port_bind", (("ingress_port", b.port),), "bind_source",
+                     (("mac", _mac(b.mac)), ("ip", _ip(b.ip)))) for b in plan.bindings]
+    out += [EntrySpec("l2_fwd", (("dst_mac", _mac(e.mac)),), "forward", (("port", e.port),))
            for e in plan.l2]
     out.append(EntrySpec(
         "ckm_punt", (("dst_ip", _ip(plan.punt.ip)), ("udp_dst_port", plan.punt.udp_port)),
@@ -118,9 +131,13 @@ class Schema:
             raise CheckmateError(f"{where} lacks table(s) {', '.join(missing)}: another P4 "
                                  "program, not Checkmate's")
         self.tables = {short: by_name[full] for short, full in TABLES.items()}
+        self.tables.update({short: by_name[full] for short, full in OPTIONAL_TABLES.items()
+                            if full in by_name})
+        #: the per-port source check is in this build (see OPTIONAL_TABLES)
+        self.source_checked = "port_bind" in self.tables
         self.short = {t.preamble.id: short for short, t in self.tables.items()}
         self.counters = p4info_mod.counters(p4info)
-        problems = [p for short in TABLES for p in self._check(short)]
+        problems = [p for short in self.tables for p in self._check(short)]
         if problems:
             raise CheckmateError(f"{where} is from another build of the Checkmate program: "
                                  f"{'; '.join(problems)} (recompile p4/ and reload it)")
@@ -128,7 +145,7 @@ class Schema:
     def _check(self, short: str) -> list[str]:
         keys, action, params = WRITES[short]
         t = self.tables[short]
-        tn = TABLES[short]
+        tn = {**TABLES, **OPTIONAL_TABLES}[short]
         have = {f.name: f.bitwidth for f in t.match_fields}
         out = [] if have == keys else [f"table {tn} keys {sorted(have.items())}, expected "
                                        f"{sorted(keys.items())}"]

@@ -4,7 +4,13 @@
  * A Linux bridge in the switch namespace does plain L2 forwarding between the veth ports.
  * These programs sit on every port:
  *
- *   ckm_ingress (frames entering the switch from a host): counts rx, and for a well-formed
+ *   ckm_ingress (frames entering the switch from a host): counts rx; drops and counts every
+ *     frame whose source is not the one the controller bound to the port (ckm_bind: the
+ *     host's MAC and IPv4 address; an IPv4 frame's source address, an ARP frame's sender
+ *     addresses; any other ethertype has no source this switch can check and is dropped
+ *     too), so no host can take another's addresses, and the bridge, which does not learn
+ *     (its entries are static, programmed from the config), never moves an entry. For a
+ *     well-formed
  *     ckm datagram with REPLICATE whose (job, src IP, dst IP, partition) has a replication
  *     entry, and which entered through the port of the host that owns its source address
  *     (the entry's in_ifindex), sends exactly one copy to the entry's shadow port with the
@@ -72,7 +78,20 @@ struct port_stats {
 			   * an unknown dtype, or whose count disagrees with its length */
 	__u64 no_entry;   /* REPLICATE without a matching replication entry */
 	__u64 spoofed;    /* REPLICATE matching an entry but entering through another port
-			   * than its source host's: forwarded, not copied */
+			   * than its source host's: forwarded, not copied (with the source
+			   * binding below, only a binding that disagrees with the entries) */
+	__u64 bad_src_mac; /* frames dropped: source MAC (or ARP sender MAC) not the port's
+			    * bound MAC, or the port has no binding */
+	__u64 bad_src_ip;  /* frames dropped: IPv4 source (or ARP sender IP) not the port's
+			    * bound address, a header too short to tell, or no IPv4/ARP */
+};
+
+/* The one host a port leads to, written by the control plane (dataplane/switch.py
+ * bind_ports): every frame entering the port must come from these addresses. */
+struct port_bind {
+	__u8 mac[6];
+	__u16 pad;
+	__be32 ip;
 };
 
 struct fault {
@@ -128,6 +147,13 @@ struct {
 	__type(key, __u32);
 	__type(value, struct fault);
 } ckm_fault SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_PORTS);
+	__type(key, __u32);
+	__type(value, struct port_bind);
+} ckm_bind SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -309,6 +335,69 @@ static __always_inline int replicate(struct __sk_buff *skb, struct pkt *p, struc
 	return ret;
 }
 
+static __always_inline int mac_eq(const __u8 *a, const __u8 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3] && a[4] == b[4] &&
+	       a[5] == b[5];
+}
+
+/* ARP for Ethernet/IPv4 up to the sender's addresses (RFC 826; linux/if_arp.h's arphdr,
+ * which cannot be included in a BPF build, pulls in libc headers). */
+struct arp_eth {
+	__be16 ar_hrd;
+	__be16 ar_pro;
+	__u8 ar_hln;
+	__u8 ar_pln;
+	__be16 ar_op;
+	__u8 sha[6];
+	__be32 spa;
+} __attribute__((packed));
+
+/* 1 when the frame's source addresses are the ones bound to its ingress port; otherwise
+ * counts why and returns 0 (the caller drops it). Runs before anything else looks at the
+ * frame: a frame that fails never reaches the bridge, the replication table or a shadow. */
+static __always_inline int source_ok(struct __sk_buff *skb, __u32 ifindex, struct port_stats *ps)
+{
+	struct port_bind *b = bpf_map_lookup_elem(&ckm_bind, &ifindex);
+	struct ethhdr eth;
+
+	if (!b || bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0 ||
+	    !mac_eq(eth.h_source, b->mac)) {
+		count(&ps->bad_src_mac);
+		return 0;
+	}
+	if (eth.h_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr ip;
+
+		if (bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) < 0 ||
+		    ip.saddr != b->ip) {
+			count(&ps->bad_src_ip);
+			return 0;
+		}
+		return 1;
+	}
+	if (eth.h_proto == bpf_htons(ETH_P_ARP)) {
+		struct arp_eth arp;
+
+		if (bpf_skb_load_bytes(skb, sizeof(eth), &arp, sizeof(arp)) < 0 ||
+		    arp.ar_hln != 6 || arp.ar_pln != 4) {
+			count(&ps->bad_src_ip);
+			return 0;
+		}
+		if (!mac_eq(arp.sha, b->mac)) {
+			count(&ps->bad_src_mac);
+			return 0;
+		}
+		if (arp.spa != b->ip) {
+			count(&ps->bad_src_ip);
+			return 0;
+		}
+		return 1;
+	}
+	count(&ps->bad_src_ip); /* IPv6, a second VLAN tag, ...: no bound source to check */
+	return 0;
+}
+
 SEC("tc")
 int ckm_ingress(struct __sk_buff *skb)
 {
@@ -320,6 +409,8 @@ int ckm_ingress(struct __sk_buff *skb)
 	if (!ps)
 		return TC_ACT_OK; /* not one of our ports: stay out of the way */
 	count(&ps->rx);
+	if (!source_ok(skb, ifindex, ps))
+		return TC_ACT_SHOT;
 	if (parse_udp(skb, &p) < 0)
 		return TC_ACT_OK;
 	if (p.udp_len < sizeof(struct udphdr) + CKM_HEADER_LEN ||

@@ -43,6 +43,15 @@ const bit<32> STAT_PARSER_ERROR = 6; /* the parser stopped early (a frame shorte
                                       * headers): forwarded as far as it was parsed */
 const bit<32> STAT_SIZE = 8;
 
+/* Indexes of the src_check counter: frames dropped on entering because their source is not
+ * the one bound to their ingress port (table port_bind, written by the controller from the
+ * config: each port's host's MAC and IPv4 address; the CPU port's is the switch's). A port
+ * without a binding drops everything (SRC_BAD_MAC). Counted once per dropped frame, in the
+ * apply block, before anything else looks at the frame. */
+const bit<32> SRC_BAD_MAC = 0;       /* Ethernet source is not the port's host's */
+const bit<32> SRC_BAD_IP = 1;        /* IPv4 source is not the port's host's */
+const bit<32> SRC_SIZE = 2;
+
 header ethernet_h {
     bit<48> dst_addr;
     bit<48> src_addr;
@@ -100,6 +109,8 @@ struct ckm_meta_t {
     bit<1> shadow_copy;  /* egress: this replica was rewritten for a shadow */
     bit<16> repl_group;  /* ingress: the matching replication entry's multicast group */
     bit<9> repl_port;    /* ingress: the port that entry's source host is attached to */
+    bit<48> bind_mac;    /* ingress: the MAC bound to the ingress port (port_bind) */
+    bit<32> bind_ip;     /* ingress: the IPv4 address bound to the ingress port */
     /* CkmLengthCheck's 16-bit values (metadata, not locals, so that each stays a field
      * the gateways compare; checkmate_checks.p4) */
     bit<16> len_payload;  /* udp.length - CKM_UDP_OVERHEAD */

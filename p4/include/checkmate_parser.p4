@@ -24,6 +24,8 @@ parser CkmPacketParser(packet_in pkt, out ethernet_h ethernet, out vlan_h vlan,
         meta.shadow_copy = 0;
         meta.repl_group = 0;
         meta.repl_port = 0;
+        meta.bind_mac = 0;
+        meta.bind_ip = 0;
         meta.len_payload = 0;
         meta.len_float32 = 0;
         meta.len_bfloat16 = 0;
