@@ -63,6 +63,17 @@ def test_bad_multinode_command_lines_are_one_line_errors(capsys, argv, needle):
     assert needle in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_rendezvous_that_never_completes_is_one_line(tmp_path):
+    """A node whose peers never come: torch's RendezvousTimeoutError, as one line."""
+    p = subprocess.run([sys.executable, "-m", "checkmate.launch.cli", "launch", "--nnodes",
+                        "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-conf",
+                        "join_timeout=2", "--mode", "off", "--nproc-per-node", "1",
+                        str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr
+    assert "did not complete in time: fewer than 2 node(s) joined" in p.stderr
+
+
 def test_multinode_flags_mean_what_torchrun_makes_of_them(tmp_path):
     """The LaunchConfig of `checkmate launch` equals torchrun's for the same flags."""
     from torch.distributed.run import config_from_args, parse_args
