@@ -109,7 +109,7 @@ def deploy(args: argparse.Namespace) -> int:
         raise CheckmateError(f"unknown switch {args.switch!r} (the config has "
                              f"{cfg.switch.name!r})")
     store = _store(args, cfg)
-    plan = plan_mod.build(cfg, store.for_config(cfg))
+    plan = plan_mod.build(cfg, store.for_config(cfg), store.ring)
     if args.dry_run:
         _dry_run(cfg, plan)
         return 0

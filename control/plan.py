@@ -8,7 +8,7 @@ the same ring hops, the same groups and the same PFC numbers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from checkmate.config.cluster import CONTROLLER_PORT, ClusterConfig, Host
@@ -191,8 +191,47 @@ def host_commands(cfg: ClusterConfig) -> tuple[str, ...]:
     return tuple(out)
 
 
-def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None = None) -> Plan:
-    """The plan for ``cfg``; ``registrations`` (partition -> session) override shadows."""
+def ring_hops(cfg: ClusterConfig, ring: Sequence[str] | None) -> list[tuple[int, Host, Host]]:
+    """The ring hops that cross the switch: ``(destination rank, source host, destination
+    host)``. Without ``ring``: the config's trainers in rank order, one rank per host. With
+    it (a launcher's rendezvous: the ring IP of every rank, in ring order): consecutive
+    ranks on one host talk without the switch, so only hops between two hosts are kept; a
+    host's ranks must be consecutive (torch's elastic agent numbers them so), or two hops
+    would share one (source, destination) entry."""
+    if ring is None:
+        trainers = cfg.trainers
+        n = len(trainers)
+        if n < 2:
+            return []
+        out = []
+        for src in trainers:
+            assert src.rank is not None
+            dst = trainers[(src.rank + 1) % n]
+            assert dst.rank is not None
+            out.append((dst.rank, src, dst))
+        return out
+    by_ip = {h.ip: h for h in cfg.trainers}
+    hosts = []
+    for r, ip in enumerate(ring):
+        if ip not in by_ip:
+            raise CheckmateError(f"rank {r} is at {ip}, which is no trainer host of the "
+                                 "config")
+        hosts.append(by_ip[ip])
+    n = len(hosts)
+    hops = [((r + 1) % n, hosts[r], hosts[(r + 1) % n]) for r in range(n)
+            if hosts[r].ip != hosts[(r + 1) % n].ip]
+    pairs = [(a.ip, b.ip) for _, a, b in hops]
+    if len(set(pairs)) != len(pairs):
+        raise CheckmateError("the ranks of a host are not consecutive in the ring: two hops "
+                             f"would share the entry of {pairs[0][0]} -> {pairs[0][1]}")
+    return hops
+
+
+def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None = None,
+          ring: Sequence[str] | None = None) -> Plan:
+    """The plan for ``cfg``; ``registrations`` (partition -> session) override shadows;
+    ``ring`` (every rank's IP, in ring order, from a launcher's rendezvous) overrides the
+    config's static ranks (see ring_hops)."""
     regs = dict(registrations or {})
     for p, reg in regs.items():
         if cfg.shadow_for(p) is None:
@@ -200,8 +239,7 @@ def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None =
         h = cfg.host(reg.host)
         if h.role != "shadow":
             raise CheckmateError(f"registration for partition {p} names {h.name}, a {h.role}")
-    trainers = cfg.trainers
-    n = len(trainers)
+    hops = ring_hops(cfg, ring)
     repl: list[Replication] = []
     groups: list[McastGroup] = []
     rewrites: list[ShadowRewrite] = []
@@ -213,27 +251,23 @@ def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None =
             rid=p + 1, partition=p, shadow=host.name, smac=cfg.switch.mac, dmac=reg.mac,
             ip=reg.ip, udp_port=reg.port, epoch=reg.epoch, token=reg.token,
         ))
-    if n >= 2:
-        for src in trainers:
-            assert src.rank is not None
-            dst = trainers[(src.rank + 1) % n]
-            assert dst.rank is not None
-            for shadow in cfg.shadows:
-                p = shadow.partition
-                assert p is not None
-                host, reg = _shadow_session(cfg, p, regs)
-                gid = group_id(dst.rank, p)
-                repl.append(Replication(
-                    job_id=cfg.job_id, src=src.name, src_ip=src.ip,
-                    ingress_port=switch_port(cfg, src), ingress_ifname=cfg.switch_ifname(src.name),
-                    dst=dst.name,
-                    dst_ip=dst.ip, partition=p, shadow=host.name, shadow_ip=reg.ip,
-                    shadow_mac=reg.mac, shadow_port=reg.port, epoch=reg.epoch,
-                    token=reg.token, group_id=gid,
-                ))
-                groups.append(McastGroup(gid, (
-                    (switch_port(cfg, dst), 0), (switch_port(cfg, host), p + 1),
-                )))
+    for dst_rank, src, dst in hops:
+        for shadow in cfg.shadows:
+            p = shadow.partition
+            assert p is not None
+            host, reg = _shadow_session(cfg, p, regs)
+            gid = group_id(dst_rank, p)
+            repl.append(Replication(
+                job_id=cfg.job_id, src=src.name, src_ip=src.ip,
+                ingress_port=switch_port(cfg, src), ingress_ifname=cfg.switch_ifname(src.name),
+                dst=dst.name,
+                dst_ip=dst.ip, partition=p, shadow=host.name, shadow_ip=reg.ip,
+                shadow_mac=reg.mac, shadow_port=reg.port, epoch=reg.epoch,
+                token=reg.token, group_id=gid,
+            ))
+            groups.append(McastGroup(gid, (
+                (switch_port(cfg, dst), 0), (switch_port(cfg, host), p + 1),
+            )))
     host_ports = sorted(switch_port(cfg, h) for h in cfg.hosts)
     groups.append(McastGroup(
         FLOOD_GROUP, tuple((port, 0) for port in [*host_ports, cfg.switch.cpu_port])

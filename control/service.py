@@ -50,7 +50,7 @@ class HandshakeService:
     def deploy(self, regs: dict | None = None) -> None:
         regs = self.store.for_config(self.cfg) if regs is None else regs
         try:
-            res = self.driver.apply(plan_mod.build(self.cfg, regs))
+            res = self.driver.apply(plan_mod.build(self.cfg, regs, self.store.ring))
         except CheckmateError:
             self.driver.close()  # reconnect (and re-arbitrate) on the next request
             raise
@@ -87,6 +87,8 @@ class HandshakeService:
                 out = self._register(body, peer_ip)
             elif op == "session":
                 out = self._session()
+            elif op == "attempt":
+                out = self._attempt(body)
             else:
                 raise CheckmateError(f"unknown op {op!r}")
         except CheckmateError as e:
@@ -112,6 +114,41 @@ class HandshakeService:
                   f"{reg.port}, epoch {reg.epoch}")
         return {"op": "registered", "job": self.cfg.job_id, "partition": reg.partition,
                 "epoch": reg.epoch, "token": reg.token}
+
+    def _attempt(self, body: dict) -> dict:
+        """A launcher's rendezvous made a new attempt: program the switch's replication for
+        its ranks (``ranks``: every rank's ring IP, in ring order) under a new epoch for
+        every partition, before the attempt's first iteration. A hop between two ranks of
+        one host crosses no switch and gets no entry; entries of hosts that left (a lost
+        node) are withdrawn by the plan's diff. A repeat of the current attempt (a retry
+        whose reply was lost) gets its sessions again."""
+        attempt, ranks = body.get("attempt"), body.get("ranks")
+        if not isinstance(attempt, str) or not 0 < len(attempt) <= 128:
+            raise CheckmateError("bad attempt: a string of 1 to 128 characters")
+        if not isinstance(ranks, list) or not 1 <= len(ranks) <= 4096 or \
+                not all(isinstance(ip, str) for ip in ranks):
+            raise CheckmateError("bad ranks: a list of 1 to 4096 IP strings in ring order")
+        if attempt == self.store.attempt and ranks == self.store.ring:
+            regs = self.store.for_config(self.cfg)
+            self.stats["attempt_repeated"] += 1
+        else:
+            plan_mod.ring_hops(self.cfg, ranks)  # a bad mapping: refused before any write
+            regs = self.store.attempt_sessions(self.cfg)
+            old_ring = self.store.ring
+            self.store.ring = list(ranks)
+            try:
+                self.deploy(regs)
+            except CheckmateError:
+                self.store.ring = old_ring
+                raise
+            self.store.commit_attempt(attempt, ranks, regs)
+            hosts = sorted({ip for ip in ranks})
+            self._log(f"attempt {attempt}: {len(ranks)} rank(s) on {len(hosts)} host(s) "
+                      f"{', '.join(hosts)}, epoch {next(iter(regs.values())).epoch}")
+        return {"op": "attempt", "job": self.cfg.job_id, "attempt": attempt,
+                "partitions": {str(p): {"epoch": r.epoch, "token": r.token, "ip": r.ip,
+                                        "port": r.port}
+                               for p, r in sorted(regs.items())}}
 
     def _session(self) -> dict:
         regs = self.store.for_config(self.cfg)

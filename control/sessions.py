@@ -13,7 +13,7 @@ import json
 import os
 import re
 import secrets
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from checkmate.config.cluster import ClusterConfig
@@ -41,6 +41,10 @@ class SessionStore:
         #: session again, never a new epoch (in memory, the newest per partition kept).
         self.by_instance: dict[tuple[int, str], Registration] = {}
         self.max_epoch = 0
+        #: The current attempt of a launcher-run job (``attempt``): its id and every rank's
+        #: ring IP in rank order; the plan's ring follows it instead of the config's ranks.
+        self.attempt = ""
+        self.ring: list[str] | None = None
         self._load()
 
     def _load(self) -> None:
@@ -52,6 +56,9 @@ class SessionStore:
             raise CheckmateError(f"controller state {self.path} is unreadable: {e}") from None
         try:
             self.max_epoch = int(data.get("max_epoch", 0))
+            self.attempt = str(data.get("attempt", ""))
+            ring = data.get("ring")
+            self.ring = None if ring is None else [str(ip) for ip in ring]
             for r in data.get("registrations", []):
                 reg = Registration(**r)
                 self.registrations[reg.partition] = reg
@@ -63,6 +70,7 @@ class SessionStore:
         tmp = self.path.with_suffix(".tmp")
         text = json.dumps({
             "max_epoch": self.max_epoch,
+            "attempt": self.attempt, "ring": self.ring,
             "registrations": [asdict(r) for _, r in sorted(self.registrations.items())],
         }, indent=1)
         # Every epoch and token is in it: readable by the controller's user only (0600),
@@ -136,6 +144,31 @@ class SessionStore:
             raise CheckmateError("epoch space exhausted")
         token = secrets.randbits(32) or 1
         return Registration(p, h.name, str(ip), mac, port, epoch, token, instance)
+
+    def attempt_sessions(self, cfg: ClusterConfig) -> dict[int, Registration]:
+        """A new session for every registered partition, all under one new epoch (above
+        every epoch handed out), same shadow, fresh token: a new attempt's copies are
+        stamped with it, and what the switch stamped for an earlier attempt is refused by
+        the shadows once they hold it. Not stored until ``commit_attempt``."""
+        regs = self.for_config(cfg)
+        if sorted(regs) != [h.partition for h in cfg.shadows]:
+            missing = sorted({h.partition for h in cfg.shadows} - set(regs))
+            raise CheckmateError(f"partition(s) {missing} have no registered shadow yet")
+        epoch = self.max_epoch + 1
+        if epoch >= 2**32:
+            raise CheckmateError("epoch space exhausted")
+        return {p: replace(r, epoch=epoch, token=secrets.randbits(32) or 1)
+                for p, r in regs.items()}
+
+    def commit_attempt(self, attempt: str, ring: list[str],
+                       regs: dict[int, Registration]) -> None:
+        self.attempt, self.ring = attempt, list(ring)
+        for reg in regs.values():
+            self.registrations[reg.partition] = reg
+            if reg.instance:  # a late retry of the shadow's register gets this session
+                self.by_instance[(reg.partition, reg.instance)] = reg
+            self.max_epoch = max(self.max_epoch, reg.epoch)
+        self.save()
 
     def known(self, reg: Registration) -> bool:
         """``reg`` was registered before (new_session returned a retry's session)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkmate.config.cluster import RESTORE_PORT, SHADOW_PORT
+from checkmate.errors import CheckmateError
 from checkmate.protocol import auth, datamac
 from checkmate.shadow import checkpoint_load, disk, persist
 from checkmate.shadow.assembler import Assembler
@@ -80,7 +81,8 @@ class ShadowNode:
                                    opts.restore_port, self.secret, self.drops,
                                    self._on_peers, self._on_progress,
                                    disk.part_dir(opts.dir, opts.partition)
-                                   if opts.dir else None)
+                                   if opts.dir else None,
+                                   self._on_session if opts.controller else None)
         except Exception:
             self.sock.close()
             raise
@@ -158,6 +160,26 @@ class ShadowNode:
             return
         self.repair.set_peers(body, st.start, st.end)
         self._peers = dict(body)
+
+    def _on_session(self) -> dict[str, Any]:
+        """Adopt this partition's current session from the controller (asked here, over
+        the authenticated handshake: whoever asked us to look is not trusted for it) when
+        its epoch is newer: a launcher's attempt was programmed under it, and copies the
+        switch stamped for an earlier attempt are dropped from now on."""
+        from checkmate.train.layout import query_sessions
+
+        o = self.opts
+        assert o.controller is not None
+        reg = query_sessions(o.controller, o.job, secret=self.secret).get(o.partition)
+        if reg is None or reg.get("host") != o.host or reg.get("port") != self.udp_port:
+            raise CheckmateError(f"the controller's session of partition {o.partition} is "
+                                 f"not this shadow's ({reg})")
+        epoch, token = int(reg["epoch"]), int(reg["token"])
+        if epoch > self.receiver.epoch:
+            log.warning("partition %d: new session epoch %d (was %d): a new attempt",
+                        o.partition, epoch, self.receiver.epoch)
+            self.receiver.set_session(epoch, token)
+        return {"epoch": self.receiver.epoch}
 
     def _on_progress(self, done: int) -> None:
         st = self.state

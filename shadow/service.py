@@ -55,8 +55,12 @@ class Service:
                  bind: str, port: int, secret: bytes, drops: Counter | None = None,
                  on_peers: Callable[[dict[str, Any]], None] | None = None,
                  on_progress: Callable[[int], None] | None = None,
-                 disk_dir: Path | None = None) -> None:
+                 disk_dir: Path | None = None,
+                 on_session: Callable[[], dict[str, Any]] | None = None) -> None:
         self.state = state
+        #: ``session``: a launcher's new attempt was programmed under a new epoch; the
+        #: shadow asks the controller itself (checkmate.shadow.node._on_session).
+        self.on_session = on_session
         #: This partition's checkpoint directory (disk.part_dir): ``holdings`` lists what
         #: it holds and ``fetch`` with ``source: disk`` serves from it (a resume from disk).
         self.disk_dir = disk_dir
@@ -205,6 +209,10 @@ class Service:
                 raise CheckmateError("this shadow takes no peers")
             self.on_peers(h)
             return {"ok": True}, b""
+        if op == "session":
+            if self.on_session is None:
+                raise CheckmateError("this shadow has no controller session (--no-register)")
+            return {"ok": True, **self.on_session()}, b""
         if op == "reseed":
             if "spec" in h:
                 st.set_spec(ModelSpec.from_json(h["spec"]))

@@ -98,10 +98,17 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # datagrams counted as dropped, no receive thread lost.
     for a in ("forged-control", "deep-json", "replay-other-run"):
         out[f"attack-{a}"] = {"stream_attacks": [a]}
+    # A node lost (testbed/multinode.py): one `checkmate launch` per node on its own
+    # cluster (testbed/multinode.yaml), a spare replacing it or the job shrinking.
+    from checkmate.testbed import multinode
+
+    for name in multinode.SCENARIOS:
+        out[name] = {"multinode": True}
     return out
 
 
-RANDOM = {"attack-conn-flood-s0", "shadow-restart-empty", "shadow-restart-disk",
+RANDOM = {"multinode-kill-node", "multinode-shrink", "attack-conn-flood-s0",
+          "shadow-restart-empty", "shadow-restart-disk",
           "shadow-and-trainers-kill", "all-shadows-restart-disk", "shadows-restart-under-load",
           "trainer-kill-after-step",
           "trainer-kill-before-control", "controller-restart"}
@@ -244,6 +251,21 @@ def _remove_if_empty(d: Path) -> None:
         pass
 
 
+def _multinode(name: str, case_dir: Path, rng: random.Random) -> dict[str, Any]:
+    """A multi-node case on its own namespace cluster (testbed/multinode.yaml), brought
+    up for the case and down after it (its prefix differs from the suite's)."""
+    from checkmate.testbed import multinode
+    from checkmate.testbed.cluster import Cluster
+
+    case_dir.mkdir(parents=True, exist_ok=True)
+    path = multinode.default_config()
+    with ExitStack() as stack:
+        cl = Cluster(cfgmod.load(path), "switch", path, "", stack)
+        rep = multinode.execute(multinode.SCENARIOS[name], cl, case_dir, None, rng)
+    rep.setdefault("runs", {})
+    return rep
+
+
 @cli_guard("testbed chaos")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -289,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         cl = Cluster(cfg, "switch", config_path, "", stack)
         for name in names:
             for rep_i in range(args.repeat if name in RANDOM else 1):
-                sc = draw(name, known[name], args.steps, args.seed, cfg.num_partitions, rng)
+                multi = bool(known[name].get("multinode"))
+                sc = None if multi else draw(name, known[name], args.steps, args.seed,
+                                             cfg.num_partitions, rng)
                 t0 = time.perf_counter()
-                if sc.steps not in refs:
+                if sc is not None and sc.steps not in refs:
                     ref_dir = workdir / f"reference-{sc.steps}"
                     ref = reference(sc, cl, ref_dir, progress)
                     if ref.problems:
@@ -307,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.perf_counter()
                 case_dir = workdir / f"{name}-{rep_i}"
                 try:
-                    rep = execute(sc, cl, case_dir, progress, refs[sc.steps])
+                    if sc is None:
+                        rep = _multinode(name, case_dir, rng)
+                    else:
+                        rep = execute(sc, cl, case_dir, progress, refs[sc.steps])
                 except CheckmateError as e:
                     rep = {"ok": False, "runs": {}, "problems": [str(e)]}
                 if rep["ok"]:

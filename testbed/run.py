@@ -317,6 +317,31 @@ def _table(report: dict[str, Any]) -> None:
     c.print("[green]OK[/green]" if report["ok"] else "[red]FAILED[/red]")
 
 
+def _multinode(args: argparse.Namespace, multinode: Any) -> int:
+    """A multi-node scenario (testbed/multinode.py): one `checkmate launch` per node."""
+    sc = multinode.SCENARIOS[args.scenario]
+    config_path = Path(args.config).resolve() if args.config else multinode.default_config()
+    cfg = cfgmod.load(config_path)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with ExitStack() as stack:
+        if args.workdir:
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
+            workdir = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
+        else:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckm-run-")))
+        cl = Cluster(cfg, args.mode, config_path, args.loopback_net, stack)
+        report = multinode.execute(sc, cl, workdir, lambda *a: None,
+                                   random.Random(args.seed))
+    console.print(json.dumps(report, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"{sc.name}: {'OK' if report['ok'] else 'FAILED'}"
+          + "".join(f"\nproblem: {p}" for p in report["problems"]))
+    return 0 if report["ok"] else 1
+
+
 @cli_guard("testbed run")
 
 
@@ -331,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="host mode: first three octets of the loopback addresses")
     ap.add_argument("--seed", type=int, help="seed for a random kill_at")
     args = ap.parse_args(argv)
+    from checkmate.testbed import multinode
+
+    if args.scenario in multinode.SCENARIOS:
+        return _multinode(args, multinode)
     sc = load_scenario(args.scenario, random.Random(args.seed))
     config_path = Path(args.config).resolve() if args.config else cfgmod.default_path()
     cfg = cfgmod.load(config_path)

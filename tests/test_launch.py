@@ -138,7 +138,8 @@ def test_launch_gockpt_mode_restarts_a_killed_trainer_bit_identical(tmp_path):
     (["--nproc-per-node", "two", "x.py"], "expected an integer 1.."),
     (["--nproc-per-node", "2", "--shadows", "2", "--shadow", "127.0.0.1", "EX"],
      "not allowed with argument"),
-    (["--nproc-per-node", "2", "--mode", "switch", "EX"], "invalid choice"),
+    (["--nproc-per-node", "2", "--mode", "bogus", "EX"], "invalid choice"),
+    (["--nproc-per-node", "2", "--mode", "switch", "EX"], "needs --controller"),
     (["--nproc-per-node", "2", "no/such/script.py"], "no such script"),
     (["--nproc-per-node", "2", "--persist-every", "5", "EX"], "give --dir"),
     (["--nproc-per-node", "2", "--mode", "off", "--shadows", "2", "EX"], "without shadows"),
@@ -178,8 +179,10 @@ def test_console_script_and_worker_errors_are_one_line(tmp_path):
     for script, extra, needle in (
             (EXAMPLE, {}, "RANK is not set"),
             (tiny, {"RANK": "0", "WORLD_SIZE": "1"}, "CHECKMATE_TRAINERS must be"),
+            (tiny, {"RANK": "0", "WORLD_SIZE": "1", "CHECKMATE_MODE": "sideways",
+                    "CHECKMATE_TRAINERS": "127.0.0.1:47000"}, "CHECKMATE_MODE must"),
             (tiny, {"RANK": "0", "WORLD_SIZE": "1", "CHECKMATE_MODE": "switch",
-                    "CHECKMATE_TRAINERS": "127.0.0.1:47000"}, "CHECKMATE_MODE must")):
+                    "CHECKMATE_TRAINERS": "127.0.0.1:47000"}, "needs CHECKMATE_CONTROLLER")):
         p = subprocess.run([sys.executable, "-m", "checkmate.train.run_script", str(script),
                             "--steps", "1"], capture_output=True, text=True, timeout=120,
                            env={**env, **extra})

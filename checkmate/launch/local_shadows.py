@@ -70,6 +70,16 @@ def trainer_addrs(net: str, world: int) -> list[Addr]:
     return [(f"{net}.{TRAINER_BASE + r}", config.TRAINER_PORT) for r in range(world)]
 
 
+#: Ports between two workers that share a node's IP (ring port, its repair port at +2).
+WORKER_PORT_STRIDE = 4
+
+
+def node_worker_addrs(ip: str, local_world: int) -> list[Addr]:
+    """Ring addresses of a node's workers on its one IP: local rank L on the trainer port
+    + 4L (its repair port 2 above, checkmate.train.layout.JobLayout.repair_addr)."""
+    return [(ip, config.TRAINER_PORT + WORKER_PORT_STRIDE * lr) for lr in range(local_world)]
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG

@@ -26,6 +26,21 @@ MODE = "CHECKMATE_MODE"
 GOCKPT = "CHECKMATE_GOCKPT"
 #: every rank's ring address ``IP:PORT``, comma separated, in rank order.
 TRAINERS = "CHECKMATE_TRAINERS"
+#: Multi-node jobs (``checkmate launch --nnodes``): the ring addresses of this node's workers
+#: ``IP:PORT``, comma separated, in LOCAL_RANK order. Ranks are assigned by the rendezvous,
+#: so no launcher knows every address beforehand: the workers exchange theirs after it
+#: (CheckmateSession.from_env), in place of CHECKMATE_TRAINERS.
+LOCAL_TRAINERS = "CHECKMATE_LOCAL_TRAINERS"
+#: The job's rendezvous store ``HOST:PORT`` (the c10d TCPStore at --rdzv-endpoint), which
+#: outlives every attempt: where the job records that its shadows were seeded
+#: (checkmate.train.agreement).
+RDZV_STORE = "CHECKMATE_RDZV_STORE"
+#: switch mode under the launcher: the controller's handshake address ``IP:PORT``, told the
+#: rank-to-host mapping after every rendezvous (checkmate.train.attempt).
+CONTROLLER = "CHECKMATE_CONTROLLER"
+#: Seconds a ring operation may make no progress before it fails (a peer is gone); a
+#: multi-node job sets it low so that a lost node is noticed soon.
+STALL_TIMEOUT = "CHECKMATE_STALL_TIMEOUT"
 #: every shadow's TCP service address ``IP:PORT``, comma separated, in partition order.
 SHADOWS = "CHECKMATE_SHADOWS"
 #: every shadow's UDP address ``IP:PORT`` (default: the TCP address's IP, port 47001).
@@ -45,7 +60,7 @@ DEVICE = "CHECKMATE_DEVICE"
 #: Set by torch's elastic agent: how many times the worker group was restarted.
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
-ENV_MODES = ("host", "off", "gockpt")
+ENV_MODES = ("host", "off", "gockpt", "switch")
 ENV_DEVICES = ("cpu", "cuda")
 
 
@@ -73,6 +88,11 @@ class EnvJob:
     kill_at: tuple[int, int] | None
     gockpt: tuple[str, int, int] | None = None
     device: str = "cpu"
+    #: multi-node: this worker's ring address (``trainers`` is empty until exchanged)
+    local_trainer: tuple[str, int] | None = None
+    rdzv_store: tuple[str, int] | None = None
+    controller: tuple[str, int] | None = None
+    stall_timeout: float | None = None
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -114,10 +134,21 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
     if mode not in ENV_MODES:
         raise CheckmateError(f"environment variable {MODE} must be one of "
                              f"{', '.join(ENV_MODES)}, got {mode!r}")
-    trainers = _addrs(env, TRAINERS)
-    if len(trainers) != world:
-        raise CheckmateError(f"{TRAINERS} lists {len(trainers)} addresses for WORLD_SIZE "
-                             f"{world}")
+    if mode == "switch" and not env.get(CONTROLLER):
+        raise CheckmateError(f"{MODE}=switch needs {CONTROLLER} (the controller's address)")
+    local_trainer = None
+    if env.get(LOCAL_TRAINERS) and not env.get(TRAINERS):
+        local = _addrs(env, LOCAL_TRAINERS)
+        lr = _int(env, "LOCAL_RANK")
+        if lr >= len(local):
+            raise CheckmateError(f"{LOCAL_TRAINERS} lists {len(local)} addresses, LOCAL_RANK "
+                                 f"is {lr}")
+        trainers, local_trainer = [], local[lr]
+    else:
+        trainers = _addrs(env, TRAINERS)
+        if len(trainers) != world:
+            raise CheckmateError(f"{TRAINERS} lists {len(trainers)} addresses for WORLD_SIZE "
+                                 f"{world}")
     tcp: list[tuple[str, int]] = []
     udp: list[tuple[str, int]] = []
     gockpt = None
@@ -146,6 +177,12 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
     if device not in ENV_DEVICES:
         raise CheckmateError(f"environment variable {DEVICE} must be one of "
                              f"{', '.join(ENV_DEVICES)}, got {device!r}")
+    store = _addrs(env, RDZV_STORE)[0] if env.get(RDZV_STORE) else None
+    controller = _addrs(env, CONTROLLER)[0] if env.get(CONTROLLER) else None
+    stall = env.get(STALL_TIMEOUT)
+    if stall and not stall.isdigit():
+        raise CheckmateError(f"environment variable {STALL_TIMEOUT} must be whole seconds, "
+                             f"got {stall!r}")
     resume = env.get(RESUME, "0")
     if resume not in ("0", "1"):
         raise CheckmateError(f"environment variable {RESUME} must be 0 or 1, got {resume!r}")
@@ -154,4 +191,5 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         shadow_tcp=tcp, shadows=[ShadowTarget(p, h, port) for p, (h, port) in enumerate(udp)],
         seed=_int(env, SEED, 0), progress_every=_int(env, PROGRESS_EVERY, 0),
         restart_count=_int(env, RESTART_COUNT, 0), resume=resume == "1", kill_at=kill_at,
-        gockpt=gockpt, device=device)
+        gockpt=gockpt, device=device, local_trainer=local_trainer, rdzv_store=store,
+        controller=controller, stall_timeout=float(stall) if stall else None)

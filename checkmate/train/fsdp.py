@@ -179,7 +179,7 @@ class FSDPSession(CheckmateSession):
     def peers_body(self, partition: int) -> dict[str, Any]:
         lay = self.layout
         start, end = self.spec.bounds(partition)
-        trainers = [(ip, lay.repair_port) for ip, _ in lay.trainers]
+        trainers = [lay.repair_addr(r) for r in range(lay.world)]
         return owners_body(trainers, shard_owners(self.spec, self.shards, start, end)
                            if lay.repair else [], 0, self.run)
 

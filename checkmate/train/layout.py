@@ -81,6 +81,15 @@ class JobLayout:
     #: each rank's node id (checkmate.train.ring_schedule); None: torch elastic's
     #: GROUP_RANK of every rank, gathered at start, or without it every rank its own node
     node_of: list[int] | None = None
+    #: seconds a ring operation may stall before it fails (a peer is gone)
+    stall_timeout: float = 60.0
+
+    def repair_addr(self, rank: int) -> tuple[str, int]:
+        """Where ``rank`` answers repair requests: its ring IP, at ``repair_port`` shifted
+        by as much as its ring port is from the default (several ranks of a node may share
+        one IP, each on its own ports)."""
+        ip, port = self.trainers[rank]
+        return ip, self.repair_port + (port - config.TRAINER_PORT)
 
     def __post_init__(self) -> None:
         if self.verbs_device and self.mode != "host":
@@ -102,10 +111,12 @@ class JobLayout:
             raise CheckmateError("need one UDP and one TCP address per shadow partition")
 
 
-def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
-                   tries: int = 5, secret: bytes | None = None) -> dict[int, dict[str, Any]]:
-    """The controller's current registrations: partition -> {epoch, token, ip, port}
-    (an authenticated ``session`` request; ``secret`` defaults to $CHECKMATE_SECRET_FILE's)."""
+def controller_request(controller: tuple[str, int], job_id: int, body: dict[str, Any],
+                       timeout: float = 2.0, tries: int = 5, secret: bytes | None = None
+                       ) -> dict[str, Any]:
+    """One authenticated handshake request to the controller (retried ``tries`` times
+    within ``timeout``); its reply body, or one CheckmateError (refused, no answer).
+    ``secret`` defaults to $CHECKMATE_SECRET_FILE's."""
     from checkmate.control.pfc import mark_ckm
     from checkmate.protocol import auth
 
@@ -113,14 +124,22 @@ def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.
     with mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as s:
         seq, nonces = secrets.randbits(31), []
         for _ in range(tries):
-            req, nonce = handshake.request(key, job_id, seq, {"op": "session", "job": job_id})
+            req, nonce = handshake.request(key, job_id, seq, {**body, "job": job_id})
             nonces.append(nonce)  # a late answer to an earlier try counts too
             s.sendto(req, controller)
             m = handshake.await_reply(s, seq, key, nonces, timeout / tries)
             if m is None:
                 continue
             if not m.header.flags & wire.Flags.ACK:
-                raise CheckmateError(f"controller refused session query: "
+                raise CheckmateError(f"controller refused {body.get('op')} request: "
                                      f"{m.body.get('reason')}")
-            return {int(p): v for p, v in m.body.get("partitions", {}).items()}
+            return m.body
     raise CheckmateError(f"controller {controller[0]}:{controller[1]} did not answer")
+
+
+def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
+                   tries: int = 5, secret: bytes | None = None) -> dict[int, dict[str, Any]]:
+    """The controller's current registrations: partition -> {epoch, token, ip, port}
+    (an authenticated ``session`` request; ``secret`` defaults to $CHECKMATE_SECRET_FILE's)."""
+    body = controller_request(controller, job_id, {"op": "session"}, timeout, tries, secret)
+    return {int(p): v for p, v in body.get("partitions", {}).items()}

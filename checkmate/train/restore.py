@@ -153,24 +153,23 @@ def check_resume(addrs: list[tuple[str, int]], spec: Any,
 def restore_session(sess: Any) -> int:
     """Restore ``sess`` (a CheckmateSession) in place; returns the restored iteration.
 
-    Rank 0 finds the resume point, prints the line saying which and why, and broadcasts
-    it, so a refusal is the same one-line CheckmateError on every rank (never a rank left
-    waiting or dying in gloo).
+    Rank 0 finds the resume point, prints the line saying which and why, and publishes it
+    in the attempt's c10d store (checkmate.train.agreement); every other rank reads it
+    there instead of asking the shadows itself, so all ranks load the same iteration and a
+    refusal is the same one-line CheckmateError on every rank (never a rank left waiting).
     """
-    import torch.distributed as dist
+    from checkmate.train import agreement
 
     addrs = sess.layout.shadow_tcp
-    verdict: list[Any] = [None, None]
-    if sess.layout.rank == 0:
-        try:
-            verdict[0] = check_resume(addrs, sess.spec)
-            resume_point.say_line(verdict[0].line)
-        except CheckmateError as e:
-            verdict[1] = str(e)
-    dist.broadcast_object_list(verdict, src=0, group=sess.group)
-    if verdict[1] is not None:
-        raise CheckmateError(verdict[1])
-    point: ResumePoint = verdict[0]
+
+    def compute() -> dict[str, Any]:
+        found = check_resume(addrs, sess.spec)
+        resume_point.say_line(found.line)
+        return {"iteration": found.iteration, "sources": found.sources, "line": found.line}
+
+    got = agreement.decide(agreement.attempt_store(), "resume-point", sess.layout.rank,
+                           compute)
+    point = ResumePoint(int(got["iteration"]), list(got["sources"]), str(got["line"]))
     r = restore_point(addrs, sess.spec, point.iteration, sources=point.sources)
     from checkmate.train import world
 

@@ -213,17 +213,26 @@ class CheckmateSession(_Reliability, _ControlMessage):
                                     world_size=job.world)
         if dist.get_backend() != "gloo":
             group = dist.new_group(backend="gloo")
+        trainers = job.trainers or _exchange_addrs(job.local_trainer, job.world, group)
+        if job.stall_timeout is not None:
+            layout.setdefault("stall_timeout", job.stall_timeout)
         lay = JobLayout(job_id=job.job_id, rank=job.rank, world=job.world,
-                        trainers=job.trainers, shadows=job.shadows, shadow_tcp=job.shadow_tcp,
+                        trainers=trainers, shadows=job.shadows, shadow_tcp=job.shadow_tcp,
                         mode="off" if job.mode == "gockpt" else job.mode, seed=job.seed,
-                        gockpt=job.gockpt, **layout)
+                        gockpt=job.gockpt, controller=job.controller, **layout)
         sess = cls(model, optimizer, scheduler, lay, max_grad_norm, group, scaler=scaler)
+        # switch mode under the launcher: each attempt has the controller program its ring
+        sess.announce_attempt = lay.mode == "switch"
         sess.progress_every = job.progress_every
         if job.kill_at is not None and job.kill_at[0] == job.rank and not job.restart_count:
             sess.injector = _kill_hook(job.kill_at[1])
         if resume is None:
             resume = sess._resume_wanted(job)
         done = sess.start(resume=resume)
+        if job.rdzv_store is not None and not resume and job.rank == 0 and lay.mode != "off":
+            from checkmate.train import agreement
+
+            agreement.mark(sess._job_store(job), "seeded")  # later attempts resume
         if not hasattr(sess, "restored_extra"):
             sess.restored_extra = {}
         if job.rank == 0:
@@ -240,10 +249,22 @@ class CheckmateSession(_Reliability, _ControlMessage):
         """The same resume decision on every rank (rank 0 asks the shadows, or looks for
         a GoCkpt checkpoint; see from_env)."""
         gk = self.layout.gockpt
-        if (self.layout.mode == "off" and gk is None) or not (job.restart_count or job.resume):
+        if self.layout.mode == "off" and gk is None:
             return False
         if job.resume:
             return True
+        if job.rdzv_store is not None and gk is None:
+            # Several nodes: an agent's restart count says nothing about the job (a spare
+            # that replaced a lost node counts none, a node joining restarts the group
+            # without counting): the job's rendezvous store says whether it was seeded.
+            from checkmate.train import agreement
+
+            store = self._job_store(job)
+            return bool(agreement.decide(agreement.attempt_store(), "resume",
+                                         self.layout.rank,
+                                         lambda: agreement.marked(store, "seeded")))
+        if not job.restart_count:
+            return False
         answer: list[Any] = [True]
         if self.layout.rank == 0 and gk is not None:
             from checkmate.gockpt.trainer import wait_idle
@@ -271,6 +292,17 @@ class CheckmateSession(_Reliability, _ControlMessage):
         if isinstance(answer[0], str):
             raise CheckmateError(answer[0])
         return bool(answer[0])
+
+    def _job_store(self, job: Any) -> Any:
+        """A client of the job's rendezvous store (multi-node launches), made once."""
+        import os
+
+        from checkmate.train import agreement
+
+        if getattr(self, "_jstore", None) is None:
+            self._jstore = agreement.job_store(job.rdzv_store,
+                                               os.environ.get("TORCHELASTIC_RUN_ID", "none"))
+        return self._jstore
 
     def report(self, loss: float | torch.Tensor | None = None) -> None:
         """Progress for the console: on rank 0, every ``progress_every`` iterations
@@ -322,6 +354,12 @@ class CheckmateSession(_Reliability, _ControlMessage):
             raise CheckmateError(nonce[2])  # the same line on every rank
         self._set_run(nonce[1])
         self.node_of = self._gather_nodes()
+        if lay.mode == "switch" and getattr(self, "announce_attempt", False):
+            from checkmate.train.attempt import announce
+            from checkmate.train.ring_schedule import RingSchedule
+
+            # the switch copies this attempt's ring hops, under a new epoch (iteration 0 waits)
+            announce(lay, RingSchedule.build(lay.world, self.node_of).order)
         if lay.mode == "switch" and lay.controller is not None:
             self._refresh_sessions()
             self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
@@ -459,7 +497,7 @@ class CheckmateSession(_Reliability, _ControlMessage):
             lay.trainers[sched.left(lay.rank)], lay.job_id, nonce, self.spec.total,
             self.spec.partitions, chunk=lay.chunk, on_reduced=on_reduced, link=lay.link,
             tag=lay.mode != "off", piece=MAX_CHUNK, mac_key=self.data_key,
-            node_of=self.node_of)
+            node_of=self.node_of, stall_timeout=lay.stall_timeout)
         order = [p.name for p in self.spec.params]
         self.model = CheckmateDDP(self.module, self.ring, order, lay.bucket_elems)
 
@@ -562,6 +600,23 @@ class CheckmateSession(_Reliability, _ControlMessage):
         if self.gockpt is not None:
             self.gockpt.close()
         self.sender.close()
+
+
+def _exchange_addrs(mine: tuple[str, int] | None, world: int, group: Any
+                    ) -> list[tuple[str, int]]:
+    """Every rank's ring address in rank order, from each rank's own (multi-node launches:
+    the rendezvous assigns the ranks, so the workers tell each other where they are)."""
+    if mine is None:
+        raise CheckmateError("no ring address for this worker: the launcher sets "
+                             "CHECKMATE_TRAINERS or CHECKMATE_LOCAL_TRAINERS")
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, [mine[0], mine[1]], group=group)
+    addrs = [(str(a[0]), int(a[1])) for a in out]
+    if len(set(addrs)) != world:
+        dup = sorted({a for a in addrs if addrs.count(a) > 1})
+        raise CheckmateError(f"two ranks of the job share the ring address {dup[0][0]}:"
+                             f"{dup[0][1]}: give each node its own --worker-ip")
+    return addrs
 
 
 def _closer(ref: weakref.ref) -> Any:

@@ -25,7 +25,7 @@ class _Reliability:
         lay = self.layout
         if lay.repair:
             self.replica_log = ReplicaLog(lay.repair_keep)
-            self.repair = RepairServer((lay.trainers[lay.rank][0], lay.repair_port),
+            self.repair = RepairServer(lay.repair_addr(lay.rank),
                                        lay.job_id, self.replica_log, self.sender.targets,
                                        lay.repair_rate, data_key=self.data_key)
         if lay.rank == 0:
@@ -47,7 +47,7 @@ class _Reliability:
         """The ``peers`` request for one shadow: trainers' repair addresses and owners."""
         lay = self.layout
         start, end = self.spec.bounds(partition)
-        trainers = [(ip, lay.repair_port) for ip, _ in lay.trainers]
+        trainers = [lay.repair_addr(r) for r in range(lay.world)]
         return owners_body(trainers, replica_owners(self.buckets, lay.world, start, end,
                                                     self.node_of)
                            if lay.repair else [], 0, self.run)

@@ -1,0 +1,89 @@
+"""Decisions every rank of an attempt must share, made once and read through torch's store.
+
+Rank 0 decides (where to resume, whether there is anything to resume from) and publishes
+the answer in the c10d store of the rendezvous; every other rank reads that answer
+instead of computing its own. So no two ranks can resume from different iterations, and
+a refusal is the same one line on every rank. Two stores are used, both torch's:
+
+* the attempt's store (the default process group's TCPStore, which torch's elastic agent
+  makes anew for every rendezvous round): the restore point of this attempt;
+* the job's rendezvous store (the c10d TCPStore at ``--rdzv-endpoint``, which lives as
+  long as the job, across attempts and membership changes): the fact that the job's
+  shadows were seeded, so that a worker group started again for any reason -- a failure,
+  a node that joined, a spare that replaced a lost node, whose agent counts no restarts
+  -- resumes instead of seeding the shadows anew over the job's checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from checkmate.errors import CheckmateError
+
+#: Seconds a rank waits for rank 0's answer (rank 0 may wait for restarting shadows).
+ANSWER_TIMEOUT = 300.0
+#: Key prefix of Checkmate's entries in the job's rendezvous store (torch's own keys
+#: live under ``torch.rendezvous.``).
+PREFIX = "checkmate"
+
+
+def attempt_store() -> Any:
+    """The default process group's store: torch's TCPStore of this rendezvous round."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def job_store(addr: tuple[str, int], run_id: str, timeout: float = 60.0) -> Any:
+    """A client of the job's c10d rendezvous store at ``addr``, scoped to this run."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(addr[0], addr[1], is_master=False,
+                              timeout=timedelta(seconds=timeout), use_libuv=True)
+    except (RuntimeError, ValueError) as e:
+        raise CheckmateError(f"cannot reach the job's rendezvous store at {addr[0]}:{addr[1]}"
+                             f": {' '.join(str(e).split())[:200]}") from None
+    return dist.PrefixStore(f"{PREFIX}/{run_id}/", store)
+
+
+def decide(store: Any, key: str, rank: int, compute: Callable[[], Any],
+           timeout: float = ANSWER_TIMEOUT) -> Any:
+    """Rank 0 runs ``compute`` and publishes its JSON result (or its CheckmateError) under
+    ``key``; every rank returns that one answer, or raises that one error.
+
+    The ranks of a process group make the same decisions in the same order, so the n-th
+    decision on ``key`` of each rank is the same one: the published key carries n (counted
+    per rank in the store), and a later decision never reads an earlier one's answer."""
+    n = store.add(f"{key}/asked/{rank}", 1)
+    key = f"{key}/{n}"
+    if rank == 0:
+        try:
+            answer: dict[str, Any] = {"ok": compute()}
+        except CheckmateError as e:
+            answer = {"error": str(e)}
+        store.set(key, json.dumps(answer))
+    else:
+        store.set_timeout(timedelta(seconds=timeout))
+        try:
+            raw = store.get(key)
+        except RuntimeError as e:  # torch's DistStoreError derives from RuntimeError
+            raise CheckmateError(f"rank 0 published no {key!r} within {timeout:.0f} s: "
+                                 f"{' '.join(str(e).split())[:200]}") from None
+        answer = json.loads(raw)
+    if "error" in answer:
+        raise CheckmateError(answer["error"])
+    return answer["ok"]
+
+
+def mark(store: Any, key: str) -> None:
+    """Record ``key`` in the job's store (e.g. ``seeded``)."""
+    store.set(key, "1")
+
+
+def marked(store: Any, key: str) -> bool:
+    """Whether ``key`` was recorded (without waiting)."""
+    return bool(store.check([key]))
