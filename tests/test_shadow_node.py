@@ -79,8 +79,10 @@ class Cluster:
                 if drop is None or not drop(p, h):
                     self.tx.sendto(d, addr)
             if ctrl:
-                body = control_body(it, LRS, clip, skip,
-                                    {"bn.mean": "AAAAAAAAAAAAAAAA"}, {"it": it})
+                # the spec's buffers only: a control message naming another is refused
+                bufs = {b.name: "AAAAAAAAAAAAAAAA" for b in self.spec.buffers
+                        if b.name == "bn.mean"}
+                body = control_body(it, LRS, clip, skip, bufs, {"it": it})
                 for d in control_datagrams(self.job, it, body, frag=40,
                                            **{k: kw[k] for k in ("epoch", "token") if k in kw}):
                     self.tx.sendto(d, addr)
