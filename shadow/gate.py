@@ -102,14 +102,14 @@ class Gate:
             self._sel.unregister(p.sock)
         except (KeyError, ValueError, OSError):
             pass
+        if reason is not None:  # counted before the peer can see the close
+            self.drops[reason] += 1
         if refusal:
             try:
                 p.sock.send(refusal)  # best effort: a few bytes into an empty buffer
             except OSError:
                 pass
         p.sock.close()
-        if reason is not None:
-            self.drops[reason] += 1
 
     def _make_room(self, source: str) -> None:
         """Free a slot for a new connection from ``source`` (see the module docstring)."""
