@@ -62,7 +62,8 @@ SCENARIOS = {
 }
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
     kids: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -94,7 +95,7 @@ class Node:
 
     def kill(self) -> None:
         """SIGKILL the launcher and every process under it: the node is lost."""
-        for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+        for pid in [*descendants(self.proc.pid), self.proc.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -466,3 +467,15 @@ def assert_optim_equal(a: dict, b: dict, what: str, lrs: bool = True) -> None:
     if lrs:
         assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]], \
             what
+
+
+def wait_status(client, pred, timeout: float = 20.0) -> dict:  # noqa: ANN001
+    """Poll a ShadowClient's status until ``pred(status)`` holds; AssertionError on timeout."""
+    end = time.monotonic() + timeout
+    while True:
+        st = client.status()
+        if pred(st):
+            return st
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out; status {st}")
+        time.sleep(0.02)

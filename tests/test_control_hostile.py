@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from fakes import wait_status
 
 from checkmate.protocol import datamac, jsonbound, wire
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
@@ -60,17 +61,6 @@ def _iteration(it: int, grad: np.ndarray, run: str = "", body: bytes | None = No
         body = control_body(it, [1e-3], None, False, _buffers(it), {"it": it})
     return out + list(control_datagrams(JOB, it, body, frag=200, epoch=EPOCH, token=TOKEN,
                                         run=run))
-
-
-def _wait(c: ShadowClient, pred, timeout: float = 20.0) -> dict:
-    end = time.monotonic() + timeout
-    while True:
-        st = c.status()
-        if pred(st):
-            return st
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out; status {st}")
-        time.sleep(0.02)
 
 
 class Pair:
@@ -151,7 +141,7 @@ def test_forged_control_fragments_every_iteration_never_freeze_a_shadow(pair):
         forged += len(frags)
         pair.both(it)
         for c in pair.clients:
-            _wait(c, lambda st, it=it: st["latest"] == it)
+            wait_status(c, lambda st, it=it: st["latest"] == it)
         pair.same(it)
     st = pair.clients[0].status()
     assert st["drops"].get("mac") == forged, st["drops"]
@@ -172,7 +162,7 @@ def test_forged_datagrams_before_seeding_are_mac_drops():
         with ShadowClient(("127.0.0.1", node.tcp_port)) as c:
             for d in forged + good[:1]:
                 tx.sendto(d, ("127.0.0.1", node.udp_port))
-            st = _wait(c, lambda st: st["received"] >= len(forged) + 1)
+            st = wait_status(c, lambda st: st["received"] >= len(forged) + 1)
         tx.close()
         assert st["drops"] == {"mac": len(forged), "not_ready": 1}, st["drops"]
     finally:
@@ -186,7 +176,7 @@ def test_forged_fragments_reserve_no_memory(pair):
     c = pair.clients[0]
     before_rss, before = _rss(), c.status()
     pair.send(0, [_forged_fragment(1 + i % 8, (64 << 20) - i, rng) for i in range(32)])
-    st = _wait(c, lambda st: st["received"] - before["received"] >= 32)
+    st = wait_status(c, lambda st: st["received"] - before["received"] >= 32)
     assert st["drops"].get("mac", 0) - before["drops"].get("mac", 0) == 32
     assert st["pending"] == []  # nothing was even opened
     assert _rss() - before_rss < (16 << 20), (_rss() - before_rss) >> 20
@@ -202,13 +192,13 @@ def test_an_incomplete_control_message_expires_and_the_iteration_completes(pair)
     pair.send(0, [stray])
     pair.send(0, _iteration(1, pair.grads[1], body=body))
     c = pair.clients[0]
-    st = _wait(c, lambda st: st["drops"].get("control_expired", 0) >= 1, timeout=10)
+    st = wait_status(c, lambda st: st["drops"].get("control_expired", 0) >= 1, timeout=10)
     assert st["latest"] is None or st["latest"] == 0
     assert st["drops"].get("control_range", 0) >= 1  # the real fragments, while it was held
     pair.send(0, list(control_datagrams(JOB, 1, body, frag=200, epoch=EPOCH, token=TOKEN)))
     pair.send(1, _iteration(1, pair.grads[1], body=body))
     for cl in pair.clients:
-        _wait(cl, lambda st: st["latest"] == 1)
+        wait_status(cl, lambda st: st["latest"] == 1)
     pair.same(1)
 
 
@@ -222,7 +212,7 @@ def test_datagrams_of_another_run_are_counted_and_dropped():
         grads_a = {it: g * 3 for it, g in p.grads.items()}
         captured = [d for it in (1, 2, 3) for d in _iteration(it, grads_a[it], RUN_A)]
         p.send(0, _iteration(1, grads_a[1], RUN_A))  # run A works: the key is run A's
-        _wait(p.clients[0], lambda st: st["latest"] == 1)
+        wait_status(p.clients[0], lambda st: st["latest"] == 1)
         # run B starts: seeds (iteration 0 again) and names its run
         for n, c in zip(p.nodes, p.clients, strict=True):
             seed_share([("127.0.0.1", n.tcp_port)], p.spec, p.flat, 0, 1)
@@ -230,14 +220,14 @@ def test_datagrams_of_another_run_are_counted_and_dropped():
             assert c.status()["run"] == RUN_B
         before = p.clients[0].status()
         p.send(0, captured)
-        st = _wait(p.clients[0], lambda st: st["received"] - before["received"]
+        st = wait_status(p.clients[0], lambda st: st["received"] - before["received"]
                    >= len(captured))
         assert st["drops"]["mac"] - before["drops"].get("mac", 0) == len(captured)
         assert st["pending"] == []
         for it in (1, 2, 3):
             p.both(it, RUN_B)
             for c in p.clients:
-                _wait(c, lambda st, it=it: st["latest"] == it)
+                wait_status(c, lambda st, it=it: st["latest"] == it)
             p.same(it)
     finally:
         p.close()
@@ -258,7 +248,7 @@ def test_deep_json_and_unknown_buffers_are_refused_and_the_thread_lives(pair, ca
     for b in bad:
         pair.send(0, list(control_datagrams(JOB, 1, b, frag=200, epoch=EPOCH, token=TOKEN)))
     c = pair.clients[0]
-    st = _wait(c, lambda st: st["drops"].get("control_invalid", 0) >= len(bad))
+    st = wait_status(c, lambda st: st["drops"].get("control_invalid", 0) >= len(bad))
     assert st["drops"]["control_invalid"] == len(bad)
     assert st["receiver"]["alive"] and st["receiver"]["restarts"] == 0
     lines = [r.getMessage() for r in caplog.records if "control message" in r.getMessage()]
@@ -267,7 +257,7 @@ def test_deep_json_and_unknown_buffers_are_refused_and_the_thread_lives(pair, ca
     assert pair.nodes[0].state.asm._bad_log.suppressed == len(bad) - 5
     pair.both(1)
     for cl in pair.clients:
-        _wait(cl, lambda st: st["latest"] == 1)
+        wait_status(cl, lambda st: st["latest"] == 1)
     pair.same(1)
 
 
@@ -276,7 +266,7 @@ def test_unknown_buffer_is_named_in_the_gap_report(pair):
     body = control_body(1, [1e-3], None, False, {"evil": "AAAA"}, {})
     pair.send(0, _iteration(1, pair.grads[1], body=body))
     c = pair.clients[0]
-    st = _wait(c, lambda st: st["drops"].get("control_invalid", 0) >= 1)
+    st = wait_status(c, lambda st: st["drops"].get("control_invalid", 0) >= 1)
     assert st["latest"] in (None, 0) and st["committed"] == 1  # only the seed
     from checkmate.shadow.control_message import parse_control
 
@@ -300,13 +290,13 @@ def test_a_failing_receive_loop_is_restarted_and_reported(pair, monkeypatch):
 
     monkeypatch.setattr(asm, "place_control", once)
     pair.send(0, _iteration(1, pair.grads[1]))
-    st = _wait(c, lambda st: st["receiver"]["restarts"] == 1)
+    st = wait_status(c, lambda st: st["receiver"]["restarts"] == 1)
     assert st["receiver"]["alive"] and "injected failure" in st["receiver"]["last_error"]
     assert st["drops"]["receiver_crashed"] == 1
     pair.send(0, _iteration(1, pair.grads[1]))  # what repair would fetch again
     pair.send(1, _iteration(1, pair.grads[1]))
     for cl in pair.clients:
-        _wait(cl, lambda st: st["latest"] == 1)
+        wait_status(cl, lambda st: st["latest"] == 1)
     pair.same(1)
     from checkmate import metrics
 

@@ -12,6 +12,7 @@ import socket
 import time
 
 import numpy as np
+from fakes import wait_status
 
 from checkmate.protocol import auth, handshake, wire
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
@@ -34,17 +35,6 @@ def _iteration(it: int, grad: np.ndarray) -> list[bytes]:
     body = control_body(it, [1e-3], None, False, {}, {"it": it})
     out += list(control_datagrams(JOB, it, body, epoch=EPOCH, token=TOKEN))
     return out
-
-
-def _wait(c: ShadowClient, pred, timeout: float = 20.0) -> dict:
-    end = time.monotonic() + timeout
-    while True:
-        st = c.status()
-        if pred(st):
-            return st
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out; status {st}")
-        time.sleep(0.05)
 
 
 def _forgeries(rng: np.random.Generator, valid: list[bytes]) -> list[bytes]:
@@ -90,14 +80,14 @@ def test_forged_and_garbage_datagrams_are_all_dropped_and_commits_stay_exact():
         for n, c in ((attacked, ca), (twin, ct)):
             for d in _iteration(1, grads[1]):
                 tx.sendto(d, ("127.0.0.1", n.udp_port))
-            _wait(c, lambda st: st["latest"] == 1)
-        before = _wait(ca, lambda st: True)
+            wait_status(c, lambda st: st["latest"] == 1)
+        before = wait_status(ca, lambda st: True)
         forged = _forgeries(rng, _iteration(2, grads[2]))
         for i, d in enumerate(forged):
             tx.sendto(d, ("127.0.0.1", attacked.udp_port))
             if i % 200 == 0:
                 time.sleep(0.002)  # stay within the socket buffer: a loss would hide a bug
-        st = _wait(ca, lambda st: st["received"] - before["received"] >= len(forged))
+        st = wait_status(ca, lambda st: st["received"] - before["received"] >= len(forged))
         dropped = sum(st["drops"].values()) - sum(before["drops"].values())
         assert st["received"] - before["received"] == len(forged)
         assert dropped == len(forged), (st["drops"], before["drops"])
@@ -106,7 +96,7 @@ def test_forged_and_garbage_datagrams_are_all_dropped_and_commits_stay_exact():
         for n, c in ((attacked, ca), (twin, ct)):
             for d in _iteration(2, grads[2]):
                 tx.sendto(d, ("127.0.0.1", n.udp_port))
-            _wait(c, lambda st: st["latest"] == 2)
+            wait_status(c, lambda st: st["latest"] == 2)
         got, want = ca.fetch(2), ct.fetch(2)
         for s in spec.slots:
             assert np.array_equal(got.slots[s], want.slots[s]), s

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
 from checkmate.launch import cli
+from checkmate.testbed.multinode import descendants
 from checkmate.train import agreement
 from checkmate.train import env as envmod
 
@@ -185,7 +186,7 @@ class Node:
 
     def kill(self) -> None:
         """SIGKILL the launcher and every process under it (the node is lost)."""
-        pids = _descendants(self.proc.pid) + [self.proc.pid]
+        pids = descendants(self.proc.pid) + [self.proc.pid]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -196,23 +197,6 @@ class Node:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.kill()
-
-
-def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.append(k)
-            todo.append(k)
-    return out
 
 
 def _launcher(port: int, run: str, nnodes: str, shadows: list[str], out: Path,
