@@ -131,6 +131,46 @@ def test_resume_without_a_checkpoint_is_one_error_line_on_every_rank(tmp_path):
                                    f"{tmp_path}"), lines[0]
 
 
+@pytest.mark.parametrize("every,steps", [(2, 1), (2, 2)])
+def test_a_disk_slower_than_training_holds_the_next_window_not_the_bound(tmp_path, every,
+                                                                       steps):
+    """GoCkpt driven by hand in a tight loop (no forward work), so each DCP write takes many
+    steps: without a wait the writes fall further behind with every window and a kill would
+    repeat far more than ``every + steps`` iterations. Each window must open only once the
+    newest window that closed before it is on disk, and the trainer must have waited."""
+    from checkmate.gockpt.trainer import GoCkpt
+    from checkmate.optim import AdamW
+    from checkmate.optim.hyper import control_hyper
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    opt = AdamW(model.parameters(), lr=1e-3)
+    g = GoCkpt(model, opt, tmp_path, every=every, steps=steps, job=6, threads=1)
+    closed: list[int] = []  # iterations the trainer's windows ended at
+    try:
+        for it in range(1, 11):
+            opt.zero_grad()
+            model(torch.randn(4, 64)).sum().backward()
+            g.before_clip(it)
+            hyper = [control_hyper("adamw", x) for x in opt.param_groups]
+            opt.step()
+            was_open = g.t0
+            g.after_step(it, it, {"iteration": it, "lrs": [1e-3], "clip_coef": 1.0,
+                                  "hyper": hyper, "buffers": {},
+                                  "extra": {"scheduler": None, "hyper": hyper, "user": {}}})
+            if was_open is not None and it == was_open + steps:
+                closed.append(it)
+            if g.t0 == it:  # a window opened after this step
+                older = [c for c in closed if c < it]
+                if older:
+                    assert g.committed is not None and g.committed >= older[-1], (
+                        it, g.committed, older[-1], g.stats)
+    finally:
+        g.close()
+    assert g.errors == [], g.errors
+    assert g.stats["stalls"] > 0 and g.stats["stall_seconds"] > 0, g.stats
+
+
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
     rank_main(lambda rank, world: _worker(cfg, rank, world))

@@ -23,8 +23,11 @@ gradient of the sent slices is snapshot on the device (it is clipped in place ri
 and leaves the device the same way. A sender thread hands each completed host buffer to the
 process in issue order and returns it to the pool. So the trainer's cost per step of the
 window is issuing the copies (plus the gradient's device snapshot), never a pause for the
-state. ``restore`` reads the newest iteration every partition wrote. Several ranks share a
-directory on one node; across nodes the directory must be shared storage.
+state. The one wait is for the disk: a window opens only once the checkpoint of the window
+before it is written, so a kill never loses more than ``every + steps`` iterations however
+slow the disk; while the writes keep up (the normal case) it costs nothing, and a wait is
+counted in ``stats``. ``restore`` reads the newest iteration every partition wrote. Several
+ranks share a directory on one node; across nodes the directory must be shared storage.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class GoCkpt:
         keep: checkpoints kept per partition; threads: DCP writer threads.
         start_timeout: seconds the process may take to start (it waits for a previous
             incarnation of this rank to finish its write first).
+        stall_limit: seconds a window may wait for the previous checkpoint's write (see
+            ``_wait_previous``); past it the window opens anyway, with one warning line.
 
     Per iteration: ``before_clip(it)`` after backward (the gradient as reduced, before any
     clipping), then the optimizer and scheduler step, then ``after_step(it, step, control)``.
@@ -69,7 +74,7 @@ class GoCkpt:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  root: str | Path, every: int, steps: int, rank: int = 0, world: int = 1,
                  job: int = 0, keep: int = 3, threads: int = 4,
-                 start_timeout: float = 180.0) -> None:
+                 start_timeout: float = 180.0, stall_limit: float = 120.0) -> None:
         if steps < 1 or every < steps:
             raise CheckmateError(f"gockpt: need 1 <= steps <= every, got steps {steps}, "
                                  f"every {every}")
@@ -86,10 +91,16 @@ class GoCkpt:
         #: Newest iteration this rank's process wrote; errors it reported.
         self.committed: int | None = None
         self.errors: list[str] = []
+        #: Checkpoints of closed windows not yet confirmed (iteration, errors seen when the
+        #: window closed): a window opens only once the newest that closed before it is
+        #: written (or reported lost).
+        self._pending: list[tuple[int, int]] = []
+        self.stall_limit = stall_limit
         #: Windows opened, bytes handed to the process, seconds the training thread spent
         #: issuing copies and at fences (the copies themselves overlap training).
         self.stats: dict[str, float] = {"windows": 0, "bytes": 0, "seconds": 0.0,
-                                        "persist_seconds": 0.0}
+                                        "persist_seconds": 0.0, "stalls": 0,
+                                        "stall_seconds": 0.0}
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=gockpt_worker.main, name=f"ckm-gockpt-{rank}",
@@ -159,12 +170,53 @@ class GoCkpt:
                 self._piece(j, it, step)
             else:
                 self.t0 = None  # the process now has all it needs for iteration it
+                self._pending.append((it, len(self.errors)))
         if self.t0 is None and it % self.every == 0:
+            self._wait_previous(it)
             self.t0 = it
             self.stats["windows"] += 1
             self._send(("begin", self.spec.to_json(), self.rank, it), [])
             self._piece(0, it, step)
         self.stats["seconds"] += time.perf_counter() - t
+
+    def _wait_previous(self, it: int) -> None:
+        """Before a window opens at ``it``: the checkpoint of the newest window that closed
+        before ``it`` must be on disk (or reported lost). The writes are asynchronous;
+        without this a disk slower than the interval would let them fall behind without
+        bound, and a kill would lose far more than ``every + steps`` iterations. With it,
+        once a window opens the newest checkpoint is at most ``2 * every - steps``
+        iterations old (``every`` when ``steps == every``: the window that closes at ``it``
+        itself is not waited for). The trainer waits only while the disk is behind
+        (counted in ``stats``: ``stalls``, ``stall_seconds``)."""
+        older = [p for p in self._pending if p[0] < it]
+        if not older:
+            return
+        want, errors = older[-1]
+        self._pending = [p for p in self._pending if p[0] >= it]
+
+        def written() -> bool:
+            self._answers()
+            return (self.committed is not None and self.committed >= want) \
+                or len(self.errors) > errors
+
+        if written():
+            return
+        t = time.perf_counter()
+        deadline = time.monotonic() + self.stall_limit
+        while not written():
+            self._check_sender()
+            if not self._proc.is_alive():
+                raise CheckmateError(f"gockpt: the checkpoint process of rank {self.rank} "
+                                     f"is gone (exit code {self._proc.exitcode})")
+            if time.monotonic() > deadline:
+                log.warning("gockpt: rank %d: the checkpoint of iteration %d is not written "
+                            "after %.0f s; window %d opens anyway (a kill now loses more "
+                            "than %d iterations)", self.rank, want, self.stall_limit, it,
+                            self.every + len(self.cuts))
+                break
+            self._conn.poll(0.01)
+        self.stats["stalls"] += 1
+        self.stats["stall_seconds"] += time.perf_counter() - t
 
     def _piece(self, j: int, it: int, step: int) -> None:
         """Slice j's copy, one host buffer per slot (slots with no state yet are zeros, as

@@ -6,8 +6,9 @@ iteration with the shadows' own code (``checkmate.shadow.reseed.Reseed``: a Flat
 per slice, the trainers' arithmetic bit for bit), and persists the consistent result as a
 shadow partition checkpoint (DCP, several writer threads) that ``checkmate.gockpt.trainer.restore``
 and a plain ``dcp.load`` of the joined checkpoint read. Training never waits for the roll
-forward or the write; it pays only for issuing the copies of the slices and gradients
-(checkmate.train.copyengine: they overlap its next steps; a sender thread writes them here).
+forward; it pays for issuing the copies of the slices and gradients (checkmate.train.copyengine:
+they overlap its next steps; a sender thread writes them here), and waits for a write only
+when the disk is a whole window behind (``GoCkpt._wait_previous``).
 
 The roll-forward runs as messages arrive; the write runs on a thread of its own, so the
 process keeps taking the next window's slices while it writes (a window that completes
