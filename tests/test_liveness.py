@@ -165,3 +165,32 @@ def test_a_silent_shadow_is_down_within_two_seconds(tmp_path, caplog):
         if silent is not None:
             silent.close()
         node.stop()
+
+
+def test_a_restarted_empty_shadow_is_seen_at_once_not_at_the_next_regular_poll(tmp_path):
+    """Regular polls 5 s apart: a shadow that is down is polled every FAST_POLL, so the
+    restarted, empty one is seen answering (without state: its re-seed can start) within a
+    fraction of a second of its service coming up, not up to 5 s later."""
+    from checkmate.train.protection import FAST_POLL
+
+    spec = make_spec(partitions=1)
+    u, t = free_port(), free_port()
+    node = _node(spec, 0, u, t, None)
+    sess = _session(spec, [("127.0.0.1", t)])
+    mon = None
+    try:
+        flat = {s: np.zeros(spec.total, np.float32) for s in spec.slots}
+        seed_share([("127.0.0.1", t)], spec, flat, 0, 1)
+        mon = ProtectionMonitor(sess, poll=5.0)
+        mon.start()
+        view = mon.views[0]
+        _until(lambda: view.reachable and view.seeded, 10, lambda: view)
+        node.stop()
+        _until(lambda: not view.reachable, 10, lambda: view)  # found at a regular poll
+        node = _node(spec, 0, u, t, None)  # back, empty (no directory, no seed)
+        took = _until(lambda: view.reachable and not view.seeded, 10, lambda: view)
+        assert took < 10 * FAST_POLL + 0.5, took
+    finally:
+        if mon is not None:
+            mon.close()
+        node.stop()

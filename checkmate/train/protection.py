@@ -1,7 +1,8 @@
 """What the trainers know about their checkpoints: each shadow's progress, lag, re-seeds.
 
 Every trainer runs one monitor thread that asks every shadow for its status every ``poll``
-seconds (the request carries the trainer's last finished iteration, which also tells a
+seconds, and a shadow that is unreachable or has no state every FAST_POLL seconds (the
+request carries the trainer's last finished iteration, which also tells a
 shadow that holes up to there are due for repair). From the answers it keeps the
 protection state (``CheckmateSession.protection()``): the newest iteration every shadow has
 committed, each shadow's lag, and what is being done about it. It acts on what it sees:
@@ -43,6 +44,9 @@ log = logging.getLogger("checkmate.train")
 POLL_SECONDS = 0.5
 #: Lag (iterations behind the trainers) that logs a warning.
 LAG_WARN = 4
+#: Seconds between two polls of a shadow that is unreachable or has no state (it is
+#: restarting: its re-seed should start as soon as it answers).
+FAST_POLL = 0.05
 #: Seconds a shadow gets to pick up a re-seed before it is offered again.
 RESEED_RETRY = 10.0
 #: Seconds without an answer after which a shadow is down (unreachable or silent).
@@ -112,16 +116,36 @@ class ProtectionMonitor:
 
     # ------------------------------------------------------------------ polling
     def _run(self) -> None:
-        while not self._stop.wait(self.poll):
-            self.poll_once()
+        last = time.monotonic()
+        while not self._stop.wait(min(self.poll, FAST_POLL)):
+            now = time.monotonic()
+            if now - last >= self.poll:
+                last = now
+                self.poll_once()
+            else:
+                troubled = self._troubled()
+                if troubled:
+                    with self._polling:
+                        self._poll(troubled)
+
+    def _troubled(self) -> list[int]:
+        """Shadows polled every FAST_POLL instead of every ``poll``: unreachable, or
+        answering without state and not being re-seeded. A restarted shadow's re-seed then
+        starts within FAST_POLL of its service answering, not at the next regular poll."""
+        with self._lock:
+            return [p for p, v in enumerate(self.views)
+                    if not v.reachable or (not v.seeded and not v.active
+                                           and p not in self.reseeding)]
 
     def poll_once(self) -> None:
         with self._polling:
             self._poll()
 
-    def _poll(self) -> None:
+    def _poll(self, only: list[int] | None = None) -> None:
         done = self.sess.done_iteration
         for p, c in enumerate(self._clients):
+            if only is not None and p not in only:
+                continue
             v = self.views[p]
             try:
                 st = c.request({"op": "status", "progress": done})[0]
