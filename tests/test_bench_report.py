@@ -65,6 +65,36 @@ def test_report_renders_table_targets_and_plots(tmp_path, checkmate, verdicts):
         assert f"figures/{png.name}" in md
 
 
+def test_a_ratio_whose_rounds_spread_wider_than_its_difference_is_unresolved(tmp_path,
+                                                                            capsys):
+    """Per-round ratios against the same round's baseline: torchsave differs from none by 10%
+    with rounds within 2% (resolved); dcp by 3% with rounds 10% apart (unresolved); the
+    Checkmate / dcp target ratio straddles its target over the rounds. Two rounds are
+    fewer than the method's five, and the report says so."""
+    from checkmate.testbed.bench import report
+
+    d = _schemes_json(0.9, 0.8, 0.5)
+    d["rates"].update({"none@1": [1.0, 1.0], "torchsave@1": [0.89, 0.91],
+                       "dcp@1": [0.92, 1.02], "checkmate@1": [1.7, 2.2]})
+    assert report.paired(d, "dcp@1", "none@1") == pytest.approx([0.92, 1.02])
+    assert report.resolved([0.89, 0.91], 1.0) and not report.resolved([0.92, 1.02], 1.0)
+    assert not report.resolved([0.9], 1.0)  # one round: no spread to judge by
+    src = tmp_path / "schemes.json"
+    src.write_text(json.dumps(d))
+    out = tmp_path / "evaluation.md"
+    assert report.main(["--from", str(src), "--out", str(out)]) == 0
+    md = out.read_text()
+    rows = {x.split("|")[1].strip(): [c.strip() for c in x.split("|")[2:]]
+            for x in md.splitlines() if x.startswith("| ") and "@" in x}
+    assert rows["torchsave@1"][1:4] == ["0.900", "0.890-0.910", "yes"], rows["torchsave@1"]
+    assert rows["dcp@1"][1:4] == ["0.970", "0.920-1.020", "**unresolved**"], rows["dcp@1"]
+    assert rows["none@1"][1:4] == ["1.000", "-", "-"]
+    dcp_line = next(x for x in md.splitlines() if "/ dcp every iteration" in x)
+    assert "(unresolved: rounds 1.848-2.157)" in dcp_line, dcp_line
+    assert "**Made with 2 rounds, fewer than the 5 the method asks for**" in md
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "report ratio: 2.002"
+
+
 def test_report_of_a_bad_file_is_one_line(tmp_path, capsys):
     from checkmate.testbed.bench import report
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from typing import Any
 from checkmate.errors import CheckmateError, cli_guard
 
 TARGETS = (("dcp@1", 2.0), ("torchsave@1", 1.5))
+#: Rounds the method asks for (fewer are reported as such).
+MIN_ROUNDS = 5
 COLORS = {"torchsave": "tab:red", "dcp": "tab:orange", "dcp-process": "tab:brown",
           "checkfreq": "tab:purple", "gockpt": "tab:green", "checkmate": "tab:blue",
           "checkmate-switch": "tab:cyan"}
@@ -130,6 +133,27 @@ def _save(fig: Any, path: Path) -> str:
     return path.name
 
 
+def paired(d: dict[str, Any], key: str, ref: str) -> list[float]:
+    """The ratio ``key / ref`` of every round. The rounds alternate the schemes, so round r
+    of both ran side by side on the same machine state: a ratio per round, not a ratio of
+    medians, is what the noise of the shared machine cancels in."""
+    a, b = d["rates"].get(key) or [], d["rates"].get(ref) or []
+    return [x / y for x, y in zip(a, b, strict=False) if y]
+
+
+def resolved(ratios: list[float], against: float) -> bool:
+    """Whether the rounds resolve the ratio against ``against`` (1.0: no difference; or a
+    target): its spread over the rounds (max - min) is smaller than its median's distance
+    from ``against``. One round has no spread to judge by: never resolved."""
+    if len(ratios) < 2:
+        return False
+    return max(ratios) - min(ratios) < abs(statistics.median(ratios) - against)
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
+
+
 def render(d: dict[str, Any], figs: dict[str, str], command: str) -> str:
     """The Markdown of docs/evaluation.md for one schemes JSON."""
     med, pl = d["median"], d["plan"]
@@ -161,18 +185,37 @@ def render(d: dict[str, Any], figs: dict[str, str], command: str) -> str:
         f"(`checkmate plan`) with MTBF {d['mtbf_s'] / 3600:g} h and {d['load_s']:g} s to load "
         "a checkpoint, from each scheme's measured stall per checkpoint.",
         "",
-        "| scheme @ interval | it/s | vs none | trainer CPU ms/it | shadow CPU ms/it | "
-        "stall/ckpt s | best N | lost/failure s | effective |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "`vs none` is the median over the rounds of each round's ratio to the no-checkpoint "
+        "run of the same round; `rounds` gives those ratios' range, and a row whose range is "
+        "wider than its difference from 1 is marked **unresolved**: the rounds cannot tell "
+        "it from no difference.",
+        "",
+        "| scheme @ interval | it/s | vs none | rounds | resolved | trainer CPU ms/it | "
+        "shadow CPU ms/it | stall/ckpt s | best N | lost/failure s | effective |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
+    for note in d.get("notes") or []:  # what changed since the run, kept with its data
+        at = next(i for i, x in enumerate(lines) if x.startswith("`vs none` is the median"))
+        lines[at:at] = [f"> {note}", ""]
+    if d["rounds"] < MIN_ROUNDS:
+        at = next(i for i, x in enumerate(lines) if x.startswith("`vs none` is the median"))
+        lines[at:at] = [f"**Made with {d['rounds']} rounds, fewer than the {MIN_ROUNDS} the "
+                        f"method asks for** (re-run with `--rounds {MIN_ROUNDS}`): read every "
+                        "ratio below with its range.", ""]
     for key, rate in med.items():
         scheme, every = key.split("@")
-        ref = med["none-switch@1" if scheme.endswith("-switch") else "none@1"]
+        ref = "none-switch@1" if scheme.endswith("-switch") else "none@1"
         p = pl.get(scheme) if every == "1" else None
         cells = ["-"] * 4 if p is None else [
             f"{p['stall_s']:.3f}", str(p["best_interval"]), f"{p['lost_per_failure_s']:.1f}",
             f"{p['effective_vs_none']:.3f}"]
-        lines.append(f"| {key} | {rate:.3f} | {rate / ref:.3f} | "
+        if key == ref:
+            ratio, rng, res = "1.000", "-", "-"
+        else:
+            rs = paired(d, key, ref)
+            ratio = f"{statistics.median(rs):.3f}" if rs else f"{rate / med[ref]:.3f}"
+            rng, res = _spread(rs), "yes" if resolved(rs, 1.0) else "**unresolved**"
+        lines.append(f"| {key} | {rate:.3f} | {ratio} | {rng} | {res} | "
                      f"{d['trainer_cpu_ms'][key]:.0f} | {d['shadow_cpu_ms'][key]:.0f} | "
                      + " | ".join(cells) + " |")
     if d.get("interval", 0) > 1:
@@ -193,8 +236,11 @@ def render(d: dict[str, Any], figs: dict[str, str], command: str) -> str:
     lines += ["", "## The targets", ""]
     for other, want in TARGETS:
         if "checkmate@1" in med and other in med:
-            got = med["checkmate@1"] / med[other]
+            rs = paired(d, "checkmate@1", other)
+            got = statistics.median(rs) if rs else med["checkmate@1"] / med[other]
             verdict = "met" if got >= want else "**not met**"
+            if not resolved(rs, want):
+                verdict += f" (unresolved: rounds {_spread(rs)})"
             lines.append(f"- Checkmate every iteration / {other.split('@')[0]} every iteration: "
                          f"**{got:.3f}** (target ≥ {want}): {verdict}.")
     lines += [
@@ -305,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out} and {len(figs)} figures in {out.parent / 'figures'}")
     med = d["median"]
     if {"checkmate@1", "dcp@1"} <= set(med):
-        print(f"report ratio: {med['checkmate@1'] / med['dcp@1']:.3f}")
+        rs = paired(d, "checkmate@1", "dcp@1")
+        got = statistics.median(rs) if rs else med["checkmate@1"] / med["dcp@1"]
+        print(f"report ratio: {got:.3f}")
     return 0
 
 

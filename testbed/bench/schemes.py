@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=8,
                     help="untimed iterations; at least --interval, so that every scheme's "
                     "first checkpoint (process start-up, compilation) is not timed")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--interval", type=int, default=8,
                     help="the periodic schemes' second interval (0: every iteration only)")
     ap.add_argument("--mtbf", default="3h", help="for the Young/Daly best interval")
