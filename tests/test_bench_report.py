@@ -77,8 +77,10 @@ def test_a_ratio_whose_rounds_spread_wider_than_its_difference_is_unresolved(tmp
     d["rates"].update({"none@1": [1.0, 1.0], "torchsave@1": [0.89, 0.91],
                        "dcp@1": [0.92, 1.02], "checkmate@1": [1.7, 2.2]})
     assert report.paired(d, "dcp@1", "none@1") == pytest.approx([0.92, 1.02])
-    assert report.resolved([0.89, 0.91], 1.0) and not report.resolved([0.92, 1.02], 1.0)
-    assert not report.resolved([0.9], 1.0)  # one round: no spread to judge by
+    from checkmate.testbed.bench import rounds
+
+    assert rounds.resolved([0.89, 0.91], 1.0) and not rounds.resolved([0.92, 1.02], 1.0)
+    assert not rounds.resolved([0.9], 1.0)  # one round: no spread to judge by
     src = tmp_path / "schemes.json"
     src.write_text(json.dumps(d))
     out = tmp_path / "evaluation.md"

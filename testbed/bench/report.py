@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.testbed.bench import rounds
 
 TARGETS = (("dcp@1", 2.0), ("torchsave@1", 1.5))
 #: Rounds the method asks for (fewer are reported as such).
@@ -134,24 +135,8 @@ def _save(fig: Any, path: Path) -> str:
 
 
 def paired(d: dict[str, Any], key: str, ref: str) -> list[float]:
-    """The ratio ``key / ref`` of every round. The rounds alternate the schemes, so round r
-    of both ran side by side on the same machine state: a ratio per round, not a ratio of
-    medians, is what the noise of the shared machine cancels in."""
-    a, b = d["rates"].get(key) or [], d["rates"].get(ref) or []
-    return [x / y for x, y in zip(a, b, strict=False) if y]
-
-
-def resolved(ratios: list[float], against: float) -> bool:
-    """Whether the rounds resolve the ratio against ``against`` (1.0: no difference; or a
-    target): its spread over the rounds (max - min) is smaller than its median's distance
-    from ``against``. One round has no spread to judge by: never resolved."""
-    if len(ratios) < 2:
-        return False
-    return max(ratios) - min(ratios) < abs(statistics.median(ratios) - against)
-
-
-def _spread(ratios: list[float]) -> str:
-    return f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
+    """The ratio ``key / ref`` of every round of a schemes JSON."""
+    return rounds.paired(d["rates"].get(key) or [], d["rates"].get(ref) or [])
 
 
 def render(d: dict[str, Any], figs: dict[str, str], command: str) -> str:
@@ -214,7 +199,7 @@ def render(d: dict[str, Any], figs: dict[str, str], command: str) -> str:
         else:
             rs = paired(d, key, ref)
             ratio = f"{statistics.median(rs):.3f}" if rs else f"{rate / med[ref]:.3f}"
-            rng, res = _spread(rs), "yes" if resolved(rs, 1.0) else "**unresolved**"
+            rng, res = rounds.spread(rs), "yes" if rounds.resolved(rs, 1.0) else "**unresolved**"
         lines.append(f"| {key} | {rate:.3f} | {ratio} | {rng} | {res} | "
                      f"{d['trainer_cpu_ms'][key]:.0f} | {d['shadow_cpu_ms'][key]:.0f} | "
                      + " | ".join(cells) + " |")
@@ -239,8 +224,8 @@ def render(d: dict[str, Any], figs: dict[str, str], command: str) -> str:
             rs = paired(d, "checkmate@1", other)
             got = statistics.median(rs) if rs else med["checkmate@1"] / med[other]
             verdict = "met" if got >= want else "**not met**"
-            if not resolved(rs, want):
-                verdict += f" (unresolved: rounds {_spread(rs)})"
+            if not rounds.resolved(rs, want):
+                verdict += f" (unresolved: rounds {rounds.spread(rs)})"
             lines.append(f"- Checkmate every iteration / {other.split('@')[0]} every iteration: "
                          f"**{got:.3f}** (target ≥ {want}): {verdict}.")
     lines += [

@@ -32,6 +32,7 @@ import yaml
 
 from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.testbed.bench import rounds
 
 VARIANTS = (("none", "(a) no checkpoint"), ("checkmate", "(b) checkmate"),
             ("norepair", "(b') checkmate, no repair"),
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=48,
                     help="iterations per run (12 timed ones left rounds ±5%% apart)")
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds (medians)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternated rounds (medians)")
     ap.add_argument("--variants", default=",".join(k for k, _ in VARIANTS),
                     help="comma-separated subset of " + ", ".join(k for k, _ in VARIANTS)
                     + " (none and checkmate are always run)")
@@ -195,10 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_column("variant")
     t.add_column("it/s", justify="right")
     t.add_column("vs (a)", justify="right")
+    t.add_column("rounds: median (range)")
     t.add_column("trainer CPU ms/it", justify="right")
+    t.add_column("CPU vs (a)", justify="right")
     for kind in kinds:
-        t.add_row(labels[kind], f"{med[kind]:.3f}", f"{med[kind] / med['none']:.3f}",
-                  f"{med_cpu[kind]:.1f}")
+        rs = rounds.paired(its[kind], its["none"])
+        t.add_row(labels[kind], f"{med[kind]:.3f}",
+                  f"{statistics.median(rs):.3f}" if rs else "-",
+                  "-" if kind == "none" else rounds.verdict(rs),
+                  f"{med_cpu[kind]:.1f}", f"{med_cpu[kind] / med_cpu['none']:.3f}")
     Console().print(t)
     print(f"shadows: {statistics.median(shadow_ms):.1f} CPU ms per timed iteration (median)")
     for kind, cs in costs.items():
@@ -218,13 +224,19 @@ def main(argv: list[str] | None = None) -> int:
                         ("torchsave", "(b)/(d) checkmate vs torch.save"),
                         ("norepair", "(b)/(b') checkmate with vs without repair")):
         if kind in med:
-            print(f"{label} throughput: {med['checkmate'] / med[kind]:.3f}")
+            print(f"{label} throughput: "
+                  f"{rounds.verdict(rounds.paired(its['checkmate'], its[kind]))}")
     if "norepair" in med:
-        paired = [a / b for a, b in zip(its["checkmate"], its["norepair"], strict=True)]
-        print(f"(b)/(b') per round: {' '.join(f'{x:.3f}' for x in paired)} "
-              f"(median {statistics.median(paired):.3f})")
+        pr = rounds.paired(its["checkmate"], its["norepair"])
+        print(f"(b)/(b') per round: {' '.join(f'{x:.3f}' for x in pr)} "
+              f"(median {statistics.median(pr):.3f})")
         print(f"(b')/(a) checkmate without repair vs no checkpoint throughput: "
-              f"{med['norepair'] / med['none']:.3f}")
-    print(f"checkmate vs no-checkpoint throughput ratio: "
-          f"{med['checkmate'] / med['none']:.3f}")
+              f"{rounds.verdict(rounds.paired(its['norepair'], its['none']))}")
+    head = rounds.paired(its["checkmate"], its["none"])
+    print(f"(b)/(a) per round: {' '.join(f'{x:.3f}' for x in head)}; trainer CPU ms per "
+          f"iteration {med_cpu['checkmate']:.1f} vs {med_cpu['none']:.1f} "
+          f"({med_cpu['checkmate'] / med_cpu['none']:.3f})")
+    print(f"checkmate vs no-checkpoint throughput ratio: {statistics.median(head):.3f}"
+          + ("" if rounds.resolved(head, 1.0) else
+             f" (unresolved: rounds {rounds.spread(head)})"))
     return 0
