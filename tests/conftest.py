@@ -24,12 +24,20 @@ from checkmate.config import cluster as cfgmod
 from checkmate.protocol import auth
 
 _SECRET_DIR: str | None = None
+_CHILD_TMP: str | None = None
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Every process the tests start (shadows, controllers, trainers, the testbed) finds the
-    same job secret through the environment, as `checkmate launch` arranges for a job."""
-    global _SECRET_DIR
+    same job secret through the environment, as `checkmate launch` arranges for a job; and a
+    temporary directory of the session's own (TMPDIR), removed at its end, so what they
+    leave there (a failed launch keeps its logs by design; torch elastic's own directories;
+    whatever a SIGKILLed process could not remove) never accumulates in /tmp."""
+    global _SECRET_DIR, _CHILD_TMP
+    tempfile.gettempdir()  # this process keeps the system's (pytest's tmp_path lives there)
+    if not os.environ.get("CKM_TEST_CHILD_TMP"):
+        _CHILD_TMP = tempfile.mkdtemp(prefix="ckm-test-tmp-")
+        os.environ["TMPDIR"] = os.environ["CKM_TEST_CHILD_TMP"] = _CHILD_TMP
     if os.environ.get(auth.SECRET_ENV):
         return
     _SECRET_DIR = tempfile.mkdtemp(prefix="ckm-test-secret-")
@@ -37,8 +45,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _SECRET_DIR is not None:
-        shutil.rmtree(_SECRET_DIR, ignore_errors=True)
+    for d in (_SECRET_DIR, _CHILD_TMP):
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -7,13 +7,12 @@ take every child with it) or SIGTERMed (it must clean up and exit).
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 from test_launch import _alive, _children
@@ -27,11 +26,13 @@ def test_killed_testbed_command_takes_its_children_with_it(tmp_path, sig):
     sc = tmp_path / "long.yaml"
     sc.write_text("name: long\nmodel: gpt\nsteps: 100000\nseed: 1\n")
     log = tmp_path / "out.log"
+    tmp = tmp_path / "tmp"  # the command's TMPDIR: its leftovers list lives there
+    tmp.mkdir()
     with open(log, "wb") as f:
         cmd = subprocess.Popen(
             [sys.executable, "-m", "checkmate.testbed.cli", "run", "--scenario", str(sc),
              "--mode", "host", "--loopback-net", net, "--workdir", str(tmp_path / "w")],
-            stdout=f, stderr=subprocess.STDOUT)
+            stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(tmp)})
     kids: list[int] = []
     try:
         deadline = time.monotonic() + 240
@@ -43,6 +44,8 @@ def test_killed_testbed_command_takes_its_children_with_it(tmp_path, sig):
         time.sleep(2)
         kids = _children(cmd.pid)
         assert len(kids) == 6, kids
+        registry = tmp / f"checkmate-run-{net}.json"  # the leftovers list, while it runs
+        assert registry.exists(), list(tmp.iterdir())
         cmd.send_signal(sig)
         rc = cmd.wait(120)
         if sig == signal.SIGKILL:
@@ -54,7 +57,7 @@ def test_killed_testbed_command_takes_its_children_with_it(tmp_path, sig):
             assert time.monotonic() - t0 < 30, [k for k in kids if _alive(k)]
             time.sleep(0.1)
         if sig == signal.SIGTERM:  # its own cleanup ran: the leftovers list is gone
-            assert not (Path(tempfile.gettempdir()) / f"checkmate-run-{net}.json").exists()
+            assert not registry.exists()
             assert "Traceback" not in log.read_text()
     finally:
         if cmd.poll() is None:
@@ -62,8 +65,6 @@ def test_killed_testbed_command_takes_its_children_with_it(tmp_path, sig):
             cmd.wait()
         for k in kids:
             if _alive(k):
-                import os
-
                 os.kill(k, signal.SIGKILL)
 
 
