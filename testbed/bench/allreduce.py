@@ -4,7 +4,9 @@ Four trainer processes (in their namespaces behind the eBPF switch as root, else
 loopback) each run, for every size (default 1, 4, 16, 64 MB of float32), alternating rounds
 of ``RingAllreduce.allreduce`` over ckm/UDP and ``torch.distributed.all_reduce`` over gloo
 (TCP), a barrier before each. Throughput is the buffer size over rank 0's median time (the
-"algorithm bandwidth"). Prints both per size and ends with
+"algorithm bandwidth"), and the CPU seconds all ranks spent per operation (user + system of each
+rank's process, summed over ranks; median of rounds): on a shared machine the CPU an
+operation costs is the figure that load disturbs least. Prints both per size and ends with
 ``ckm ring vs gloo allreduce throughput ratio: <x>``, the geometric mean over the sizes of
 4 MB and more (gradient buckets of real models); sizes below are reported apart, so a fast
 small size cannot lift the headline.
@@ -16,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -54,9 +57,12 @@ def _worker(args: argparse.Namespace) -> int:
     for n in sizes:
         x = torch.ones(n)
         reps = max(2, min(args.reps, int(64 * 2**20 / 4 / n * 2)))
-        res = {"ckm": [], "gloo": []}
+        res: dict[str, list[float]] = {"ckm": [], "gloo": [], "ckm_cpu": [], "gloo_cpu": []}
         for _ in range(reps):
             for kind in ("ckm", "gloo"):
+                # CPU from before the barrier: work a ring thread finishes after its future
+                # (acknowledgements) is charged to the round after it, whichever kind.
+                c0 = _cpu()
                 dist.barrier()
                 t0 = time.perf_counter()
                 if kind == "ckm":
@@ -65,14 +71,26 @@ def _worker(args: argparse.Namespace) -> int:
                 else:
                     dist.all_reduce(x)
                 res[kind].append(time.perf_counter() - t0)
+                res[kind + "_cpu"].append(_cpu() - c0)
                 x.fill_(1.0)
         out[str(n * 4)] = res
     dist.barrier()
     ring.close()
+    every: list = [None] * world
+    dist.all_gather_object(every, out)
     if rank == 0:
+        for key, res in out.items():  # CPU summed over ranks, per round
+            for kind in ("ckm_cpu", "gloo_cpu"):
+                res[kind] = [sum(r[key][kind][i] for r in every) for i in range(len(res[kind]))]
         Path(args.out).write_text(json.dumps({"results": out, "ring": ring.stats}))
     dist.destroy_process_group()
     return 0
+
+
+def _cpu() -> float:
+    """User + system seconds of this process, every thread."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 @cli_guard("testbed bench allreduce")
@@ -134,14 +152,20 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(out.read_text())
     print(f"allreduce of float32 buffers, {len(trainers)} ranks, {args.mode} mode "
           f"(median of rounds, algorithm bandwidth = size / time)")
-    print(f"{'size':>8} {'ckm ring MB/s':>14} {'gloo MB/s':>10} {'ratio':>6}")
+    print(f"{'size':>8} {'ckm ring MB/s':>14} {'gloo MB/s':>10} {'ratio':>6}"
+          f" {'ckm CPU ms':>11} {'gloo CPU ms':>12} {'CPU ratio':>10}")
     big, small = [], []
     for nbytes, res in data["results"].items():
         mb = int(nbytes) / 2**20
         ckm = int(nbytes) / statistics.median(res["ckm"]) / 1e6
         gloo = int(nbytes) / statistics.median(res["gloo"]) / 1e6
+        cc = statistics.median(res["ckm_cpu"]) * 1e3
+        gc = statistics.median(res["gloo_cpu"]) * 1e3
         (big if mb >= HEADLINE_MIN_MB else small).append(ckm / gloo)
-        print(f"{mb:>6.0f}MB {ckm:>14.1f} {gloo:>10.1f} {ckm / gloo:>6.2f}")
+        print(f"{mb:>6.0f}MB {ckm:>14.1f} {gloo:>10.1f} {ckm / gloo:>6.2f}"
+              f" {cc:>11.1f} {gc:>12.1f} {gc / cc:>10.2f}")
+    print("CPU ms: user + system of all ranks per operation; CPU ratio: gloo / ckm "
+          "(above 1: the ring costs less CPU)")
     print(f"ring datagrams: sent {data['ring']['sent']}, resent {data['ring']['resent']}")
 
     def geo(xs: list[float]) -> float:
