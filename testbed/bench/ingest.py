@@ -285,15 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     raw_rates, mm_rates, ing_rates, plain_rates, drops = [], [], [], [], {}
     cpu: dict[str, list[float]] = {"raw": [], "mm": [], "ing": [], "plain": []}
     dgrams = a.iterations * -(-a.elements // a.chunk)
-    # The shadow compiles its batch check once when it starts (checkmate.protocol.datamac); done
+    # The shadow compiles its ingest once when it starts (checkmate.shadow.ingest); done
     # here before timing, as a started shadow has.
-    from checkmate.shadow.mmsg import BatchReceiver
-    from checkmate.shadow.receiver import _MAXDGRAM
+    from checkmate.shadow import ingest
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        br = BatchReceiver(probe, 64, _MAXDGRAM)
-        if br.native:
-            datamac.batch_checker(len(br.ring), br.msgs_size)
+    ingest.warm()
     for _ in range(a.rounds):
         raw_s, raw_b = _raw(a.elements, a.chunk, a.iterations, a.depth)
         raw_rates.append(raw_b / raw_s)
