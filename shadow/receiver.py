@@ -1,13 +1,15 @@
 """The shadow's UDP receive thread: validate each ckm datagram, place it, drop the rest.
 
-Datagrams are taken in batches with recvmmsg (checkmate.shadow.mmsg). It only receives,
+Datagrams are taken in batches with recvmmsg (checkmate.shadow.mmsg) and each batch is
+validated in one compiled call (checkmate.shadow.ingest; Python then works per run of
+contiguous pieces, not per datagram). It only receives,
 validates and copies into staging (checkmate.shadow.assembler); the
 optimizer step and persistence run in other threads, so receive never waits on them. Every
 datagram that is not accepted is counted under one reason: short, magic, version, flags,
 mac, job, epoch, token, length, crc, not_ready, dtype, partition, range, stale, window,
 duplicate, control_range, control_invalid, control_mac. Every datagram but a control
-fragment must carry the tag checkmate.protocol.datamac derives from the job secret (checked for a
-whole batch in one compiled call); a control message is checked whole by the assembler.
+fragment must carry the tag checkmate.protocol.datamac derives from the job secret (checked
+in the same compiled call); a control message is checked whole by the assembler.
 
 Datagrams flagged PARITY (the FEC parity of earlier versions) are dropped under ``flags``.
 Repair answers from trainers (flag ACK,
