@@ -295,3 +295,21 @@ def test_crc32c_of_the_package_and_of_the_table_agree(monkeypatch, caplog):
     lines = [r for r in caplog.records if "CRC32C" in r.getMessage()]
     assert len(lines) == 1 and "compiled table" in lines[0].getMessage()
     assert ingest.crc_function(force_table=True) == 0
+
+
+def test_interval_free_matches_a_bitmap():
+    """IntervalSet.free (whether a run may be placed in one copy) against a bitmap."""
+    from checkmate.shadow.intervals import IntervalSet
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        iv, bitmap = IntervalSet(), np.zeros(80, bool)
+        for _ in range(int(rng.integers(0, 8))):
+            a = int(rng.integers(0, 70))
+            b = a + int(rng.integers(1, 10))
+            iv.add(a, b)
+            bitmap[a:b] = True
+        for _ in range(20):
+            a = int(rng.integers(0, 75))
+            b = a + int(rng.integers(1, 6))
+            assert iv.free(a, b) == (not bitmap[a:b].any()), (iv.starts, iv.ends, a, b)
