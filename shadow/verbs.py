@@ -205,8 +205,8 @@ class _UDQueuePair:
 
 class RingConsumer:
     """Turns a batch of completions of ``ring`` (over the memory ``buf``) into datagrams
-    for ``receiver.handle``: slot bookkeeping, the GRH skipped, the batch's MAC check, the
-    shared validation and placement under the receiver's lock. No device needed: the
+    for ``receiver.handle``: slot bookkeeping, the GRH skipped, then the shared compiled
+    checks (the MAC tags among them) and placement under the receiver's lock. No device needed: the
     tests drive it with a plain buffer."""
 
     def __init__(self, receiver: Any, ring: RecvRing, buf: Any) -> None:
