@@ -12,6 +12,9 @@ fragment, a trainer's "gone" answer, or a float16 piece. Python then works per e
 datagram is left to the rare cases: control fragments, "gone", float16, and a run that
 overlaps what already arrived (duplicates: the assembler's own per-datagram path decides).
 
+Both release the GIL (the optimizer and persistence threads run meanwhile); callers hold the
+receiver's lock, so the arrays they touch have one user at a time.
+
 CRC32C: the crc32c package's C function (hardware, ~20 GB/s here) called through its address
 from compiled code; where that package is missing or its function does not agree with
 ``crc32c.crc32c`` on test data, a compiled slicing-by-8 table (~1 GB/s), with one log line.
@@ -178,7 +181,7 @@ def _be(buf, at, size):  # noqa: ANN001, ANN202
     return x
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def scan(buf, bases, lens, params, counts, ok, offs, events):  # noqa: ANN001, ANN201
     """Check datagrams i = 0..len(lens)-1 (``lens[i]`` bytes at ``buf[bases[i]:]``) as
     the receiver does; count drops into ``counts`` (zeroed first); ``ok[i]`` = 1 and
@@ -305,7 +308,7 @@ def scan(buf, bases, lens, params, counts, ok, offs, events):  # noqa: ANN001, A
     return ne
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def scatter(buf, bases, lens, ok, offs, i0, i1, dst, start, dtype):  # noqa: ANN001, ANN201
     """Copy the payloads of datagrams i0..i1-1 that passed (``ok``) into the fp32 staging
     bytes ``dst`` at element ``offs[i] - start``: float32 as is, bfloat16 widened."""
