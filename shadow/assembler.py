@@ -69,6 +69,7 @@ class _Iter:
     u32: np.ndarray
     raw: memoryview
     first_seen: float
+    u8: np.ndarray | None = None  # the staging bytes, for compiled copies (shadow.ingest)
     cov: IntervalSet = field(default_factory=IntervalSet)
     ctrl_len: int = -1
     ctrl_buf: bytearray | None = None
@@ -150,7 +151,8 @@ class Assembler:
         except IndexError:
             stg = np.empty(self.size, dtype=np.float32)
         now = time.monotonic()
-        st = _Iter(stg, stg.view(np.uint32), memoryview(stg).cast("B"), now, last_progress=now)
+        st = _Iter(stg, stg.view(np.uint32), memoryview(stg).cast("B"), now, stg.view(np.uint8),
+                   last_progress=now)
         self.open[it] = st
         return st
 
@@ -181,17 +183,19 @@ class Assembler:
         self._dispatch()
 
     # ----- placement --------------------------------------------------------------------
-    def _admit(self, it: int) -> _Iter | None:
+    def admit(self, it: int, n: int = 1) -> _Iter | None:
+        """The open state of iteration ``it`` (opened if new) for ``n`` pieces about to be
+        placed, or None with all ``n`` counted as dropped (stale or past the window)."""
         if self._reset_to is not None:
             self._apply_reset()
         if it < self.next_dispatch:
-            self.drops["stale"] += 1
+            self.drops["stale"] += n
             return None
         if it > self.committed + self.window:
             # Dropped, so it must not count as seen either: an iteration number from a
             # datagram the shadow refuses would make it open (and ask repairs for) every
             # iteration up to it. Trainers far ahead are known from their progress reports.
-            self.drops["window"] += 1
+            self.drops["window"] += n
             self.heard_at = time.monotonic()  # trainers ahead: alive (an uncommon path)
             return None
         if it > self.newest_seen:
@@ -201,7 +205,7 @@ class Assembler:
 
     def place(self, it: int, offset: int, count: int, dtype: int, payload: memoryview) -> None:
         """Place gradient elements [offset, offset+count) (global) from ``payload``."""
-        st = self._admit(it)
+        st = self.admit(it)
         if st is None:
             return
         a = offset - self.start
@@ -238,7 +242,7 @@ class Assembler:
     def place_control(self, it: int, offset: int, count: int, total: int,
                       payload: memoryview) -> None:
         """Place control bytes [offset, offset+count) of a message of ``total`` bytes."""
-        st = self._admit(it)
+        st = self.admit(it)
         if st is None:
             return
         if (total <= CONTROL_MAC or total > self.control_limit or count <= 0

@@ -61,6 +61,14 @@ class IntervalSet:
             self.total += e - s
         return new
 
+    def free(self, a: int, b: int) -> bool:
+        """Whether nothing of [a, b) is covered yet (a < b)."""
+        starts, ends = self.starts, self.ends
+        if not ends or a >= ends[-1]:
+            return True
+        i = bisect_right(starts, a)
+        return (i == 0 or ends[i - 1] <= a) and (i == len(starts) or starts[i] >= b)
+
     def missing(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """Sub-ranges of [lo, hi) not covered."""
         out, pos = [], lo

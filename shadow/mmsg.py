@@ -56,6 +56,8 @@ class BatchReceiver:
         self.ring = bytearray(batch * slot)
         self.view = memoryview(self.ring)
         self.native = _RECVMMSG is not None
+        #: Lengths of the datagrams ``take`` returned, in slots 0..k-1.
+        self.lens: np.ndarray = np.zeros(1, np.uint32)
         if not self.native:
             return
         base = ctypes.addressof((ctypes.c_char * len(self.ring)).from_buffer(self.ring))
@@ -69,22 +71,23 @@ class BatchReceiver:
         stride = ctypes.sizeof(_MMsgHdr) // 4
         off = _MMsgHdr.msg_len.offset // 4
         self._lens = np.frombuffer(self._msgs, dtype=np.uint32).reshape(batch, stride)[:, off]
+        self.lens = self._lens
         self._fd = sock.fileno()
-        # Where compiled code may read a batch in place (checkmate.protocol.datamac.batch_checker).
-        self.ring_addr = base
-        self.msgs_addr = ctypes.addressof(self._msgs)
-        self.msgs_size = ctypes.sizeof(self._msgs)
-        self.msg_stride = ctypes.sizeof(_MMsgHdr)
-        self.len_offset = _MMsgHdr.msg_len.offset
 
     def recv(self) -> list[int]:
         """Lengths of the datagrams received (at least one); BlockingIOError if none."""
+        return self.lens[:self.take()].tolist()
+
+    def take(self) -> int:
+        """How many datagrams are now in slots 0..k-1 (their lengths in ``lens[:k]``, read
+        in place from the mmsghdr array); BlockingIOError if none."""
         if not self.native:
-            return [self.sock.recv_into(self.view[:self.slot])]
+            self.lens[0] = self.sock.recv_into(self.view[:self.slot])
+            return 1
         n = _RECVMMSG(self._fd, self._msgs, self.batch, MSG_DONTWAIT, None)
         if n < 0:
             e = ctypes.get_errno()
             if e in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
                 raise BlockingIOError(e, os.strerror(e))
             raise OSError(e, os.strerror(e))
-        return self._lens[:n].tolist()
+        return n

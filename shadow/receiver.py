@@ -1,13 +1,15 @@
 """The shadow's UDP receive thread: validate each ckm datagram, place it, drop the rest.
 
-Datagrams are taken in batches with recvmmsg (checkmate.shadow.mmsg). It only receives,
+Datagrams are taken in batches with recvmmsg (checkmate.shadow.mmsg) and each batch is
+validated in one compiled call (checkmate.shadow.ingest; Python then works per run of
+contiguous pieces, not per datagram). It only receives,
 validates and copies into staging (checkmate.shadow.assembler); the
 optimizer step and persistence run in other threads, so receive never waits on them. Every
 datagram that is not accepted is counted under one reason: short, magic, version, flags,
 mac, job, epoch, token, length, crc, not_ready, dtype, partition, range, stale, window,
 duplicate, control_range, control_invalid, control_mac. Every datagram but a control
-fragment must carry the tag checkmate.protocol.datamac derives from the job secret (checked for a
-whole batch in one compiled call); a control message is checked whole by the assembler.
+fragment must carry the tag checkmate.protocol.datamac derives from the job secret (checked
+in the same compiled call); a control message is checked whole by the assembler.
 
 Datagrams flagged PARITY (the FEC parity of earlier versions) are dropped under ``flags``.
 Repair answers from trainers (flag ACK,
@@ -25,14 +27,14 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from crc32c import crc32c
 
 from checkmate.control.pfc import mark_ckm
 from checkmate.protocol import wire
+from checkmate.shadow import ingest
 from checkmate.shadow.assembler import Assembler
 from checkmate.shadow.mmsg import BatchReceiver
 from checkmate.shadow.osname import name_thread
@@ -58,15 +60,9 @@ RESTARTS = 5
 RESTART_WINDOW = 60.0
 _GRAD_DTYPE = {"float32": wire.DType.FLOAT32, "bfloat16": wire.DType.BFLOAT16,
                "float16": wire.DType.FLOAT16}
-_DATA_FLAGS_OK = wire.Flags.REPLICATE | wire.Flags.LAST
-_CTRL = int(wire.Flags.CONTROL)
-_ACK, _NACK = int(wire.Flags.ACK), int(wire.Flags.NACK)
-_PARITY = int(wire.Flags.PARITY)
 # Fewest seconds between two assembler ticks while datagrams stream in (bounds its CPU).
 MIN_TICK = 0.002
-_BAD_FLAGS = int(wire.Flags.HANDSHAKE | wire.Flags.SEED)
 _SIZES = {int(k): v for k, v in wire.DTYPE_SIZE.items()}
-_BYTES_DT = int(wire.DType.BYTES)
 
 
 def open_socket(bind: str, port: int, rcvbuf: int = RCVBUF) -> tuple[socket.socket, int]:
@@ -111,6 +107,10 @@ class Receiver:
         #: Repair traffic: requests sent (by the assembler), answers and "gone" received.
         self.repair_stats: Counter = Counter()
         self.batch = batch
+        #: What the compiled scan fills (checkmate.shadow.ingest), and its CRC32C function.
+        self._batch = ingest.Batch(batch)
+        self._crc_fn = ingest.crc_function()
+        ingest.warm()  # compiled before a thread takes datagrams (once per process)
         granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         self.linger = LINGER if granted >= LINGER_MIN_RCVBUF else 0.0
         self.wakeups = 0  # times the thread went to sleep and woke up (poll or linger)
@@ -192,31 +192,8 @@ class Receiver:
         poller.register(sock, select.POLLIN)
         poll = poller.poll
         rx = BatchReceiver(sock, self.batch, _MAXDGRAM)
-        recv, ring, view, slot = rx.recv, rx.ring, rx.view, rx.slot
-        check = None
-        if self.mac_key is not None:
-            # One compiled pass over each batch (checkmate.protocol.datamac): a C call reading the
-            # recvmmsg memory in place; without recvmmsg, the array version. The key is read
-            # per batch: a new run (the ``peers`` op) replaces it (ShadowNode.set_run).
-            from checkmate.protocol import datamac
-
-            if rx.native:
-                fn = datamac.batch_checker(len(ring), rx.msgs_size)
-
-                def check(k: int, fn: Any = fn, ra: int = rx.ring_addr,
-                          ma: int = rx.msgs_addr, stride: int = rx.msg_stride,
-                          lo: int = rx.len_offset) -> int:
-                    k0, k1 = self.mac_key
-                    return fn(k0, k1, ra, ma, k, slot, stride, lo)
-            else:
-                ring_u8, oks = np.frombuffer(ring, np.uint8), np.zeros(self.batch, np.uint8)
-
-                def check(k: int) -> int:
-                    k0, k1 = self.mac_key
-                    ok = datamac.check_batch(np.uint64(k0), np.uint64(k1), ring_u8,
-                                             np.asarray(lens, np.int64), slot, oks)
-                    return sum(1 << i for i in range(k) if ok[i])
-        mask, all_ok = 0, True
+        take, ring_u8, lens = rx.take, np.frombuffer(rx.ring, np.uint8), rx.lens
+        bases = np.arange(self.batch, dtype=np.int64) * rx.slot
         handle, lock = self.handle, self._lock
         stop = self._stop.is_set
         next_tick = time.monotonic()
@@ -228,7 +205,7 @@ class Receiver:
         taken, batch = 0, self.batch
         while not stop():
             try:
-                lens = recv()
+                k = take()
             except BlockingIOError:
                 self.wakeups += 1
                 if linger and 0 < taken < batch:
@@ -242,8 +219,8 @@ class Receiver:
                 next_tick = time.monotonic() + max(wait, MIN_TICK)
                 poll(max(1, int(wait * 1000)))
                 continue
-            taken += len(lens)
-            self.received += len(lens)
+            taken += k
+            self.received += k
             now = time.monotonic()
             if now >= next_tick:
                 # In a steady stream the socket never runs dry: tick when the assembler said
@@ -253,12 +230,8 @@ class Receiver:
             with lock:
                 # Checked under the lock that ShadowNode.set_run takes: a batch verified with
                 # the run that just ended cannot be placed after the new run dropped its bytes.
-                if check is not None:
-                    k = len(lens)
-                    mask = check(k)
-                    all_ok = mask == (1 << k) - 1
-                handle(ring, view, range(0, len(lens) * slot, slot), lens, mask, all_ok)
-            if linger and len(lens) < LINGER_BATCH:
+                handle(ring_u8, bases[:k], lens[:k])
+            if linger and k < LINGER_BATCH:
                 # A few datagrams per call means the sender trickles at about our pace: each
                 # call then costs its syscall and per-batch work for one or two datagrams and
                 # the socket never runs dry, so the linger above would never start. Sleep
@@ -267,115 +240,79 @@ class Receiver:
                 self.wakeups += 1
                 sleep(linger)
 
-    def handle(self, buf: Any, view: memoryview, bases: Iterable[int], lens: Sequence[int],
-               mask: int, all_ok: bool) -> None:
+    def handle(self, buf: np.ndarray, bases: np.ndarray, lens: np.ndarray) -> None:
         """Validate and place one batch: datagram i is ``lens[i]`` bytes at ``buf[bases[i]:]``
-        (``view`` is a memoryview of ``buf``); bit i of ``mask`` says its data MAC verified
-        (``all_ok``: every bit set). Every transport's receive path ends here (UDP's recvmmsg
-        ring, the verbs receive ring: checkmate.shadow.verbs), so the checks exist once.
-        Callers hold ``self._lock``: the assembler is not thread-safe."""
-        unpack = wire.STRUCT.unpack_from
-        hl = wire.HEADER_LEN
-        sizes = _SIZES
-        drops = self.drops
-        magic_ok, version_ok = wire.MAGIC, wire.VERSION
-        bytes_dt = _BYTES_DT
-        job_ok, epoch_ok, token_ok = self.job, self.epoch, self.token
-        for i, (base, n) in enumerate(zip(bases, lens, strict=True)):
-            if n < hl:
-                drops["short"] += 1
-                continue
-            (magic, version, flags, job, epoch, token, it, offset, count, _seq, _bucket,
-             part, dtype, _fi, _fk, _fm, group, crc) = unpack(buf, base)
-            if magic != magic_ok:
-                drops["magic"] += 1
-                continue
-            if version != version_ok:
-                drops["version"] += 1
-                continue
-            if flags & _BAD_FLAGS:
-                drops["flags"] += 1
-                continue
-            if not all_ok and not mask >> i & 1:
-                drops["mac"] += 1  # not made with the job secret (or changed on the way)
-                continue
-            if flags & _NACK:
-                # Only a trainer's "gone" answer may carry NACK here; requests go to
-                # trainers, never to a shadow.
-                if not flags & _ACK or count or n != hl:
-                    drops["flags"] += 1
-                    continue
-            if flags & _ACK:
-                if job != self.job:
-                    drops["job"] += 1
-                    continue
-                if flags & _NACK:
-                    if epoch != self.epoch or token != self.token:
-                        drops["epoch" if epoch != self.epoch else "token"] += 1
-                        continue
-                    self.repair_stats["gone"] += 1
-                    if self.asm is not None:
-                        self.asm.on_gone(it)
-                    continue
-                self.repair_stats["answers"] += 1
-                self.repair_stats["answer_bytes"] += n - hl
-            if job != job_ok:
-                drops["job"] += 1
-                continue
-            if epoch != epoch_ok:
-                drops["epoch"] += 1
-                continue
-            if token != token_ok:
-                drops["token"] += 1
-                continue
-            size = sizes.get(dtype)
-            if size is None or count * size != n - hl:
-                drops["length"] += 1
-                continue
-            payload = view[base + hl:base + n]
-            if crc32c(payload) != crc:
-                drops["crc"] += 1
-                continue
-            asm = self.asm
-            if asm is None:
-                drops["not_ready"] += 1
-                continue
-            if flags & _CTRL:
-                if dtype != bytes_dt:
-                    drops["dtype"] += 1
-                    continue
-                asm.place_control(it, offset, count, group, payload)
-                continue
-            if flags & _PARITY:  # FEC parity: no longer sent (docs/reliability.md, "FEC")
-                drops["flags"] += 1
-                continue
-            if dtype != self.grad_dtype:
-                drops["dtype"] += 1
-                continue
-            if part != self.partition:
-                drops["partition"] += 1
-                continue
-            if offset < asm.start or offset + count > asm.end or count == 0:
-                drops["range"] += 1
-                continue
-            # Fast path: float32 that extends the newest run of an open iteration (a
-            # sender streaming its chunk in order); everything else takes asm.place.
-            st = asm.open.get(it) if dtype == 0 else None
-            if st is not None and asm._reset_to is None:
-                cov = st.cov
-                ends = cov.ends
-                a = offset - asm.start
-                if ends and ends[-1] == a:
-                    b = a + count
-                    ends[-1] = b
-                    cov.total += count
-                    st.raw[4 * a:4 * b] = payload
-                    asm.placed_bytes += 4 * count
-                    if cov.total == asm.size and st.control is not None \
-                            and it == asm.next_dispatch:
-                        asm._dispatch()
-                    continue
-            asm.place(it, offset, count, dtype, payload)
+        (``buf`` a uint8 array). Every transport's receive path ends here (UDP's recvmmsg
+        ring, the verbs receive ring: checkmate.shadow.verbs), so the checks exist once: one
+        compiled pass (checkmate.shadow.ingest.scan: MAC, header, session, CRC32C, range,
+        drops by reason), then Python per run of contiguous pieces, each placed by one
+        compiled copy; per datagram only control fragments, "gone" answers, float16 pieces
+        and pieces that overlap what arrived. Callers hold ``self._lock``: the assembler is
+        not thread-safe, and the key must not change between the check and the placing."""
+        k = len(lens)
+        b = self._batch
+        b.fit(k)
+        asm = self.asm
+        key = self.mac_key
+        p = b.params
+        p[:] = (self.job, self.epoch, self.token, self.partition, self.grad_dtype,
+                asm.start if asm is not None else 0, asm.end if asm is not None else 0,
+                asm is not None, key is not None, key[0] if key else 0, key[1] if key else 0,
+                self._crc_fn)
+        ne = ingest.scan(buf, bases, lens, p, b.counts, b.ok, b.offs, b.events)
+        c = b.counts
+        if c[ingest.TOTAL]:
+            drops = self.drops
+            for r, name in enumerate(ingest.REASONS):
+                if c[r]:
+                    drops[name] += int(c[r])
+        if c[ingest.ANSWERS]:
+            self.repair_stats["answers"] += int(c[ingest.ANSWERS])
+            self.repair_stats["answer_bytes"] += int(c[ingest.ANSWER_BYTES])
+        if not ne:
+            return
+        run = ingest.RUN
+        for kind, i0, i1, it, lo, hi, x, m in b.events[:ne].tolist():
+            if kind == run:
+                self._place_run(asm, buf, bases, lens, i0, i1, it, lo, hi, x, m)
+            elif kind == ingest.GONE:
+                self.repair_stats["gone"] += 1
+                if asm is not None:
+                    asm.on_gone(it)
+            else:  # CTRL: control bytes [lo, lo+hi) of x; ONE: elements [lo, lo+hi), dtype x
+                base, n = int(bases[i0]), int(lens[i0])
+                payload = memoryview(buf)[base + wire.HEADER_LEN:base + n]
+                if kind == ingest.CTRL:
+                    asm.place_control(it, lo, hi, x, payload)
+                else:
+                    asm.place(it, lo, hi, x, payload)
+
+    def _place_run(self, asm: Assembler, buf: np.ndarray, bases: np.ndarray,
+                   lens: np.ndarray, i0: int, i1: int, it: int, lo: int, hi: int, dtype: int,
+                   m: int) -> None:
+        """Place the ``m`` pieces of one run (elements [lo, hi) of iteration ``it``): one
+        compiled copy when none of it arrived yet, else piece by piece through
+        ``asm.place`` (duplicates and overlaps are counted and placed there)."""
+        st = asm.admit(it, m)
+        if st is None:
+            return
+        a, e = lo - asm.start, hi - asm.start
+        cov = st.cov
+        b = self._batch
+        if cov.free(a, e):
+            cov.add(a, e)
+            ingest.scatter(buf, bases, lens, b.ok, b.offs, i0, i1, st.u8, np.uint64(asm.start),
+                           dtype)
+            asm.placed_bytes += 4 * (e - a)
+            if cov.total == asm.size and st.control is not None and it == asm.next_dispatch:
+                asm._dispatch()
+            return
+        view, hl, size = memoryview(buf), wire.HEADER_LEN, _SIZES[dtype]
+        ok, offs = b.ok, b.offs
+        for i in range(i0, i1):
+            if ok[i]:
+                base, n = int(bases[i]), int(lens[i])
+                asm.place(it, int(offs[i]), (n - hl) // size, dtype, view[base + hl:base + n])
 
     def _tick(self, now: float | None) -> float:
         t0 = time.perf_counter()

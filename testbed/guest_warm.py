@@ -12,8 +12,9 @@ features in the key or the code) the guest loads what was compiled here. Run as
 guest.run() does that before it boots.
 
 The warm-up is the checks' own workload, minus the device: a UDP-fed shadow of the same
-job spec takes one iteration and commits it, the reference optimizer steps, and the verbs
-ring's batch MAC check runs once, so every kernel is compiled for the types it gets there.
+job spec takes one iteration and commits it, the reference optimizer steps, and the
+compiled ingest (checkmate.shadow.ingest) is warmed for the verbs ring's types too, so every
+kernel is compiled for the types it gets there.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import time
 import numpy as np
 
 from checkmate.errors import CheckmateError
-from checkmate.protocol import auth, datamac
+from checkmate.protocol import auth
+from checkmate.shadow import ingest
 from checkmate.shadow.node import NodeOptions, ShadowNode
 from checkmate.shadow.state import make_optimizer
 from checkmate.testbed.verbs_checks import JOB, LRS, Pair, _spec
@@ -63,15 +65,8 @@ def warm(timeout: float = 300.0) -> None:
                 raise CheckmateError(f"guest warm-up: the shadow did not commit within "
                                      f"{timeout:.0f} s")
             time.sleep(0.05)
-        # the verbs ring's batch check (RingConsumer), with the types it passes
-        d = dgrams[0]
-        buf = np.zeros(40 + len(d), np.uint8)
-        buf[40:] = np.frombuffer(d, np.uint8)
-        k0, k1 = datamac.data_key(secret)
-        ok = datamac.check_at(np.uint64(k0), np.uint64(k1), buf, np.asarray([40], np.int64),
-                              np.asarray([len(d)], np.int64), np.zeros(1, np.uint8))
-        if not ok[0]:
-            raise CheckmateError("guest warm-up: a good datagram failed the ring MAC check")
+        # the verbs ring's types (RingConsumer hands int64 arrays to the compiled ingest)
+        ingest.warm()
     finally:
         tx.close()
         node.stop()

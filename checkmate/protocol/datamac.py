@@ -11,10 +11,11 @@ a copy keeps its trainer's tag. A host without the secret cannot make a datagram
 accepts, whether or not it can read the stream; on the path it can still change a payload
 into another with the same CRC32C (docs/security.md).
 
-SipHash rather than HMAC: the shadow checks a whole recvmmsg batch in one compiled call,
-tens of nanoseconds a datagram, where hashlib costs ~0.5 µs a datagram from Python
-(measured: docs/benchmarks.md, "ingest"). Control messages are authenticated whole, once per
-iteration, with HMAC-SHA256 (``control_mac``), on top of each fragment's tag.
+SipHash rather than HMAC: the shadow checks a whole receive batch in one compiled call
+(checkmate.shadow.ingest inlines ``good``), tens of nanoseconds a datagram, where hashlib
+costs ~0.5 µs a datagram from Python (measured: docs/benchmarks.md, "ingest"). Control
+messages are authenticated whole, once per iteration, with HMAC-SHA256 (``control_mac``),
+on top of each fragment's tag.
 
 Keys are per run: the trainers' rank 0 draws a run nonce R at every start (fresh, resumed,
 or a restarted attempt) and tells each shadow in its ``peers`` request; every key here is
@@ -24,12 +25,9 @@ message captured in one run verifies in no other (docs/security.md, "Replay").
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import hmac
 import struct
-from typing import Any
 
 import numpy as np
 from numba import njit
@@ -185,7 +183,7 @@ def _tag_of(k0, k1, hdr, base):  # noqa: ANN001, ANN202
 
 
 @njit(cache=True, inline="always")
-def _good(k0, k1, ring, base, length, msg):  # noqa: ANN001, ANN202
+def good(k0, k1, ring, base, length, msg):  # noqa: ANN001, ANN202
     """Whether the datagram at ``ring[base:]`` carries the tag its header and CRC call
     for: 32 bits in ``seq`` for CONTROL, else 56 in the fec fields; too short
     ones fail (they are dropped as short anyway)."""
@@ -201,62 +199,21 @@ def _good(k0, k1, ring, base, length, msg):  # noqa: ANN001, ANN202
 @njit(cache=True)
 def check_batch(k0, k1, ring, lens, slot, ok):  # noqa: ANN001, ANN201
     """``ok[i]`` = 1 when datagram i of a batch (``ring[i*slot:]``, ``lens[i]`` bytes)
-    is good (_good)."""
+    is good (``good``)."""
     msg = np.zeros(40, np.uint8)
     for i in range(lens.shape[0]):
-        ok[i] = 1 if _good(k0, k1, ring, i * slot, lens[i], msg) else 0
+        ok[i] = 1 if good(k0, k1, ring, i * slot, lens[i], msg) else 0
     return ok
 
 
 @njit(cache=True)
 def check_at(k0, k1, buf, bases, lens, ok):  # noqa: ANN001, ANN201
     """``ok[i]`` = 1 when the datagram at ``buf[bases[i]:]`` (``lens[i]`` bytes) is good
-    (_good): for receive rings whose completions name any slot (the verbs ring)."""
+    (``good``): for receive rings whose completions name any slot (the verbs ring)."""
     msg = np.zeros(40, np.uint8)
     for i in range(lens.shape[0]):
-        ok[i] = 1 if _good(k0, k1, buf, bases[i], lens[i], msg) else 0
+        ok[i] = 1 if good(k0, k1, buf, bases[i], lens[i], msg) else 0
     return ok
-
-
-@njit(cache=True)
-def _mask_of(k0, k1, ring, msgs, n, slot, stride, len_off):  # noqa: ANN001, ANN202
-    """check_batch over a recvmmsg batch in place: lengths read from the mmsghdr array
-    (``stride`` bytes apart, msg_len at ``len_off``, little-endian u32); bit i set when
-    datagram i is good."""
-    msg = np.zeros(40, np.uint8)
-    mask = np.uint64(0)
-    for i in range(n):
-        at = i * stride + len_off
-        length = (np.int64(msgs[at]) | (np.int64(msgs[at + 1]) << 8)
-                  | (np.int64(msgs[at + 2]) << 16) | (np.int64(msgs[at + 3]) << 24))
-        if _good(k0, k1, ring, i * slot, length, msg):
-            mask |= np.uint64(1) << np.uint64(i)
-    return mask
-
-
-_MASK_SIG = "uint64(uint64, uint64, voidptr, voidptr, int64, int64, int64, int64)"
-
-
-@functools.lru_cache(maxsize=8)
-def batch_checker(ring_size: int, msgs_size: int) -> Any:
-    """A ctypes-callable ``(k0, k1, ring_addr, msgs_addr, n, slot, stride, len_off) ->
-    mask`` over a BatchReceiver's memory: one C call a batch (~0.8 µs) where a Numba
-    dispatch with array arguments costs ~1.4 µs -- most batches hold a few datagrams.
-    Compiled once per process and size (tens of ms)."""
-    from numba import carray, cfunc
-
-    @cfunc(_MASK_SIG)
-    def check(k0, k1, ring_p, msgs_p, n, slot, stride, len_off):  # noqa: ANN001, ANN202
-        ring = carray(ring_p, (ring_size,), dtype=np.uint8)
-        msgs = carray(msgs_p, (msgs_size,), dtype=np.uint8)
-        return _mask_of(k0, k1, ring, msgs, n, slot, stride, len_off)
-
-    proto = ctypes.PYFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
-                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
-    fn = proto(check.address)
-    fn._keep = check  # the compiled code must live as long as the function pointer
-    return fn
 
 
 # ----- the sender's side ---------------------------------------------------------------

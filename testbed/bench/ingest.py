@@ -3,10 +3,11 @@
 One run, same path for all (loopback UDP, one sender process, jumbo-sized ckm datagrams of
 float32 gradient): raw loops that only receive datagrams and count bytes (recv_into per
 datagram, and recvmmsg batches as the shadow's receiver uses), then the shadow's real
-receive path (checkmate.shadow.receiver + assembler: the per-datagram MAC check of
-checkmate.protocol.datamac, header and session checks, CRC32C, coverage, copy into the fp32 staging
-buffer, control message parsing and MAC), and the same path without the MAC checks, to
-price them. The headline divides the shipped path by the faster raw loop.
+receive path (checkmate.shadow.receiver + assembler: one compiled call per batch,
+checkmate.shadow.ingest, for the per-datagram MAC check, header and session checks and
+CRC32C, then per run coverage and a compiled copy into the fp32 staging buffer, control
+message parsing and MAC), and the same path without the MAC checks, to price them. The
+headline divides the shipped path by the faster raw loop.
 
 By default each receiver drains a full queue: the sender puts every iteration into the
 receive buffer (512 MiB) before the receiver starts and its clock runs, so the rate is the
@@ -14,7 +15,11 @@ receiver's and the headline can fail. ``--paced`` is the earlier method: the sen
 for the receiver (at most ``--depth`` iterations in flight, acknowledged through shared
 memory), which measures whichever side is slower -- on loopback mostly the sender. Paths
 alternate for ``--rounds`` rounds and report medians (the machine is shared). The optimizer
-step is not part of the headline; a last line runs the whole node with its AdamW step.
+step is not part of the headline. Unless ``--no-node``, the whole node (receive, check,
+place, AdamW, retained version) then runs ``--rounds`` times, alternated with a copy loop
+that moves the node's bytes per parameter (BYTES_PER_PARAM) over buffers of the same size:
+the shadow's capacity in parameters per second per core (all node threads' CPU) against
+that memory-bandwidth bound (``shadow capacity vs memory-copy bound ratio``).
 
     testbed bench ingest [--elements N] [--iterations K] [--rounds R] [--paced] [--no-node]
 """
@@ -222,8 +227,11 @@ def _ingest(total: int, chunk: int, iterations: int, depth: int,
     return secs, nbytes, dict(drops)
 
 
-def _node(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, int, dict]:
-    """The whole node (receiver, AdamW step, retained versions) via its public pieces."""
+def _node(total: int, chunk: int, iterations: int, depth: int
+          ) -> tuple[float, int, dict, float]:
+    """The whole node (receiver, AdamW step, retained versions) via its public pieces;
+    also the CPU seconds this process spent from the node's start to its last commit (every
+    node thread; the sender is another process)."""
     from checkmate.shadow.node import NodeOptions, ShadowNode
     from checkmate.spec.model import ModelSpec
 
@@ -236,13 +244,16 @@ def _node(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, i
                                   window=(depth or iterations) + 2))
     node.state.set_spec(spec)
     node.state.install(0, 0, {s: np.zeros(total, np.float32) for s in spec.slots})
+    cpu0 = time.process_time()
     node.start()
+    box: dict[str, float] = {}
 
     def consume(acked: Any) -> int:
         deadline = time.monotonic() + 120
         while (node.state.latest or 0) < iterations and time.monotonic() < deadline:
             acked.value = node.state.latest or 0
             time.sleep(0.0005)
+        box["cpu"] = time.process_time() - cpu0
         return (node.state.latest or 0) * total * 4
 
     try:
@@ -250,7 +261,29 @@ def _node(total: int, chunk: int, iterations: int, depth: int) -> tuple[float, i
                             mac=True)
     finally:
         node.stop()
-    return secs, nbytes, dict(node.drops)
+    return secs, nbytes, dict(node.drops), box.get("cpu", float("nan"))
+
+
+#: Bytes per parameter the node moves at least (beside the kernel's socket copies): the
+#: received gradient written to staging (4); AdamW reads it (4) and reads and writes the
+#: parameter and both moments (12 + 12); the retained version copies the three (12 + 12).
+BYTES_PER_PARAM = 56
+_COPIES = BYTES_PER_PARAM // 8  # float32 copies: 4 B read + 4 B written each
+
+
+def _copy_bound(total: int, iterations: int) -> float:
+    """Parameters per CPU second of one core copying BYTES_PER_PARAM bytes per parameter
+    over buffers of the partition's size (_COPIES float32 copies): the memory-bandwidth
+    bound for the node's bytes on this machine."""
+    src = [np.ones(total, np.float32) for _ in range(_COPIES)]
+    dst = [np.zeros(total, np.float32) for _ in range(_COPIES)]
+    for a, b in zip(src, dst, strict=True):  # touch every page before timing
+        np.copyto(b, a)
+    c0 = time.thread_time()
+    for _ in range(iterations):
+        for a, b in zip(src, dst, strict=True):
+            np.copyto(b, a)
+    return iterations * total / (time.thread_time() - c0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,15 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     raw_rates, mm_rates, ing_rates, plain_rates, drops = [], [], [], [], {}
     cpu: dict[str, list[float]] = {"raw": [], "mm": [], "ing": [], "plain": []}
     dgrams = a.iterations * -(-a.elements // a.chunk)
-    # The shadow compiles its batch check once when it starts (checkmate.protocol.datamac); done
+    # The shadow compiles its ingest once when it starts (checkmate.shadow.ingest); done
     # here before timing, as a started shadow has.
-    from checkmate.shadow.mmsg import BatchReceiver
-    from checkmate.shadow.receiver import _MAXDGRAM
+    from checkmate.shadow import ingest
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        br = BatchReceiver(probe, 64, _MAXDGRAM)
-        if br.native:
-            datamac.batch_checker(len(br.ring), br.msgs_size)
+    ingest.warm()
     for _ in range(a.rounds):
         raw_s, raw_b = _raw(a.elements, a.chunk, a.iterations, a.depth)
         raw_rates.append(raw_b / raw_s)
@@ -321,15 +350,35 @@ def main(argv: list[str] | None = None) -> int:
               f"{gb(f'{r / 1e9:.3f}' for r in rates)}")
     if drops:
         print(f"ingest drops: {drops}")
+    cap_ratio = None
     if not a.no_node:
-        n_s, n_b, n_drops = _node(a.elements, a.chunk, a.iterations, a.depth)
-        print(f"{'whole node incl. AdamW step':<40}{n_b / n_s / 1e9:>10.3f}{'':>14}   (1 round)")
+        # Capacity: the whole node, alternated with the copy loop, a.rounds rounds each.
+        node_rates, caps, bounds, n_drops = [], [], [], {}
+        _node(a.elements, a.chunk, 2, a.depth)  # untimed: the optimizer's kernels loaded
+        for _ in range(a.rounds):
+            n_s, n_b, d, n_cpu = _node(a.elements, a.chunk, a.iterations, a.depth)
+            node_rates.append(n_b / n_s)
+            caps.append(a.iterations * a.elements / n_cpu)
+            bounds.append(_copy_bound(a.elements, a.iterations))
+            for k, v in d.items():
+                n_drops[k] = n_drops.get(k, 0) + v
+        print(f"{'whole node incl. AdamW step':<40}{med(node_rates) / 1e9:>10.3f}{'':>14}   "
+              f"{gb(f'{r / 1e9:.3f}' for r in node_rates)}")
         if n_drops:
             print(f"node drops: {n_drops}")
+        cap_ratio = med(caps) / med(bounds)
+        print(f"shadow capacity (receive+check+place+AdamW, all node threads' CPU): "
+              f"{med(caps) / 1e6:.1f} M params/s per core; rounds "
+              f"{gb(f'{c / 1e6:.1f}' for c in caps)}")
+        print(f"memory-copy bound ({BYTES_PER_PARAM} B/param over the same buffer sizes, one "
+              f"core): {med(bounds) / 1e6:.1f} M params/s; rounds "
+              f"{gb(f'{b / 1e6:.1f}' for b in bounds)}")
     print("GB/s and CPU us/dgram are medians over rounds. CPU us/dgram: the receiving thread's\n"
           "CPU time (user+system) per datagram, i.e. the cost when the receiver and not the\n"
           "loopback sender is the bottleneck. The ratio is against the faster raw loop.")
     print(f"MAC check: ingest with vs without it: bytes/s {ing_rate / med(plain_rates):.3f}, "
           f"CPU per datagram {med(cpu['ing']) / med(cpu['plain']):.3f} (one run, alternated)")
+    if cap_ratio is not None:
+        print(f"shadow capacity vs memory-copy bound ratio: {cap_ratio:.3f}")
     print(f"ingest vs raw UDP receive bytes/s ratio: {ing_rate / raw_rate:.3f}")
     return 0
