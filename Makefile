@@ -9,9 +9,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.checkmate-installed
 APT_PKGS := clang llvm libbpf-dev bpftool iproute2 ethtool gcc
 
-.PHONY: setup run test lint bpf nccl guest clean
+.PHONY: setup run test lint bpf nccl guest kernels clean
 
-setup: $(STAMP) bpf nccl guest
+setup: $(STAMP) bpf nccl guest kernels
 
 # System packages (clang/libbpf for the BPF switch). Skipped when already present.
 .apt-stamp:
@@ -31,6 +31,11 @@ $(STAMP): pyproject.toml .apt-stamp
 
 bpf: $(STAMP)
 	$(PY) -m checkmate.dataplane.build
+
+# The shadow's compiled kernels (ingest checks, optimizer steps) into Numba's on-disk cache,
+# so no shadow of the job or the tests waits for the compiler (10-30 s on a cold cache).
+kernels: $(STAMP)
+	$(PY) -c "from checkmate.shadow import ingest, state; ingest.warm(); state.warm_up_kernels()"
 
 # The NCCL net plugin (build/nccl/libnccl-net-ckm.so; docs/nccl_plugin.md): gcc only.
 nccl: .apt-stamp
