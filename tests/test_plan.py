@@ -42,6 +42,11 @@ def test_sizing_names_the_requirement_that_binds():
     # a tight memory budget binds instead
     sz = size(7_000_000_000, 1.5, grad_bytes=2, shadow_memory=64e9)
     assert sz.bound == "memory" and sz.memory_bytes <= 64e9
+    # an end-to-end capacity, given, binds when it is the lowest: 100 M params/s per shadow
+    # (the measured one) -> 7e9 / 1.5e8 = 46.7 -> 47
+    sz = size(7_000_000_000, 1.5, grad_bytes=2, capacity=1e8)
+    assert (sz.shadows, sz.bound) == (47, "capacity")
+    assert sz.capacity_util <= 1.0 < 7_000_000_000 / 46 / (1e8 * 1.5)
     with pytest.raises(CheckmateError, match="optimizer must be one of"):
         size(10, 1.0, optimizer="lion")
 
@@ -59,6 +64,10 @@ def test_cli_prints_a_row_per_scheme_and_refuses_bad_input_in_one_line():
             if ln.startswith(("torch.save", "checkmate"))}
     assert rows["torch.save"][2] == "438" and rows["checkmate"][2] == "1"
     assert "shadows for 7e+09 params" in r.stdout and "set by ingest" in r.stdout
+    assert "measured 100 M params/s here" in r.stdout and ": 47 processes for" in r.stdout
+    r = _cli("--mtbf", "3h", "--step-time", "1.5", "--params", "7B", "--grad-dtype",
+             "bfloat16", "--shadow-capacity", "100M")
+    assert r.returncode == 0 and ": 47, set by capacity" in r.stdout, r.stdout + r.stderr
     r = _cli("--mtbf", "3h", "--step-time", "1.5")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
         "give at least one --ckpt-cost NAME=COST, --checkmate-cost or --params")

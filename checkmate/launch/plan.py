@@ -33,6 +33,13 @@ from checkmate.errors import CheckmateError
 #: gradient; the AdamW step runs at ~2300 M params/s on 2 vCPUs (memory-bound, 28 B/param).
 INGEST_BYTES_PER_S = 2.0e9
 OPTIMIZER_PARAMS_PER_S = 2.3e9
+#: Measured end to end (docs/benchmarks.md, "shadow capacity", 2026-11-26): a whole shadow
+#: node receiving, checking and placing the gradient, stepping AdamW and keeping a retained
+#: version, 99-108 M params/s per core of its threads' CPU; its receive path is one thread,
+#: so this is what one shadow process (one partition) takes. Printed beside the sizing, and
+#: the sizing's bound with ``--shadow-capacity`` (not by default: the switch figures count a
+#: port per shadow, and processes that share a host's port are not modelled yet).
+CAPACITY_PARAMS_PER_S = 1.0e8
 #: float32 slots a shadow keeps per optimizer kind (param + optimizer state).
 SLOTS = {"sgd": 1, "sgd-momentum": 2, "adam": 3, "adamw": 3, "adamw-amsgrad": 4}
 _UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0,
@@ -92,14 +99,16 @@ class Sizing:
     nic_bytes_per_s: float  # gradient into each shadow
     ingest_util: float  # of one receive thread, per shadow
     optimizer_util: float  # of the measured step rate, per shadow
+    capacity_util: float  # of the end-to-end capacity (given, else measured), per shadow
 
 
 def size(params: int, step_s: float, grad_bytes: int = 4, optimizer: str = "adamw",
          retain: int = 4, window: int = 8, shadow_memory: float | None = None,
-         ingest: float = INGEST_BYTES_PER_S, opt_rate: float = OPTIMIZER_PARAMS_PER_S
-         ) -> Sizing:
-    """Fewest shadows so each one ingests and steps its partition within a step (and fits
-    ``shadow_memory`` bytes when given)."""
+         ingest: float = INGEST_BYTES_PER_S, opt_rate: float = OPTIMIZER_PARAMS_PER_S,
+         capacity: float | None = None) -> Sizing:
+    """Fewest shadows so each one ingests and steps its partition within a step, by the
+    component rates and by the end-to-end ``capacity`` (params/s a shadow takes in and
+    steps), and fits ``shadow_memory`` bytes when given."""
     if optimizer not in SLOTS:
         raise CheckmateError(f"optimizer must be one of {', '.join(SLOTS)}, got {optimizer!r}")
     if params < 1 or step_s <= 0 or grad_bytes not in (2, 4):
@@ -109,13 +118,15 @@ def size(params: int, step_s: float, grad_bytes: int = 4, optimizer: str = "adam
     need = {
         "ingest": params * grad_bytes / (ingest * step_s),
         "optimizer step": params / (opt_rate * step_s),
+        "capacity": params / (capacity * step_s) if capacity else 0.0,
         "memory": params * per_param_mem / shadow_memory if shadow_memory else 0.0,
     }
     bound = max(need, key=need.get)
     n = max(1, math.ceil(need[bound]))
     part = math.ceil(params / n)
     return Sizing(n, bound, part, part * per_param_mem, part * grad_bytes / step_s,
-                  part * grad_bytes / (ingest * step_s), part / (opt_rate * step_s))
+                  part * grad_bytes / (ingest * step_s), part / (opt_rate * step_s),
+                  part / ((capacity or CAPACITY_PARAMS_PER_S) * step_s))
 
 
 # ----- CLI ---------------------------------------------------------------------------------
@@ -174,6 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--shadow-step-rate", type=_count, default=OPTIMIZER_PARAMS_PER_S,
                     help="params/s one shadow steps (default: the measured "
                          f"{OPTIMIZER_PARAMS_PER_S / 1e9:g}G)")
+    ap.add_argument("--shadow-capacity", type=_count, default=None,
+                    help="params/s one shadow takes in and steps, end to end: size by it "
+                         f"too (measured here: {CAPACITY_PARAMS_PER_S / 1e6:g}M per process)")
     ap.add_argument("--gpus", type=_count, default=None,
                     help="ranks of the job, for switch state and controller work (needs "
                          "--params; docs/scale.md)")
@@ -201,7 +215,8 @@ def main(argv: list[str]) -> int:
     if a.params is not None:
         gb = 2 if a.grad_dtype != "float32" else 4
         sz = size(a.params, a.step_time, gb, a.optimizer, shadow_memory=a.shadow_memory,
-                  ingest=a.shadow_ingest, opt_rate=a.shadow_step_rate)
+                  ingest=a.shadow_ingest, opt_rate=a.shadow_step_rate,
+                  capacity=a.shadow_capacity)
         print(f"shadows for {a.params:.3g} params ({a.optimizer}, {a.grad_dtype} gradient): "
               f"{sz.shadows}, set by {sz.bound}; each holds {sz.partition_params:.3g} params "
               f"in {sz.memory_bytes / 2**30:.1f} GiB and takes {sz.nic_bytes_per_s / 1e9:.2f} "
@@ -212,10 +227,21 @@ def main(argv: list[str]) -> int:
               f"{OPTIMIZER_PARAMS_PER_S / 1e9:.1f} G params/s on 2 vCPUs; the sizing runs out "
               "where one shadow's NIC cannot carry its share or the switch cannot copy at "
               "line rate (one copy of each byte: the gradient's size per step in total)")
+        if a.shadow_capacity is None:
+            e2e = size(a.params, a.step_time, gb, a.optimizer,
+                       shadow_memory=a.shadow_memory, ingest=a.shadow_ingest,
+                       opt_rate=a.shadow_step_rate, capacity=CAPACITY_PARAMS_PER_S)
+            print(f"end to end (receive, check, place, AdamW) one shadow process measured "
+                  f"{CAPACITY_PARAMS_PER_S / 1e6:.0f} M params/s here (docs/benchmarks.md, "
+                  f"\"shadow capacity\"): {e2e.shadows} processes for this model and step, "
+                  "a core each; --shadow-capacity sizes by it")
         if (a.shadow_ingest, a.shadow_step_rate) != (INGEST_BYTES_PER_S,
-                                                     OPTIMIZER_PARAMS_PER_S):
+                                                     OPTIMIZER_PARAMS_PER_S) \
+                or a.shadow_capacity is not None:
             print(f"sized with ingest {a.shadow_ingest / 1e9:g} GB/s and step rate "
-                  f"{a.shadow_step_rate / 1e9:g} G params/s per shadow (given)")
+                  f"{a.shadow_step_rate / 1e9:g} G params/s per shadow"
+                  + (f", capacity {a.shadow_capacity / 1e6:g} M params/s"
+                     if a.shadow_capacity is not None else "") + " (given)")
     if a.gpus is not None:
         if a.params is None:
             raise CheckmateError("--gpus needs --params (the shadows set the partitions)")
