@@ -10,6 +10,10 @@ finalizers do not run, as after ``os._exit`` -- so the handler first flushes eve
 stream (``checkmate.train.run_script`` ends its workers the same way): no buffered write
 is lost, whether the file sits in a module's globals or in a reference cycle. Handlers
 registered before ``install`` (at import time: logging's, torch's) still run after it.
+
+A process that loaded triton is left to the usual teardown: triton's nanobind bindings
+report every one of their objects still alive at exit as a leak, hundreds of lines on
+stderr.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import _io
 import atexit
 import contextlib
 import gc
+import sys
 
 _installed = False
 
 
 def _flush_and_freeze() -> None:
+    if "triton" in sys.modules:
+        return
     # type(), not isinstance: no __class__ lookup (torch.distributed.reduce_op warns);
     # _io._IOBase is the C base of every stream, Python-level ones (gzip, ...) included.
     for obj in gc.get_objects():

@@ -31,9 +31,15 @@ def as_kernel_grad(x: torch.Tensor | np.ndarray) -> np.ndarray:
     Raises:
         CheckmateError: another dtype, a non-CPU tensor, or non-contiguous memory.
     """
-    # torch is not imported here: a process that never imported it (the shadow) holds no
-    # tensors, and importing it would cost the shadow seconds at start.
-    torch = sys.modules.get("torch")
+    # A numpy array (what the shadow passes) never touches torch: a process that did not
+    # import it holds no tensors, and importing it would cost the shadow seconds at start.
+    # Otherwise `import torch`, not sys.modules: another thread may be importing it right
+    # now, and the import statement waits for that to finish (a half-built module has no
+    # torch.Tensor yet).
+    if not isinstance(x, np.ndarray) and "torch" in sys.modules:
+        import torch
+    else:
+        torch = None
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu" or x.is_sparse:
             raise CheckmateError(f"gradients must be dense CPU tensors, got {x.device} {x.layout}")
