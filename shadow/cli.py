@@ -336,4 +336,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    from checkmate import fastexit
+
+    fastexit.install()
     sys.exit(main())

@@ -287,6 +287,11 @@ class Persister:
         self._late: tuple[int, int, bool] | None = None
         self._generation = 0  # +1 at every (re)seed: older versions are of a purged lineage
         self._installs = getattr(state, "installs", 0)
+        # The writes use torch's DCP. The shadow starts without torch (checkmate.optim's
+        # torch parts load on first use): importing it takes seconds, so it is done here, at
+        # start, not in the first write while the trainers run -- a shadow killed soon after
+        # must find that write on disk.
+        import torch.distributed.checkpoint  # noqa: F401
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="shadow-persist", daemon=True)

@@ -246,16 +246,41 @@ def _finish(node: Node, timeout: float = 400) -> str:
     return text
 
 
-def _reference(tmp: Path, steps: int) -> dict:
-    """The same job without shadows and without a failure, on one node with 2 workers."""
-    out = tmp / "reference.pt"
-    p = subprocess.run([sys.executable, "-m", "checkmate.launch.cli", "launch",
-                        "--nproc-per-node", "2", "--mode", "off", "--progress-every", "0",
-                        str(SCRIPT), "--steps", str(steps), "--out", str(out)],
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "NUMBA_NUM_THREADS": "1"})
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    return torch.load(out)
+class _Reference:
+    """The same job without shadows and without a failure, on one node with 2 workers.
+
+    Started at once, in the background: the multi-node job it is compared with spends its
+    time sleeping between steps and waiting for nodes, so the two overlap for free."""
+
+    def __init__(self, tmp: Path, steps: int) -> None:
+        self.out = tmp / "reference.pt"
+        self.log = open(tmp / "reference.log", "w+")  # noqa: SIM115 -- closed by stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
+             "--mode", "off", "--progress-every", "0", str(SCRIPT), "--steps", str(steps),
+             "--out", str(self.out)], stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "NUMBA_NUM_THREADS": "1"})
+
+    def result(self) -> dict:
+        """Its final state, once it has ended successfully."""
+        try:
+            self.proc.wait(300)
+        finally:
+            self.stop()
+        self.log.seek(0)
+        text = self.log.read()
+        self.log.close()
+        assert self.proc.returncode == 0, text[-3000:]
+        return torch.load(self.out)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:  # ours, by PID (its workers end with their launcher)
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def _equal(a: object, b: object, where: str = "") -> None:
@@ -278,30 +303,34 @@ def test_lost_node_is_replaced_by_a_spare_and_the_job_ends_bit_identical(
         tmp_path, serve_shadows):
     steps, port = 16, _free_port()
     net = f"127.84.{os.getpid() % 250 + 1}"
-    with serve_shadows([f"{net}.100", f"{net}.101"], config=False) as ips:
-        argv = lambda name: _launcher(port, "spare", "2", ips, tmp_path / f"{name}.pt",  # noqa: E731
-                                      steps)
-        a = Node(tmp_path, "a", argv("a"))  # first: it hosts the rendezvous store
-        _store_up(a, port)
-        b = Node(tmp_path, "b", argv("b"))
-        nodes = [a, b]
-        try:
-            _reached(nodes, 4)
-            spare = Node(tmp_path, "spare", argv("spare"))
-            nodes.append(spare)
-            time.sleep(3)  # the spare waits in the rendezvous: the job is full
-            b.kill()  # node b is lost: its launcher and its worker
-            text = _finish(a)
-            _finish(spare)
-        finally:
-            for n in nodes:
-                n.stop()
-    assert "resumed from the shadows" in text, text[-3000:]
-    got = torch.load(tmp_path / ("a.pt" if (tmp_path / "a.pt").exists() else "spare.pt"))
-    ref = _reference(tmp_path, steps)
-    _equal(ref["model"], got["model"], "model")
-    _equal(ref["optimizer"], got["optimizer"], "optimizer")
-    assert got["world"] == 2
+    reference = _Reference(tmp_path, steps)
+    try:
+        with serve_shadows([f"{net}.100", f"{net}.101"], config=False) as ips:
+            argv = lambda name: _launcher(port, "spare", "2", ips, tmp_path / f"{name}.pt",  # noqa: E731
+                                          steps)
+            a = Node(tmp_path, "a", argv("a"))  # first: it hosts the rendezvous store
+            _store_up(a, port)
+            b = Node(tmp_path, "b", argv("b"))
+            nodes = [a, b]
+            try:
+                _reached(nodes, 4)
+                spare = Node(tmp_path, "spare", argv("spare"))
+                nodes.append(spare)
+                time.sleep(3)  # the spare waits in the rendezvous: the job is full
+                b.kill()  # node b is lost: its launcher and its worker
+                text = _finish(a)
+                _finish(spare)
+            finally:
+                for n in nodes:
+                    n.stop()
+        assert "resumed from the shadows" in text, text[-3000:]
+        got = torch.load(tmp_path / ("a.pt" if (tmp_path / "a.pt").exists() else "spare.pt"))
+        ref = reference.result()
+        _equal(ref["model"], got["model"], "model")
+        _equal(ref["optimizer"], got["optimizer"], "optimizer")
+        assert got["world"] == 2
+    finally:
+        reference.stop()
 
 
 @pytest.mark.slow

@@ -296,3 +296,31 @@ def test_batched_path_refuses_mis_sized_loaded_state(cls, slot: str) -> None:
     o2.load_state_dict(sd)
     with pytest.raises(CheckmateError, match=slot):
         o2.step()
+
+
+def test_the_shadow_side_runs_without_torch_and_while_another_thread_imports_it():
+    """The shadow imports checkmate.optim's grads and kernels only (no torch: seconds per
+    start); a thread importing torch meanwhile (a disk checkpoint being loaded) must not
+    break the step's as_kernel_grad on a numpy gradient (a half-built torch module)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys, threading
+        import numpy as np
+        import checkmate.shadow.node
+        from checkmate.optim import as_kernel_grad
+        g = np.arange(8, dtype=np.float32)
+        assert as_kernel_grad(g) is not None
+        print("torch" in sys.modules, flush=True)
+        t = threading.Thread(target=lambda: __import__("torch"))
+        t.start()
+        while t.is_alive():
+            assert as_kernel_grad(g).base is g
+        print("ok")
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["False", "ok"], p.stdout

@@ -590,4 +590,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from checkmate import fastexit
+
+    fastexit.install()
     sys.exit(main())

@@ -9,13 +9,32 @@ kernel generated from it (or an exact torch executor) on CUDA tensors.
 - :mod:`checkmate.optim.ops`: the step functions on flat numpy arrays both build on.
 """
 
-from checkmate.optim.clip import clip_coef_of, clip_grad_norm_
-from checkmate.optim.device import EXECUTORS
-from checkmate.optim.flat import FlatOptimizer
-from checkmate.optim.grads import KERNEL_GRAD_DTYPES, as_kernel_grad, widen
-from checkmate.optim.hyper import DEFAULTS, KINDS, slots
-from checkmate.optim.ops import adam_step, sgd_step, warm_up
-from checkmate.optim.torch_optim import SGD, Adam, AdamW
+import importlib
+from typing import Any
+
+# Imported on first use (PEP 562): the shadow imports checkmate.optim.grads and the Numba
+# kernels only, and must not pay for importing torch (seconds per process, minutes under
+# the soft-RoCE guest's emulation) for the trainer-side classes it never touches.
+_WHERE = {
+    "clip_coef_of": "clip", "clip_grad_norm_": "clip", "EXECUTORS": "device",
+    "FlatOptimizer": "flat", "KERNEL_GRAD_DTYPES": "grads", "as_kernel_grad": "grads",
+    "widen": "grads", "DEFAULTS": "hyper", "KINDS": "hyper", "slots": "hyper",
+    "adam_step": "ops", "sgd_step": "ops", "warm_up": "ops", "SGD": "torch_optim",
+    "Adam": "torch_optim", "AdamW": "torch_optim",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
 
 __all__ = [
     "DEFAULTS",

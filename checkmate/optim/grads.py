@@ -8,10 +8,15 @@ it does not matter whether a caller widens before the kernel or lets the kernel 
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from checkmate.errors import CheckmateError
+
+if TYPE_CHECKING:
+    import torch
 
 #: model-spec ``grad_dtype`` names -> numpy element type of the kernel's gradient array.
 KERNEL_GRAD_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.int16}
@@ -26,7 +31,16 @@ def as_kernel_grad(x: torch.Tensor | np.ndarray) -> np.ndarray:
     Raises:
         CheckmateError: another dtype, a non-CPU tensor, or non-contiguous memory.
     """
-    if isinstance(x, torch.Tensor):
+    # A numpy array (what the shadow passes) never touches torch: a process that did not
+    # import it holds no tensors, and importing it would cost the shadow seconds at start.
+    # Otherwise `import torch`, not sys.modules: another thread may be importing it right
+    # now, and the import statement waits for that to finish (a half-built module has no
+    # torch.Tensor yet).
+    if not isinstance(x, np.ndarray) and "torch" in sys.modules:
+        import torch
+    else:
+        torch = None
+    if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu" or x.is_sparse:
             raise CheckmateError(f"gradients must be dense CPU tensors, got {x.device} {x.layout}")
         if not x.is_contiguous():
