@@ -68,8 +68,9 @@ def test_shipped_gockpt_scenario_kill_restore_bit_identical(tmp_path):
     ff, kr = report["runs"]["failure-free"], report["runs"]["kill-restore"]
     assert ff["gockpt_checkpoint"] == kr["gockpt_checkpoint"] == report["steps"]
     assert ff["shadows_match_trainers"] and kr["shadows_match_trainers"]  # checkpoint = final
-    # restored from the newest window that ended before the kill
-    assert kr["restored_from"] % every == steps and kr["restored_from"] < kr["killed_at"]
+    # restored from a window's end at or before the kill: the kill may fall on a window's
+    # last iteration after its checkpoint was written (kill 28, resumed from 28 in CI)
+    assert kr["restored_from"] % every == steps and kr["restored_from"] <= kr["killed_at"]
     assert 0 <= report["repeated_iterations"] <= every + steps
 
 
