@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 from fakes import free_port
-from test_shadow_node import make_spec
+from shadow_cluster import make_spec
 
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
 from checkmate.shadow.node import NodeOptions, ShadowNode

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_shadow_node import JOB, Cluster, make_spec
+from shadow_cluster import JOB, Cluster, make_spec
 
 from checkmate.shadow import checkpoint_load, disk, persist
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams

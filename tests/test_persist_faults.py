@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_shadow_node import JOB, make_spec
+from shadow_cluster import JOB, make_spec
 
 from checkmate.shadow import checkpoint_load, disk, persist
 from checkmate.shadow.control_message import Control

@@ -13,7 +13,7 @@ import socket
 import time
 
 import numpy as np
-from test_shadow_node import Cluster, make_spec
+from shadow_cluster import Cluster, make_spec
 
 from checkmate.shadow import assembler
 from checkmate.train.repair import owners_body

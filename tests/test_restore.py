@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_shadow_node import JOB, LRS, Cluster, make_spec
+from shadow_cluster import JOB, LRS, Cluster, make_spec
 
 from checkmate.shadow.cli import main as shadow_main
 from checkmate.train.shadow_client import ShadowClient, restore_state_dicts

@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 import pytest
+from shadow_cluster import Cluster, make_spec
 from test_restore import _assert_state, _run_iterations
-from test_shadow_node import Cluster, make_spec
 
 from checkmate.errors import CheckmateError
 from checkmate.shadow.node import NodeOptions, ShadowNode

@@ -6,7 +6,7 @@ minted, and datagrams stamped with an older session must be dropped."""
 from __future__ import annotations
 
 import numpy as np
-from test_shadow_node import LRS, Cluster
+from shadow_cluster import LRS, Cluster
 
 from checkmate.spec.model import ModelSpec
 from checkmate.train.shadow_client import ShadowClient

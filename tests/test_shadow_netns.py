@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_shadow_node import LRS
+from shadow_cluster import LRS
 
 from checkmate.config import cluster as config
 from checkmate.protocol import auth
