@@ -109,3 +109,27 @@ class Cluster:
         if hasattr(self, "tx"):
             self.tx.close()
 
+
+# -- driving a cluster and checking what it restores (the restore and resume tests) ------
+def run_iterations(c, its, grads=None):
+    """Send iterations ``its`` (clip 0.5) and step the reference alongside; a gradient
+    already in ``grads`` is resent as it was. Returns the gradients by iteration."""
+    grads = {} if grads is None else grads
+    for it in its:
+        if it not in grads:
+            grads[it] = c.rng.standard_normal(c.spec.total).astype(np.float32)
+        c.send(it, grads[it], clip=0.5)
+        c.step_ref(it, grads[it], 0.5)
+    return grads
+
+
+def assert_state(spec, model_sd, optim_sd, ref, step):
+    """Restored model and optimizer state dicts equal the reference ``ref`` at ``step``,
+    bit for bit."""
+    ref_m, ref_o = spec.state_dicts(ref, step)
+    for k in ref_m:
+        assert torch.equal(model_sd[k], ref_m[k]), k
+    assert optim_sd["state"].keys() == ref_o["state"].keys()
+    for i in ref_o["state"]:
+        for k in ref_o["state"][i]:
+            assert torch.equal(optim_sd["state"][i][k], ref_o["state"][i][k]), (i, k)

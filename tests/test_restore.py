@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from shadow_cluster import JOB, LRS, Cluster, make_spec
+from shadow_cluster import JOB, LRS, Cluster, assert_state, make_spec, run_iterations
 
 from checkmate.shadow.cli import main as shadow_main
 from checkmate.train.shadow_client import ShadowClient, restore_state_dicts
@@ -36,37 +36,17 @@ def cfg(tmp_path):
     return p
 
 
-def _run_iterations(c, its, grads=None):
-    grads = {} if grads is None else grads
-    for it in its:
-        if it not in grads:
-            grads[it] = c.rng.standard_normal(c.spec.total).astype(np.float32)
-        c.send(it, grads[it], clip=0.5)
-        c.step_ref(it, grads[it], 0.5)
-    return grads
-
-
-def _assert_state(spec, model_sd, optim_sd, ref, step):
-    ref_m, ref_o = spec.state_dicts(ref, step)
-    for k in ref_m:
-        assert torch.equal(model_sd[k], ref_m[k]), k
-    assert optim_sd["state"].keys() == ref_o["state"].keys()
-    for i in ref_o["state"]:
-        for k in ref_o["state"][i]:
-            assert torch.equal(optim_sd["state"][i][k], ref_o["state"][i][k]), (i, k)
-
-
 def test_restart_serves_from_disk_and_continues(tmp_path):
     spec = make_spec()
     c = Cluster(spec, dir=str(tmp_path), persist_every=2)
     try:
         c.seed()
-        grads = _run_iterations(c, range(1, 6))
+        grads = run_iterations(c, range(1, 6))
         c.wait(lambda sts: all(s["latest"] == 5 and s["persist"]["last_iteration"] == 4
                                for s in sts))
         model_sd, optim_sd, it, _, extra = restore_state_dicts(c.addrs)
         assert it == 5 and extra == {"it": 5}
-        _assert_state(spec, model_sd, optim_sd, c.refs[5], 5)
+        assert_state(spec, model_sd, optim_sd, c.refs[5], 5)
     finally:
         for n in c.nodes:
             n.stop()
@@ -79,13 +59,13 @@ def test_restart_serves_from_disk_and_continues(tmp_path):
         assert all(s["restored_from"] for s in sts)
         model_sd, optim_sd, it, _, extra = restore_state_dicts(c2.addrs)
         assert it == 4 and extra == {"it": 4}
-        _assert_state(spec, model_sd, optim_sd, refs[4], 4)
+        assert_state(spec, model_sd, optim_sd, refs[4], 4)
         # trainers restored at 4 replay iteration 5: the shadows step on from disk state
         c2.ref.load(refs[4], 4)
-        _run_iterations(c2, [5], grads)
+        run_iterations(c2, [5], grads)
         c2.wait(lambda sts: all(s["latest"] == 5 for s in sts))
         model_sd, optim_sd, it, _, _ = restore_state_dicts(c2.addrs)
-        _assert_state(spec, model_sd, optim_sd, c2.refs[5], 5)
+        assert_state(spec, model_sd, optim_sd, c2.refs[5], 5)
         np.testing.assert_array_equal(c2.refs[5]["param"], refs[5]["param"])
     finally:
         c2.close()
@@ -96,7 +76,7 @@ def test_cli_restore_from_shadows_and_from_disk(tmp_path, cfg, capsys):
     c = Cluster(spec, dir=str(tmp_path / "ck"), persist_every=3)
     try:
         c.seed()
-        _run_iterations(c, range(1, 5))
+        run_iterations(c, range(1, 5))
         c.wait(lambda sts: all(s["latest"] == 4 and s["persist"]["last_iteration"] == 3
                                for s in sts))
         addr_args = [x for a in c.addrs for x in ("--addr", f"{a[0]}:{a[1]}")]
@@ -106,7 +86,7 @@ def test_cli_restore_from_shadows_and_from_disk(tmp_path, cfg, capsys):
         assert "consistent point: iteration 4" in capsys.readouterr().out
         st = torch.load(out)
         assert st["iteration"] == 4 and st["extra"] == {"it": 4}
-        _assert_state(spec, st["model"], st["optim"], c.refs[4], 4)
+        assert_state(spec, st["model"], st["optim"], c.refs[4], 4)
         assert [g["lr"] for g in st["optim"]["param_groups"]] == LRS
     finally:
         c.close()
@@ -115,7 +95,7 @@ def test_cli_restore_from_shadows_and_from_disk(tmp_path, cfg, capsys):
                         "--out", str(out2)]) == 0
     assert "consistent point: iteration 3" in capsys.readouterr().out
     st = torch.load(out2)
-    _assert_state(spec, st["model"], st["optim"], c.refs[3], 3)
+    assert_state(spec, st["model"], st["optim"], c.refs[3], 3)
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -13,8 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from shadow_cluster import Cluster, make_spec
-from test_restore import _assert_state, _run_iterations
+from shadow_cluster import Cluster, assert_state, make_spec, run_iterations
 
 from checkmate.errors import CheckmateError
 from checkmate.shadow.node import NodeOptions, ShadowNode
@@ -78,7 +77,7 @@ def test_restart_from_disk_while_the_other_runs_on_resumes_from_disk(tmp_path):
         # that schedule covers; here the disk holds every due iteration.
         grads: dict = {}
         for its in ((1, 2), (3, 4), (5, 6), (7,)):
-            _run_iterations(c, its, grads)
+            run_iterations(c, its, grads)
             c.wait(lambda sts, n=its[-1]: all(
                 s["latest"] == n and s["persist"]["last_iteration"] == n - n % 2
                 for s in sts))
@@ -110,7 +109,7 @@ def test_restart_from_disk_while_the_other_runs_on_resumes_from_disk(tmp_path):
                            "iteration is held by every partition")
         r = restore_point(addrs, spec, pt.iteration, sources=pt.sources)
         assert r.iteration == 6 and r.extra == {"it": 6} and r.step == 6
-        _assert_state(spec, r.model_sd, r.optim_sd, c.refs[6], 6)
+        assert_state(spec, r.model_sd, r.optim_sd, c.refs[6], 6)
         # Memory alone has no common iteration: the old way fails here.
         with pytest.raises(CheckmateError, match="no iteration is retained by every"):
             restore_point(addrs, spec)
@@ -140,7 +139,7 @@ def test_restart_from_disk_far_behind_asks_for_a_reseed_at_once(tmp_path):
     fresh = None
     try:
         c.seed()
-        _run_iterations(c, range(1, 5))
+        run_iterations(c, range(1, 5))
         c.wait(lambda sts: all(s["persist"]["last_iteration"] == 4 for s in sts))
         c.nodes[1].stop()
         fresh = ShadowNode(NodeOptions(1, 2, spec.job, bind="127.0.0.1", port=0,
