@@ -197,7 +197,7 @@ def testbed_of():
 def service(tmp_path: Path):
     """A controller's handshake service on loopback over the P4Runtime switch double, serving
     in a thread (shadow registration tests)."""
-    from test_control_p4runtime import FakeSwitch, load_p4info
+    from fakes import FakeSwitch, load_p4info
     from test_handshake_logic import make_service
 
     sw = FakeSwitch(load_p4info("v1model"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import time
 from collections.abc import Callable
@@ -79,6 +80,16 @@ def compiled_p4info(arch: str):
 def stale_p4info(arch: str):
     """p4c's P4Info for ``arch`` as it was at STALE_AT: a build the sources outgrew."""
     return fixture_p4info(f"checkmate_{arch}.p4info.{STALE_AT}.txtpb")
+
+
+def load_p4info(arch: str):
+    """The P4Info a switch running the compiler-built program reports (the handshake tests
+    import this and FakeSwitch from here)."""
+    return compiled_p4info(arch)
+
+
+def ip(s: str) -> int:
+    return int(ipaddress.IPv4Address(s))
 
 
 class FakeSwitch:

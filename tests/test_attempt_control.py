@@ -4,7 +4,7 @@ The controller's ``attempt`` request (control/service.py) carries every rank's r
 rank order. The service programs the replication for exactly the hops that cross the
 switch, under a new epoch for every partition, and withdraws what hosts that left had.
 Here the service programs a bmv2-target switch that is the P4Runtime TEST DOUBLE of
-test_control_p4runtime.py (no bmv2 build on this machine), over a real gRPC channel, and
+tests/fakes.py (no bmv2 build on this machine), over a real gRPC channel, and
 requests are real authenticated handshake datagrams. The shadow side of the new epoch
 (a shadow adopting it from the controller and dropping the previous attempt's copies) is
 tested with a real shadow process at the end.
@@ -13,7 +13,7 @@ tested with a real shadow process at the end.
 from __future__ import annotations
 
 import pytest
-from test_control_p4runtime import ip
+from fakes import ip
 from test_handshake_logic import answer, make_service, reg_body, req, rewrite_of, switch  # noqa: F401
 
 from checkmate.config import cluster as config

@@ -10,7 +10,6 @@ table, action, parameter and counter by name.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import struct
 import subprocess
@@ -19,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fakes import FakeSwitch, compiled_p4info, fixture_p4info, stale_p4info
+from fakes import FakeSwitch, compiled_p4info, fixture_p4info, ip, stale_p4info
 from google.protobuf import text_format
 
 from checkmate.config import cluster as config
@@ -33,16 +32,6 @@ from checkmate.errors import CheckmateError
 
 REPO = Path(__file__).resolve().parents[1]
 PB = p4proto.p4runtime()
-
-
-def load_p4info(arch: str):
-    """The P4Info a switch running the compiler-built program reports (the handshake tests
-    import this and FakeSwitch from here)."""
-    return compiled_p4info(arch)
-
-
-def ip(s: str) -> int:
-    return int(ipaddress.IPv4Address(s))
 
 
 def mac(s: str) -> int:

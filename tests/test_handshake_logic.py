@@ -1,5 +1,5 @@
 """Handshake service logic without root: the service programs a bmv2-target switch, which
-here is the P4Runtime TEST DOUBLE of test_control_p4runtime.py (no bmv2 build exists on
+here is the P4Runtime TEST DOUBLE of tests/fakes.py (no bmv2 build exists on
 this machine), over a real gRPC channel; requests arrive over a real UDP socket on
 loopback."""
 
@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from test_control_p4runtime import FakeSwitch, ip, load_p4info
+from fakes import FakeSwitch, ip, load_p4info
 
 from checkmate.config import cluster as config
 from checkmate.control.drivers.p4runtime import P4RuntimeDriver

@@ -1,7 +1,7 @@
 """Registration converges: retries of one shadow instance get one session, under load.
 
 The real handshake service on loopback UDP programs the P4Runtime TEST DOUBLE of
-test_control_p4runtime.py (no switch hardware here), made slow (each write waits, as a
+tests/fakes.py (no switch hardware here), made slow (each write waits, as a
 switch does under load: the double models no other timing). Real shadow nodes register
 while busy processes load every core.
 """

@@ -1,5 +1,5 @@
 """A shadow node registering with the real handshake service (helper B's HandshakeService),
-which programs the P4Runtime TEST DOUBLE of test_control_p4runtime.py (no switch hardware
+which programs the P4Runtime TEST DOUBLE of tests/fakes.py (no switch hardware
 or bmv2 here), over real loopback UDP. The node must end up with the session the service
 minted, and datagrams stamped with an older session must be dropped."""
 

@@ -2,7 +2,7 @@
 
 Two namespaces (td-sh: the shadow; td-tr: the controller and a trainer-side sender) joined
 by a veth pair. The controller is helper B's real HandshakeService; it programs the
-P4Runtime TEST DOUBLE of test_control_p4runtime.py (there is no switch hardware or bmv2
+P4Runtime TEST DOUBLE of tests/fakes.py (there is no switch hardware or bmv2
 here). The shadow finds the controller from the config (switch.ip:CONTROLLER_PORT),
 registers its namespace address, and accepts only datagrams stamped with that session.
 """
@@ -75,7 +75,7 @@ def link():
 
 @pytest.fixture
 def controller(link, tmp_path):
-    from test_control_p4runtime import FakeSwitch, load_p4info
+    from fakes import FakeSwitch, load_p4info
 
     from checkmate.control.drivers.p4runtime import P4RuntimeDriver
     from checkmate.control.p4rt_client import P4RuntimeClient
