@@ -194,11 +194,24 @@ def testbed_of():
 
 
 @pytest.fixture
+def switch():
+    """The P4Runtime switch double (fakes.FakeSwitch) with the compiled v1model program loaded
+    (handshake and attempt tests)."""
+    from fakes import FakeSwitch, load_p4info
+
+    sw = FakeSwitch(load_p4info("v1model"))
+    try:
+        yield sw
+    finally:
+        sw.stop()
+
+
+@pytest.fixture
 def service(tmp_path: Path):
     """A controller's handshake service on loopback over the P4Runtime switch double, serving
     in a thread (shadow registration tests)."""
     from fakes import FakeSwitch, load_p4info
-    from test_handshake_logic import make_service
+    from handshake_service import make_service
 
     sw = FakeSwitch(load_p4info("v1model"))
     svc = make_service(sw, tmp_path / "state.json")

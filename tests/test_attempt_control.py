@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from fakes import ip
-from test_handshake_logic import answer, make_service, reg_body, req, rewrite_of, switch  # noqa: F401
+from handshake_service import answer, make_service, reg_body, req, rewrite_of
 
 from checkmate.config import cluster as config
 from checkmate.control import plan as plan_mod
@@ -66,7 +66,7 @@ def _attempt(svc, seq: int, attempt: str, ranks: list[str]) -> tuple[wire.Header
                                           "ranks": ranks})))
 
 
-def test_each_attempt_programs_its_hops_under_a_new_epoch(switch, tmp_path):  # noqa: F811
+def test_each_attempt_programs_its_hops_under_a_new_epoch(switch, tmp_path):
     state = tmp_path / "state.json"
     svc = make_service(switch, state)
     svc.deploy()
@@ -108,7 +108,7 @@ def test_each_attempt_programs_its_hops_under_a_new_epoch(switch, tmp_path):  # 
     assert b4["partitions"]["0"]["epoch"] > b3["partitions"]["0"]["epoch"]
 
 
-def test_bad_attempts_are_refused_and_change_nothing(switch, tmp_path):  # noqa: F811
+def test_bad_attempts_are_refused_and_change_nothing(switch, tmp_path):
     svc = make_service(switch, tmp_path / "state.json")
     svc.deploy()
     h, body = _attempt(svc, 30, "job:a0", [T["t0"], T["t1"]])
@@ -134,7 +134,7 @@ def test_bad_attempts_are_refused_and_change_nothing(switch, tmp_path):  # noqa:
     assert h.flags & wire.Flags.NACK and _replicate(switch) == table
 
 
-def test_shadow_adopts_the_attempts_epoch_from_the_controller(switch, tmp_path):  # noqa: F811
+def test_shadow_adopts_the_attempts_epoch_from_the_controller(switch, tmp_path):
     """A real shadow node (in this process, on loopback) registered with the service: the
     TCP ``session`` op makes it ask the controller, and it takes the attempt's session;
     the copies the switch stamped for the previous attempt no longer match it."""

@@ -8,61 +8,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from dataclasses import replace
 
 import pytest
-from fakes import FakeSwitch, ip, load_p4info
+from fakes import ip
+from handshake_service import KEY, answer, make_service, reg_body, req, rewrite_of
 
-from checkmate.config import cluster as config
-from checkmate.control.drivers.p4runtime import P4RuntimeDriver
-from checkmate.control.p4rt_client import P4RuntimeClient
-from checkmate.control.service import HandshakeService
-from checkmate.control.sessions import SessionStore
 from checkmate.protocol import auth, handshake, wire
-
-
-@pytest.fixture
-def switch():
-    sw = FakeSwitch(load_p4info("v1model"))
-    try:
-        yield sw
-    finally:
-        sw.stop()
-
-
-def make_service(sw: FakeSwitch, state, port: int = 0) -> HandshakeService:
-    cfg = config.load(config.default_path())
-    cfg = replace(cfg, switch=replace(cfg.switch, target="bmv2", address=sw.address))
-    drv = P4RuntimeDriver(cfg, "v1model", P4RuntimeClient(sw.address, timeout=2))
-    return HandshakeService(cfg, drv, SessionStore(state), SECRET, bind_ip="127.0.0.1",
-                            port=port, log=lambda msg: None)
-
-
-SECRET = auth.load_secret()  # the session's (tests/conftest.py): shadows started here use it
-KEY = auth.handshake_key(SECRET)
-
-
-def req(job: int, seq: int, body: dict, partition: int = 0, key: bytes = KEY) -> bytes:
-    return handshake.request(key, job, seq, body, partition)[0]
-
-
-def answer(data: bytes | None) -> tuple[wire.Header, dict]:
-    assert data is not None
-    m = handshake.parse(data)
-    return m.header, m.body
-
-
-def reg_body(partition=1, host="s1", port=47001) -> dict:
-    return {"op": "register", "job": 7, "partition": partition, "host": host,
-            "ip": f"10.77.0.{100 + partition}", "mac": f"02:00:0a:4d:00:{100 + partition:02x}",
-            "port": port}
-
-
-def rewrite_of(sw: FakeSwitch, rid: int) -> dict:
-    for m, _, params in sw.table("shadow_rewrite"):
-        if dict(m)["egress_rid"] == rid:
-            return dict(params)
-    raise AssertionError(f"no rewrite for rid {rid}")
 
 
 def test_register_programs_switch_and_epochs_grow_across_restarts(switch, tmp_path):

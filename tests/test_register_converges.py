@@ -14,8 +14,8 @@ import sys
 import threading
 import time
 
+from handshake_service import KEY, answer, req
 from shadow_cluster import Cluster
-from test_handshake_logic import KEY, answer, req
 
 from checkmate.control.sessions import SessionStore
 from checkmate.protocol import handshake, wire
