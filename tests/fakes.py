@@ -490,3 +490,27 @@ def wait_status(client, pred, timeout: float = 20.0) -> dict:  # noqa: ANN001
         if time.monotonic() > end:
             raise AssertionError(f"timed out; status {st}")
         time.sleep(0.02)
+
+
+# ----- process trees (test_launch, test_testbed_lifeline: nothing may outlive its parent) -----
+def children(pid: int) -> list[int]:
+    """The PIDs whose parent is ``pid`` right now (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """``pid`` exists and has not ended (a zombie has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes import alive, children
 
 from checkmate.config import cluster as cfgmod
 from checkmate.launch.cli import main as launch_main
@@ -267,27 +268,6 @@ def test_failed_group_without_restarts_is_one_line_per_process(tmp_path):
     assert len(kept) == 1 and (kept[0] / "elastic").is_dir(), list(tmp.rglob("*"))
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_launcher_stopped_or_killed_leaves_no_process(tmp_path, sig):
@@ -306,14 +286,14 @@ def test_launcher_stopped_or_killed_leaves_no_process(tmp_path, sig):
         while "checkmate: iteration 5 " not in log.read_text():
             assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        kids = _children(launcher.pid)
+        kids = children(launcher.pid)
         assert len(kids) == 4, kids  # 2 shadows, 2 workers
         launcher.send_signal(sig)
         rc = launcher.wait(120)
         assert rc == (130 if sig == signal.SIGINT else -signal.SIGKILL), log.read_text()
         deadline = time.monotonic() + 60
-        while any(_alive(k) for k in kids):
-            assert time.monotonic() < deadline, [k for k in kids if _alive(k)]
+        while any(alive(k) for k in kids):
+            assert time.monotonic() < deadline, [k for k in kids if alive(k)]
             time.sleep(0.2)
         text = log.read_text()
         assert "Traceback" not in text, text[-3000:]
@@ -324,7 +304,7 @@ def test_launcher_stopped_or_killed_leaves_no_process(tmp_path, sig):
             launcher.kill()
             launcher.wait()
         for k in kids:
-            if _alive(k):
+            if alive(k):
                 os.kill(k, signal.SIGKILL)
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from test_launch import _alive, _children
+from fakes import alive, children
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,12 @@ def test_killed_testbed_command_takes_its_children_with_it(tmp_path, sig):
     try:
         deadline = time.monotonic() + 240
         # 2 shadows and 4 trainers, and the trainers past their start (logs written).
-        while len(kids := _children(cmd.pid)) < 6 or not list(
+        while len(kids := children(cmd.pid)) < 6 or not list(
                 (tmp_path / "w").glob("run-*/failure-free/trainer-t3.log")):
             assert cmd.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
         time.sleep(2)
-        kids = _children(cmd.pid)
+        kids = children(cmd.pid)
         assert len(kids) == 6, kids
         registry = tmp / f"checkmate-run-{net}.json"  # the leftovers list, while it runs
         assert registry.exists(), list(tmp.iterdir())
@@ -53,8 +53,8 @@ def test_killed_testbed_command_takes_its_children_with_it(tmp_path, sig):
         else:
             assert rc == 128 + signal.SIGTERM, (rc, log.read_text()[-3000:])
         t0 = time.monotonic()
-        while any(_alive(k) for k in kids):
-            assert time.monotonic() - t0 < 30, [k for k in kids if _alive(k)]
+        while any(alive(k) for k in kids):
+            assert time.monotonic() - t0 < 30, [k for k in kids if alive(k)]
             time.sleep(0.1)
         if sig == signal.SIGTERM:  # its own cleanup ran: the leftovers list is gone
             assert not registry.exists()
@@ -64,7 +64,7 @@ def test_killed_testbed_command_takes_its_children_with_it(tmp_path, sig):
             cmd.kill()
             cmd.wait()
         for k in kids:
-            if _alive(k):
+            if alive(k):
                 os.kill(k, signal.SIGKILL)
 
 
