@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 nobody listens on right now (for MASTER_PORT)."""
@@ -514,3 +516,23 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+
+
+# ----- a small torch model (test_persist and the fresh process it loads checkpoints in) -----
+class TinyNet(torch.nn.Module):
+    """Embedding, linear, batch norm (buffers for the spec to carry) and a head: small."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(13, 6)
+        self.fc = torch.nn.Linear(6, 5)
+        self.bn = torch.nn.BatchNorm1d(5)
+        self.out = torch.nn.Linear(5, 3)
+
+
+def tiny_net_groups(m):
+    """TinyNet's two AdamW groups: the weights with decay; the biases and norm without, at
+    lr 2e-3."""
+    return [{"params": [m.emb.weight, m.fc.weight, m.out.weight], "weight_decay": 0.05},
+            {"params": [m.fc.bias, m.bn.weight, m.bn.bias, m.out.bias], "weight_decay": 0.0,
+             "lr": 2e-3}]

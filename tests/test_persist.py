@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fakes import TinyNet, tiny_net_groups
 from shadow_cluster import JOB, Cluster, make_spec
 
 from checkmate.shadow import checkpoint_load, disk, persist
@@ -148,25 +149,10 @@ def test_unwritable_directory_is_reported_and_receive_goes_on(tmp_path):
         c.close()
 
 
-class TinyNet(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(13, 6)
-        self.fc = torch.nn.Linear(6, 5)
-        self.bn = torch.nn.BatchNorm1d(5)
-        self.out = torch.nn.Linear(5, 3)
-
-
-def _groups(m):
-    return [{"params": [m.emb.weight, m.fc.weight, m.out.weight], "weight_decay": 0.05},
-            {"params": [m.fc.bias, m.bn.weight, m.bn.bias, m.out.bias], "weight_decay": 0.0,
-             "lr": 2e-3}]
-
-
 def test_two_partitions_load_into_torch_model_and_adamw_in_fresh_process(tmp_path):
     torch.manual_seed(0)
     net = TinyNet()
-    opt = torch.optim.AdamW(_groups(net), lr=1e-3)
+    opt = torch.optim.AdamW(tiny_net_groups(net), lr=1e-3)
     from checkmate.spec.model import ModelSpec
 
     # flat order differs from module order on purpose (the trainer's bucket order)
@@ -204,11 +190,11 @@ def test_two_partitions_load_into_torch_model_and_adamw_in_fresh_process(tmp_pat
     script = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_persist import TinyNet, _groups
+        from fakes import TinyNet, tiny_net_groups
         from checkmate.shadow.checkpoint_load import load_full
         model_sd, optim_sd, it = load_full({str(tmp_path)!r})
         net = TinyNet()
-        opt = torch.optim.AdamW(_groups(net), lr=1e-3)
+        opt = torch.optim.AdamW(tiny_net_groups(net), lr=1e-3)
         net.load_state_dict(model_sd, strict=True)
         opt.load_state_dict(optim_sd)
         ref = torch.load({str(tmp_path / 'ref.pt')!r})
