@@ -1,4 +1,9 @@
-"""Helpers and test doubles shared by test files (one place, not imported across tests)."""
+"""Helpers and test doubles shared by test files (one place, not imported across tests).
+
+Two shared concepts have a module of their own beside this one: shadow_cluster.py (real
+shadow nodes on loopback and the job spec they serve) and handshake_service.py (the
+controller's handshake service over FakeSwitch; it reads the job secret on import).
+"""
 
 from __future__ import annotations
 
