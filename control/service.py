@@ -152,10 +152,13 @@ class HandshakeService:
 
     def _session(self) -> dict:
         regs = self.store.for_config(self.cfg)
-        return {"op": "session", "job": self.cfg.job_id, "partitions": {
-            str(p): {"epoch": r.epoch, "token": r.token, "ip": r.ip, "port": r.port,
-                     "host": r.host}
-            for p, r in sorted(regs.items())}}
+        # ``expected``: how many partitions the config has, so a launcher can tell "not
+        # every shadow has registered yet" from a complete answer.
+        return {"op": "session", "job": self.cfg.job_id,
+                "expected": self.cfg.num_partitions, "partitions": {
+                    str(p): {"epoch": r.epoch, "token": r.token, "ip": r.ip, "port": r.port,
+                             "host": r.host}
+                    for p, r in sorted(regs.items())}}
 
     # -- loop ----------------------------------------------------------------------------
     def bind(self) -> None:

@@ -31,6 +31,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,9 @@ RDZV_PORT = 29400
 #: Seconds a multi-node job's ring waits for a silent peer before the worker fails and its
 #: agent re-runs the rendezvous (a lost node); a single node's agent notices by itself.
 MULTINODE_STALL = 15
+#: Seconds ``--controller`` waits for a shadow to be registered for every partition (shadows
+#: started at the same time as the launcher register within seconds; under load, tens).
+REGISTER_WAIT = 120.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -399,17 +403,40 @@ def controller_addr(args: argparse.Namespace) -> tuple[str, int]:
     return host, int(port)
 
 
-def shadows_from_controller(args: argparse.Namespace, job_id: int
-                            ) -> tuple[list, list]:
+def shadows_from_controller(args: argparse.Namespace, job_id: int,
+                            wait: float | None = None) -> tuple[list, list]:
     """The shadows the controller has registered for ``job_id``: TCP service and UDP
-    addresses in partition order (one line when it does not answer or lacks some)."""
+    addresses in partition order. Shadows started beside the launcher may not have
+    registered yet: it asks again every second, up to ``wait`` seconds (REGISTER_WAIT),
+    for a shadow for every partition of the controller's config, saying once what it
+    waits for; then one line that names the partitions still missing."""
     from checkmate.config.cluster import RESTORE_PORT
-    from checkmate.train.layout import query_sessions
+    from checkmate.train.layout import controller_request
 
-    regs = query_sessions(controller_addr(args), job_id, timeout=5.0)
-    if not regs or sorted(regs) != list(range(len(regs))):
-        raise CheckmateError(f"the controller has registered shadows for partitions "
-                             f"{sorted(regs)} of job {job_id}; every partition needs one")
+    wait = REGISTER_WAIT if wait is None else wait
+    deadline, said = time.monotonic() + wait, False
+    while True:
+        body = controller_request(controller_addr(args), job_id, {"op": "session"},
+                                  timeout=5.0)
+        regs = {int(p): v for p, v in body.get("partitions", {}).items()}
+        # A controller without ``expected`` (older) is taken at its word.
+        expected = body.get("expected", len(regs))
+        if not isinstance(expected, int) or expected < 1:
+            expected = len(regs)
+        missing = sorted(set(range(expected)) - set(regs))
+        extra = sorted(set(regs) - set(range(expected)))
+        if regs and not missing and not extra:
+            break
+        if extra or time.monotonic() >= deadline:
+            raise CheckmateError(
+                f"the controller has registered shadows for partitions {sorted(regs)} of "
+                f"job {job_id}; its config has {expected} partition(s) and every one needs a "
+                f"shadow (waited {wait:.0f}s)")
+        if not said:
+            print(f"{PROG}: waiting up to {wait:.0f}s for the controller to register shadows "
+                  f"for partition(s) {missing} of job {job_id}", flush=True)
+            said = True
+        time.sleep(1.0)
     tcp = [(regs[p]["ip"], RESTORE_PORT) for p in range(len(regs))]
     udp = [(regs[p]["ip"], int(regs[p]["port"])) for p in range(len(regs))]
     return tcp, udp

@@ -1,0 +1,66 @@
+"""``checkmate launch --controller`` starts only with a shadow for every partition.
+
+Shadows started beside the launcher register within seconds (tens under load); a launcher
+that asked the controller before the last one registered used to take the partial answer
+(the chaos suite's `multinode-kill-node` then failed: "--shadow number 1 must serve 0/1").
+Here a real handshake service (control/service.py) programs the P4Runtime test double of
+tests/fakes.py; requests are real authenticated datagrams over loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+
+import pytest
+from handshake_service import make_service, reg_body, req
+
+from checkmate.errors import CheckmateError
+from checkmate.launch.cli import shadows_from_controller
+
+
+def _register_later(addr: tuple[str, int], partition: int, delay: float) -> threading.Timer:
+    def send() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(req(7, 50 + partition, reg_body(partition, f"s{partition}"), partition),
+                     addr)
+    t = threading.Timer(delay, send)
+    t.start()
+    return t
+
+
+@pytest.fixture
+def controller(switch, tmp_path):
+    svc = make_service(switch, tmp_path / "state.json")
+    svc.deploy()
+    svc.bind()
+    t = threading.Thread(target=svc.serve_forever, daemon=True)
+    t.start()
+    yield svc
+    svc.close()
+    t.join(5)
+
+
+def _args(svc) -> argparse.Namespace:  # noqa: ANN001
+    host, port = svc.sock.getsockname()
+    return argparse.Namespace(controller=f"{host}:{port}")
+
+
+def test_launcher_waits_for_the_last_shadow_to_register(controller, capsys):
+    addr = controller.sock.getsockname()
+    _register_later(addr, 0, 0.0).join()
+    late = _register_later(addr, 1, 1.5)
+    tcp, udp = shadows_from_controller(_args(controller), 7, wait=20)
+    late.join()
+    assert [h for h, _ in tcp] == ["10.77.0.100", "10.77.0.101"]
+    assert [p for _, p in udp] == [47001, 47001]
+    assert "waiting up to 20s for the controller to register shadows for partition(s) [1]" \
+        in capsys.readouterr().out
+
+
+def test_launcher_names_the_partitions_still_missing(controller):
+    _register_later(controller.sock.getsockname(), 1, 0.0).join()
+    with pytest.raises(CheckmateError, match=r"partitions \[1\] of job 7; its config has 2 "
+                                             r"partition\(s\)"):
+        shadows_from_controller(_args(controller), 7, wait=1.5)
