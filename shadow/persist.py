@@ -415,30 +415,34 @@ class Persister:
                     v.buffers, v.extra, v.lrs, self.keep, seeded,
                     current=lambda: gen == self._generation)
         self.seconds_spent += time.perf_counter() - t0
+        # One update under the lock, read whole by status(): a status that already counts
+        # this write never still shows the failure it ended.
         with self._cv:
             if done is None or gen != self._generation:
                 return  # re-seeded meanwhile: not written (or purged right after)
             self.last_iteration = v.iteration
-        self.written += 1
-        if self.failing:
+            self.written += 1
+            failed, self.failing = self.failing, 0
+            self.error = ""
+            self._logged = ""
+        if failed:
             log.warning("persist: writing again, iteration %d written after %d failed "
-                        "write(s)", v.iteration, self.failing)
-        self.failing = 0
-        self.error = ""
-        self._logged = ""
+                        "write(s)", v.iteration, failed)
 
     def _failed(self, iteration: int, e: BaseException) -> None:
         """Count a failed write; log it only if it differs from the error last logged."""
         msg = str(e) if isinstance(e, PersistError) else \
             f"cannot write checkpoint of iteration {iteration}: {describe_error(e)}"
         msg = " ".join(msg.split())
-        self.errors += 1
-        self.failing += 1
-        self.error = self.last_error = msg
-        self.last_failed_iteration = iteration
         key = re.sub(r"\d+", "#", msg)  # the same error at another iteration is not new
-        if key != self._logged:
+        with self._cv:
+            self.errors += 1
+            self.failing += 1
+            self.error = self.last_error = msg
+            self.last_failed_iteration = iteration
+            new = key != self._logged
             self._logged = key
+        if new:
             log.error("persist: %s (previous checkpoint kept; retrying at the next due "
                       "iteration)", msg)
 
@@ -461,11 +465,14 @@ class Persister:
         the most recent failure even after recovery, ``last_failed_iteration`` its iteration;
         ``alive`` says the writer thread is running.
         """
-        return {"dir": str(part_dir(self.root, self.partition)),
-                "last_iteration": self.last_iteration, "written": self.written,
-                "errors": self.errors, "error": self.error, "last_error": self.last_error,
-                "last_failed_iteration": self.last_failed_iteration,
-                "failing": self.failing, "alive": self._thread.is_alive(),
+        with self._cv:
+            counts = {"last_iteration": self.last_iteration, "written": self.written,
+                      "errors": self.errors, "error": self.error,
+                      "last_error": self.last_error,
+                      "last_failed_iteration": self.last_failed_iteration,
+                      "failing": self.failing}
+        return {"dir": str(part_dir(self.root, self.partition)), **counts,
+                "alive": self._thread.is_alive(),
                 "spacing": self.schedule.spacing if self.schedule else None,
                 "spacing_max": (self.every << self.schedule.max_level) if self.schedule
                 else None,
