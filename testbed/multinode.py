@@ -235,7 +235,7 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
         if m is None:
             problems.append("no node resumed from the shadows")
         report["epochs"] = sorted({int(e) for e in re.findall(r"under epoch (\d+)", text)})
-        finals = [p for p in run.dir.glob("n*.pt") if p.is_file()]
+        finals = final_states(run.dir, [n.host for n in nodes])
         if not finals:
             problems.append("no final state was written")
         else:
@@ -259,6 +259,14 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
     report["ok"] = not problems
     report["problems"] = problems
     return report
+
+
+def final_states(d: Path, hosts: list[str]) -> list[Path]:
+    """The final states the nodes' rank 0 wrote (``--out``: ``<host>.pt``), not what a
+    restore wrote beside them (``<host>.restored.<attempt>.<pid>.pt``): a glob for
+    ``n*.pt`` took either, in directory order, and once compared the iteration-15 restore
+    with the failure-free run's end."""
+    return [d / f"{h}.pt" for h in hosts if (d / f"{h}.pt").is_file()]
 
 
 def _check_restored(d: Path, ckpt: Path, sc: MultiNode, report: dict) -> list[str]:

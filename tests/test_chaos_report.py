@@ -69,3 +69,15 @@ def test_every_case_draws_a_valid_scenario():
     sc = draw("shadows-restart-under-load", cases(300)["shadows-restart-under-load"], 300, 0,
               2, rng)
     assert sc.cpu_load == 4 and not any(k.disk for k in sc.shadow_kills)
+
+
+def test_multinode_verdict_reads_the_final_state_not_a_restore_beside_it(tmp_path):
+    """rank 0 writes ``<host>.pt`` at the end and, after a restore, ``<host>.restored.
+    <attempt>.<pid>.pt``; the bit-identity verdict must read the first (a glob for
+    ``n*.pt`` took the restore in one chaos run and reported a good run as differing)."""
+    from checkmate.testbed.multinode import final_states
+
+    for name in ("n0.restored.0.2754.pt", "n0.pt", "n2.restored.1.99.pt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert final_states(tmp_path, ["n0", "n1", "n2"]) == [tmp_path / "n0.pt"]
+    assert final_states(tmp_path, ["n1"]) == []
