@@ -105,3 +105,62 @@ def test_report_of_a_bad_file_is_one_line(tmp_path, capsys):
     assert report.main(["--from", str(bad), "--out", str(tmp_path / "e.md")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a `testbed bench schemes --json` file" in err[0]
+
+
+def test_a_failed_run_costs_its_own_cell_and_the_rounds_go_on(capsys):
+    """run_rounds alternates the order every other round; a run that fails is recorded
+    (None in its round, its error kept) and the other runs still happen; the medians are
+    over the rounds that succeeded."""
+    from checkmate.errors import CheckmateError
+    from checkmate.testbed.bench.schemes import medians, run_rounds
+
+    configs = [("none", 1), ("dcp-process", 1), ("checkmate", 1)]
+    order: list[tuple[str, int]] = []
+
+    def one(scheme: str, every: int, rnd: int):
+        from checkmate.testbed.bench.schemes import Measured
+
+        order.append((scheme, rnd))
+        if scheme == "dcp-process" and rnd == 2:
+            raise CheckmateError("trainer 1 exited 1: unexpected pos 704 vs 598")
+        rate = {"none": 1.0, "dcp-process": 0.8, "checkmate": 0.9}[scheme] + rnd / 100
+        return Measured(rate, 100.0 + rnd, 5.0)
+
+    got = run_rounds(configs, 4, one)
+    assert order[:3] == [("none", 0), ("dcp-process", 0), ("checkmate", 0)]
+    assert order[3:6] == [("checkmate", 1), ("dcp-process", 1), ("none", 1)]
+    assert len(order) == 12  # the failure in round 3 stopped nothing
+    assert got.rates["dcp-process@1"] == [0.8, 0.81, None, pytest.approx(0.83)]
+    assert got.trainer_cpu["dcp-process@1"][2] is None
+    assert got.failed == {"dcp-process@1": [
+        {"round": 3, "error": "trainer 1 exited 1: unexpected pos 704 vs 598"}]}
+    med = medians(got.rates)
+    assert med["dcp-process@1"] == pytest.approx(0.81)  # median of 0.80, 0.81, 0.83
+    assert med["none@1"] == pytest.approx(1.015)
+    assert "round 3 dcp-process@1          FAILED: trainer 1 exited 1" in capsys.readouterr().out
+    # a configuration that failed in every round has no median at all
+    assert medians({"x@1": [None, None], "y@1": [2.0]}) == {"y@1": 2.0}
+
+
+def test_the_report_names_failed_runs_and_leaves_them_out_of_the_ratios(tmp_path):
+    from checkmate.testbed.bench import report
+
+    d = _schemes_json(0.9, 0.8, 0.5)
+    d["rounds"] = 5
+    d["rates"] = {k: [v] * 5 for k, v in d["median"].items()}
+    d["rates"]["none@1"] = [1.0, 1.0, 2.0, 1.0, 1.0]
+    d["rates"]["dcp@1"] = [0.8, 0.8, None, 0.8, 0.8]
+    d["failed"] = {"dcp@1": [{"round": 3, "error": "trainer 2 exited 1: unexpected pos\n"
+                                                  "Traceback (most recent call last):"}]}
+    assert report.paired(d, "dcp@1", "none@1") == pytest.approx([0.8] * 4)
+    src = tmp_path / "schemes.json"
+    src.write_text(json.dumps(d))
+    out = tmp_path / "evaluation.md"
+    assert report.main(["--from", str(src), "--out", str(out)]) == 0
+    md = out.read_text()
+    rows = {x.split("|")[1].strip(): [c.strip() for c in x.split("|")[2:]]
+            for x in md.splitlines() if x.startswith("| ") and "@" in x}
+    assert rows["dcp@1"][1:3] == ["0.800", "0.800-0.800 (1 failed)"], rows["dcp@1"]
+    assert "**1 runs failed**" in md
+    assert "- dcp@1, round 3: trainer 2 exited 1: unexpected pos" in md.splitlines()
+    assert "Traceback" not in md

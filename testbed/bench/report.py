@@ -142,6 +142,8 @@ def paired(d: dict[str, Any], key: str, ref: str) -> list[float]:
 def render(d: dict[str, Any], figs: dict[str, str], command: str) -> str:
     """The Markdown of docs/evaluation.md for one schemes JSON."""
     med, pl = d["median"], d["plan"]
+    failed: dict[str, list[dict[str, Any]]] = d.get("failed") or {}
+    failed: dict[str, list[dict[str, Any]]] = d.get("failed") or {}
     st = d["state_mb"]
     lines = [
         "# Evaluation: checkpoint schemes on one workload",
@@ -198,11 +200,25 @@ def render(d: dict[str, Any], figs: dict[str, str], command: str) -> str:
             ratio, rng, res = "1.000", "-", "-"
         else:
             rs = paired(d, key, ref)
-            ratio = f"{statistics.median(rs):.3f}" if rs else f"{rate / med[ref]:.3f}"
+            ratio = f"{statistics.median(rs):.3f}" if rs else "-"
             rng, res = rounds.spread(rs), "yes" if rounds.resolved(rs, 1.0) else "**unresolved**"
+        lost = len(failed.get(key, []))
+        if lost:
+            rng += f" ({lost} failed)"
         lines.append(f"| {key} | {rate:.3f} | {ratio} | {rng} | {res} | "
                      f"{d['trainer_cpu_ms'][key]:.0f} | {d['shadow_cpu_ms'][key]:.0f} | "
                      + " | ".join(cells) + " |")
+    if failed:
+        lines += ["", f"**{sum(map(len, failed.values()))} runs failed** and are left out of "
+                  "the medians and ranges above (a row's `rounds` cell counts its own):", ""]
+        for key, fs in failed.items():
+            for f in fs:
+                first = f["error"].strip().splitlines()[0] if f["error"].strip() else "?"
+                lines.append(f"- {key}, round {f['round']}: {first}")
+        gone = sorted(k for k in failed if k not in med)
+        if gone:
+            lines += ["", "Failed in every round, so not in the table: "
+                      + ", ".join(gone) + "."]
     if d.get("interval", 0) > 1:
         n = d["interval"]
         lines += ["", f"The model checked against the interval-{n} runs (throughput / none): "

@@ -13,9 +13,10 @@ import statistics
 from collections.abc import Sequence
 
 
-def paired(a: Sequence[float], b: Sequence[float]) -> list[float]:
-    """``a[r] / b[r]`` for every round both have (a zero ``b[r]`` is left out)."""
-    return [x / y for x, y in zip(a, b, strict=False) if y]
+def paired(a: Sequence[float | None], b: Sequence[float | None]) -> list[float]:
+    """``a[r] / b[r]`` for every round both have (a zero ``b[r]``, and a round where either
+    run failed, recorded as None, is left out)."""
+    return [x / y for x, y in zip(a, b, strict=False) if x is not None and y]
 
 
 def resolved(ratios: Sequence[float], against: float) -> bool:

@@ -44,7 +44,10 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass, field
+from math import nan
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +111,55 @@ def _job(scheme: str, every: int, ckdir: Path, args: argparse.Namespace) -> dict
     elif base == "proc-copy":  # the worker knows it as GoCkpt mode with one step per window
         job["ckpt"], job["ckpt_steps"] = "gockpt", 1
     return job
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One run's figures: rank 0's mean rate, and trainer and shadow CPU ms per iteration."""
+
+    rate: float
+    trainer_cpu: float
+    shadow_cpu: float
+
+
+@dataclass
+class Rounds:
+    """Every configuration's figures per round, None where that round's run failed, and
+    the failures themselves (round, error)."""
+
+    rates: dict[str, list[float | None]] = field(default_factory=dict)
+    trainer_cpu: dict[str, list[float | None]] = field(default_factory=dict)
+    shadow_cpu: dict[str, list[float | None]] = field(default_factory=dict)
+    failed: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def run_rounds(configs: list[tuple[str, int]], n: int,
+               one: Callable[[str, int, int], Measured]) -> Rounds:
+    """Run every configuration once per round, the order reversed every other round. A run
+    that fails (CheckmateError) costs its own cell, not the other rounds: it is recorded as
+    None with its error, printed, and the rounds go on; the caller exits non-zero."""
+    out = Rounds()
+    for scheme, every in configs:
+        key = f"{scheme}@{every}"
+        for table in (out.rates, out.trainer_cpu, out.shadow_cpu):
+            table[key] = []
+    for rnd in range(n):
+        for scheme, every in (configs if rnd % 2 == 0 else configs[::-1]):
+            key = f"{scheme}@{every}"
+            try:
+                m: Measured | None = one(scheme, every, rnd)
+            except CheckmateError as e:
+                m = None
+                out.failed.setdefault(key, []).append({"round": rnd + 1, "error": str(e)})
+                print(f"round {rnd + 1} {key:<22} FAILED: {e}", flush=True)
+            out.rates[key].append(None if m is None else m.rate)
+            out.trainer_cpu[key].append(None if m is None else m.trainer_cpu)
+            out.shadow_cpu[key].append(None if m is None else m.shadow_cpu)
+            if m is not None:
+                print(f"round {rnd + 1} {key:<22} {m.rate:7.3f} it/s  trainers "
+                      f"{m.trainer_cpu:7.1f} CPU ms/it  shadows {m.shadow_cpu:6.1f}",
+                      flush=True)
+    return out
 
 
 def planned(results: dict[str, Any], mtbf_s: float, load_s: float) -> dict[str, Any]:
@@ -184,9 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     switch = not args.no_switch and os.geteuid() == 0
     mtbf_s, load_s = _seconds(args.mtbf), _seconds(args.load)
     configs = _configs(chosen, args.interval, switch)
-    rates: dict[str, list[float]] = {f"{s}@{e}": [] for s, e in configs}
-    cpu: dict[str, list[float]] = {k: [] for k in rates}
-    shadow_cpu: dict[str, list[float]] = {k: [] for k in rates}
     saves: dict[str, int] = {}
     sc = Scenario("bench-schemes", "gpt", args.steps, 0)
     with ExitStack() as stack:
@@ -198,33 +247,32 @@ def main(argv: list[str] | None = None) -> int:
             cfg_path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
             clusters[kind] = Cluster(cfg, kind, cfg_path,
                                      "127.77.11" if kind == "host" else LOOPBACK_NET, stack)
-        for rnd in range(args.rounds):
-            for scheme, every in (configs if rnd % 2 == 0 else configs[::-1]):
-                key = f"{scheme}@{every}"
-                cl = clusters["switch" if scheme.endswith("-switch") else "host"]
-                win = _Window(args.warmup + 1, args.steps)
-                run = Run(cl, sc, work, f"{scheme}-{every}-{rnd}", win.progress)
-                win.run = run
-                ckdir = work / f"ckpt-{scheme}-{every}-{rnd}"
-                ckdir.mkdir()
-                run.extra_job = _job(scheme, every, ckdir, args)
-                try:
-                    if scheme.startswith("checkmate"):
-                        run.start_shadows()
-                    run.start_trainers(resume=False)
-                    run.follow(None, timeout=900)
-                except CheckmateError as e:
-                    raise CheckmateError(f"{e} (logs kept in {_keep_logs(run.dir)})") from None
-                finally:
-                    run.stop()
-                rates[key].append(mean_rate(run.result.times, args.warmup))
-                cpu[key].append(win.per_iter_ms("trainers"))
-                shadow_cpu[key].append(win.per_iter_ms("shadows"))
-                saves[key] = run.result.stats[0].get("saves", 0) if run.result.stats else 0
-                print(f"round {rnd + 1} {key:<22} {rates[key][-1]:7.3f} it/s  trainers "
-                      f"{cpu[key][-1]:7.1f} CPU ms/it  shadows {shadow_cpu[key][-1]:6.1f}",
-                      flush=True)
-    med = {k: statistics.median(v) for k, v in rates.items()}
+        def one(scheme: str, every: int, rnd: int) -> Measured:
+            cl = clusters["switch" if scheme.endswith("-switch") else "host"]
+            win = _Window(args.warmup + 1, args.steps)
+            run = Run(cl, sc, work, f"{scheme}-{every}-{rnd}", win.progress)
+            win.run = run
+            ckdir = work / f"ckpt-{scheme}-{every}-{rnd}"
+            ckdir.mkdir()
+            run.extra_job = _job(scheme, every, ckdir, args)
+            try:
+                if scheme.startswith("checkmate"):
+                    run.start_shadows()
+                run.start_trainers(resume=False)
+                run.follow(None, timeout=900)
+            except CheckmateError as e:
+                run.stop()
+                raise CheckmateError(f"{e} (logs kept in {_keep_logs(run.dir)})") from None
+            finally:
+                run.stop()
+            saves[f"{scheme}@{every}"] = (run.result.stats[0].get("saves", 0)
+                                          if run.result.stats else 0)
+            return Measured(mean_rate(run.result.times, args.warmup),
+                            win.per_iter_ms("trainers"), win.per_iter_ms("shadows"))
+
+        got = run_rounds(configs, args.rounds, one)
+    rates, cpu, shadow_cpu, failed = got.rates, got.trainer_cpu, got.shadow_cpu, got.failed
+    med = medians(rates)
     plan = planned(med, mtbf_s, load_s)
     _print(med, plan, cpu, args)
     if args.json:
@@ -232,17 +280,34 @@ def main(argv: list[str] | None = None) -> int:
             "width": args.width, "layers": args.layers, "stand_in": args.stand_in,
             "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
             "interval": args.interval, "mtbf_s": mtbf_s, "load_s": load_s,
-            "rates": rates, "median": med, "plan": plan,
-            "trainer_cpu_ms": {k: statistics.median(v) for k, v in cpu.items()},
-            "shadow_cpu_ms": {k: statistics.median(v) for k, v in shadow_cpu.items()},
+            "rates": rates, "median": med, "plan": plan, "failed": failed,
+            "trainer_cpu_ms": medians(cpu), "shadow_cpu_ms": medians(shadow_cpu),
+            "trainer_cpu_rounds": cpu, "shadow_cpu_rounds": shadow_cpu,
             "state_mb": state_mb(args.width, args.layers),
             "command": " ".join(["testbed bench schemes", *(argv if argv is not None
                                                             else sys.argv[1:])])},
             indent=1))
     ratio = med["checkmate@1"] / med["dcp@1"] if {"checkmate@1", "dcp@1"} <= set(med) \
         else float("nan")
+    runs = sum(len(v) for v in rates.values())
+    lost = sum(len(v) for v in failed.values())
+    if lost:
+        print(f"{lost} of {runs} runs failed: "
+              + ", ".join(f"{k} round {f['round']}" for k, fs in failed.items() for f in fs)
+              + " (their cells are left out of the medians)", flush=True)
     print(f"checkmate vs dcp-async ratio: {ratio:.3f}")
-    return 0
+    return 1 if lost else 0
+
+
+def medians(per_round: dict[str, list[float | None]]) -> dict[str, float]:
+    """Each key's median over the rounds whose run succeeded; a key that failed in every
+    round has no median and is left out."""
+    out = {}
+    for k, v in per_round.items():
+        ok = [x for x in v if x is not None]
+        if ok:
+            out[k] = statistics.median(ok)
+    return out
 
 
 def state_mb(width: int, layers: int) -> dict[str, float]:
@@ -267,10 +332,10 @@ def _print(med: dict[str, float], plan: dict[str, Any], cpu: dict[str, list[floa
         t.add_column(col, justify="right" if col != "scheme @ interval" else "left")
     for key, rate in med.items():
         scheme, every = key.split("@")
-        ref = med["none-switch@1" if scheme.endswith("-switch") else "none@1"]
+        ref = med.get("none-switch@1" if scheme.endswith("-switch") else "none@1", nan)
         p = plan.get(scheme) if every == "1" else None
         t.add_row(key, f"{rate:.3f}", f"{rate / ref:.3f}",
-                  f"{statistics.median(cpu[key]):.0f}",
+                  f"{medians(cpu).get(key, nan):.0f}",
                   "-" if p is None else f"{p['stall_s']:.3f}",
                   "-" if p is None else str(p["best_interval"]),
                   "-" if p is None else f"{p['effective_vs_none']:.3f}")
