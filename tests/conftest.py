@@ -197,9 +197,9 @@ def testbed_of():
 def switch():
     """The P4Runtime switch double (fakes.FakeSwitch) with the compiled v1model program loaded
     (handshake and attempt tests)."""
-    from fakes import FakeSwitch, load_p4info
+    from fakes import FakeSwitch, compiled_p4info
 
-    sw = FakeSwitch(load_p4info("v1model"))
+    sw = FakeSwitch(compiled_p4info("v1model"))
     try:
         yield sw
     finally:
@@ -207,14 +207,12 @@ def switch():
 
 
 @pytest.fixture
-def service(tmp_path: Path):
+def service(tmp_path: Path, switch):
     """A controller's handshake service on loopback over the P4Runtime switch double, serving
     in a thread (shadow registration tests)."""
-    from fakes import FakeSwitch, load_p4info
     from handshake_service import make_service
 
-    sw = FakeSwitch(load_p4info("v1model"))
-    svc = make_service(sw, tmp_path / "state.json")
+    svc = make_service(switch, tmp_path / "state.json")
     svc.deploy()
     svc.bind()
     t = threading.Thread(target=svc.serve_forever, daemon=True)
@@ -224,5 +222,4 @@ def service(tmp_path: Path):
     finally:
         svc.stop_event.set()
         t.join(5)
-        svc.driver.close()
-        sw.stop()
+        svc.driver.close()  # the switch fixture stops the double

@@ -89,12 +89,6 @@ def stale_p4info(arch: str):
     return fixture_p4info(f"checkmate_{arch}.p4info.{STALE_AT}.txtpb")
 
 
-def load_p4info(arch: str):
-    """The P4Info a switch running the compiler-built program reports (the handshake tests
-    import this and FakeSwitch from here)."""
-    return compiled_p4info(arch)
-
-
 def ip(s: str) -> int:
     return int(ipaddress.IPv4Address(s))
 

@@ -3,8 +3,9 @@
 Shadows started beside the launcher register within seconds (tens under load); a launcher
 that asked the controller before the last one registered used to take the partial answer
 (the chaos suite's `multinode-kill-node` then failed: "--shadow number 1 must serve 0/1").
-Here a real handshake service (control/service.py) programs the P4Runtime test double of
-tests/fakes.py; requests are real authenticated datagrams over loopback.
+Here a real handshake service (control/service.py, conftest's ``service``) programs the
+P4Runtime test double of tests/fakes.py; requests are real authenticated datagrams over
+loopback.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import socket
 import threading
 
 import pytest
-from handshake_service import make_service, reg_body, req
+from handshake_service import reg_body, req
 
 from checkmate.errors import CheckmateError
 from checkmate.launch.cli import shadows_from_controller
@@ -30,28 +31,16 @@ def _register_later(addr: tuple[str, int], partition: int, delay: float) -> thre
     return t
 
 
-@pytest.fixture
-def controller(switch, tmp_path):
-    svc = make_service(switch, tmp_path / "state.json")
-    svc.deploy()
-    svc.bind()
-    t = threading.Thread(target=svc.serve_forever, daemon=True)
-    t.start()
-    yield svc
-    svc.close()
-    t.join(5)
-
-
 def _args(svc) -> argparse.Namespace:  # noqa: ANN001
     host, port = svc.sock.getsockname()
     return argparse.Namespace(controller=f"{host}:{port}")
 
 
-def test_launcher_waits_for_the_last_shadow_to_register(controller, capsys):
-    addr = controller.sock.getsockname()
+def test_launcher_waits_for_the_last_shadow_to_register(service, capsys):
+    addr = service.sock.getsockname()
     _register_later(addr, 0, 0.0).join()
     late = _register_later(addr, 1, 1.5)
-    tcp, udp = shadows_from_controller(_args(controller), 7, wait=20)
+    tcp, udp = shadows_from_controller(_args(service), 7, wait=20)
     late.join()
     assert [h for h, _ in tcp] == ["10.77.0.100", "10.77.0.101"]
     assert [p for _, p in udp] == [47001, 47001]
@@ -59,8 +48,20 @@ def test_launcher_waits_for_the_last_shadow_to_register(controller, capsys):
         in capsys.readouterr().out
 
 
-def test_launcher_names_the_partitions_still_missing(controller):
-    _register_later(controller.sock.getsockname(), 1, 0.0).join()
+def test_launcher_names_the_partitions_still_missing(service):
+    _register_later(service.sock.getsockname(), 1, 0.0).join()
     with pytest.raises(CheckmateError, match=r"partitions \[1\] of job 7; its config has 2 "
                                              r"partition\(s\)"):
-        shadows_from_controller(_args(controller), 7, wait=1.5)
+        shadows_from_controller(_args(service), 7, wait=1.5)
+
+
+def test_the_session_answer_says_how_many_partitions_the_config_has(service):
+    """query_registrations (the launcher's and the trainers' view) reads ``expected`` from the
+    controller's config, not from how many shadows happen to be registered."""
+    from checkmate.train.layout import query_registrations, query_sessions
+
+    addr = service.sock.getsockname()
+    _register_later(addr, 1, 0.0).join()
+    regs, expected = query_registrations(addr, 7, timeout=2.0, tries=2)
+    assert expected == 2 and sorted(regs) == [1]
+    assert query_sessions(addr, 7, timeout=2.0, tries=2) == regs

@@ -75,7 +75,7 @@ def link():
 
 @pytest.fixture
 def controller(link, tmp_path):
-    from fakes import FakeSwitch, load_p4info
+    from fakes import FakeSwitch, compiled_p4info
 
     from checkmate.control.drivers.p4runtime import P4RuntimeDriver
     from checkmate.control.p4rt_client import P4RuntimeClient
@@ -84,7 +84,7 @@ def controller(link, tmp_path):
 
     cfg_path = tmp_path / "cluster.yaml"
     cfg_path.write_text(CFG)
-    sw = FakeSwitch(load_p4info("v1model"))
+    sw = FakeSwitch(compiled_p4info("v1model"))
     cfg = config.load(cfg_path)
     cfg = replace(cfg, switch=replace(cfg.switch, address=sw.address))
     drv = P4RuntimeDriver(cfg, "v1model", P4RuntimeClient(sw.address, timeout=2))

@@ -411,23 +411,21 @@ def shadows_from_controller(args: argparse.Namespace, job_id: int,
     for a shadow for every partition of the controller's config, saying once what it
     waits for; then one line that names the partitions still missing."""
     from checkmate.config.cluster import RESTORE_PORT
-    from checkmate.train.layout import controller_request
+    from checkmate.train.layout import query_registrations
 
     wait = REGISTER_WAIT if wait is None else wait
     deadline, said = time.monotonic() + wait, False
     while True:
-        body = controller_request(controller_addr(args), job_id, {"op": "session"},
-                                  timeout=5.0)
-        regs = {int(p): v for p, v in body.get("partitions", {}).items()}
-        # A controller without ``expected`` (older) is taken at its word.
-        expected = body.get("expected", len(regs))
-        if not isinstance(expected, int) or expected < 1:
-            expected = len(regs)
+        regs, expected = query_registrations(controller_addr(args), job_id, timeout=5.0)
         missing = sorted(set(range(expected)) - set(regs))
         extra = sorted(set(regs) - set(range(expected)))
-        if regs and not missing and not extra:
+        if extra:  # a controller that contradicts itself: no layout can be trusted
+            raise CheckmateError(
+                f"the controller has registered shadows for partitions {extra} of job "
+                f"{job_id}, beyond the {expected} partition(s) of its config")
+        if regs and not missing:
             break
-        if extra or time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:
             raise CheckmateError(
                 f"the controller has registered shadows for partitions {sorted(regs)} of "
                 f"job {job_id}; its config has {expected} partition(s) and every one needs a "

@@ -137,9 +137,22 @@ def controller_request(controller: tuple[str, int], job_id: int, body: dict[str,
     raise CheckmateError(f"controller {controller[0]}:{controller[1]} did not answer")
 
 
+def query_registrations(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
+                        tries: int = 5, secret: bytes | None = None
+                        ) -> tuple[dict[int, dict[str, Any]], int]:
+    """The controller's current registrations, partition -> {epoch, token, ip, port}, and
+    how many partitions its config has (``expected``; a controller that does not say is
+    taken at its word: as many as are registered). An authenticated ``session`` request;
+    ``secret`` defaults to $CHECKMATE_SECRET_FILE's."""
+    body = controller_request(controller, job_id, {"op": "session"}, timeout, tries, secret)
+    regs = {int(p): v for p, v in body.get("partitions", {}).items()}
+    expected = body.get("expected", len(regs))
+    if not isinstance(expected, int) or isinstance(expected, bool) or expected < 1:
+        expected = len(regs)
+    return regs, expected
+
+
 def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
                    tries: int = 5, secret: bytes | None = None) -> dict[int, dict[str, Any]]:
-    """The controller's current registrations: partition -> {epoch, token, ip, port}
-    (an authenticated ``session`` request; ``secret`` defaults to $CHECKMATE_SECRET_FILE's)."""
-    body = controller_request(controller, job_id, {"op": "session"}, timeout, tries, secret)
-    return {int(p): v for p, v in body.get("partitions", {}).items()}
+    """The controller's current registrations: partition -> {epoch, token, ip, port}."""
+    return query_registrations(controller, job_id, timeout, tries, secret)[0]
