@@ -384,19 +384,32 @@ class ShadowState:
             if latest is None or it != latest + 1:
                 return  # a reset raced with this iteration; it is stale now
             t0 = time.perf_counter()
+            stepped = None
             if not control.skip:
+                # Straight into the next version's arrays: the optimizer reads the newest
+                # version (never written again) and its state becomes the new one.
+                stepped = self._fresh_arrays()
                 self.opt.step(control.step_gradient(grad), control.lrs, control.clip_coef,
-                              control.hyper)
+                              control.hyper, out=stepped)
             self.step_seconds += time.perf_counter() - t0
-            self._commit(it, control.buffers, control.extra, control.lrs)
+            self._commit(it, control.buffers, control.extra, control.lrs, stepped)
 
-    def _commit(self, it: int, buffers: dict, extra: dict, lrs: list[float] | None) -> None:
+    def _fresh_arrays(self) -> dict[str, np.ndarray]:
+        """Arrays for the next version: an evicted, unpinned version's, or new ones."""
+        assert self.spec is not None
+        return self._free.pop() if self._free else {
+            s: np.empty(self.size, np.float32) for s in self.spec.slots}
+
+    def _commit(self, it: int, buffers: dict, extra: dict, lrs: list[float] | None,
+                arrays: dict[str, np.ndarray] | None = None) -> None:
+        """Retain the optimizer's state as iteration ``it``: ``arrays`` where the step wrote
+        it there (and the optimizer's state now is those arrays), else a copy."""
         spec = self.spec
         assert spec is not None and self.opt is not None
-        arrays = self._free.pop() if self._free else {
-            s: np.empty(self.size, np.float32) for s in spec.slots}
-        for s in spec.slots:
-            np.copyto(arrays[s], _slot(self.opt, s))
+        if arrays is None:
+            arrays = self._fresh_arrays()
+            for s in spec.slots:
+                np.copyto(arrays[s], _slot(self.opt, s))
         v = Version(it, int(self.opt.step_count), arrays, buffers, extra, lrs)
         self.versions.append(v)
         while len(self.versions) > self.retain:

@@ -67,12 +67,38 @@ CASES = [
                          {**TWO_GROUPS[1], "lr": 3e-3, "amsgrad": True, "betas": (0.5, 0.9)}],
      {}),
     ("adamw", co.AdamW, [{"params": NAMES, "lr": 1e-2, "amsgrad": True, "maximize": True}], {}),
+    ("sgd", co.SGD, [{**TWO_GROUPS[0], "lr": 0.05, "momentum": 0.9},
+                     {**TWO_GROUPS[1], "lr": 0.02}], {}),
 ]
 
 
+class _Versions:
+    """The shadow's way of stepping (shadow/state.py): each step reads the newest retained
+    arrays and writes into another set, recycled from an evicted version (here: three
+    sets in turn, refilled with NaN so an element the step fails to write shows)."""
+
+    def __init__(self, sh: co.FlatOptimizer) -> None:
+        self.sh = sh
+        self.sets = [{k: np.empty(sh.size, np.float32) for k in sh.slots} for _ in range(3)]
+        self.n = 0
+
+    def step(self, grad: np.ndarray, lrs: list[float], coef: float) -> None:
+        before = {k: v.copy() for k, v in self.sh.state.items()}
+        old = self.sh.state
+        out = self.sets[self.n % 3]
+        self.n += 1
+        for a in out.values():
+            a.fill(np.nan)
+        self.sh.step(grad, lrs, coef, out=out)
+        assert all(self.sh.state[k] is out[k] for k in self.sh.slots)
+        for k in before:  # the version it read is never written
+            assert np.array_equal(old[k], before[k], equal_nan=True), k
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["in-place", "into-version"])
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0] + f"-{len(c[2])}g")
-def test_shadow_partitions_track_trainer_bit_for_bit(case, grad_dtype: str) -> None:
+def test_shadow_partitions_track_trainer_bit_for_bit(case, grad_dtype: str, into: bool) -> None:
     kind, cls, groups, _ = case
     model = _model()
     opt = cls(_torch_groups(model, groups))
@@ -82,6 +108,7 @@ def test_shadow_partitions_track_trainer_bit_for_bit(case, grad_dtype: str) -> N
     start = _flat(model.parameters())
     for sh, (s, e) in zip(shadows, bounds, strict=True):
         sh.state["param"][:] = start[s:e]
+    steppers = [_Versions(sh) if into else sh for sh in shadows]
     wire = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     gen = torch.Generator().manual_seed(1)
     base_lrs = [g["lr"] for g in groups]
@@ -101,8 +128,8 @@ def test_shadow_partitions_track_trainer_bit_for_bit(case, grad_dtype: str) -> N
             g["lr"] = lr
         opt.step()
         flat_sent = co.as_kernel_grad(torch.cat([w.reshape(-1) for w in sent]))
-        for sh, (s, e) in zip(shadows, bounds, strict=True):
-            sh.step(flat_sent[s:e], lrs, coef)
+        for st, (s, e) in zip(steppers, bounds, strict=True):
+            st.step(flat_sent[s:e], lrs, coef)
         params = _flat(model.parameters())
         for sh, (s, e) in zip(shadows, bounds, strict=True):
             assert np.array_equal(sh.param, params[s:e], equal_nan=True), f"iteration {it}"
@@ -113,8 +140,9 @@ def test_shadow_partitions_track_trainer_bit_for_bit(case, grad_dtype: str) -> N
     assert min(coefs) < 1.0  # clipping was really exercised
 
 
-def _large_run(threads: int) -> dict[str, np.ndarray]:
-    """Three AdamW steps on 1000003 elements, trainer vs 3 shadows, at a thread count."""
+def _large_run(threads: int, into: bool = False) -> dict[str, np.ndarray]:
+    """Three AdamW steps on 1000003 elements, trainer vs 3 shadows, at a thread count;
+    ``into``: the shadows step into other arrays (the parallel into-kernel)."""
     n = 1000003
     before = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -135,7 +163,7 @@ def _large_run(threads: int) -> dict[str, np.ndarray]:
             _, coef = co.clip_grad_norm_([w], max_norm=100.0)
             opt.step()
             for sh, (s, e) in zip(shadows, bounds, strict=True):
-                sh.step(g.numpy()[s:e], [1e-3], coef)
+                (_Versions(sh) if into else sh).step(g.numpy()[s:e], [1e-3], coef)
                 assert np.array_equal(sh.param, w.detach().numpy()[s:e])
                 assert np.array_equal(sh.max_exp_avg_sq, opt.state[w]["max_exp_avg_sq"][s:e])
         return {"param": w.detach().numpy().copy(),
@@ -151,3 +179,25 @@ def test_large_partitions_match_whole_tensor_step_at_any_thread_count() -> None:
     one, two = _large_run(1), _large_run(2)
     for k in one:
         assert np.array_equal(one[k], two[k]), k
+
+
+def test_large_partitions_stepped_into_other_arrays_match_at_any_thread_count() -> None:
+    """The parallel into-step (the shadow's, writing its next version) gives the trainer's
+    bits at 1 and 2 threads, as the in-place step does."""
+    one, two = _large_run(1, into=True), _large_run(2, into=True)
+    for k in one:
+        assert np.array_equal(one[k], two[k]), k
+
+
+def test_an_into_step_refuses_arrays_that_overlap_its_inputs() -> None:
+    from checkmate.errors import CheckmateError
+
+    sh = co.FlatOptimizer("adamw", [(0, 8, {"lr": 1e-3})], 8)
+    g = np.ones(8, np.float32)
+    with pytest.raises(CheckmateError, match="out param overlaps an input array"):
+        sh.step(g, [1e-3], out={**{k: np.zeros(8, np.float32) for k in sh.slots},
+                                "param": sh.state["param"]})
+    with pytest.raises(CheckmateError, match=r"out lacks slots \['exp_avg_sq'\]"):
+        sh.step(g, [1e-3], out={"param": np.zeros(8, np.float32),
+                                "exp_avg": np.zeros(8, np.float32)})
+    assert sh.step_count == 0 and not sh.state["param"].any()  # nothing was stepped

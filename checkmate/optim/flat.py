@@ -156,7 +156,8 @@ class FlatOptimizer:
 
     def step(self, grad: np.ndarray, lrs: Sequence[float],
              clip_coef: float | None = None,
-             hyper: Sequence[Mapping[str, Any]] | None = None) -> None:
+             hyper: Sequence[Mapping[str, Any]] | None = None,
+             out: Mapping[str, np.ndarray] | None = None) -> None:
         """Apply one step to every range.
 
         Args:
@@ -166,6 +167,12 @@ class FlatOptimizer:
             clip_coef: factor the trainer's clip_grad_norm_ applied (None: no clipping).
             hyper: the other hyperparameters per group for this step (control message
                 ``hyper``); None keeps the current ones.
+            out: slot name -> float32 array of ``size`` elements, not overlapping the
+                state: the step reads the current state and writes the new one there
+                (every element of every slot, the ones a range's rule leaves alone
+                copied), and ``out`` becomes the state; the old arrays are left as they
+                were. The shadow steps straight into its next retained version this way,
+                so no copy pass follows the step. None: in place.
         """
         if hyper is not None:
             self.set_hyper(hyper)
@@ -174,6 +181,10 @@ class FlatOptimizer:
             raise CheckmateError(f"gradient has {g.shape[0]} elements, expected {self.size}")
         if len(lrs) < self.groups:
             raise CheckmateError(f"need {self.groups} learning rates, got {len(lrs)}")
+        if out is not None:
+            missing = [k for k in self.slots if k not in out]
+            if missing:
+                raise CheckmateError(f"out lacks slots {missing}")
         step = self.step_count + 1
         st = self.state
         for start, end, gi, hp in self.ranges:
@@ -181,16 +192,30 @@ class FlatOptimizer:
             lr = float(lrs[gi])
             if self.kind == "sgd":
                 buf = st["momentum_buffer"][sl] if "momentum_buffer" in st else None
+                written = {"param"} | ({"momentum_buffer"} if hp["momentum"] != 0 else set())
+                o = None if out is None else (
+                    out["param"][sl], out["momentum_buffer"][sl] if buf is not None else None)
                 ops.sgd_step(st["param"][sl], g[sl], buf, lr=lr, momentum=hp["momentum"],
                              dampening=hp["dampening"], weight_decay=hp["weight_decay"],
                              nesterov=hp["nesterov"], first=self.step_count == 0,
-                             clip_coef=clip_coef, maximize=hp["maximize"])
+                             clip_coef=clip_coef, maximize=hp["maximize"], out=o)
             else:
                 mx = st["max_exp_avg_sq"][sl] if hp["amsgrad"] else None
+                written = {"param", "exp_avg", "exp_avg_sq"} | (
+                    {"max_exp_avg_sq"} if hp["amsgrad"] else set())
+                o = None if out is None else (
+                    out["param"][sl], out["exp_avg"][sl], out["exp_avg_sq"][sl],
+                    out["max_exp_avg_sq"][sl] if mx is not None else None)
                 b1, b2 = hp["betas"]
                 ops.adam_step(st["param"][sl], g[sl], st["exp_avg"][sl], st["exp_avg_sq"][sl],
                               mx, lr=lr, beta1=b1, beta2=b2, eps=hp["eps"],
                               weight_decay=hp["weight_decay"], decoupled=self.kind == "adamw",
                               amsgrad=hp["amsgrad"], step=step, clip_coef=clip_coef,
-                              maximize=hp["maximize"])
+                              maximize=hp["maximize"], out=o)
+            if out is not None:  # a slot this range's rule does not touch keeps its value
+                for k in self.slots:
+                    if k not in written:
+                        np.copyto(out[k][sl], st[k][sl])
+        if out is not None:
+            self.state = {k: out[k] for k in self.slots}
         self.step_count = step

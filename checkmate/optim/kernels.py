@@ -1,4 +1,4 @@
-"""Numba kernels: one in-place optimizer step on flat float32 arrays.
+"""Numba kernels: one optimizer step on flat float32 arrays, in place or into other arrays.
 
 Trainer (through :mod:`checkmate.optim.torch_optim`) and shadow (through
 :mod:`checkmate.optim.flat`) both call these functions, so their arithmetic is identical by
@@ -125,8 +125,35 @@ def _maximum(a, b):
 
 
 @njit(inline="always", error_model="numpy")
+def _adam_elem(p, g, m, v, vmax, gscale, decay, wd, l2, coeff, base_is_avg, c2, b2, bc2_sqrt,
+               eps, neg_step, amsgrad):
+    """One element's Adam/AdamW step: the new (param, exp_avg, exp_avg_sq, max_exp_avg_sq).
+    Every Adam loop (in place or into other arrays) calls this, so all share one arithmetic."""
+    g = to_f32(g) * gscale
+    # AdamW: param.mul_(1 - lr*wd); decay is 1.0 (exact no-op) for Adam or wd == 0.
+    p = p * decay
+    # Adam: grad = grad.add(param, alpha=wd), only when wd != 0 (fma(p, wd, g)).
+    g2 = fma32(p, wd, g)
+    g = g2 if l2 else g
+    # exp_avg.lerp_(grad, 1 - beta1), ATen's vector form.
+    base = m if base_is_avg else g
+    m = fma32(coeff, g - m, base)
+    # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    v = fma32(c2 * g, g, v * b2)
+    vd = v
+    if amsgrad:
+        vmax = _maximum(vmax, v)
+        vd = vmax
+    # denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    denom = np.sqrt(vd) / bc2_sqrt + eps
+    # param.addcdiv_(exp_avg, denom, value=-step_size)
+    return p + (neg_step * m) / denom, m, v, vmax
+
+
+@njit(inline="always", error_model="numpy")
 def _adam_range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad):
-    """Adam/AdamW on whole (sliced) arrays; ``s`` holds the float32 scalars (ops.adam_step).
+    """Adam/AdamW on whole (sliced) arrays, in place; ``s`` holds the float32 scalars
+    (ops.adam_step).
 
     Loops start at 0 so the indices are provably non-negative: with a variable start,
     Numba's negative-index wraparound makes the access non-affine and LLVM refuses to
@@ -135,28 +162,35 @@ def _adam_range(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad):
     gscale, decay, wd, l2, coeff, base_is_avg, c2, b2, bc2_sqrt, eps, neg_step = (
         s[0], s[1], s[2], s[3] != 0, s[4], s[5] != 0, s[6], s[7], s[8], s[9], s[10])
     for i in range(param.shape[0]):
-        p = param[i]
-        g = to_f32(grad[i]) * gscale
-        # AdamW: param.mul_(1 - lr*wd); decay is 1.0 (exact no-op) for Adam or wd == 0.
-        p = p * decay
-        # Adam: grad = grad.add(param, alpha=wd), only when wd != 0 (fma(p, wd, g)).
-        g2 = fma32(p, wd, g)
-        g = g2 if l2 else g
-        # exp_avg.lerp_(grad, 1 - beta1), ATen's vector form.
-        m = exp_avg[i]
-        base = m if base_is_avg else g
-        m = fma32(coeff, g - m, base)
+        vmax = max_exp_avg_sq[i] if amsgrad else np.float32(0)
+        p, m, v, vmax = _adam_elem(param[i], grad[i], exp_avg[i], exp_avg_sq[i], vmax, gscale,
+                                   decay, wd, l2, coeff, base_is_avg, c2, b2, bc2_sqrt, eps,
+                                   neg_step, amsgrad)
         exp_avg[i] = m
-        # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        v = fma32(c2 * g, g, exp_avg_sq[i] * b2)
         exp_avg_sq[i] = v
         if amsgrad:
-            v = _maximum(max_exp_avg_sq[i], v)
-            max_exp_avg_sq[i] = v
-        # denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-        denom = np.sqrt(v) / bc2_sqrt + eps
-        # param.addcdiv_(exp_avg, denom, value=-step_size)
-        param[i] = p + (neg_step * m) / denom
+            max_exp_avg_sq[i] = vmax
+        param[i] = p
+
+
+@njit(inline="always", error_model="numpy")
+def _adam_range_into(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, out_param, out_avg,
+                     out_avg_sq, out_max, s, amsgrad):
+    """Adam/AdamW reading one set of arrays and writing the step's result into another
+    (the shadow's next retained version: no copy pass after the step). Same element code
+    as :func:`_adam_range`."""
+    gscale, decay, wd, l2, coeff, base_is_avg, c2, b2, bc2_sqrt, eps, neg_step = (
+        s[0], s[1], s[2], s[3] != 0, s[4], s[5] != 0, s[6], s[7], s[8], s[9], s[10])
+    for i in range(param.shape[0]):
+        vmax = max_exp_avg_sq[i] if amsgrad else np.float32(0)
+        p, m, v, vmax = _adam_elem(param[i], grad[i], exp_avg[i], exp_avg_sq[i], vmax, gscale,
+                                   decay, wd, l2, coeff, base_is_avg, c2, b2, bc2_sqrt, eps,
+                                   neg_step, amsgrad)
+        out_avg[i] = m
+        out_avg_sq[i] = v
+        if amsgrad:
+            out_max[i] = vmax
+        out_param[i] = p
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -198,12 +232,70 @@ def _adam_serial(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad):
     _adam_chunk(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, 0, param.shape[0], s, amsgrad)
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _adam_chunk_into(src, grad, dst, lo, hi, s, amsgrad):
+    """Elements [lo, hi) of an into-step; ``src`` and ``dst`` are (param, exp_avg,
+    exp_avg_sq, max_exp_avg_sq) tuples of distinct arrays (see _adam_chunk)."""
+    p, m, v, mx = src
+    op, om, ov, omx = dst
+    if amsgrad:
+        _adam_range_into(p[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], mx[lo:hi], op[lo:hi],
+                         om[lo:hi], ov[lo:hi], omx[lo:hi], s, True)
+    else:
+        _adam_range_into(p[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], mx, op[lo:hi], om[lo:hi],
+                         ov[lo:hi], omx, s, False)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _adam_worker_into(src, grad, dst, s, amsgrad, grab, ctl):
+    """One thread's share of a parallel into-step (see _adam_worker)."""
+    n = grad.shape[0]
+    fetch_add(ctl, 1, 1)
+    while True:
+        lo = fetch_add(ctl, 0, grab)
+        if lo >= n:
+            break
+        _adam_chunk_into(src, grad, dst, lo, min(lo + grab, n), s, amsgrad)
+    fetch_add(ctl, 1, -1)
+
+
+def _adam_parallel_into(src, grad, dst, s, amsgrad):
+    """The into-step on all of Numba's threads (see _adam_parallel)."""
+    threads = numba.get_num_threads()
+    pool.run(_adam_worker_into, (src, grad, dst, s, amsgrad,
+                                 grab_size(grad.shape[0], threads)), threads)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _adam_serial_into(src, grad, dst, s, amsgrad):
+    _adam_chunk_into(src, grad, dst, 0, grad.shape[0], s, amsgrad)
+
+
 # ---------------------------------------------------------------------------------- SGD
 
 
 @njit(inline="always", error_model="numpy")
+def _sgd_elem(p, g, b, gscale, wd, l2, mom, damp1, neg_lr, kind, nesterov):
+    """One element's SGD step: the new (param, momentum buffer). Every SGD loop calls this.
+    kind: 0 no momentum, 1 first momentum step, 2 momentum."""
+    g = to_f32(g) * gscale
+    g2 = fma32(p, wd, g)
+    g = g2 if l2 else g
+    if kind != 0:
+        if kind == 1:
+            b = g  # buf = grad.detach().clone()
+        else:
+            b = fma32(g, damp1, b * mom)  # buf.mul_(m).add_(grad, alpha=1-d)
+        if nesterov:
+            g = fma32(b, mom, g)  # grad.add(buf, alpha=momentum)
+        else:
+            g = b
+    return fma32(g, neg_lr, p), b  # param.add_(grad, alpha=-lr)
+
+
+@njit(inline="always", error_model="numpy")
 def _sgd_range(param, grad, buf, s, mode):
-    """SGD on whole (sliced) arrays (loop from 0: see _adam_range).
+    """SGD on whole (sliced) arrays, in place (loop from 0: see _adam_range).
 
     mode: 0 no momentum, 1 first momentum step, 2 momentum, +4 nesterov.
 
@@ -213,21 +305,27 @@ def _sgd_range(param, grad, buf, s, mode):
     kind = mode & 3
     nesterov = (mode & 4) != 0
     for i in range(param.shape[0]):
-        p = param[i]
-        g = to_f32(grad[i]) * gscale
-        g2 = fma32(p, wd, g)
-        g = g2 if l2 else g
+        b = buf[i] if kind == 2 else np.float32(0)
+        p, b = _sgd_elem(param[i], grad[i], b, gscale, wd, l2, mom, damp1, neg_lr, kind,
+                         nesterov)
         if kind != 0:
-            if kind == 1:
-                b = g  # buf = grad.detach().clone()
-            else:
-                b = fma32(g, damp1, buf[i] * mom)  # buf.mul_(m).add_(grad, alpha=1-d)
             buf[i] = b
-            if nesterov:
-                g = fma32(b, mom, g)  # grad.add(buf, alpha=momentum)
-            else:
-                g = b
-        param[i] = fma32(g, neg_lr, p)  # param.add_(grad, alpha=-lr)
+        param[i] = p
+
+
+@njit(inline="always", error_model="numpy")
+def _sgd_range_into(param, grad, buf, out_param, out_buf, s, mode):
+    """SGD reading one set of arrays and writing into another (see _adam_range_into)."""
+    gscale, wd, l2, mom, damp1, neg_lr = s[0], s[1], s[2] != 0, s[3], s[4], s[5]
+    kind = mode & 3
+    nesterov = (mode & 4) != 0
+    for i in range(param.shape[0]):
+        b = buf[i] if kind == 2 else np.float32(0)
+        p, b = _sgd_elem(param[i], grad[i], b, gscale, wd, l2, mom, damp1, neg_lr, kind,
+                         nesterov)
+        if kind != 0:
+            out_buf[i] = b
+        out_param[i] = p
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -270,6 +368,47 @@ def _sgd_parallel(param, grad, buf, s, mode):
 @njit(cache=True, nogil=True, error_model="numpy")
 def _sgd_serial(param, grad, buf, s, mode):
     _sgd_chunk(param, grad, buf, 0, param.shape[0], s, mode)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sgd_chunk_into(src, grad, dst, lo, hi, s, mode):
+    """One work item of an SGD into-step; ``src``/``dst`` = (param, momentum buffer)."""
+    p, b = src
+    op, ob = dst
+    if mode == 0:
+        _sgd_range_into(p[lo:hi], grad[lo:hi], b, op[lo:hi], ob, s, 0)
+    elif mode == 1:
+        _sgd_range_into(p[lo:hi], grad[lo:hi], b[lo:hi], op[lo:hi], ob[lo:hi], s, 1)
+    elif mode == 2:
+        _sgd_range_into(p[lo:hi], grad[lo:hi], b[lo:hi], op[lo:hi], ob[lo:hi], s, 2)
+    elif mode == 5:
+        _sgd_range_into(p[lo:hi], grad[lo:hi], b[lo:hi], op[lo:hi], ob[lo:hi], s, 5)
+    else:
+        _sgd_range_into(p[lo:hi], grad[lo:hi], b[lo:hi], op[lo:hi], ob[lo:hi], s, 6)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sgd_worker_into(src, grad, dst, s, mode, grab, ctl):
+    """One thread's share of a parallel SGD into-step (see _adam_worker)."""
+    n = grad.shape[0]
+    fetch_add(ctl, 1, 1)
+    while True:
+        lo = fetch_add(ctl, 0, grab)
+        if lo >= n:
+            break
+        _sgd_chunk_into(src, grad, dst, lo, min(lo + grab, n), s, mode)
+    fetch_add(ctl, 1, -1)
+
+
+def _sgd_parallel_into(src, grad, dst, s, mode):
+    threads = numba.get_num_threads()
+    pool.run(_sgd_worker_into, (src, grad, dst, s, mode, grab_size(grad.shape[0], threads)),
+             threads)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sgd_serial_into(src, grad, dst, s, mode):
+    _sgd_chunk_into(src, grad, dst, 0, grad.shape[0], s, mode)
 
 
 # ------------------------------------------------------------------- many small tensors

@@ -9,6 +9,7 @@ as a scalar operand of a float32 kernel.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -43,6 +44,31 @@ def _check_grad(grad: np.ndarray, n: int) -> None:
         raise CheckmateError(f"gradient must be contiguous with {n} elements, got {grad.shape}")
 
 
+#: Output arrays of an into-step, slot by slot (None for a slot the step does not use).
+OutSlots = Sequence["np.ndarray | None"]
+
+
+def _check_out(names: tuple[str, ...], src: tuple[np.ndarray, ...], out: OutSlots, n: int,
+               used: tuple[bool, ...]) -> tuple[np.ndarray, ...]:
+    """The output arrays of an into-step, checked like the inputs and against overlapping
+    any input (the kernel reads an element after writing others)."""
+    if len(out) != len(names):
+        raise CheckmateError(f"out needs {len(names)} arrays ({', '.join(names)}), got "
+                             f"{len(out)}")
+    dst = []
+    for name, a, want in zip(names, out, used, strict=True):
+        if not want:
+            dst.append(_EMPTY)
+            continue
+        if a is None:
+            raise CheckmateError(f"out lacks the {name} array")
+        _check_slot(f"out {name}", a, n)
+        if any(np.may_share_memory(a, b) for b in src):
+            raise CheckmateError(f"out {name} overlaps an input array")
+        dst.append(a)
+    return tuple(dst)
+
+
 def gscale_of(clip_coef: float | None, maximize: bool) -> np.float32:
     """The float32 factor every gradient element is multiplied by (clip, then sign)."""
     c = np.float32(1.0) if clip_coef is None else _f32(clip_coef)
@@ -69,8 +95,11 @@ def adam_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray,
               exp_avg_sq: np.ndarray, max_exp_avg_sq: np.ndarray | None, *, lr: float,
               beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
               amsgrad: bool, step: int, clip_coef: float | None = None,
-              maximize: bool = False) -> None:
-    """Adam/AdamW step ``step`` (1-based, already counted) in place on flat float32 arrays.
+              maximize: bool = False, out: OutSlots | None = None) -> None:
+    """Adam/AdamW step ``step`` (1-based, already counted) on flat float32 arrays: in place,
+    or, with ``out`` = (param, exp_avg, exp_avg_sq, max_exp_avg_sq or None), read from the
+    given arrays and written into ``out``'s, which must not overlap them (the inputs are
+    left as they were).
 
     ``grad`` is float32, or 16-bit patterns (see :mod:`checkmate.optim.grads`). ``clip_coef``
     multiplies the gradient first, as ``clip_grad_norm_`` does on the trainer.
@@ -90,7 +119,13 @@ def adam_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray,
         raise CheckmateError(f"Adam step must be >= 1, got {step}")
     s = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                      decoupled=decoupled, step=step, gscale=gscale_of(clip_coef, maximize))
-    if n >= PARALLEL_MIN:
+    if out is not None:
+        src = (param, exp_avg, exp_avg_sq, max_exp_avg_sq)
+        dst = _check_out(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), src, out,
+                         n, (True, True, True, bool(amsgrad)))
+        into = kernels._adam_parallel_into if n >= PARALLEL_MIN else kernels._adam_serial_into
+        into(src, grad, dst, s, bool(amsgrad))
+    elif n >= PARALLEL_MIN:
         kernels._adam_parallel(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s,
                                bool(amsgrad))
     else:
@@ -114,9 +149,11 @@ def sgd_mode(momentum: float, nesterov: bool, first: bool) -> int:
 def sgd_step(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | None, *,
              lr: float, momentum: float = 0.0, dampening: float = 0.0,
              weight_decay: float = 0.0, nesterov: bool = False, first: bool,
-             clip_coef: float | None = None, maximize: bool = False) -> None:
-    """SGD step in place. ``first``: the momentum buffer does not exist yet (torch: None),
-    so it is set to the gradient instead of being updated."""
+             clip_coef: float | None = None, maximize: bool = False,
+             out: OutSlots | None = None) -> None:
+    """SGD step, in place or (``out`` = (param, momentum_buffer or None)) into other arrays
+    as in :func:`adam_step`. ``first``: the momentum buffer does not exist yet (torch:
+    None), so it is set to the gradient instead of being updated."""
     n = param.shape[0] if param.ndim == 1 else -1
     _check_slot("param", param, n)
     _check_grad(grad, n)
@@ -131,7 +168,12 @@ def sgd_step(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | 
     mode = sgd_mode(momentum, nesterov, first)
     s = sgd_scalars(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                     gscale=gscale_of(clip_coef, maximize))
-    if n >= PARALLEL_MIN:
+    if out is not None:
+        src = (param, momentum_buffer)
+        dst = _check_out(("param", "momentum_buffer"), src, out, n, (True, momentum != 0))
+        into = kernels._sgd_parallel_into if n >= PARALLEL_MIN else kernels._sgd_serial_into
+        into(src, grad, dst, s, mode)
+    elif n >= PARALLEL_MIN:
         kernels._sgd_parallel(param, grad, momentum_buffer, s, mode)
     else:
         kernels._sgd_serial(param, grad, momentum_buffer, s, mode)
@@ -155,6 +197,9 @@ def warm_up(kinds: tuple[str, ...] = ("adam", "sgd"),
                                  decoupled=True, step=1, gscale=np.float32(1.0))
                 for fn in (kernels._adam_serial, kernels._adam_parallel):
                     fn(one.copy(), g, one.copy(), one.copy(), _EMPTY, s, False)
+                for into in (kernels._adam_serial_into, kernels._adam_parallel_into):
+                    into((one.copy(), one.copy(), one.copy(), _EMPTY), g,
+                         (one.copy(), one.copy(), one.copy(), _EMPTY), s, False)
                 if dt is np.float32:  # the trainer's batched path (float32 gradients only)
                     kernels._adam_multi(np.zeros((0, 5), np.int64), np.zeros(0, np.int64),
                                         np.zeros((0, 11), np.float32), False)
@@ -162,6 +207,8 @@ def warm_up(kinds: tuple[str, ...] = ("adam", "sgd"),
                 s = np.zeros(6, np.float32)
                 for fn in (kernels._sgd_serial, kernels._sgd_parallel):
                     fn(one.copy(), g, _EMPTY, s, 0)
+                for into in (kernels._sgd_serial_into, kernels._sgd_parallel_into):
+                    into((one.copy(), _EMPTY), g, (one.copy(), _EMPTY), s, 0)
                 if dt is np.float32:
                     kernels._sgd_multi(np.zeros((0, 3), np.int64), np.zeros(0, np.int64),
                                        np.zeros((0, 6), np.float32), np.zeros(0, np.int64))
