@@ -265,9 +265,10 @@ def _node(total: int, chunk: int, iterations: int, depth: int
 
 
 #: Bytes per parameter the node moves at least (beside the kernel's socket copies): the
-#: received gradient written to staging (4); AdamW reads it (4) and reads and writes the
-#: parameter and both moments (12 + 12); the retained version copies the three (12 + 12).
-BYTES_PER_PARAM = 56
+#: received gradient written to staging (4); AdamW reads it (4), reads the parameter and
+#: both moments from the newest version (12) and writes them into the next one (12). (Until
+#: the step wrote the next version itself, a copy pass retained it: 24 more, 56 in all.)
+BYTES_PER_PARAM = 32
 _COPIES = BYTES_PER_PARAM // 8  # float32 copies: 4 B read + 4 B written each
 
 
