@@ -287,6 +287,42 @@ def _copy_bound(total: int, iterations: int) -> float:
     return iterations * total / (time.thread_time() - c0)
 
 
+def _commit_lag(total: int, rounds: int) -> dict[str, list[float]]:
+    """Commit lag after an iteration's last datagram on an idle shadow: the time from the
+    complete gradient and control message to the committed version (ShadowState.apply),
+    per round for the shipped step, which writes the next retained version itself
+    ("into"), and for the step in place followed by a copy into the version ("copy", the
+    path before issue 21), alternated. Seconds."""
+    from checkmate.shadow.control_message import Control
+    from checkmate.shadow.state import ShadowState
+    from checkmate.spec.model import ModelSpec
+
+    spec = ModelSpec.build(JOB, [("w", (total,))], "adamw", [{"params": ["w"], "lr": 1e-3}], 1)
+    st = ShadowState(0, 1, JOB, retain=4)
+    st.set_spec(spec)
+    st.install(0, 0, {s: np.zeros(total, np.float32) for s in spec.slots})
+    grad = np.random.default_rng(0).standard_normal(total).astype(np.float32)
+    out: dict[str, list[float]] = {"into": [], "copy": []}
+    it = 0
+    try:
+        for r in range(2 * rounds + 2):  # the first pair warms every array set: untimed
+            for way in ("into", "copy") if r % 2 == 0 else ("copy", "into"):
+                it += 1
+                ctl = Control(it, [1e-3], None, False, {}, {})
+                t0 = time.perf_counter()
+                if way == "into":
+                    st.apply(it, grad, ctl)
+                else:
+                    with st.lock:
+                        st.opt.step(grad, ctl.lrs, None)
+                        st._commit(it, {}, {}, ctl.lrs)
+                if r >= 2:
+                    out[way].append(time.perf_counter() - t0)
+    finally:
+        st.stop()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="testbed bench ingest")
     p.add_argument("--elements", type=int, default=1 << 21, help="partition size (floats)")
@@ -374,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memory-copy bound ({BYTES_PER_PARAM} B/param over the same buffer sizes, one "
               f"core): {med(bounds) / 1e6:.1f} M params/s; rounds "
               f"{gb(f'{b / 1e6:.1f}' for b in bounds)}")
+        lag = _commit_lag(a.elements, 2 * a.rounds)
+        print(f"commit lag after the last datagram (idle shadow: step + commit, median of "
+              f"{len(lag['into'])}): step into the next version {med(lag['into']) * 1e3:.2f} ms, "
+              f"step in place then copy {med(lag['copy']) * 1e3:.2f} ms; into/copy ratio "
+              f"{med(lag['into']) / med(lag['copy']):.3f}")
     print("GB/s and CPU us/dgram are medians over rounds. CPU us/dgram: the receiving thread's\n"
           "CPU time (user+system) per datagram, i.e. the cost when the receiver and not the\n"
           "loopback sender is the bottleneck. The ratio is against the faster raw loop.")
