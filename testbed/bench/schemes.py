@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -73,14 +74,18 @@ def mean_rate(times: list[float], warmup: int) -> float:
     return (len(t) - 1) / (t[-1] - t[0])
 
 
-def _keep_logs(d: Path) -> Path:
-    """Copy a failed run's logs out of the bench's temporary directory."""
+def _keep_logs(d: Path) -> str:
+    """Copy a failed run's logs out of the bench's temporary directory; where that fails
+    too (a full disk), say so instead of losing the rounds."""
     import shutil
 
-    keep = Path(tempfile.mkdtemp(prefix=f"ckm-bench-failed-{d.name}-"))
-    for f in d.glob("*.log"):
-        shutil.copy(f, keep)
-    return keep
+    try:
+        keep = Path(tempfile.mkdtemp(prefix=f"ckm-bench-failed-{d.name}-"))
+        for f in d.glob("*.log"):
+            shutil.copy(f, keep)
+    except OSError as e:
+        return f"not kept: {e}"
+    return f"kept in {keep}"
 
 
 def _configs(schemes: list[str], interval: int, switch: bool) -> list[tuple[str, int]]:
@@ -262,9 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                 run.follow(None, timeout=900)
             except CheckmateError as e:
                 run.stop()
-                raise CheckmateError(f"{e} (logs kept in {_keep_logs(run.dir)})") from None
+                raise CheckmateError(f"{e} (logs {_keep_logs(run.dir)})") from None
             finally:
                 run.stop()
+                # A run's checkpoints are not needed once it is measured; kept, 14
+                # configurations x 5 rounds of up to three 305 MB checkpoints each filled
+                # the disk (ENOSPC surfaced as torch.save's "unexpected pos" in dcp-process).
+                shutil.rmtree(ckdir, ignore_errors=True)
             saves[f"{scheme}@{every}"] = (run.result.stats[0].get("saves", 0)
                                           if run.result.stats else 0)
             return Measured(mean_rate(run.result.times, args.warmup),
