@@ -35,7 +35,8 @@ INGEST_BYTES_PER_S = 2.0e9
 OPTIMIZER_PARAMS_PER_S = 2.3e9
 #: Measured end to end (docs/benchmarks.md, "shadow capacity", 2026-11-26): a whole shadow
 #: node receiving, checking and placing the gradient, stepping AdamW and keeping a retained
-#: version, 99-108 M params/s per core of its threads' CPU; its receive path is one thread,
+#: version, 68-128 M params/s per core of its threads' CPU over that day's runs (medians of
+#: 5 rounds; with the step writing the version itself 79-127); its receive path is one thread,
 #: so this is what one shadow process (one partition) takes. Printed beside the sizing, and
 #: the sizing's bound with ``--shadow-capacity`` (not by default: the switch figures count a
 #: port per shadow, and processes that share a host's port are not modelled yet).
