@@ -86,6 +86,9 @@ def _warm_up(spec: ModelSpec) -> None:
         opt = FlatOptimizer(spec.kind, [(0, n, hyper)], n)
         opt.step(np.zeros(n, np.float32), [g0.lr], None)
         opt.step(np.zeros(n, np.float32), [g0.lr], 0.5)
+        # and the way apply steps: into the next version's arrays
+        opt.step(np.zeros(n, np.float32), [g0.lr], 0.5,
+                 out={s: np.zeros(n, np.float32) for s in opt.slots})
     _WARM.add(key)
 
 
