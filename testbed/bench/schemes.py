@@ -241,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
     switch = not args.no_switch and os.geteuid() == 0
     mtbf_s, load_s = _seconds(args.mtbf), _seconds(args.load)
     configs = _configs(chosen, args.interval, switch)
-    saves: dict[str, int] = {}
     sc = Scenario("bench-schemes", "gpt", args.steps, 0)
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckm-bench-")))
@@ -274,8 +273,6 @@ def main(argv: list[str] | None = None) -> int:
                 # configurations x 5 rounds of up to three 305 MB checkpoints each filled
                 # the disk (ENOSPC surfaced as torch.save's "unexpected pos" in dcp-process).
                 shutil.rmtree(ckdir, ignore_errors=True)
-            saves[f"{scheme}@{every}"] = (run.result.stats[0].get("saves", 0)
-                                          if run.result.stats else 0)
             got = Measured(mean_rate(run.result.times, args.warmup),
                            win.per_iter_ms("trainers"), win.per_iter_ms("shadows"))
             # Measured: its directory (logs, and each rank's 305 MB final state, 1.2 GB a
