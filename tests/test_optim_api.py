@@ -314,6 +314,9 @@ def test_the_shadow_side_runs_without_torch_and_while_another_thread_imports_it(
         g = np.arange(8, dtype=np.float32)
         assert as_kernel_grad(g) is not None
         print("torch" in sys.modules, flush=True)
+        # Hand the GIL over every 0.1 ms, not every 5: the check runs at many more points of
+        # the import, and the import is not starved by this loop (36 s, not 3).
+        sys.setswitchinterval(1e-4)
         t = threading.Thread(target=lambda: __import__("torch"))
         t.start()
         while t.is_alive():
