@@ -12,6 +12,17 @@ import json
 import pytest
 
 
+def _rows(md: str) -> dict[str, list[str]]:
+    """The report's table rows by scheme key (``dcp@1``): the cells after the first."""
+    return {x.split("|")[1].strip(): [c.strip() for c in x.split("|")[2:]]
+            for x in md.splitlines() if x.startswith("| ") and "@" in x}
+
+
+def _line(md: str, text: str) -> str:
+    """The report's first line holding ``text``."""
+    return next(x for x in md.splitlines() if text in x)
+
+
 def _schemes_json(checkmate: float, dcp: float, torchsave: float) -> dict:
     from checkmate.testbed.bench.schemes import planned
 
@@ -53,8 +64,8 @@ def test_report_renders_table_targets_and_plots(tmp_path, checkmate, verdicts):
     md = out.read_text()
     assert "| checkmate@1 |" in md and "| gockpt@8 |" in md
     assert "Accelerator stand-in: every figure below comes from it" in md
-    dcp_line = next(x for x in md.splitlines() if "/ dcp every iteration" in x)
-    ts_line = next(x for x in md.splitlines() if "/ torchsave every iteration" in x)
+    dcp_line = _line(md, "/ dcp every iteration")
+    ts_line = _line(md, "/ torchsave every iteration")
     assert f"**{checkmate / 0.8:.3f}**" in dcp_line
     assert dcp_line.endswith(f": {'**not met**' if verdicts[0] == 'not met' else 'met'}.")
     assert ts_line.endswith(": met.")  # 0.9 / 0.5 = 1.8 >= 1.5
@@ -86,12 +97,11 @@ def test_a_ratio_whose_rounds_spread_wider_than_its_difference_is_unresolved(tmp
     out = tmp_path / "evaluation.md"
     assert report.main(["--from", str(src), "--out", str(out)]) == 0
     md = out.read_text()
-    rows = {x.split("|")[1].strip(): [c.strip() for c in x.split("|")[2:]]
-            for x in md.splitlines() if x.startswith("| ") and "@" in x}
+    rows = _rows(md)
     assert rows["torchsave@1"][1:4] == ["0.900", "0.890-0.910", "yes"], rows["torchsave@1"]
     assert rows["dcp@1"][1:4] == ["0.970", "0.920-1.020", "**unresolved**"], rows["dcp@1"]
     assert rows["none@1"][1:4] == ["1.000", "-", "-"]
-    dcp_line = next(x for x in md.splitlines() if "/ dcp every iteration" in x)
+    dcp_line = _line(md, "/ dcp every iteration")
     assert "(unresolved: rounds 1.848-2.157)" in dcp_line, dcp_line
     assert "**Made with 2 rounds, fewer than the 5 the method asks for**" in md
     assert capsys.readouterr().out.strip().splitlines()[-1] == "report ratio: 2.002"
@@ -158,8 +168,7 @@ def test_the_report_names_failed_runs_and_leaves_them_out_of_the_ratios(tmp_path
     out = tmp_path / "evaluation.md"
     assert report.main(["--from", str(src), "--out", str(out)]) == 0
     md = out.read_text()
-    rows = {x.split("|")[1].strip(): [c.strip() for c in x.split("|")[2:]]
-            for x in md.splitlines() if x.startswith("| ") and "@" in x}
+    rows = _rows(md)
     assert rows["dcp@1"][1:3] == ["0.800", "0.800-0.800 (1 failed)"], rows["dcp@1"]
     assert "**1 runs failed**" in md
     assert "- dcp@1, round 3: trainer 2 exited 1: unexpected pos" in md.splitlines()
