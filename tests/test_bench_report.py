@@ -134,7 +134,7 @@ def test_a_failed_run_costs_its_own_cell_and_the_rounds_go_on(capsys):
         if scheme == "dcp-process" and rnd == 2:
             raise CheckmateError("trainer 1 exited 1: unexpected pos 704 vs 598")
         rate = {"none": 1.0, "dcp-process": 0.8, "checkmate": 0.9}[scheme] + rnd / 100
-        return Measured(rate, 100.0 + rnd, 5.0)
+        return Measured(rate, 100.0 + rnd, 5.0, 30.0 + rnd)
 
     got = run_rounds(configs, 4, one)
     assert order[:3] == [("none", 0), ("dcp-process", 0), ("checkmate", 0)]
@@ -142,6 +142,8 @@ def test_a_failed_run_costs_its_own_cell_and_the_rounds_go_on(capsys):
     assert len(order) == 12  # the failure in round 3 stopped nothing
     assert got.rates["dcp-process@1"] == [0.8, 0.81, None, pytest.approx(0.83)]
     assert got.trainer_cpu["dcp-process@1"][2] is None
+    assert got.trainer_sys["checkmate@1"] == [30.0, 31.0, 32.0, 33.0]
+    assert got.trainer_sys["dcp-process@1"][2] is None
     assert got.failed == {"dcp-process@1": [
         {"round": 3, "error": "trainer 1 exited 1: unexpected pos 704 vs 598"}]}
     med = medians(got.rates)

@@ -120,11 +120,13 @@ def _job(scheme: str, every: int, ckdir: Path, args: argparse.Namespace) -> dict
 
 @dataclass(frozen=True)
 class Measured:
-    """One run's figures: rank 0's mean rate, and trainer and shadow CPU ms per iteration."""
+    """One run's figures: rank 0's mean rate, trainer and shadow CPU ms per iteration, and
+    of the trainers' CPU the part in the kernel (system time)."""
 
     rate: float
     trainer_cpu: float
     shadow_cpu: float
+    trainer_sys: float = float("nan")
 
 
 @dataclass
@@ -135,6 +137,7 @@ class Rounds:
     rates: dict[str, list[float | None]] = field(default_factory=dict)
     trainer_cpu: dict[str, list[float | None]] = field(default_factory=dict)
     shadow_cpu: dict[str, list[float | None]] = field(default_factory=dict)
+    trainer_sys: dict[str, list[float | None]] = field(default_factory=dict)
     failed: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
@@ -146,7 +149,7 @@ def run_rounds(configs: list[tuple[str, int]], n: int,
     out = Rounds()
     for scheme, every in configs:
         key = f"{scheme}@{every}"
-        for table in (out.rates, out.trainer_cpu, out.shadow_cpu):
+        for table in (out.rates, out.trainer_cpu, out.shadow_cpu, out.trainer_sys):
             table[key] = []
     for rnd in range(n):
         for scheme, every in (configs if rnd % 2 == 0 else configs[::-1]):
@@ -160,10 +163,11 @@ def run_rounds(configs: list[tuple[str, int]], n: int,
             out.rates[key].append(None if m is None else m.rate)
             out.trainer_cpu[key].append(None if m is None else m.trainer_cpu)
             out.shadow_cpu[key].append(None if m is None else m.shadow_cpu)
+            out.trainer_sys[key].append(None if m is None else m.trainer_sys)
             if m is not None:
                 print(f"round {rnd + 1} {key:<22} {m.rate:7.3f} it/s  trainers "
-                      f"{m.trainer_cpu:7.1f} CPU ms/it  shadows {m.shadow_cpu:6.1f}",
-                      flush=True)
+                      f"{m.trainer_cpu:7.1f} CPU ms/it (kernel {m.trainer_sys:6.1f})  "
+                      f"shadows {m.shadow_cpu:6.1f}", flush=True)
     return out
 
 
@@ -274,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 # the disk (ENOSPC surfaced as torch.save's "unexpected pos" in dcp-process).
                 shutil.rmtree(ckdir, ignore_errors=True)
             got = Measured(mean_rate(run.result.times, args.warmup),
-                           win.per_iter_ms("trainers"), win.per_iter_ms("shadows"))
+                           win.per_iter_ms("trainers"), win.per_iter_ms("shadows"),
+                           win.per_iter_ms("trainers", kernel=True))
             # Measured: its directory (logs, and each rank's 305 MB final state, 1.2 GB a
             # run, 70 runs in 5 rounds) would fill the disk before the last round.
             shutil.rmtree(run.dir, ignore_errors=True)
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     rates, cpu, shadow_cpu, failed = got.rates, got.trainer_cpu, got.shadow_cpu, got.failed
     med = medians(rates)
     plan = planned(med, mtbf_s, load_s)
-    _print(med, plan, cpu, args)
+    _print(med, plan, cpu, args, got.trainer_sys)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "width": args.width, "layers": args.layers, "stand_in": args.stand_in,
@@ -293,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             "rates": rates, "median": med, "plan": plan, "failed": failed,
             "trainer_cpu_ms": medians(cpu), "shadow_cpu_ms": medians(shadow_cpu),
             "trainer_cpu_rounds": cpu, "shadow_cpu_rounds": shadow_cpu,
+            "trainer_sys_ms": medians(got.trainer_sys), "trainer_sys_rounds": got.trainer_sys,
             "state_mb": state_mb(args.width, args.layers),
             "command": " ".join(["testbed bench schemes", *(argv if argv is not None
                                                             else sys.argv[1:])])},
@@ -330,14 +336,15 @@ def state_mb(width: int, layers: int) -> dict[str, float]:
 
 
 def _print(med: dict[str, float], plan: dict[str, Any], cpu: dict[str, list[float]],
-           args: argparse.Namespace) -> None:
+           args: argparse.Namespace, kernel: dict[str, list[float | None]] | None = None
+           ) -> None:
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"checkpoint schemes: gpt width {args.width} x {args.layers} layers, "
                     f"stand-in {args.stand_in} s/step, mean of iterations "
                     f"{args.warmup + 1}..{args.steps}, median of {args.rounds} rounds")
-    for col in ("scheme @ interval", "it/s", "vs none", "trainer CPU ms/it",
+    for col in ("scheme @ interval", "it/s", "vs none", "trainer CPU ms/it", "of it kernel",
                 "stall/ckpt s", "best N", "effective (Young/Daly)"):
         t.add_column(col, justify="right" if col != "scheme @ interval" else "left")
     for key, rate in med.items():
@@ -346,6 +353,7 @@ def _print(med: dict[str, float], plan: dict[str, Any], cpu: dict[str, list[floa
         p = plan.get(scheme) if every == "1" else None
         t.add_row(key, f"{rate:.3f}", f"{rate / ref:.3f}",
                   f"{medians(cpu).get(key, nan):.0f}",
+                  f"{medians(kernel or {}).get(key, nan):.0f}",
                   "-" if p is None else f"{p['stall_s']:.3f}",
                   "-" if p is None else str(p["best_interval"]),
                   "-" if p is None else f"{p['effective_vs_none']:.3f}")
@@ -357,3 +365,9 @@ def _print(med: dict[str, float], plan: dict[str, Any], cpu: dict[str, list[floa
                  ("checkmate-switch@1", "none-switch@1"), ("checkmate@1", "none@1")):
         if a in med and b in med:
             print(f"{a} / {b} throughput: {med[a] / med[b]:.3f}")
+    tc, tk = medians(cpu), medians(kernel or {})
+    for a, b in (("checkmate-switch@1", "none-switch@1"), ("checkmate@1", "none@1")):
+        if {a, b} <= set(tc) and {a, b} <= set(tk):
+            print(f"{a} / {b} trainer CPU: {tc[a] / tc[b]:.3f}; outside the kernel "
+                  f"(user time) {(tc[a] - tk[a]) / (tc[b] - tk[b]):.3f}, in it (system "
+                  f"time) {tk[a] / tk[b]:.3f}")

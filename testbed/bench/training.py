@@ -39,9 +39,13 @@ VARIANTS = (("none", "(a) no checkpoint"), ("checkmate", "(b) checkmate"),
             ("dcp", "(c) dcp async_save"), ("torchsave", "(d) torch.save"))
 
 
-def _cpu(pids: list[int]) -> dict[str, float]:
-    """CPU seconds (user + system) per thread name over the given processes, read from
-    /proc/PID/task/*/stat; a process that exited counts nothing."""
+#: /proc/PID/task/TID/stat fields (after the command) for user and system CPU time.
+USER_SYS, SYS = (11, 12), (12,)
+
+
+def _cpu(pids: list[int], fields: tuple[int, ...] = USER_SYS) -> dict[str, float]:
+    """CPU seconds (user + system, or only ``fields``) per thread name over the given
+    processes, read from /proc/PID/task/*/stat; a process that exited counts nothing."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for pid in pids:
@@ -52,7 +56,7 @@ def _cpu(pids: list[int]) -> dict[str, float]:
                 continue
             name = raw[raw.index("(") + 1:raw.rindex(")")]
             f = raw.rsplit(")", 1)[1].split()
-            out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
+            out[name] = out.get(name, 0.0) + sum(int(f[i]) for i in fields) / tick
     return out
 
 
@@ -61,13 +65,17 @@ def _diff(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 
 class _Window:
-    """CPU of shadows and trainers between rank 0's first timed iteration and its last."""
+    """CPU of shadows and trainers between rank 0's first timed iteration and its last,
+    and the part of it spent in the kernel (system time: on the namespace testbed the
+    kernel switch's copies run in the sending trainer's context, a Tofino's do not)."""
 
     def __init__(self, first: int, last: int) -> None:
         self.first, self.last = first, last
         self.run = None
         self.start: dict[str, dict[str, float]] = {}
         self.used: dict[str, dict[str, float]] = {}
+        self.start_sys: dict[str, dict[str, float]] = {}
+        self.used_sys: dict[str, dict[str, float]] = {}
 
     def _pids(self) -> dict[str, list[int]]:
         return {"shadows": [p.pid for p in self.run.shadows],
@@ -78,11 +86,16 @@ class _Window:
             return
         if it == self.first:
             self.start = {k: _cpu(v) for k, v in self._pids().items()}
+            self.start_sys = {k: _cpu(v, SYS) for k, v in self._pids().items()}
         elif it == self.last and self.start:
             self.used = {k: _diff(self.start[k], _cpu(v)) for k, v in self._pids().items()}
+            self.used_sys = {k: _diff(self.start_sys[k], _cpu(v, SYS))
+                             for k, v in self._pids().items()}
 
-    def per_iter_ms(self, who: str) -> float:
-        return 1000 * sum(self.used.get(who, {}).values()) / (self.last - self.first)
+    def per_iter_ms(self, who: str, kernel: bool = False) -> float:
+        """CPU ms per iteration of ``who`` (all of it, or with ``kernel`` its system time)."""
+        used = self.used_sys if kernel else self.used
+        return 1000 * sum(used.get(who, {}).values()) / (self.last - self.first)
 
 
 def _throughput(times: list[float], warmup: int) -> float:
