@@ -26,7 +26,9 @@ at least 2 to spread its transfer, so at every iteration its machinery runs as
 taken every 8th step). From the every-iteration runs the bench derives each scheme's stall
 per checkpoint and, with ``--mtbf`` and ``--load``, its Young/Daly best interval and
 effective throughput (checkmate.launch.plan); the ``--interval`` runs check that model against a
-measurement.
+measurement. Each run also reports the trainers' and the shadows' CPU per iteration, and of
+the trainers' the part in the kernel (system time: on the namespace testbed the kernel
+switch's copies are made in the sending trainer's context).
 
 The workload (``--width``/``--layers``, default 25.4 M parameters: 102 MB of parameters, 305
 MB of model + AdamW state) runs with the accelerator stand-in by default (``--stand-in``
