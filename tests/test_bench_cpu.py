@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-import os
+import subprocess
+import sys
 
-from checkmate.testbed.bench.training import SYS, _cpu, _diff
+from checkmate.testbed.bench.training import SYS, _cpu
+
+# Spends its CPU in user time (arithmetic, no system call), then waits on stdin.
+SPIN = "x = 0\nfor i in range(6_000_000):\n    x += i & 7\nprint(x > 0, flush=True)\ninput()\n"
 
 
 def test_system_time_is_read_apart_from_the_total() -> None:
-    me = [os.getpid()]
-    total0, sys0 = _cpu(me), _cpu(me, SYS)
-    x = 0
-    for i in range(4_000_000):  # user time only: arithmetic, no system call
-        x += i & 7
-    spent, spent_sys = _diff(total0, _cpu(me)), _diff(sys0, _cpu(me, SYS))
-    assert x and sum(spent.values()) >= 0.1, spent
-    assert sum(spent_sys.values()) < sum(spent.values()) / 2, (spent_sys, spent)
+    p = subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "True"
+        total, kernel = sum(_cpu([p.pid]).values()), sum(_cpu([p.pid], SYS).values())
+    finally:
+        p.stdin.close()
+        p.wait(10)
+    assert total >= 0.2, total
+    assert kernel < total / 2, (kernel, total)
