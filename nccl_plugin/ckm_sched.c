@@ -31,7 +31,13 @@ static void plan(const struct ckm_sched *s, uint64_t count, struct cbd *o)
 {
 	const uint64_t tpb = 2; /* ncclFuncTrafficPerByte(AllReduce) (enqueue.cc:93-100) */
 	const uint64_t min_traffic = s->release == CKM_REL_2_28 ? 16 << 10 : 32 << 10;
-	const uint64_t nmax = (uint64_t)s->channels; /* min(task->nMaxChannels, comm->nChannels) */
+	/* NCCL splits by min(task->nMaxChannels, comm->nChannels): the tuner's channel count
+	 * and the communicator's. One number stands for both here, so this assumes they are
+	 * equal. The tuner pins nMaxChannels to CKM_NCCL_CHANNELS (ckm_tuner.c); what guards
+	 * comm->nChannels is the net plugin's check that the communicator opened exactly
+	 * CKM_NCCL_CHANNELS send connections (first_checks in ckm_tagging.c; the connect side
+	 * refuses a connection beyond that count), before anything is labelled. */
+	const uint64_t nmax = (uint64_t)s->channels;
 	uint64_t traffic = max64(min_traffic, count * ELT * tpb);
 	uint64_t per_ch = s->release == CKM_REL_2_28 ? max64(min_traffic, traffic / nmax)
 						     : div_up(traffic / nmax, 16) * 16;
