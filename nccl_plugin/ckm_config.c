@@ -1,9 +1,11 @@
-/* Reading and checking the environment: see ckm_config.h. */
+/* Reading and checking the environment, and the plugin's logging: see ckm_config.h. */
 #include "ckm_config.h"
 
 #include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +13,30 @@
 
 #include "ckm_crypto.h"
 #include "ckm_wire.h"
+
+struct ckm_config g_cfg;
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_loaded; /* 1 ok, -1 refused */
+static char g_err[400];
+static ncclDebugLogger_t g_log;
+
+void ckm_set_logger(ncclDebugLogger_t log)
+{
+	if (log)
+		g_log = log;
+}
+
+void say(const char *fmt, ...)
+{
+	char line[512];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(line, sizeof line, fmt, ap);
+	va_end(ap);
+	fprintf(stderr, "ckm-nccl: %s\n", line);
+	if (g_log)
+		g_log(NCCL_LOG_WARN, CKM_NCCL_SUBSYS_NET, __FILE__, __LINE__, "ckm-nccl: %s", line);
+}
 
 #define FAIL(...) do { snprintf(err, errlen, __VA_ARGS__); return -1; } while (0)
 
@@ -199,4 +225,24 @@ int ckm_config_load(struct ckm_config *c, char *err, int errlen)
 		return -1;
 	c->repair_port = (int)v;
 	return load_key(c, err, errlen);
+}
+
+ncclResult_t load_config(void)
+{
+	pthread_mutex_lock(&g_lock);
+	if (!g_loaded)
+		g_loaded = ckm_config_load(&g_cfg, g_err, sizeof g_err) ? -1 : 1;
+	int ok = g_loaded;
+	pthread_mutex_unlock(&g_lock);
+	if (ok < 0) {
+		say("refusing to start: %s", g_err);
+		return ncclInvalidUsage;
+	}
+	return ncclSuccess;
+}
+
+int ckm_comm_selected(int index)
+{
+	const char *which = getenv("CKM_NCCL_COMM");
+	return g_cfg.tagging && index == (which && *which ? atoi(which) : 0);
 }

@@ -1,11 +1,15 @@
-/* The plugin's settings, read once from the environment (docs/nccl_plugin.md, "Settings").
- * A setting that would make the schedule model wrong is refused with one error line. */
+/* The plugin's settings, read once from the environment (docs/nccl_plugin.md, "Settings"),
+ * and its one-line logging. A setting that would make the schedule model wrong is refused
+ * with one error line. This unit owns the settings every other part reads (g_cfg), their
+ * loading and `say`: the net, profiler, tuner and repair parts depend on it, never on each
+ * other's globals. All hidden (the library exports only NCCL's symbols). */
 #ifndef CKM_CONFIG_H
 #define CKM_CONFIG_H
 
 #include <stdint.h>
 #include <netinet/in.h>
 
+#include "ckm_nccl_abi.h"
 #include "ckm_sched.h"
 
 #define CKM_MAX_BUCKETS 4096
@@ -31,7 +35,21 @@ struct ckm_config {
 	int repair_port;
 };
 
+/* The process's settings: valid once load_config returned ncclSuccess. */
+extern struct ckm_config g_cfg;
+
 /* 0 on success; otherwise writes one line saying why into err. */
 int ckm_config_load(struct ckm_config *c, char *err, int errlen);
+/* Reads the environment into g_cfg once per process (any plugin's init may be first);
+ * ncclInvalidUsage and one line when refused. */
+ncclResult_t load_config(void);
+/* 1 when tagging is on and the index-th communicator (in init order) is the one
+ * CKM_NCCL_COMM selects (default 0). */
+int ckm_comm_selected(int index);
+
+/* NCCL's logger from the net plugin's init (NULL until then; NULL keeps the one we have). */
+void ckm_set_logger(ncclDebugLogger_t log);
+/* One clear line on stderr ("ckm-nccl: ...") and in NCCL's log. */
+void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 #endif

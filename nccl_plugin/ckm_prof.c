@@ -9,7 +9,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include "ckm_plugin.h"
+#include "ckm_config.h"
 #include "ckm_sched.h"
 
 #define EXPORT __attribute__((visibility("default")))
@@ -143,9 +143,7 @@ static ncclResult_t p_init(void **context, uint64_t commId, int *eActivationMask
 	c->magic = CTX_MAGIC;
 	c->comm_id = commId;
 	c->index = __atomic_fetch_add(&g_pinits, 1, __ATOMIC_RELAXED);
-	const char *which = getenv("CKM_NCCL_COMM");
-	c->selected = g_cfg.tagging && g_cfg.identity == CKM_IDENTITY_PROFILER &&
-		      c->index == (which && *which ? atoi(which) : 0);
+	c->selected = ckm_comm_selected(c->index) && g_cfg.identity == CKM_IDENTITY_PROFILER;
 	if (c->selected && (nranks != g_cfg.sched.nranks || rank != g_cfg.sched.rank)) {
 		say("profiler: the tagged communicator is rank %d of %d, the settings say %d of %d",
 		    rank, nranks, g_cfg.sched.rank, g_cfg.sched.nranks);

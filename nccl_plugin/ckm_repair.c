@@ -16,8 +16,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ckm_config.h"
 #include "ckm_crypto.h"
-#include "ckm_plugin.h"
 #include "ckm_wire.h"
 
 #define MAX_RANGES 256 /* checkmate/protocol/repair.py */

@@ -9,7 +9,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-#include "ckm_plugin.h"
+#include "ckm_config.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define FUNC_ALLREDUCE 4       /* ncclFuncAllReduce (nccl_common.h) */
