@@ -246,3 +246,13 @@ int ckm_comm_selected(int index)
 	const char *which = getenv("CKM_NCCL_COMM");
 	return g_cfg.tagging && index == (which && *which ? atoi(which) : 0);
 }
+
+ncclResult_t ckm_comm_begin(int *counter, int *index, int *selected)
+{
+	ncclResult_t r = load_config();
+	if (r)
+		return r;
+	*index = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+	*selected = ckm_comm_selected(*index);
+	return ncclSuccess;
+}

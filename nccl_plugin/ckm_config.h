@@ -46,6 +46,10 @@ ncclResult_t load_config(void);
 /* 1 when tagging is on and the index-th communicator (in init order) is the one
  * CKM_NCCL_COMM selects (default 0). */
 int ckm_comm_selected(int index);
+/* Where each per-communicator init (net, profiler) starts: loads the settings (once per
+ * process), numbers the communicator in the order of that plugin's init calls (*counter)
+ * and says whether it is the one CKM_NCCL_COMM selects. */
+ncclResult_t ckm_comm_begin(int *counter, int *index, int *selected);
 
 /* NCCL's logger from the net plugin's init (NULL until then; NULL keeps the one we have). */
 void ckm_set_logger(ncclDebugLogger_t log);

@@ -87,7 +87,8 @@ static ncclResult_t ckm_init(void **ctx, uint64_t commId, ncclNetCommConfig_t *c
 {
 	(void)config;
 	ckm_set_logger(logFunction);
-	ncclResult_t r = load_config();
+	int index, selected;
+	ncclResult_t r = ckm_comm_begin(&g_inits, &index, &selected);
 	if (r)
 		return r;
 	struct ckm_ctx *x = calloc(1, sizeof *x);
@@ -95,8 +96,7 @@ static ncclResult_t ckm_init(void **ctx, uint64_t commId, ncclNetCommConfig_t *c
 		return ncclSystemError;
 	x->comm_id = commId;
 	x->prof_fn = profFunction;
-	x->index = __atomic_fetch_add(&g_inits, 1, __ATOMIC_RELAXED);
-	int selected = ckm_comm_selected(x->index);
+	x->index = index;
 	x->tagging = selected && g_cfg.identity == CKM_IDENTITY_MODEL;
 	x->prof = selected && g_cfg.identity == CKM_IDENTITY_PROFILER;
 	for (int i = 0; i < 64; i++)

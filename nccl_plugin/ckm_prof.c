@@ -134,7 +134,8 @@ static ncclResult_t p_init(void **context, uint64_t commId, int *eActivationMask
 	(void)nNodes;
 	(void)logfn;
 	*context = NULL;
-	ncclResult_t r = load_config();
+	int index, selected;
+	ncclResult_t r = ckm_comm_begin(&g_pinits, &index, &selected);
 	if (r)
 		return r;
 	struct pctx *c = calloc(1, sizeof *c);
@@ -142,8 +143,8 @@ static ncclResult_t p_init(void **context, uint64_t commId, int *eActivationMask
 		return ncclSystemError;
 	c->magic = CTX_MAGIC;
 	c->comm_id = commId;
-	c->index = __atomic_fetch_add(&g_pinits, 1, __ATOMIC_RELAXED);
-	c->selected = ckm_comm_selected(c->index) && g_cfg.identity == CKM_IDENTITY_PROFILER;
+	c->index = index;
+	c->selected = selected && g_cfg.identity == CKM_IDENTITY_PROFILER;
 	if (c->selected && (nranks != g_cfg.sched.nranks || rank != g_cfg.sched.rank)) {
 		say("profiler: the tagged communicator is rank %d of %d, the settings say %d of %d",
 		    rank, nranks, g_cfg.sched.rank, g_cfg.sched.nranks);
