@@ -42,7 +42,7 @@ PROGRAM = textwrap.dedent("""
         h, lc = (C.c_char * 128)(), C.c_void_p()
         assert net.listen(ctx, 0, h, C.byref(lc)) == 0
         if tagging:  # the handle of rank 1's listener: this rank 0's next
-            h[32:36] = (1).to_bytes(4, "big")  # struct handle.rank (ckm_net.c)
+            h[32:36] = (1).to_bytes(4, "big")  # struct handle.rank (ckm_setup.c)
         if junk:  # datagrams from outside any session, queued before accept
             ip = socket.inet_ntoa(bytes(h)[4:8]); port = int.from_bytes(bytes(h)[8:10], "big")
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
