@@ -509,6 +509,7 @@ __attribute__((destructor)) static void stop_thread(void)
 		pthread_join(g_thread, NULL);
 }
 
+/* ------------------------------------------------------------------ closing */
 void free_comm(struct comm *c)
 {
 	if (c->fd >= 0)
