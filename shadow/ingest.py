@@ -266,6 +266,9 @@ def scan(buf, bases, lens, params, counts, ok, offs, events):  # noqa: ANN001, A
             if dtype != _BYTES:
                 counts[11] += 1
                 continue
+            if _be(buf, base + 42, 2) != part:  # another shadow's copy: nothing of it used
+                counts[12] += 1
+                continue
             events[ne, 0], events[ne, 1], events[ne, 3] = CTRL, i, it
             events[ne, 4], events[ne, 5] = offset, count
             events[ne, 6] = _be(buf, base + 48, 4)

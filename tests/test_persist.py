@@ -176,7 +176,7 @@ def test_two_partitions_load_into_torch_model_and_adamw_in_fresh_process(tmp_pat
             for p, n in enumerate(c.nodes):
                 a, b = spec.bounds(p)
                 for d in [*grad_datagrams(JOB, it, p, a, g[a:b], chunk=64),
-                          *control_datagrams(JOB, it, body, frag=100)]:
+                          *control_datagrams(JOB, it, body, frag=100, partition=p)]:
                     c.tx.sendto(d, ("127.0.0.1", n.udp_port))
             c.ref.step(g, lrs, 0.8)
             if it == 4:
