@@ -193,6 +193,8 @@ class ShadowState:
                 raise CheckmateError(f"seed carries {len(data)} bytes for {count} float32")
             if iteration < 0 or step < 0:
                 raise CheckmateError("seed iteration and step must be >= 0")
+            if not isinstance(buffers or {}, dict) or not isinstance(extra or {}, dict):
+                raise CheckmateError("seed buffers and extra must be objects")
             sd = self._seed
             if sd is None or sd["iteration"] != iteration or sd["step"] != step:
                 sd = self._seed = {
@@ -311,13 +313,18 @@ class ShadowState:
         """Take one piece; True once the re-seed committed. The first piece after
         ``prepare_reseed`` begins the re-seed at its iteration."""
         with self.lock:
+            # Checked before the first piece begins the re-seed: a refused piece changes
+            # nothing (add_piece checks the rest against a re-seed in progress).
+            if step < 0 or iteration < 0:
+                raise CheckmateError("reseed iteration and step must be >= 0")
+            if offset < self.start or offset + count > self.end or count <= 0:
+                raise CheckmateError(f"re-seed piece [{offset}, {offset + count}) is outside "
+                                     f"the partition [{self.start}, {self.end})")
             if self.reseed is None and self._reseed_pending is not None:
                 reason, self._reseed_pending = self._reseed_pending, None
                 self.begin_reseed(iteration, reason)
             if self.reseed is None:
                 raise CheckmateError("no re-seed in progress (send the reseed op first)")
-            if step < 0:
-                raise CheckmateError("reseed step must be >= 0")
             self.reseed.add_piece(iteration, step, offset, count, arrays)
             return self._maybe_finish_reseed()
 
