@@ -219,6 +219,7 @@ class ShadowNode:
                 self.persister = persist.Persister(o.dir, o.partition, self.state,
                                                    o.persist_every, o.persist_seconds,
                                                    o.keep)
+                self.state.after_commit = self.persister.wait_room
                 if self.restored_from is not None:
                     self.persister.last_iteration = self.state.latest
             self._commits_at_start = self.state.committed_count

@@ -267,14 +267,15 @@ class Persister:
     With ``every`` > 0 the due versions are exactly the multiples of ``every`` (plus none
     other), and none is skipped: a restore from disk needs an iteration that *every*
     partition wrote, and partitions whose writers run at different speeds would skip
-    different ones. Up to ``backlog`` due versions wait, pinned, behind a running write; a
-    due version that finds them all taken waits in :meth:`offer` (the shadow's step waits;
-    receiving goes on) until the running write ends. So a partition's newest checkpoint is
-    at most (``backlog`` + 2) * ``every`` - 1 iterations behind its newest commit, and a
-    slow disk shows as ``persist.waits`` / ``waited_seconds`` in status and as shadow lag,
-    never as a missing iteration. With ``every`` = 0, ``seconds`` > 0 makes a version due
-    when that much time passed since the last write; it is written only if no write waits
-    (such versions are not aligned across partitions, so none waits for them either).
+    different ones. Up to ``backlog`` due versions wait, pinned, behind a running write;
+    when more do, the step that committed the last one waits in :meth:`wait_room` (outside
+    the state lock; receiving goes on) until the running write ends. So a partition's
+    newest checkpoint is at most (``backlog`` + 1) * ``every`` iterations behind its newest
+    commit, and a slow disk shows as ``persist.waits`` / ``waited_seconds`` in status and
+    as shadow lag, never as a missing iteration. With ``every`` = 0, ``seconds`` > 0 makes
+    a version due when that much time passed since the last write; it is written only if
+    no write waits (such versions are not aligned across partitions, so none waits for
+    them either).
 
     A failed write (full disk, I/O error, CheckpointException, anything but KeyboardInterrupt
     and SystemExit) never ends the writer thread: it is counted in ``status()``, logged once
@@ -305,6 +306,7 @@ class Persister:
         self.seconds_spent = 0.0
         self.waits = 0  # due versions that waited for room behind a running write
         self.waited_seconds = 0.0  # how long the shadow's step waited for them in all
+        self._waiting_since: float | None = None  # the step waits for the writer now
         self.purged: list[int] = []  # iterations the last re-seed removed from this partition
         #: waiting writes, oldest first: (version, generation, seeded)
         self._queue: list[tuple[Any, int, bool]] = []
@@ -367,27 +369,16 @@ class Persister:
                         self.partition, since, parts, joins)
 
     def offer(self, version: Any, seeded: bool = False) -> None:
-        """Pin and queue ``version`` if due (under the state lock); an aligned one waits for
-        room behind the running write instead of being skipped.
-
-        The wait cannot deadlock on the state lock the caller holds: the writer makes room
-        (under ``_cv`` only) before it unpins the version it wrote.
-        """
+        """Pin and queue ``version`` if due (under the state lock; never waits there, so
+        status and fetch are answered meanwhile). An aligned version is always queued; the
+        step that made it then waits in :meth:`wait_room` if the writer is behind."""
         it = version.iteration
         if not self.due(it):
             return
         v = self.state.pin(it)
         with self._cv:
             if self.every > 0:
-                t0, waited = time.monotonic(), False
-                while (len(self._queue) + self._running > self.backlog and not self._stop
-                       and self._thread.is_alive()):
-                    waited = True
-                    self._cv.wait(0.5)
-                if waited:
-                    self.waits += 1
-                    self.waited_seconds += time.monotonic() - t0
-                take = not self._stop and self._thread.is_alive()
+                take = not self._stop
             else:  # due by time only: written if nothing waits
                 take = not self._queue and not self._running and not self._stop
             if take:
@@ -396,6 +387,23 @@ class Persister:
                 self._cv.notify_all()
         if not take:
             self.state.unpin(v)
+
+    def wait_room(self) -> None:
+        """Called by the step after a commit, outside the state lock: while more than
+        ``backlog`` due versions wait behind the running write, the shadow's step waits
+        for the writer instead of any due version being skipped (receiving goes on)."""
+        if self.every <= 0:
+            return
+        with self._cv:
+            t0, waited = time.monotonic(), False
+            while (len(self._queue) + self._running > self.backlog and not self._stop
+                   and self._thread.is_alive()):
+                waited, self._waiting_since = True, t0
+                self._cv.wait(0.5)
+            self._waiting_since = None
+            if waited:
+                self.waits += 1
+                self.waited_seconds += time.monotonic() - t0
 
     def _loop(self) -> None:
         name_thread()
@@ -414,7 +422,7 @@ class Persister:
                     raise
                 self._failed(v.iteration, e)
             finally:
-                with self._cv:  # room for a waiting offer before the state lock is needed
+                with self._cv:  # room for a waiting step
                     self._running = False
                     self._cv.notify_all()
                 self.state.unpin(v)
@@ -472,8 +480,9 @@ class Persister:
 
         ``error`` is the current failure ("" once a write succeeds again); ``last_error`` is
         the most recent failure even after recovery, ``last_failed_iteration`` its iteration;
-        ``alive`` says the writer thread is running; ``waits`` / ``waited_seconds``: due
-        versions that waited for room behind a running write, and the shadow's time spent so.
+        ``alive`` says the writer thread is running; ``waits`` / ``waited_seconds``: how
+        often and how long the shadow's step waited for the writer; ``waiting_seconds``: how
+        long the current wait has lasted (0: none; a hung disk shows here).
         """
         with self._cv:
             counts = {"last_iteration": self.last_iteration, "written": self.written,
@@ -481,6 +490,8 @@ class Persister:
                       "last_error": self.last_error,
                       "last_failed_iteration": self.last_failed_iteration,
                       "failing": self.failing, "waits": self.waits,
-                      "waited_seconds": round(self.waited_seconds, 3)}
+                      "waited_seconds": round(self.waited_seconds, 3),
+                      "waiting_seconds": 0.0 if self._waiting_since is None else
+                      round(time.monotonic() - self._waiting_since, 3)}
         return {"dir": str(part_dir(self.root, self.partition)), **counts,
                 "alive": self._thread.is_alive(), "every": self.every}

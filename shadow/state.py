@@ -121,6 +121,9 @@ class ShadowState:
         self.control_key: bytes | None = None
         self.retain, self.window, self.gap_timeout = retain, window, gap_timeout
         self.on_commit = on_commit
+        #: called by ``apply`` after a commit, outside the lock (Persister.wait_room: the
+        #: step waits for a writer that is behind, while readers are answered)
+        self.after_commit: Callable[[], None] | None = None
         self.spec: ModelSpec | None = None
         self.start = self.end = 0
         self.opt: Any = None
@@ -403,6 +406,8 @@ class ShadowState:
                               control.hyper, out=stepped)
             self.step_seconds += time.perf_counter() - t0
             self._commit(it, control.buffers, control.extra, control.lrs, stepped)
+        if self.after_commit is not None:  # outside the lock: a wait here blocks no reader
+            self.after_commit()
 
     def _fresh_arrays(self) -> dict[str, np.ndarray]:
         """Arrays for the next version: an evicted, unpinned version's, or new ones."""

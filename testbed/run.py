@@ -271,10 +271,10 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
                 # A shadow died shortly before the trainers (a correlated failure): no
                 # iteration was in every shadow's memory any more, so the resume came from
                 # the newest checkpoint every partition held: every partition writes every
-                # multiple of persist_every, at most (backlog 2 + 2) intervals behind its
+                # multiple of persist_every, at most (backlog 2 + 1) intervals behind its
                 # commits (shadow/persist.py, docs/reliability.md), before that shadow's kill.
                 first = min((rs["at"] for rs in kr.restarts), default=kr.killed_at or 0)
-                allowed = (kr.max_done_before_kill or 0) - first + 4 * sc.persist_every + 2
+                allowed = (kr.max_done_before_kill or 0) - first + 3 * sc.persist_every + 3
             if repeated > allowed and kr.killed_at is not None:
                 problems.append(f"{repeated} iterations repeated (at most {allowed} allowed)")
     report["ok"] = not problems
