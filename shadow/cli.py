@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--persist-every", type=_nonneg_int, default=0, metavar="K",
                    help="persist every K iterations (iteration %% K == 0); 0: off")
     s.add_argument("--persist-seconds", type=_nonneg_float, default=0.0, metavar="T",
-                   help="persist when T seconds passed since the last write; 0: off")
+                   help="without --persist-every: persist when T seconds passed since the "
+                   "last write (not aligned across partitions); 0: off")
     s.add_argument("--keep", type=_nonneg_int, default=3, help="checkpoints kept on disk")
     s.add_argument("--bind", type=_ip, default="0.0.0.0", help="UDP bind address")
     s.add_argument("--port", type=_port, default=cfgmod.SHADOW_PORT, help="UDP port")
@@ -156,6 +157,9 @@ def _serve(args: argparse.Namespace) -> int:
     from checkmate.train.shadow_client import parse_addr
 
     index, count = parse_partition_arg(args.partition)
+    if args.persist_every and args.persist_seconds:
+        raise CheckmateError("--persist-seconds applies only without --persist-every (the "
+                             "partitions must write the same iterations)")
     if args.config is None:
         return _serve_without_config(args, index, count)
     cfg = cfgmod.load(args.config)

@@ -224,31 +224,20 @@ def scan(buf, bases, lens, params, counts, ok, offs, events):  # noqa: ANN001, A
             if not flags & _F_ACK or count != 0 or n != _HL:
                 counts[3] += 1
                 continue
-        if flags & _F_ACK:
-            if djob != job:
-                counts[5] += 1
-                continue
-            if flags & _F_NACK:
-                if depoch != epoch:
-                    counts[6] += 1
-                    continue
-                if dtoken != token:
-                    counts[7] += 1
-                    continue
+        # The session, checked once for every kind: the first of job, epoch, token that
+        # differs (its ``counts`` index), 0 when it is the current session's.
+        bad = 5 if djob != job else 6 if depoch != epoch else 7 if dtoken != token else 0
+        if flags & _F_NACK:  # a trainer's "gone" answer (ACK | NACK, checked above)
+            if bad == 0:
                 events[ne, 0], events[ne, 1], events[ne, 3] = GONE, i, it
                 ne += 1
                 run = -1
                 continue
+        elif flags & _F_ACK and bad != 5:  # a repair answer of this job
             counts[ANSWERS] += 1
             counts[ANSWER_BYTES] += n - _HL
-        if djob != job:
-            counts[5] += 1
-            continue
-        if depoch != epoch:
-            counts[6] += 1
-            continue
-        if dtoken != token:
-            counts[7] += 1
+        if bad:
+            counts[bad] += 1
             continue
         dtype = buf[base + 44]
         size = 4 if dtype == 0 else 2 if dtype == 1 or dtype == 2 else 1 if dtype == 3 else 0
@@ -265,6 +254,9 @@ def scan(buf, bases, lens, params, counts, ok, offs, events):  # noqa: ANN001, A
         if flags & _F_CONTROL:
             if dtype != _BYTES:
                 counts[11] += 1
+                continue
+            if _be(buf, base + 42, 2) != part:  # another shadow's copy: nothing of it used
+                counts[12] += 1
                 continue
             events[ne, 0], events[ne, 1], events[ne, 3] = CTRL, i, it
             events[ne, 4], events[ne, 5] = offset, count

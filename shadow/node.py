@@ -21,7 +21,7 @@ from checkmate.shadow import checkpoint_load, disk, persist
 from checkmate.shadow.assembler import Assembler
 from checkmate.shadow.receiver import Receiver, open_socket
 from checkmate.shadow.register import register
-from checkmate.shadow.repair import RepairRequester
+from checkmate.shadow.repair import RepairRequester, parse_peers
 from checkmate.shadow.service import Service
 from checkmate.shadow.state import ShadowState, Version, warm_up_kernels
 
@@ -123,7 +123,13 @@ class ShadowNode:
         self.receiver.job = self.repair.job = self.state.job
         asm.repair = self.repair
         if self._peers is not None and not self.repair.known:
-            self.repair.set_peers(self._peers, self.state.start, self.state.end)
+            try:
+                self.repair.set_peers(self._peers, self.state.start, self.state.end)
+            except CheckmateError as e:  # taken before the spec: owners outside the bounds
+                self.drops["tcp_refused"] += 1
+                log.error("peers sent before the spec do not fit partition %d: %s (repairs "
+                          "wait for the next peers request)", self.opts.partition, e)
+                self._peers = None
         self.receiver.attach(asm, self.state.spec.grad_dtype)
 
     def set_run(self, run: str) -> None:
@@ -148,17 +154,20 @@ class ShadowNode:
         log.info("run %s: datagrams are checked with its keys", run[:8] or "(none)")
 
     def _on_peers(self, body: dict[str, Any]) -> None:
+        """Take a ``peers`` request, checked whole before anything changes: a refused one
+        leaves the run keys, the iterations being assembled and the peers as they were."""
         run = body.get("run", "")
-        if not datamac.valid_run(run):
-            from checkmate.errors import CheckmateError
-
+        if not isinstance(run, str) or not datamac.valid_run(run):
             raise CheckmateError("peers 'run' must be 32 lowercase hex digits")
-        self.set_run(run)
         st = self.state
-        if st.spec is None:  # ranges are checked once the partition's bounds are known
-            self._peers = dict(body)
-            return
-        self.repair.set_peers(body, st.start, st.end)
+        known = st.spec is not None
+        # Before the spec the owner ranges are checked against the flat space (any range of
+        # the job; the partition's bounds are checked when the assembler takes them).
+        start, end = (st.start, st.end) if known else (0, 1 << 62)
+        parse_peers(body, start, end)
+        self.set_run(run)
+        if known:
+            self.repair.set_peers(body, start, end)
         self._peers = dict(body)
 
     def _on_session(self) -> dict[str, Any]:
@@ -210,6 +219,7 @@ class ShadowNode:
                 self.persister = persist.Persister(o.dir, o.partition, self.state,
                                                    o.persist_every, o.persist_seconds,
                                                    o.keep)
+                self.state.after_commit = self.persister.wait_room
                 if self.restored_from is not None:
                     self.persister.last_iteration = self.state.latest
             self._commits_at_start = self.state.committed_count

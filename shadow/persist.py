@@ -19,7 +19,8 @@ the full tensors, of which the partition stores its elements as chunks at their 
 Once every partition dir under the root holds an iteration, :mod:`checkmate.shadow.merge`
 joins them into ``root/iter-N``. :func:`load_full` reads every partition at their newest
 common iteration and assembles a full model state_dict and a torch.optim state_dict, so
-pruning (:func:`prune`) always keeps the newest iteration that every partition holds.
+pruning (:func:`prune`) always keeps the newest iteration that every partition holds, and
+the ones a lagging partition will write next.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ from checkmate.shadow.disk import (
     part_dir,
 )
 from checkmate.shadow.osname import name_thread
-from checkmate.shadow.persist_schedule import PersistSchedule
 from checkmate.spec.model import ModelSpec
 
 
@@ -194,20 +194,35 @@ def purge(root: str | Path, partition: int, since: int) -> tuple[list[int], list
 def prune(pdir: Path, keep: int, partitions: int | None = None) -> list[int]:
     """Remove all but the newest ``keep`` checkpoints; returns the iterations removed.
 
-    Never removed: the one ``latest`` names, and -- with ``partitions`` given -- the newest
-    iteration that every sibling partition dir under ``pdir.parent`` holds
-    (:func:`newest_common`), because that is what :func:`load_full` restores from. A healthy
-    partition that runs ahead of a stalled one thus keeps ``keep`` + 1 checkpoints until the
-    stalled one catches up. If some sibling dir does not exist yet nothing is held by all
-    and only the keep rule applies. ``keep`` <= 0 prunes nothing.
+    Never removed: the one ``latest`` names and -- with ``partitions`` given -- what a
+    sibling partition dir under ``pdir.parent`` still needs to share one with this one:
+    the newest iteration every partition holds (:func:`newest_common`, what
+    :func:`load_full` restores from), and for each sibling the ``keep`` oldest of this
+    partition's iterations newer than that sibling's newest. The partitions write the same
+    iterations (:class:`Persister`), so those are the next ones a lagging sibling writes: a
+    partition whose writer runs ahead cannot delete the iteration a slower one is about to
+    make common. Hence this partition holds at most ``2 * keep`` (+ the common one) while a
+    sibling lags, and if no partition's newest is more than ``2 * keep`` writes ahead of
+    another's, every partition holds the newest iteration of the slowest one. A sibling dir
+    that does not exist (a partition persisted elsewhere) constrains nothing.
+    ``keep`` <= 0 prunes nothing.
     """
     its = list_iterations(pdir)
     if keep <= 0 or len(its) <= keep:
         return []
     protected = {_read_latest(pdir)}
-    held = newest_common(pdir.parent, partitions) if partitions else None
-    if held is not None:
-        protected.add(f"{_ITER_PREFIX}{held:012d}")
+    if partitions:
+        held = newest_common(pdir.parent, partitions)
+        if held is not None:
+            protected.add(f"{_ITER_PREFIX}{held:012d}")
+        for q in range(partitions):
+            sib = part_dir(pdir.parent, q)
+            if sib == pdir or not sib.is_dir():
+                continue
+            theirs = list_iterations(sib)
+            newest = theirs[-1] if theirs else -1
+            protected.update(f"{_ITER_PREFIX}{it:012d}"
+                             for it in [i for i in its if i > newest][:keep])
     removed = []
     for it in its[:-keep]:
         name = f"{_ITER_PREFIX}{it:012d}"
@@ -247,14 +262,20 @@ def restorable_iterations(pdir: Path) -> list[int]:
 
 
 class Persister:
-    """Writes selected versions in the background; never blocks the caller.
+    """Writes the due versions in the background, the same iterations on every partition.
 
-    A version is due every ``every`` iterations (iteration % every == 0) or when ``seconds``
-    have passed since the last write. Up to ``backlog`` due versions wait behind a running
-    write; when more come, :class:`PersistSchedule` thins the schedule the same way on every
-    partition (multiples of 2 * every, 4 * every, ...), so the partitions keep writing common
-    iterations and a correlated failure finds one on disk. A version due only by time waits
-    only if nothing else does (time is not aligned across partitions).
+    With ``every`` > 0 the due versions are exactly the multiples of ``every`` (plus none
+    other), and none is skipped: a restore from disk needs an iteration that *every*
+    partition wrote, and partitions whose writers run at different speeds would skip
+    different ones. Up to ``backlog`` due versions wait, pinned, behind a running write;
+    when more do, the step that committed the last one waits in :meth:`wait_room` (outside
+    the state lock; receiving goes on) until the running write ends. So a partition's
+    newest checkpoint is at most (``backlog`` + 1) * ``every`` iterations behind its newest
+    commit, and a slow disk shows as ``persist.waits`` / ``waited_seconds`` in status and
+    as shadow lag, never as a missing iteration. With ``every`` = 0, ``seconds`` > 0 makes
+    a version due when that much time passed since the last write; it is written only if
+    no write waits (such versions are not aligned across partitions, so none waits for
+    them either).
 
     A failed write (full disk, I/O error, CheckpointException, anything but KeyboardInterrupt
     and SystemExit) never ends the writer thread: it is counted in ``status()``, logged once
@@ -265,10 +286,14 @@ class Persister:
 
     def __init__(self, root: str | Path, partition: int, state: Any, every: int = 0,
                  seconds: float = 0.0, keep: int = 3, backlog: int = 2) -> None:
+        if backlog < 1:
+            raise CheckmateError(f"persist backlog must be >= 1, got {backlog}")
         self.root, self.partition, self.state = Path(root), partition, state
-        self.every, self.seconds, self.keep = every, seconds, keep
-        self.schedule = PersistSchedule(every, backlog) if every > 0 else None
-        self.dropped = 0  # due versions the schedule thinned out (status)
+        self.every, self.keep, self.backlog = every, keep, backlog
+        if every > 0 and seconds > 0:
+            log.warning("persist: seconds=%s ignored: with every=%d the partitions write the "
+                        "same iterations, every %d", seconds, every, every)
+        self.seconds = seconds if every == 0 else 0.0  # time-due writes only when unaligned
         self.last_time = time.monotonic()
         self.last_iteration: int | None = None
         self.written = 0
@@ -279,12 +304,13 @@ class Persister:
         self.failing = 0  # failed writes since the last success
         self._logged = ""  # key of the error last logged
         self.seconds_spent = 0.0
+        self.waits = 0  # due versions that waited for room behind a running write
+        self.waited_seconds = 0.0  # how long the shadow's step waited for them in all
+        self._waiting_since: float | None = None  # the step waits for the writer now
         self.purged: list[int] = []  # iterations the last re-seed removed from this partition
-        #: waiting writes, oldest first: (version, generation, seeded, aligned slot?)
-        self._queue: list[tuple[Any, int, bool, bool]] = []
-        #: the newest due iteration the schedule thinned out (iteration, generation,
-        #: seeded): written when the writer has nothing else to do, e.g. once training stops
-        self._late: tuple[int, int, bool] | None = None
+        #: waiting writes, oldest first: (version, generation, seeded)
+        self._queue: list[tuple[Any, int, bool]] = []
+        self._running = False  # a write is under way (it holds one more pinned version)
         self._generation = 0  # +1 at every (re)seed: older versions are of a purged lineage
         self._installs = getattr(state, "installs", 0)
         # The writes use torch's DCP. The shadow starts without torch (checkmate.optim's
@@ -301,8 +327,8 @@ class Persister:
         self._thread.start()
 
     def due(self, iteration: int) -> bool:
-        if self.every > 0 and iteration % self.every == 0:
-            return True
+        if self.every > 0:
+            return iteration % self.every == 0
         return self.seconds > 0 and time.monotonic() - self.last_time >= self.seconds
 
     def on_commit(self, v: Any) -> None:
@@ -326,7 +352,7 @@ class Persister:
             self._generation += 1
             self.last_iteration = None
             old, self._queue = self._queue, []
-            self._late = None
+            self._cv.notify_all()
         for q in old:
             self.state.unpin(q[0])
         try:
@@ -343,63 +369,52 @@ class Persister:
                         self.partition, since, parts, joins)
 
     def offer(self, version: Any, seeded: bool = False) -> None:
-        """Pin and queue ``version`` if due (under the state lock)."""
+        """Pin and queue ``version`` if due (under the state lock; never waits there, so
+        status and fetch are answered meanwhile). An aligned version is always queued; the
+        step that made it then waits in :meth:`wait_room` if the writer is behind."""
         it = version.iteration
-        aligned = self.every > 0 and it % self.every == 0
-        if not aligned and not self.due(it):
+        if not self.due(it):
             return
         v = self.state.pin(it)
         with self._cv:
-            if aligned:
-                assert self.schedule is not None
-                take, drop = self.schedule.admit(
-                    it, [q[0].iteration for q in self._queue if q[3]])
-                # an aligned version displaces a waiting time-only one; thinning drops some
-                gone = [q for q in self._queue
-                        if (q[3] and q[0].iteration in drop) or (take and not q[3])]
-                self.dropped += len(drop) + (not take)
-            else:  # due by time only: never displaces nor delays an aligned write
-                take, gone = not self._queue, []
-            self._queue = [q for q in self._queue if all(q is not g for g in gone)]
+            if self.every > 0:
+                take = not self._stop
+            else:  # due by time only: written if nothing waits
+                take = not self._queue and not self._running and not self._stop
             if take:
-                self._queue.append((v, self._generation, seeded, aligned))
+                self._queue.append((v, self._generation, seeded))
                 self.last_time = time.monotonic()
-                if self._late is not None and self._late[0] <= it:
-                    self._late = None
-            else:
-                gone.append((v, 0, False, False))
-                if aligned:  # thinned out: written later only if the writer is idle
-                    self._late = (it, self._generation, seeded)
-            self._cv.notify()
-        for q in gone:
-            self.state.unpin(q[0])
+                self._cv.notify_all()
+        if not take:
+            self.state.unpin(v)
+
+    def wait_room(self) -> None:
+        """Called by the step after a commit, outside the state lock: while more than
+        ``backlog`` due versions wait behind the running write, the shadow's step waits
+        for the writer instead of any due version being skipped (receiving goes on)."""
+        if self.every <= 0:
+            return
+        with self._cv:
+            t0, waited = time.monotonic(), False
+            while (len(self._queue) + self._running > self.backlog and not self._stop
+                   and self._thread.is_alive()):
+                waited, self._waiting_since = True, t0
+                self._cv.wait(0.5)
+            self._waiting_since = None
+            if waited:
+                self.waits += 1
+                self.waited_seconds += time.monotonic() - t0
 
     def _loop(self) -> None:
         name_thread()
         while True:
-            late = None
             with self._cv:
-                while not self._queue and self._late is None and not self._stop:
-                    if self.schedule is not None:
-                        self.schedule.drained()
+                while not self._queue and not self._stop:
                     self._cv.wait()
-                if self._queue:
-                    v, gen, seeded, _ = self._queue.pop(0)
-                elif self._late is not None:
-                    late, self._late = self._late, None
-                else:
+                if not self._queue:
                     return
-            if late is not None:
-                # Idle (or stopping) with a thinned-out iteration newer than the disk's:
-                # write it as an extra (alignment needs only the coarse ones), if the state
-                # still retains it.
-                it, gen, seeded = late
-                if gen != self._generation or (self.last_iteration or -1) >= it:
-                    continue
-                try:
-                    v = self.state.pin(it)
-                except CheckmateError:
-                    continue  # evicted meanwhile: the next due iteration comes instead
+                v, gen, seeded = self._queue.pop(0)
+                self._running = True
             try:
                 self._write(v, gen, seeded)
             except BaseException as e:  # CheckpointException is not an Exception
@@ -407,6 +422,9 @@ class Persister:
                     raise
                 self._failed(v.iteration, e)
             finally:
+                with self._cv:  # room for a waiting step
+                    self._running = False
+                    self._cv.notify_all()
                 self.state.unpin(v)
 
     def _write(self, v: Any, gen: int = 0, seeded: bool = False) -> None:
@@ -448,12 +466,11 @@ class Persister:
 
     def stop(self, flush: bool = True) -> None:
         with self._cv:
-            left: list[tuple[Any, int, bool, bool]] = []
+            left: list[tuple[Any, int, bool]] = []
             if not flush:
                 left, self._queue = self._queue, []
-                self._late = None
             self._stop = True
-            self._cv.notify()
+            self._cv.notify_all()
         for q in left:
             self.state.unpin(q[0])
         self._thread.join(60)
@@ -463,17 +480,18 @@ class Persister:
 
         ``error`` is the current failure ("" once a write succeeds again); ``last_error`` is
         the most recent failure even after recovery, ``last_failed_iteration`` its iteration;
-        ``alive`` says the writer thread is running.
+        ``alive`` says the writer thread is running; ``waits`` / ``waited_seconds``: how
+        often and how long the shadow's step waited for the writer; ``waiting_seconds``: how
+        long the current wait has lasted (0: none; a hung disk shows here).
         """
         with self._cv:
             counts = {"last_iteration": self.last_iteration, "written": self.written,
                       "errors": self.errors, "error": self.error,
                       "last_error": self.last_error,
                       "last_failed_iteration": self.last_failed_iteration,
-                      "failing": self.failing}
+                      "failing": self.failing, "waits": self.waits,
+                      "waited_seconds": round(self.waited_seconds, 3),
+                      "waiting_seconds": 0.0 if self._waiting_since is None else
+                      round(time.monotonic() - self._waiting_since, 3)}
         return {"dir": str(part_dir(self.root, self.partition)), **counts,
-                "alive": self._thread.is_alive(),
-                "spacing": self.schedule.spacing if self.schedule else None,
-                "spacing_max": (self.every << self.schedule.max_level) if self.schedule
-                else None,
-                "dropped": self.dropped}
+                "alive": self._thread.is_alive(), "every": self.every}

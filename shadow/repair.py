@@ -47,32 +47,9 @@ class RepairRequester:
         return bool(self.trainers)
 
     def set_peers(self, body: dict[str, Any], start: int, end: int) -> None:
-        """Validate and take a ``peers`` request; CheckmateError says what is wrong."""
-        trainers = body.get("trainers")
-        if not isinstance(trainers, list) or not trainers or len(trainers) > 4096:
-            raise CheckmateError("peers needs 'trainers': a non-empty list of [ip, port]")
-        addrs = []
-        for t in trainers:
-            if (not isinstance(t, list) or len(t) != 2 or not isinstance(t[0], str)
-                    or not isinstance(t[1], int) or not 0 < t[1] < 65536):
-                raise CheckmateError(f"peers: bad trainer address {t!r}")
-            try:
-                ipaddress.IPv4Address(t[0])
-            except ValueError:
-                raise CheckmateError(f"peers: bad trainer address {t!r}") from None
-            addrs.append((t[0], t[1]))
-        owners = []
-        for o in body.get("owners") or []:
-            if (not isinstance(o, list) or len(o) != 3
-                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in o)
-                    or not start <= o[0] < o[1] <= end or not 0 <= o[2] < len(addrs)):
-                raise CheckmateError(f"peers: bad owner range {o!r} for partition "
-                                     f"[{start}, {end})")
-            owners.append((o[0], o[1], o[2]))
-        ctrl = body.get("control", 0)
-        if not isinstance(ctrl, int) or not 0 <= ctrl < len(addrs):
-            raise CheckmateError(f"peers: control rank {ctrl!r} is not a trainer")
-        self.trainers, self.owners, self.control_rank = addrs, sorted(owners), ctrl
+        """Validate and take a ``peers`` request; CheckmateError says what is wrong (and
+        nothing is taken)."""
+        self.trainers, self.owners, self.control_rank = parse_peers(body, start, end)
 
     def _by_owner(self, ranges: list[tuple[int, int]], ask_all: bool
                   ) -> dict[int, list[tuple[int, int]]]:
@@ -115,3 +92,35 @@ class RepairRequester:
             if ctrl:
                 self.stats["control_requests"] += 1
             self.stats["ranges"] += len(rs)
+
+
+def parse_peers(body: dict[str, Any], start: int, end: int
+                ) -> tuple[list[tuple[str, int]], list[tuple[int, int, int]], int]:
+    """A ``peers`` request checked whole: (trainer addresses, owner ranges within the
+    partition [start, end), control rank); CheckmateError says what is wrong."""
+    trainers = body.get("trainers")
+    if not isinstance(trainers, list) or not trainers or len(trainers) > 4096:
+        raise CheckmateError("peers needs 'trainers': a non-empty list of [ip, port]")
+    addrs = []
+    for t in trainers:
+        if (not isinstance(t, list) or len(t) != 2 or not isinstance(t[0], str)
+                or not isinstance(t[1], int) or isinstance(t[1], bool)
+                or not 0 < t[1] < 65536):
+            raise CheckmateError(f"peers: bad trainer address {t!r}")
+        try:
+            ipaddress.IPv4Address(t[0])
+        except ValueError:
+            raise CheckmateError(f"peers: bad trainer address {t!r}") from None
+        addrs.append((t[0], t[1]))
+    owners = []
+    for o in body.get("owners") or []:
+        if (not isinstance(o, list) or len(o) != 3
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in o)
+                or not start <= o[0] < o[1] <= end or not 0 <= o[2] < len(addrs)):
+            raise CheckmateError(f"peers: bad owner range {o!r} for partition "
+                                 f"[{start}, {end})")
+        owners.append((o[0], o[1], o[2]))
+    ctrl = body.get("control", 0)
+    if not isinstance(ctrl, int) or isinstance(ctrl, bool) or not 0 <= ctrl < len(addrs):
+        raise CheckmateError(f"peers: control rank {ctrl!r} is not a trainer")
+    return addrs, sorted(owners), ctrl

@@ -15,10 +15,12 @@ sent).
 At most ``MAX_CONNECTIONS`` authenticated connections are served at once, one thread each
 (more are told "busy" and counted, ``tcp_conn_cap``); a connection idle for
 ``IDLE_SECONDS`` is closed. Requests on a connection are answered in order. A bad request
-gets ``{"ok": false, "error": ...}`` and the connection stays usable; a malformed frame
-closes it. Fetch pins the retained version while its bytes are sent, so the version cannot
-be recycled underneath the reply. ``health()`` says whether the gate's thread is alive and
-how often it was restarted (status ``tcp_service``).
+gets ``{"ok": false, "error": ...}`` and the connection stays usable (``tcp_refused``); a
+malformed frame closes it (``tcp_malformed``). Every op checks all its fields before it
+changes any state, so a refused request changes nothing. Fetch pins the retained version
+while its bytes are sent, so the version cannot be recycled underneath the reply.
+``health()`` says whether the gate's thread is alive and how often it was restarted (status
+``tcp_service``).
 """
 
 from __future__ import annotations
@@ -168,12 +170,17 @@ class Service:
                         time.monotonic() + IDLE_SECONDS))
                 except (ConnectionError, OSError):
                     return
-                except ShadowError as e:
+                except ShadowError as e:  # a malformed frame: refused, connection closed
+                    self.drops["tcp_malformed"] += 1
+                    self._bad_log(f"refused a frame: {e}")
                     send_frame(conn, {"ok": False, "error": str(e)})
                     return
                 try:
                     reply, parts = self.handle(header, payload)
                 except (CheckmateError, ValueError, KeyError, TypeError) as e:
+                    # refused: the op checked everything before it changed anything
+                    self.drops["tcp_refused"] += 1
+                    self._bad_log(f"refused {str(header.get('op'))[:40]!r}: {e}")
                     reply, parts = {"ok": False, "error": str(e) or type(e).__name__}, b""
                 except Exception as e:  # a bug, not the peer's mistake: said, not fatal
                     self.drops["tcp_internal_error"] += 1
@@ -214,11 +221,18 @@ class Service:
                 raise CheckmateError("this shadow has no controller session (--no-register)")
             return {"ok": True, **self.on_session()}, b""
         if op == "reseed":
-            if "spec" in h:
-                st.set_spec(ModelSpec.from_json(h["spec"]))
+            # Every field is checked before anything changes: a refused reseed leaves the
+            # shadow as it was (its spec included).
+            if "spec" not in h:
+                raise CheckmateError("reseed needs 'spec': the job's spec")
+            spec = ModelSpec.from_json(h["spec"])
+            t0 = _int(h, "iteration") if "iteration" in h else None
+            if t0 is not None and t0 < 0:
+                raise CheckmateError("reseed iteration must be >= 0")
             reason = str(h.get("reason", ""))[:200]
-            if "iteration" in h:
-                st.begin_reseed(_int(h, "iteration"), reason)
+            st.set_spec(spec)  # the same spec again, or the first: checked, then set
+            if t0 is not None:
+                st.begin_reseed(t0, reason)
             else:
                 st.prepare_reseed(reason)
             return {"ok": True}, b""

@@ -121,6 +121,9 @@ class ShadowState:
         self.control_key: bytes | None = None
         self.retain, self.window, self.gap_timeout = retain, window, gap_timeout
         self.on_commit = on_commit
+        #: called by ``apply`` after a commit, outside the lock (Persister.wait_room: the
+        #: step waits for a writer that is behind, while readers are answered)
+        self.after_commit: Callable[[], None] | None = None
         self.spec: ModelSpec | None = None
         self.start = self.end = 0
         self.opt: Any = None
@@ -193,6 +196,8 @@ class ShadowState:
                 raise CheckmateError(f"seed carries {len(data)} bytes for {count} float32")
             if iteration < 0 or step < 0:
                 raise CheckmateError("seed iteration and step must be >= 0")
+            if not isinstance(buffers or {}, dict) or not isinstance(extra or {}, dict):
+                raise CheckmateError("seed buffers and extra must be objects")
             sd = self._seed
             if sd is None or sd["iteration"] != iteration or sd["step"] != step:
                 sd = self._seed = {
@@ -311,13 +316,18 @@ class ShadowState:
         """Take one piece; True once the re-seed committed. The first piece after
         ``prepare_reseed`` begins the re-seed at its iteration."""
         with self.lock:
+            # Checked before the first piece begins the re-seed: a refused piece changes
+            # nothing (add_piece checks the rest against a re-seed in progress).
+            if step < 0 or iteration < 0:
+                raise CheckmateError("reseed iteration and step must be >= 0")
+            if offset < self.start or offset + count > self.end or count <= 0:
+                raise CheckmateError(f"re-seed piece [{offset}, {offset + count}) is outside "
+                                     f"the partition [{self.start}, {self.end})")
             if self.reseed is None and self._reseed_pending is not None:
                 reason, self._reseed_pending = self._reseed_pending, None
                 self.begin_reseed(iteration, reason)
             if self.reseed is None:
                 raise CheckmateError("no re-seed in progress (send the reseed op first)")
-            if step < 0:
-                raise CheckmateError("reseed step must be >= 0")
             self.reseed.add_piece(iteration, step, offset, count, arrays)
             return self._maybe_finish_reseed()
 
@@ -396,6 +406,8 @@ class ShadowState:
                               control.hyper, out=stepped)
             self.step_seconds += time.perf_counter() - t0
             self._commit(it, control.buffers, control.extra, control.lrs, stepped)
+        if self.after_commit is not None:  # outside the lock: a wait here blocks no reader
+            self.after_commit()
 
     def _fresh_arrays(self) -> dict[str, np.ndarray]:
         """Arrays for the next version: an evicted, unpinned version's, or new ones."""

@@ -270,15 +270,11 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
             if "disk" in (kr.restored_sources or []):
                 # A shadow died shortly before the trainers (a correlated failure): no
                 # iteration was in every shadow's memory any more, so the resume came from
-                # the newest checkpoint every partition held, one persist interval (or one
-                # more while a write was in flight) before that shadow's kill.
-                # Writes that could not keep up were thinned alike on every partition
-                # (shadow/persist_schedule.py): the interval is the widest one used.
+                # the newest checkpoint every partition held: every partition writes every
+                # multiple of persist_every, at most (backlog 2 + 1) intervals behind its
+                # commits (shadow/persist.py, docs/reliability.md), before that shadow's kill.
                 first = min((rs["at"] for rs in kr.restarts), default=kr.killed_at or 0)
-                spacing = max([sc.persist_every] + [
-                    (st.get("persist") or {}).get("spacing_max") or 0
-                    for st in kr.shadow_status])
-                allowed = (kr.max_done_before_kill or 0) - first + 2 * spacing + 3
+                allowed = (kr.max_done_before_kill or 0) - first + 3 * sc.persist_every + 3
             if repeated > allowed and kr.killed_at is not None:
                 problems.append(f"{repeated} iterations repeated (at most {allowed} allowed)")
     report["ok"] = not problems

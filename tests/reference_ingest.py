@@ -95,6 +95,9 @@ def reference_handle(rx: Any, buf: Any, view: memoryview, bases: Iterable[int],
             if dtype != bytes_dt:
                 drops["dtype"] += 1
                 continue
+            if part != rx.partition:  # another shadow's copy (issue 35 item 4)
+                drops["partition"] += 1
+                continue
             asm.place_control(it, offset, count, group, payload)
             continue
         if flags & _PARITY:  # FEC parity: no longer sent (docs/reliability.md, "FEC")

@@ -82,7 +82,7 @@ class Cluster:
                 bufs = {b.name: "AAAAAAAAAAAAAAAA" for b in self.spec.buffers
                         if b.name == "bn.mean"}
                 body = control_body(it, LRS, clip, skip, bufs, {"it": it})
-                for d in control_datagrams(self.job, it, body, frag=40,
+                for d in control_datagrams(self.job, it, body, frag=40, partition=p,
                                            **{k: kw[k] for k in ("epoch", "token") if k in kw}):
                     self.tx.sendto(d, addr)
 

@@ -202,6 +202,25 @@ def test_an_incomplete_control_message_expires_and_the_iteration_completes(pair)
     pair.same(1)
 
 
+def test_a_control_message_for_another_partition_is_dropped_before_use(pair):
+    """Issue 35 item 4: a valid control message (tagged with the job's keys) addressed to
+    another partition -- e.g. that shadow's copy sent to this one's port -- is dropped and
+    counted ``partition`` before any of its fields is used. Before, it was placed and its
+    learning rate committed."""
+    other = control_body(1, [0.5], None, False, _buffers(1), {"it": 1})
+    theirs = list(control_datagrams(JOB, 1, other, frag=200, epoch=EPOCH, token=TOKEN,
+                                    partition=1))
+    pair.send(0, theirs)
+    c = pair.clients[0]
+    wait_status(c, lambda st: st["drops"].get("partition", 0) >= len(theirs), timeout=10)
+    pair.both(1)
+    for cl in pair.clients:
+        wait_status(cl, lambda st: st["latest"] == 1)
+    pair.same(1)
+    assert c.fetch(1).lrs == [1e-3]
+    assert c.status()["drops"].get("partition", 0) == len(theirs)
+
+
 def test_datagrams_of_another_run_are_counted_and_dropped():
     """Run A and run B: same secret, same job id, same shadow. Everything captured in run A
     (gradients and control messages of iterations B has not reached) is sent to the shadow

@@ -138,8 +138,9 @@ def test_shadow_and_every_trainer_killed_together_resume_bit_exact_from_disk(tmp
     must take the newest iteration every partition holds on disk or in memory, say so in one
     line, and end bit-identical to the failure-free run."""
     sc = tmp_path / "correlated.yaml"
-    # persist_every 5 while a write takes about a second here under load: the partitions
-    # thin their writes alike (shadow/persist_schedule.py) and still hold a common one.
+    # persist_every 5 while a write takes about a second here under load: every partition
+    # writes every multiple of 5 (a step waits for room behind the writes, shadow/persist.py)
+    # and a partition ahead keeps what a lagging one writes next, so they hold a common one.
     sc.write_text("name: correlated\nmodel: gpt\nsteps: 45\nseed: 6\npersist_every: 5\n"
                   "shadow_kills: [{partition: 1, at: 25, disk: true}]\nkill_at: 31\n")
     rc, report, text = _run(tmp_path, str(sc), _net(), ["--workdir", str(tmp_path / "w")])

@@ -114,6 +114,9 @@ def stream(seed: int, gdt: str = "float32") -> list[bytes]:
         dgram(2, START, 10, rng, gdt=gdt, dtype=_DT[gdt] ^ 1 if gdt != "float16" else 0),
         dgram(2, START, 8, rng, gdt=gdt, dtype=3, payload=b"x" * 8),  # bytes, not control
         dgram(2, START, 10, rng, gdt=gdt, partition=PART + 1),
+        # another partition's control message, validly tagged: dropped before use
+        *control_datagrams(JOB, 3, control_body(3, [0.5]), frag=200, epoch=EPOCH,
+                           token=TOKEN, partition=PART + 1, secret=SECRET),
         dgram(2, START - 5, 10, rng, gdt=gdt),  # range
         dgram(2, START + SIZE - 5, 10, rng, gdt=gdt),
         dgram(2, START, 0, rng, gdt=gdt, payload=b""),

@@ -40,7 +40,7 @@ def _send(spec, nodes, it, rng, tx):
             tx.sendto(d, ("127.0.0.1", n.udp_port))
         body = control_body(it, [0.01, 0.003], None, False, {"bn.mean": "AAAAAAAAAAAAAAAA"},
                             {"it": it})
-        for d in control_datagrams(spec.job, it, body, frag=40):
+        for d in control_datagrams(spec.job, it, body, frag=40, partition=p):
             tx.sendto(d, ("127.0.0.1", n.udp_port))
 
 

@@ -66,11 +66,12 @@ def test_prune_keeps_newest_iteration_every_partition_holds(tmp_path):
         for p in (0, 1):
             saved[p][it] = _slots(spec, p, 100 * p + it)
             persist.save(tmp_path, spec, p, it, it, saved[p][it], keep=3)
-    # partition 1 stalls at 5; partition 0 goes on to 20 with keep=3
+    # partition 1 stalls at 5; partition 0 goes on to 20 with keep=3: it keeps the newest
+    # 3, the common 5 and the 3 that partition 1 writes next (6, 7, 8)
     for it in range(6, 21):
         saved[0][it] = _slots(spec, 0, it)
         persist.save(tmp_path, spec, 0, it, it, saved[0][it], keep=3)
-    assert disk.list_iterations(tmp_path / "part0") == [5, 18, 19, 20]
+    assert disk.list_iterations(tmp_path / "part0") == [5, 6, 7, 8, 18, 19, 20]
     assert disk.list_iterations(tmp_path / "part1") == [3, 4, 5]
     assert checkpoint_load.newest_common(tmp_path, 2) == 5
     # three steps: partition 0's newest differs from its iteration 5; load; equal to it
@@ -175,7 +176,7 @@ def test_two_partitions_load_into_torch_model_and_adamw_in_fresh_process(tmp_pat
             for p, n in enumerate(c.nodes):
                 a, b = spec.bounds(p)
                 for d in [*grad_datagrams(JOB, it, p, a, g[a:b], chunk=64),
-                          *control_datagrams(JOB, it, body, frag=100)]:
+                          *control_datagrams(JOB, it, body, frag=100, partition=p)]:
                     c.tx.sendto(d, ("127.0.0.1", n.udp_port))
             c.ref.step(g, lrs, 0.8)
             if it == 4:
@@ -238,3 +239,107 @@ def test_time_based_persistence(tmp_path):
             assert sts[0]["persist"]["written"] <= 2 and len(its) <= 2
     finally:
         c.close()
+
+
+def test_a_partition_ahead_never_deletes_what_a_lagging_one_writes_next(tmp_path):
+    """Issue 35 item 5: partition 0 runs ahead (5..25, keep 3) while partition 1 holds 0 and
+    5. Before, partition 0 kept only [0, 15, 20, 25] besides the common 0/5, so when
+    partition 1 wrote 10 no iteration but the seed's was common. Now every write of the
+    lagging partition becomes the newest common one."""
+    spec = make_spec()  # two partitions
+    for it in (0, 5):
+        for p in (0, 1):
+            persist.save(tmp_path, spec, p, it, it + 1, _slots(spec, p, it), keep=3)
+    for it in (10, 15, 20, 25):
+        persist.save(tmp_path, spec, 0, it, it + 1, _slots(spec, 0, it), keep=3)
+    assert disk.list_iterations(tmp_path / "part0") == [5, 10, 15, 20, 25]
+    for it in (10, 15, 20, 25):
+        persist.save(tmp_path, spec, 1, it, it + 1, _slots(spec, 1, it), keep=3)
+        assert checkpoint_load.newest_common(tmp_path, 2) == it
+    assert checkpoint_load.load_full_state(tmp_path).iteration == 25
+    # caught up: the keep rule alone applies again
+    persist.save(tmp_path, spec, 0, 30, 30, _slots(spec, 0, 30), keep=3)
+    assert disk.list_iterations(tmp_path / "part0") == [20, 25, 30]
+
+
+def test_an_empty_sibling_dir_holds_the_oldest_it_will_write(tmp_path):
+    spec = make_spec()
+    (tmp_path / "part1").mkdir()  # partition 1 started, has written nothing yet
+    for it in range(1, 8):
+        persist.save(tmp_path, spec, 0, it, it, _slots(spec, 0, it), keep=2)
+    assert disk.list_iterations(tmp_path / "part0") == [1, 2, 6, 7]
+    persist.save(tmp_path, spec, 1, 1, 1, _slots(spec, 1, 1), keep=2)
+    assert checkpoint_load.newest_common(tmp_path, 2) == 1
+
+
+class _Partition:
+    """A real ShadowState stepping a real AdamW partition, its Persister wired as
+    ShadowNode wires it (every commit goes to ``Persister.on_commit``)."""
+
+    def __init__(self, root: Path, spec, p: int, every: int, keep: int) -> None:
+        from checkmate.shadow.state import ShadowState
+        self.spec, self.p = spec, p
+        self.a, self.b = spec.bounds(p)
+        self.state = ShadowState(p, spec.partitions, JOB, retain=16)
+        self.state.set_spec(spec)
+        self.per = persist.Persister(root, p, self.state, every=every, keep=keep)
+        self.state.on_commit = self.per.on_commit
+        self.state.after_commit = self.per.wait_room
+        arrays = {s: np.zeros(self.b - self.a, np.float32) for s in spec.slots}
+        self.state.install(0, 0, arrays)
+
+    def step(self, it: int) -> None:
+        from checkmate.shadow.control_message import Control
+        g = np.random.default_rng(1000 * self.p + it).standard_normal(self.b - self.a)
+        lrs = [0.01] * len(self.spec.groups)
+        self.state.apply(it, g.astype(np.float32), Control(it, lrs, None, False, {}, {}))
+
+    def close(self) -> None:
+        self.per.stop()
+        self.state.stop()
+
+
+def test_a_slow_writer_skips_no_due_iteration_and_a_common_one_stays_recent(
+        tmp_path, monkeypatch):
+    """Real partitions, real DCP writes, the real schedule; partition 1's disk is slow (a
+    write takes 3 commits' time and more). Every due iteration is written by both (the
+    slow one's step waits instead of skipping), and after every commit -- any moment a
+    correlated failure could strike -- the newest iteration both hold on disk is at most
+    (backlog + 1) * every iterations old (docs/reliability.md)."""
+    every, keep, backlog, last = 2, 2, 2, 24
+    real_save = persist.save
+
+    def slow_save(root, spec, partition, *a, **kw):
+        if partition == 1:
+            time.sleep(0.15)
+        return real_save(root, spec, partition, *a, **kw)
+
+    monkeypatch.setattr(persist, "save", slow_save)
+    spec = make_spec()
+    parts = [_Partition(tmp_path, spec, p, every, keep) for p in (0, 1)]
+    try:
+        assert parts[0].per.backlog == backlog
+        ages = []
+        for it in range(1, last + 1):
+            time.sleep(0.01)  # the trainers' pace: partition 0's disk keeps up
+            for part in parts:
+                part.step(it)
+            if it < (backlog + 1) * every:
+                continue  # the seed's write (iteration 0) may still be under way
+            common = checkpoint_load.newest_common(tmp_path, 2)
+            assert common is not None, it
+            ages.append(it - common)
+            assert it - common <= (backlog + 1) * every, (it, common, [
+                disk.list_iterations(tmp_path / f"part{p}") for p in (0, 1)])
+        st = [part.per.status() for part in parts]
+        assert st[1]["waits"] > 0 and st[1]["waited_seconds"] > 0  # the slow one waited
+        assert max(ages) > every  # and its disk did lag
+    finally:
+        for part in parts:
+            part.close()
+    due = last // every + 1  # 0 (the seed), 2, 4, ..., last
+    for part in parts:
+        s = part.per.status()
+        assert s["written"] == due and s["errors"] == 0, s
+    assert checkpoint_load.newest_common(tmp_path, 2) == last
+    assert disk.list_iterations(tmp_path / "part1")[-keep:] == [last - every, last]

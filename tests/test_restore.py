@@ -109,6 +109,8 @@ def test_cli_restore_from_shadows_and_from_disk(tmp_path, cfg, capsys):
      "non-negative integer"),
     (["serve", "--partition", "0/2", "--config", "CFG", "--persist-seconds", "soon"],
      "number"),
+    (["serve", "--partition", "0/2", "--config", "CFG", "--persist-every", "5",
+      "--persist-seconds", "2"], "only without --persist-every"),
     (["serve", "--partition", "1/2", "--config", "CFG", "--host", "s0"],
      "not the shadow of partition 1"),
     (["serve", "--partition", "0/2", "--config", "CFG", "--host", "nope"], "no host named"),

@@ -72,9 +72,9 @@ def test_restart_from_disk_while_the_other_runs_on_resumes_from_disk(tmp_path):
     fresh = None
     try:
         c.seed()
-        # Each due iteration is written before the next is sent: a burst would let the
-        # aligned schedule thin the writes (shadow/persist_schedule.py), which the test of
-        # that schedule covers; here the disk holds every due iteration.
+        # Each due iteration is written before the next is sent, so the disk holds each
+        # one when the next step runs (a burst would only make the step wait for room
+        # behind the writes, shadow/persist.py).
         grads: dict = {}
         for its in ((1, 2), (3, 4), (5, 6), (7,)):
             run_iterations(c, its, grads)

@@ -330,3 +330,128 @@ def test_a_failing_gate_loop_is_restarted_counted_and_shown(node, monkeypatch):
     assert _drops(node)["tcp_gate_restarts"] == 1
     with ShadowClient(("127.0.0.1", node.tcp_port)) as c:
         assert c.status()["tcp_service"]["restarts"] == 1
+
+
+# ----- refused means unchanged (issue 35 item 4) --------------------------------------
+RUN_A, RUN_B = "a" * 32, "b" * 32
+
+
+def _state(n: ShadowNode, c: ShadowClient) -> dict:
+    """Everything a request could change: what status says and the node's own state."""
+    st = c.status()
+    spec = c.request({"op": "spec"})[0]["spec"] if n.state.spec is not None else None
+    seed = n.state._seed
+    return {**{k: st[k] for k in ("job", "range", "seeded", "seeded_iteration", "latest",
+                                  "retained", "committed", "pending", "epoch", "run",
+                                  "peers", "reseed")},
+            "spec": spec, "node_run": n.run, "node_peers": n._peers,
+            "trainers": list(n.repair.trainers), "owners": list(n.repair.owners),
+            "reseed_pending": n.state._reseed_pending, "reseed_obj": n.state.reseed,
+            "seed_part": None if seed is None else (seed["iteration"], seed["step"], {
+                s: cov.total for s, cov in seed["cov"].items()}),
+            "mac_key": n.receiver.mac_key, "control_key": n.state.control_key}
+
+
+def _refused(n: ShadowNode, c: ShadowClient, header: dict, payload: bytes = b"",
+             match: str = "") -> None:
+    before = _state(n, c)
+    count = n.drops["tcp_refused"] + n.drops["tcp_malformed"]  # the latter closes
+    with pytest.raises(ShadowError, match=match):
+        c.request(header, payload)
+    # every refusal counted, once
+    assert n.drops["tcp_refused"] + n.drops["tcp_malformed"] == count + 1, header
+    assert _state(n, c) == before, header
+
+
+def _spec2(partitions: int = 1) -> ModelSpec:
+    return ModelSpec.build(JOB, [("w", (8, 8))], "adamw",
+                           [{"params": ["w"], "lr": 1e-3, "weight_decay": 0.0}], partitions)
+
+
+def test_every_refused_request_before_the_spec_changes_nothing():
+    n = ShadowNode(NodeOptions(partition=0, partitions=1, job=JOB, bind="127.0.0.1", port=0,
+                               restore_bind="127.0.0.1", restore_port=0)).start()
+    try:
+        with ShadowClient(("127.0.0.1", n.tcp_port)) as c:
+            spec = _spec2().to_json()
+            _refused(n, c, {"op": "reseed", "reason": "x"}, match="needs 'spec'")
+            # before: the spec was set, then the bad iteration refused
+            _refused(n, c, {"op": "reseed", "spec": spec, "iteration": "3"}, match="integer")
+            _refused(n, c, {"op": "reseed", "spec": spec, "iteration": -1}, match=">= 0")
+            _refused(n, c, {"op": "spec", "spec": _spec2(partitions=2).to_json()},
+                     match="partitions")
+            _refused(n, c, {"op": "seed", "iteration": 0, "slot": "param", "offset": 0,
+                            "count": 1, "step": 0, "nbytes": 0}, match="no spec")
+            _refused(n, c, {"op": "reseed_piece", "iteration": 0, "step": 0, "offset": 0,
+                            "count": 1, "slots": ["param"]}, match="no spec")
+            _refused(n, c, {"op": "peers", "trainers": [["127.0.0.1", 9]], "run": "A" * 32},
+                     match="run")
+            _refused(n, c, {"op": "peers", "trainers": [["127.0.0.1", 9]], "run": RUN_A,
+                            "control": 1}, match="control rank")
+            assert n.state.spec is None and n.run == ""
+    finally:
+        n.stop()
+
+
+def test_every_refused_request_of_a_running_shadow_changes_nothing(node):
+    """A seeded shadow with peers and run A: each state-changing request, refused, leaves
+    it exactly as it was and is counted ``tcp_refused``. Before, a refused ``peers`` had
+    already switched the run keys (and dropped what was being assembled) while status
+    still said ``peers: true``, and a refused ``reseed`` had set its spec."""
+    import numpy as np
+
+    from checkmate.train.repair import owners_body
+    from checkmate.train.shadow_client import seed_share
+
+    spec = node.state.spec
+    flat = {s: np.zeros(spec.total, np.float32) for s in spec.slots}
+    addr = ("127.0.0.1", node.tcp_port)
+    seed_share([addr], spec, flat, 0, 1)
+    with ShadowClient(addr) as c:
+        c.request(owners_body([("127.0.0.1", 9)], [(0, spec.total, 0)], 0, RUN_A))
+        st = c.status()
+        assert st["run"] == RUN_A and st["peers"] and st["seeded"]
+        good = owners_body([("127.0.0.1", 9)], [(0, spec.total, 0)], 0, RUN_B)
+        for bad, why in (({"owners": [[0, spec.total + 1, 0]]}, "owner range"),
+                         ({"trainers": [["no-ip", 9]]}, "trainer address"),
+                         ({"trainers": []}, "trainers"), ({"control": 5}, "control rank"),
+                         ({"control": True}, "control rank"), ({"run": "B" * 32}, "run")):
+            _refused(node, c, {**good, **bad}, match=why)
+        _refused(node, c, {"op": "reseed"}, match="needs 'spec'")
+        _refused(node, c, {"op": "reseed", "spec": _spec2().to_json()}, match="different")
+        _refused(node, c, {"op": "reseed", "spec": spec.to_json(), "iteration": None},
+                 match="integer")
+        _refused(node, c, {"op": "spec", "spec": _spec2().to_json()}, match="different")
+        seed = {"op": "seed", "iteration": 5, "slot": "param", "offset": 0, "count": 2,
+                "step": 5}
+        _refused(node, c, {**seed, "slot": "nope"}, b"\0" * 8, match="unknown slot")
+        _refused(node, c, {**seed, "offset": spec.total - 1}, b"\0" * 8, match="outside")
+        _refused(node, c, {**seed, "buffers": [1]}, b"\0" * 8, match="objects")
+        _refused(node, c, {**seed, "step": -1}, b"\0" * 8, match=">= 0")
+        piece = {"op": "reseed_piece", "iteration": 7, "step": 7, "offset": 0, "count": 2,
+                 "slots": list(spec.slots)}
+        data = b"\0" * 8 * len(spec.slots)
+        _refused(node, c, piece, data, match="no re-seed")  # none asked for
+        c.request({"op": "reseed", "spec": spec.to_json(), "reason": "test"})  # pending
+        assert node.state._reseed_pending == "test"
+        # before: a bad first piece began the re-seed at its iteration, then was refused
+        _refused(node, c, {**piece, "step": -1}, data, match=">= 0")
+        _refused(node, c, {**piece, "offset": spec.total - 1}, data, match="outside")
+        _refused(node, c, {**piece, "slots": ["param"]}, b"\0" * 8, match="slots")
+        _refused(node, c, {"op": "status", "progress": -1}, match="progress")
+        _refused(node, c, {"op": "session"}, match="no controller")
+        _refused(node, c, {"op": "fetch", "iteration": 99}, match="not retained")
+        _refused(node, c, {"op": "frobnicate"}, match="unknown op")
+        assert node.state._reseed_pending == "test" and node.state.reseed is None
+        assert c.status()["run"] == RUN_A
+
+
+def test_a_malformed_frame_after_authenticating_is_counted(node):
+    with ShadowClient(("127.0.0.1", node.tcp_port)) as c:
+        c.status()
+        before = node.drops["tcp_malformed"]
+        s = c._sock
+        body = b"[1, 2]"  # JSON, not an object
+        s.sendall(struct.pack(">I", len(body)) + body)
+        assert _closed(s)
+    assert node.drops["tcp_malformed"] == before + 1
