@@ -10,7 +10,8 @@ communication hook that
    a restart, in the buckets of the run it resumes (checkmate.train.ddp_buckets);
 2. when the allreduce completes, takes this rank's share of the reduced bucket (read in
    place on the CPU; on a GPU copied to pinned host memory asynchronously, on a side stream,
-   and sent by a thread of its own once the copy completed: checkmate.train.d2h) and sends it
+   and sent by a thread of its own once the copy completed: checkmate.train.share_copy over
+   checkmate.train.copyengine) and sends it
    to the owning shadows (host replication and the replica log go
    through the session's ``_on_reduced``, as the ring's pieces do).
 
@@ -49,6 +50,7 @@ from checkmate.train.layout import JobLayout
 from checkmate.train.ring import MAX_CHUNK, replica_owners
 from checkmate.train.segments import Segment, cut_segments, send_runs
 from checkmate.train.session import CheckmateSession
+from checkmate.train.share_copy import ShareSender
 
 
 def owned_segments(spec: Any, buckets: list[tuple[int, int]], world: int, rank: int
@@ -59,7 +61,7 @@ def owned_segments(spec: Any, buckets: list[tuple[int, int]], world: int, rank: 
                                replica_owners(buckets, world, 0, spec.total) if r == rank])
 
 
-class DDPSession(CheckmateSession):
+class DDPSession(ShareSender, CheckmateSession):
     """A CheckmateSession over the user's own ``DistributedDataParallel`` model.
 
     Args:
@@ -70,8 +72,9 @@ class DDPSession(CheckmateSession):
             layout's mode must be ``host`` (trainers send the copies; there is no ckm ring
             for a switch to copy) or ``off`` (no hook, no shadows: the baseline).
         scaler: the job's torch.amp.GradScaler for fp16 (see CheckmateSession.step).
-        stager: the device-to-host copier's stager (checkmate.train.d2h); None picks it by
-            the parameters' device (CUDA: asynchronous copies; CPU: read in place).
+        copy_engine: the copy engine for the share's device-to-host copies
+            (checkmate.train.copyengine); None picks it by the parameters' device (CUDA:
+            asynchronous copies; CPU: read in place).
 
     ``sess.model`` is ``ddp``; the loop is the same as with CheckmateSession.
     """
@@ -81,7 +84,7 @@ class DDPSession(CheckmateSession):
 
     def __init__(self, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
-                 group: Any = None, *, scaler: Any = None, stager: Any = None) -> None:
+                 group: Any = None, *, scaler: Any = None, copy_engine: Any = None) -> None:
         if not isinstance(ddp, DistributedDataParallel):
             raise CheckmateError(f"DDPSession needs a torch DistributedDataParallel model, "
                                  f"got {type(ddp).__name__}")
@@ -127,12 +130,12 @@ class DDPSession(CheckmateSession):
         #: Replicated buckets, pieces, bytes, and seconds spent copying and sending them.
         self.hook_stats: dict[str, float] = {"buckets": 0, "pieces": 0, "bytes": 0,
                                              "seconds": 0.0}
-        #: Asynchronous device-to-host copies of the share (checkmate.train.d2h): a
-        #: CudaStager for CUDA parameters (None, the default, picks by device), a
-        #: ThreadStager to run that path on the CPU; CPU parameters without one are read
-        #: in place by the hook.
-        self.stager = stager
-        self.copier: Any = None
+        #: Asynchronous device-to-host copies of the share (checkmate.train.share_copy): a
+        #: CudaCopyEngine for CUDA parameters (None, the default, picks by device), a
+        #: ThreadCopyEngine to run that path on the CPU; CPU parameters without one are
+        #: read in place by the hook.
+        self.copy_engine = copy_engine
+        self.copier = None
 
     # ------------------------------------------------------------------ setup
     def _start_comm(self, nonce: int) -> None:
@@ -142,12 +145,7 @@ class DDPSession(CheckmateSession):
             return
         self._piece = MAX_CHUNK
         self._segments = owned_segments(self.spec, self.buckets, lay.world, lay.rank)
-        from checkmate.train import d2h
-
-        if self.stager is None:
-            self.stager = d2h.stager_for(next(self.module.parameters()))
-        if self.stager is not None:
-            self.copier = d2h.ShareCopier(self.stager, self._send_share)
+        self._start_copier(next(self.module.parameters()), self._send_share)
         for name, p in self.module.named_parameters():
             p.register_post_accumulate_grad_hook(self._accumulate_hook(name))
         try:
@@ -251,26 +249,13 @@ class DDPSession(CheckmateSession):
         """Send this rank's segments of one reduced bucket, merged where they touch: read
         in place on the CPU, or queued for an asynchronous copy to the host (and sent by the
         copier's thread once it completed) for device memory."""
+        parts = [(name, g.detach().reshape(-1), self._segments[name])
+                 for name, g in zip(names, grads, strict=True) if self._segments.get(name)]
+        t0 = time.perf_counter()
+        self._send_share_parts(it, index, parts, self._send_share)
         if self.copier is not None:
-            parts = [(name, g.detach().reshape(-1), self._segments[name])
-                     for name, g in zip(names, grads, strict=True) if self._segments.get(name)]
-            t0 = time.perf_counter()
-            self.copier.submit(it, index, parts)
             self.hook_stats["submit_seconds"] = (self.hook_stats.get("submit_seconds", 0.0)
                                                  + time.perf_counter() - t0)
-            return
-        runs: list[tuple[int, int, np.ndarray]] = []  # (flat offset, partition, values)
-        for name, g in zip(names, grads, strict=True):
-            segs = self._segments.get(name)
-            if not segs:
-                continue
-            if g.device.type != "cpu":
-                raise CheckmateError(f"gradient of {name} is on {g.device}: device memory "
-                                     "reaches the shadows through a stager (d2h)")
-            arr = g.detach().reshape(-1).numpy()
-            for lo, n, off, part in segs:
-                runs.append((off, part, arr[lo:lo + n]))
-        self._send_share(it, index, runs)
 
     def _send_share(self, it: int, index: int, runs: list[tuple[int, int, np.ndarray]]
                     ) -> None:
@@ -347,15 +332,6 @@ class DDPSession(CheckmateSession):
                 p.grad = torch.zeros_like(p)
         self._rebuilt_buckets()
         return super().step(extra)
-
-    def _before_grads_change(self) -> None:
-        if self.copier is not None:
-            self.copier.fence()  # a device-side wait: the copies read the gradient first
-
-    def close(self) -> None:
-        if self.copier is not None and not self._closed:
-            self.copier.close()  # what is queued goes out before the sockets close
-        super().close()
 
 
 def _hook(state, bucket):  # noqa: ANN001, ANN202 -- DDP rejects string annotations here

@@ -6,7 +6,7 @@ ranks: rank r holds rows ``[r·c, min((r+1)·c, rows))`` with ``c = ⌈rows/worl
 exactly those rows. ``FSDPSession`` builds on that:
 
 - ``step()`` sends this rank's gradient shard of every parameter (on a GPU through an
-  asynchronous copy to pinned host memory, checkmate.train.d2h) to the shadows that own
+  asynchronous copy to pinned host memory, checkmate.train.share_copy) to the shadows that own
   it (flat offset = the parameter's offset + first row · row size), through the session's
   ``_on_reduced`` (host copies, replica log), *before* clipping, as the ring
   sends the reduced gradient. The shard is read where the optimizer reads it, right before
@@ -48,6 +48,7 @@ from checkmate.train.repair import owners_body
 from checkmate.train.ring import MAX_CHUNK
 from checkmate.train.segments import Segment, cut_segments, send_runs
 from checkmate.train.session import CheckmateSession
+from checkmate.train.share_copy import ShareSender
 
 log = logging.getLogger("checkmate.train")
 
@@ -89,7 +90,7 @@ def _full(t: Any) -> Any:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class FSDPSession(CheckmateSession):
+class FSDPSession(ShareSender, CheckmateSession):
     """A CheckmateSession over the user's own FSDP2 model (``fully_shard``).
 
     Args:
@@ -99,7 +100,7 @@ class FSDPSession(CheckmateSession):
         optimizer: ``checkmate.optim.SGD``/``Adam``/``AdamW`` over ``model.parameters()``.
         scheduler, layout, max_grad_norm, group: as for CheckmateSession; the layout's mode
             must be ``host`` (trainers send the copies) or ``off`` (the baseline).
-        scaler, stager: as for DDPSession (fp16 loss scaling; the shards' asynchronous
+        scaler, copy_engine: as for DDPSession (fp16 loss scaling; the shards' asynchronous
             copies to the host on GPUs).
 
     ``sess.model`` is ``model``; the loop is the same as with CheckmateSession.
@@ -107,7 +108,7 @@ class FSDPSession(CheckmateSession):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, layout: JobLayout, max_grad_norm: float | None = None,
-                 group: Any = None, *, scaler: Any = None, stager: Any = None) -> None:
+                 group: Any = None, *, scaler: Any = None, copy_engine: Any = None) -> None:
         if layout.mode not in ("host", "off"):
             raise CheckmateError(f"an FSDP2 job feeds the shadows in host mode only (or runs "
                                  f"without them: off), got mode {layout.mode!r}")
@@ -129,10 +130,10 @@ class FSDPSession(CheckmateSession):
         self._refused_reseed: set[int] = set()
         #: Replicated pieces and bytes, and seconds spent copying and sending them.
         self.shard_stats: dict[str, float] = {"pieces": 0, "bytes": 0, "seconds": 0.0}
-        #: Asynchronous device-to-host copies of the shards (checkmate.train.d2h), as in
-        #: DDPSession: picked by the parameters' device when None.
-        self.stager = stager
-        self.copier: Any = None
+        #: Asynchronous device-to-host copies of the shards (checkmate.train.share_copy),
+        #: as in DDPSession: picked by the parameters' device when None.
+        self.copy_engine = copy_engine
+        self.copier = None
 
     def _check_model(self, model: torch.nn.Module) -> None:
         world, rank = self.layout.world, self.layout.rank
@@ -169,12 +170,7 @@ class FSDPSession(CheckmateSession):
         self._segments = cut_segments(self.spec, [
             (lo, hi) for lo, hi, r in shard_owners(self.spec, self.shards, 0, self.spec.total)
             if r == rank])
-        from checkmate.train import d2h
-
-        if self.stager is None:
-            self.stager = d2h.stager_for(next(self.module.parameters()).to_local())
-        if self.stager is not None:
-            self.copier = d2h.ShareCopier(self.stager, self._send_runs)
+        self._start_copier(next(self.module.parameters()).to_local(), self._send_runs)
 
     def peers_body(self, partition: int) -> dict[str, Any]:
         lay = self.layout
@@ -250,17 +246,7 @@ class FSDPSession(CheckmateSession):
             first = self.shards[p.name][rank][0]
             g = named[p.name].grad.to_local().detach().reshape(-1)
             parts.append((p.name, g, [(lo - first, n, off, part) for lo, n, off, part in segs]))
-        if self.copier is not None:
-            self.copier.submit(it, 0, parts)
-            return
-        runs: list[tuple[int, int, np.ndarray]] = []
-        for name, g, segs in parts:
-            if g.device.type != "cpu":
-                raise CheckmateError(f"gradient of {name} is on {g.device}: device memory "
-                                     "reaches the shadows through a stager (d2h)")
-            arr = g.numpy()
-            runs.extend((off, part, arr[lo:lo + n]) for lo, n, off, part in segs)
-        self._send_runs(it, 0, runs)
+        self._send_share_parts(it, 0, parts, self._send_runs)
 
     def _send_runs(self, it: int, index: int, runs: list[tuple[int, int, np.ndarray]]
                    ) -> None:
@@ -271,15 +257,6 @@ class FSDPSession(CheckmateSession):
         self.shard_stats["pieces"] += pieces
         self.shard_stats["bytes"] += nbytes
         self.shard_stats["seconds"] += time.perf_counter() - t0
-
-    def _before_grads_change(self) -> None:
-        if self.copier is not None:
-            self.copier.fence()  # a device-side wait: the copies read the shards first
-
-    def close(self) -> None:
-        if self.copier is not None and not self._closed:
-            self.copier.close()  # what is queued goes out before the sockets close
-        super().close()
 
     def _clip(self) -> float | None:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
