@@ -58,10 +58,11 @@ def exchange_addrs(mine: tuple[str, int] | None, world: int, group: Any
     return addrs
 
 
-def gather_nodes(layout: JobLayout, group: Any) -> list[int]:
+def gather_nodes(layout: JobLayout, group: Any) -> list[int] | None:
     """Every rank's node, the same on every rank: the layout's ``node_of``, else what each
     rank reads from torch elastic's environment (GROUP_RANK), gathered over ``group``. In
-    switch mode, ranks that share an address must share a node (ring_schedule.check_hosts)."""
+    switch mode, ranks that share an address must share a node (ring_schedule.check_hosts).
+    None: no rank knows its node (every rank is then a node of its own)."""
     from checkmate.train import ring_schedule
 
     nodes = layout.node_of
