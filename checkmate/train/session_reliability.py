@@ -1,10 +1,17 @@
-"""Reliability of a session"""
+"""What keeps a session's iterations restorable, and what says whether they are.
+
+The replica log and repair service (lost copies answered from the trainers), the shadows'
+``peers`` (who owns which replica), live re-seeds, the switch mode's session refresh, and
+the protection state: ``protection``, the progress line of ``report``, and ``finish``'s
+wait for the last iteration.
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
@@ -17,8 +24,8 @@ from checkmate.train.ring import replica_owners
 
 
 class _Reliability:
-    """Part of :class:`CheckmateSession` (session.py):
-    Reliability of a session"""
+    """Part of :class:`CheckmateSession` (session.py): replication's safety nets and the
+    protection state."""
 
     def _start_reliability(self) -> None:
         """Replica log, repair service, peers at every shadow, protection monitor."""
@@ -130,3 +137,32 @@ class _Reliability:
                                              f"committed up to iteration {latest}, not "
                                              f"{iteration}")
                     time.sleep(0.02)
+
+    def report(self, loss: float | torch.Tensor | None = None) -> None:
+        """Progress for the console: on rank 0, every ``progress_every`` iterations
+        (CHECKMATE_PROGRESS_EVERY; ``checkmate launch --progress-every``), one line with the
+        iteration, ``loss`` and the protection state. Call it after ``step``."""
+        every = getattr(self, "progress_every", 0)
+        it = self.done_iteration
+        if self.layout.rank != 0 or not every or it % every:
+            return
+        text = f"checkmate: iteration {it}"
+        if loss is not None:
+            text += f" loss {float(loss.detach() if torch.is_tensor(loss) else loss):.4f}"
+        if self.layout.mode == "off":
+            text += " | not protected (mode off)"
+        else:
+            # Asked now on connections of its own (the monitor thread owns its clients).
+            from checkmate.train.shadow_client import ShadowClient
+
+            latest: list[int | None] = []
+            for a in self.layout.shadow_tcp:
+                try:
+                    with ShadowClient(a, 2.0) as c:
+                        latest.append(c.status().get("latest"))
+                except (CheckmateError, OSError):
+                    latest.append(None)
+            held = min(latest) if None not in latest else None
+            lags = " ".join("?" if x is None else str(it - x) for x in latest)
+            text += f" | shadows hold iteration {held} (lag per shadow: {lags})"
+        print(text, flush=True)

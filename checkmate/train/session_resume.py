@@ -1,0 +1,108 @@
+"""Resuming a session: whether this attempt resumes, and the restore from GoCkpt.
+
+The decision is the same on every rank: rank 0 asks the shadows whether any holds state
+(restarting ones are waited for), looks for a GoCkpt checkpoint, or (several nodes) reads
+the job's rendezvous store, and broadcasts the answer. The restore from the shadows is
+checkmate.train.restore.restore_session; a GoCkpt job restores from its directory here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from checkmate.errors import CheckmateError
+from checkmate.spec.model import ModelSpec
+
+
+class _Resume:
+    """Part of :class:`CheckmateSession` (session.py): whether and from where to resume."""
+
+    def _resume_wanted(self, job: Any) -> bool:
+        """The same resume decision on every rank (rank 0 asks the shadows, or looks for
+        a GoCkpt checkpoint; see from_env)."""
+        gk = self.layout.gockpt
+        if self.layout.mode == "off" and gk is None:
+            return False
+        if job.resume:
+            return True
+        if job.rdzv_store is not None and gk is None:
+            # Several nodes: an agent's restart count says nothing about the job (a spare
+            # that replaced a lost node counts none, a node joining restarts the group
+            # without counting): the job's rendezvous store says whether it was seeded.
+            from checkmate.train import agreement
+
+            store = self._job_store(job)
+            return bool(agreement.decide(agreement.attempt_store(), "resume",
+                                         self.layout.rank,
+                                         lambda: agreement.marked(store, "seeded")))
+        if not job.restart_count:
+            return False
+        answer: list[Any] = [True]
+        if self.layout.rank == 0 and gk is not None:
+            from checkmate.gockpt.trainer import wait_idle
+            from checkmate.shadow import checkpoint_load
+
+            wait_idle(gk[0], self.layout.world)  # the killed attempt's writes finish first
+            answer[0] = checkpoint_load.newest_common(gk[0], self.layout.world) is not None
+            if answer[0] is False:
+                print("checkmate: no GoCkpt checkpoint was written before the restart: "
+                      "starting fresh", flush=True)
+        elif self.layout.rank == 0:
+            from checkmate.train import resume_point
+
+            # Restarting shadows are waited for; state in memory or on disk counts.
+            hs = resume_point.survey(self.layout.shadow_tcp)
+            if all(h.error for h in hs):
+                answer[0] = ("cannot ask the shadows whether to resume: "
+                             + "; ".join(h.describe() for h in hs))
+            else:
+                answer[0] = any(h.memory or h.disk for h in hs)
+            if answer[0] is False:
+                print("checkmate: no shadow was seeded before the restart: starting fresh",
+                      flush=True)
+        dist.broadcast_object_list(answer, src=0, group=self.group)
+        if isinstance(answer[0], str):
+            raise CheckmateError(answer[0])
+        return bool(answer[0])
+
+    def _job_store(self, job: Any) -> Any:
+        """A client of the job's rendezvous store (multi-node launches), made once."""
+        import os
+
+        from checkmate.train import agreement
+
+        if getattr(self, "_jstore", None) is None:
+            self._jstore = agreement.job_store(job.rdzv_store,
+                                               os.environ.get("TORCHELASTIC_RUN_ID", "none"))
+        return self._jstore
+
+    def local_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Whole-model state dicts (a restore) in the form this rank's module and optimizer
+        load: unchanged here; FSDPSession keeps its rank's shards."""
+        return model_sd, optim_sd
+
+    def _gockpt_restore(self) -> int:
+        """Every rank loads the iteration rank 0 found newest in the GoCkpt directory."""
+        from checkmate.gockpt.trainer import restore
+        from checkmate.train.restore import load_trainer_state
+
+        lay = self.layout
+        spec = ModelSpec.from_torch(lay.job_id, self.module, self.optimizer, lay.world)
+        got: list[Any] = [None, None]
+        if lay.rank == 0:
+            try:
+                got[0] = restore(lay.gockpt[0], spec)[0]
+            except CheckmateError as e:
+                got[1] = str(e)
+        dist.broadcast_object_list(got, src=0, group=self.group)
+        if got[1] is not None:
+            raise CheckmateError(got[1])
+        it, step, model_sd, optim_sd, extra = restore(lay.gockpt[0], spec, got[0])
+        load_trainer_state(self.module, self.optimizer, self.scheduler, model_sd, optim_sd,
+                           extra, self.scaler)
+        self.restored_extra = extra.get("user", {})
+        self.opt_step = step
+        return it
