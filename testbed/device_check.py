@@ -7,8 +7,10 @@ with CUDA it writes the figures into docs/gpu.md (``--doc``). Checks (docs/gpu.m
 
   optim[CASE]     each checkmate optimizer and option, 10M+ parameters, 50 steps: the CUDA
                   result vs the shadows' CPU Numba kernel (FlatOptimizer) fed the same
-                  gradients, learning rates and clip factors, bit for bit (int32 views)
+                  gradients, learning rates and clip factors, bit for bit
+                  (checkmate.optim.device_check: its CASES, check_case)
   optim-speed     checkmate AdamW on CUDA vs torch's fused CUDA AdamW, 100M parameters
+                  (checkmate.optim.device_check.bench_adamw)
   ddp             2-rank DDP on NCCL on the one GPU (a NCCL_HOSTID per rank), 2 shadows,
                   under `checkmate launch`; a worker SIGKILLed at a random iteration and
                   restarted; final state bit-identical to a failure-free run
@@ -21,7 +23,8 @@ with CUDA it writes the figures into docs/gpu.md (``--doc``). Checks (docs/gpu.m
                   equal to the trainers'; records the NCCL release (root: a tap on lo)
 
 Without CUDA every CUDA part is a SKIP line that names it; ``--cpu-smoke`` runs the
-optimizer harness on CPU tensors at a small size (the harness itself, not the device).
+optimizer harness on CPU tensors at a small size (the exact torch path against the shadow
+kernel: the harness itself, not the device).
 A check that does not fit the remaining budget is skipped and says so. Exit status: 0
 when nothing failed, 1 otherwise; bad arguments are one line and 2.
 
@@ -50,7 +53,6 @@ from checkmate.testbed.device_common import (
 from checkmate.testbed.device_nccl import nccl_plugin_check
 from checkmate.testbed.device_nccl import worker as _worker_nccl
 from checkmate.testbed.device_runs import (
-    OPTIM_CASES,
     _probe,
     kill_restore,
     optim_case,
@@ -109,17 +111,18 @@ def run_checks(args: argparse.Namespace, emit: Callable[[Result], None]) -> list
         return only is None or name in only
 
     no_cuda = "no CUDA device" if not _cuda() else "--cpu-smoke given"
-    # (a) optimizers
+    # (a) optimizers: every case of checkmate.optim.device_check
     if wanted("optim"):
+        from checkmate.optim.device_check import CASE_NAMES
+
         if not _cuda() or args.cpu_smoke:
-            for name in OPTIM_CASES:
+            for name in CASE_NAMES:
                 if not budget.fits(5):
                     add(Result(f"optim-cpu[{name}]", "SKIP", "does not fit the time budget"))
                     continue
                 guarded(f"optim-cpu[{name}]",
-                        lambda n=name: _relabel(optim_case(n, "cpu", args.cpu_n, args.cpu_steps),
-                                                "optim-cpu"))
-        for name in OPTIM_CASES:
+                        lambda n=name: optim_case(n, "cpu", args.cpu_n, args.cpu_steps))
+        for name in CASE_NAMES:
             if not cuda:
                 add(Result(f"optim[{name}]", "SKIP", f"CUDA vs shadow kernel: {no_cuda}"))
             elif not budget.fits(15):
@@ -205,11 +208,6 @@ def run_checks(args: argparse.Namespace, emit: Callable[[Result], None]) -> list
         guarded("schemes", lambda: schemes_check(backend, budget, args.bench_width,
                                                  args.bench_layers, args.rounds))
     return results
-
-
-def _relabel(r: Result, prefix: str) -> Result:
-    r.name = r.name.replace("optim", prefix, 1)
-    return r
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from checkmate.optim.device_check import CASE_NAMES
 from checkmate.testbed import device_check as dc
 from checkmate.testbed import device_common as common
 from checkmate.testbed import device_runs as runs
@@ -30,13 +31,13 @@ def test_cpu_smoke_runs_end_to_end_and_names_every_skipped_cuda_part(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.strip().splitlines()
     assert lines[0].startswith("device-check: python ")
-    for name in runs.OPTIM_CASES:
+    for name in CASE_NAMES:
         assert f"PASS optim-cpu[{name}]: cpu tensors == shadow kernel bit for bit" in p.stdout
         assert any(ln.startswith(f"SKIP optim[{name}]: CUDA vs shadow kernel: ")
                    for ln in lines), name
     for name in ("optim-speed", "ddp", "fsdp", "schemes", "nccl-plugin"):
         assert any(ln.startswith(f"SKIP {name}: ") for ln in lines), name
-    n = len(runs.OPTIM_CASES)
+    n = len(CASE_NAMES)
     assert lines[-1].startswith(f"device-check summary: {n} passed, 0 failed, {n + 5} skipped "
                                 "in "), lines[-1]
     assert "Traceback" not in p.stderr
