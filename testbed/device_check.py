@@ -46,7 +46,6 @@ from checkmate.testbed.device_common import (
     PROJECT_DEPS,
     Budget,
     Result,
-    _cuda,
     _missing,
     environment,
 )
@@ -57,6 +56,7 @@ from checkmate.testbed.device_runs import (
     kill_restore,
     optim_case,
     optim_speed,
+    placement,
     probe_backend,
     schemes_check,
 )
@@ -104,18 +104,19 @@ def run_checks(args: argparse.Namespace, emit: Callable[[Result], None]) -> list
         for r in got if isinstance(got, list) else [got]:
             add(r)
 
-    cuda = _cuda() and not args.cpu_smoke
+    # the launcher's decision (checkmate.launch.placement), for the 2-rank jobs
+    cuda = placement(args.cpu_smoke).device == "cuda"
     only = set(args.only.split(",")) if args.only else None
 
     def wanted(name: str) -> bool:
         return only is None or name in only
 
-    no_cuda = "no CUDA device" if not _cuda() else "--cpu-smoke given"
+    no_cuda = "--cpu-smoke given" if args.cpu_smoke else "no CUDA device"
     # (a) optimizers: every case of checkmate.optim.device_check
     if wanted("optim"):
         from checkmate.optim.device_check import CASE_NAMES
 
-        if not _cuda() or args.cpu_smoke:
+        if not cuda:
             for name in CASE_NAMES:
                 if not budget.fits(5):
                     add(Result(f"optim-cpu[{name}]", "SKIP", "does not fit the time budget"))
@@ -279,8 +280,8 @@ def _main(argv: list[str]) -> int:
         results = run_checks(args, lambda r: print(r.line(), flush=True))
         secs = time.monotonic() - t0
         counts = {s: sum(1 for r in results if r.status == s) for s in ("PASS", "FAIL", "SKIP")}
-        doc = args.doc if args.doc is not None else (DOC if _cuda() and not args.cpu_smoke
-                                                     else None)
+        cuda = placement(args.cpu_smoke).device == "cuda"
+        doc = args.doc if args.doc is not None else (DOC if cuda else None)
         if doc is not None and not args.no_doc:
             write_doc(doc, results, env, secs)
         print(f"device-check summary: {counts['PASS']} passed, {counts['FAIL']} failed, "

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from checkmate.launch import placement as launch_placement
 from checkmate.testbed.device_common import (
     NCCL_ENV,
     Budget,
@@ -107,11 +108,26 @@ def _probe(backend: str) -> int:
     return 0 if ok else 1
 
 
+#: Ranks of the kill/restart jobs (both on GPU 0: NCCL sees two hosts, NCCL_ENV).
+JOB_RANKS = 2
+
+
+def placement(cpu: bool, nproc: int = JOB_RANKS) -> launch_placement.Placement:
+    """Where the device check's work runs: the launcher's own decision
+    (checkmate.launch.placement) for ``nproc`` ranks, on the CPU when ``cpu`` (--cpu-smoke),
+    else on CUDA where a device is visible."""
+    return launch_placement.place("cpu" if cpu else "auto", nproc,
+                                  launch_placement.cuda_device_count())
+
+
 def _launch_argv(nproc: int, shadows: int | None, mode: str, d: Path, worker: str,
-                 extra: list[str], gockpt: str | None = None, restarts: int = 1) -> list[str]:
-    argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(restarts), "--progress-every", "0", "--dir", str(d),
-            "--mode", mode]
+                 extra: list[str], gockpt: str | None = None, restarts: int = 1,
+                 device: str = "cuda") -> list[str]:
+    """`checkmate launch` of this file's ``worker`` on the device the check decided
+    (placement), given to the launcher rather than decided there again."""
+    argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
+            str(nproc), "--device", device, "--max-restarts", str(restarts),
+            "--progress-every", "0", "--dir", str(d), "--mode", mode]
     if shadows:
         argv += ["--shadows", str(shadows)]
     if gockpt:
@@ -142,8 +158,8 @@ def kill_restore(kind: str, backend: str, budget: Budget, steps: int = 24,
         renv = dict(env)
         if run == "killed":
             renv["CHECKMATE_KILL_AT"] = f"{rank}:{at}"
-        argv = _launch_argv(2, 2, "host", work / run, kind,
-                            ["--steps", str(steps), "--out", str(out)])
+        argv = _launch_argv(JOB_RANKS, 2, "host", work / run, kind,
+                            ["--steps", str(steps), "--out", str(out)], device=device)
         # a hung launch (a NCCL hang) must not eat the whole budget
         rc, text = _run(argv, renv, min(left - 5, 150.0 if device == "cuda" else 400.0))
         outs[run] = text
@@ -194,7 +210,8 @@ def schemes_check(backend: str, budget: Budget, width: int, layers: int, rounds:
         res = work / f"{label}.json"
         argv = _launch_argv(1, shadows, mode, work / label, "bench",
                             ["--schemes", schemes, "--ckdir", str(work / f"ck-{label}"),
-                             "--out", str(res), *common], gockpt=gk, restarts=0)
+                             "--out", str(res), *common], gockpt=gk, restarts=0,
+                            device=device)
         rc, text = _run(argv, env, min(budget.left() - 5,
                                        150.0 if device == "cuda" else 400.0))
         (work / f"{label}.log").write_text(text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,3 +96,19 @@ def test_doc_table_escapes_pipes_and_keeps_figures(tmp_path):
     dc.write_doc(doc, [common.Result("a", "PASS", "x | y", {"k": np.float64(1.5).item()})], env, 3)
     text = doc.read_text()
     assert "| a | PASS | x / y `{\"k\": 1.5}` |" in text and "**X**" in text
+
+
+def test_the_check_places_its_work_as_the_launcher_does_and_tells_the_launcher(monkeypatch):
+    """One nproc/device decision (checkmate.launch.placement): the check's device is the
+    launcher's answer, and its launches are given it instead of deciding again."""
+    from checkmate.launch import placement
+
+    monkeypatch.setattr(placement, "cuda_device_count", lambda: 1)
+    on_gpu = runs.placement(cpu=False)
+    assert (on_gpu.device, on_gpu.nproc, on_gpu.gpus_used) == ("cuda", runs.JOB_RANKS, 1)
+    assert runs.placement(cpu=True).device == "cpu"  # --cpu-smoke on a GPU machine
+    monkeypatch.setattr(placement, "cuda_device_count", lambda: 0)
+    assert runs.placement(cpu=False).device == "cpu"
+    argv = runs._launch_argv(runs.JOB_RANKS, 2, "host", Path("/d"), "ddp", [], device="cpu")
+    at = argv.index("--device")
+    assert argv[at + 1] == "cpu" and argv[argv.index("--nproc-per-node") + 1] == "2"
