@@ -43,8 +43,10 @@ def parser(gpus: int) -> argparse.ArgumentParser:
     the default worker count; checkmate.launch.placement decides it)."""
     p = _Parser(prog=PROG, description="Run a training script on N local workers with "
                 "Checkmate shadows and automatic restart (torchrun --standalone style).")
+    # required without GPUs so that argparse names it with any other missing argument;
+    # the count itself (None: one per GPU) is placement.place's to decide
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=_count(1, MAX_TRAINERS),
-                   default=None, metavar="N",
+                   required=not gpus, default=None, metavar="N",
                    help="trainer processes (ranks); default with CUDA devices: one per "
                         f"device ({gpus} here)" if gpus else "trainer processes (ranks)")
     p.add_argument("--device", choices=DEVICES, default="auto",
