@@ -7,8 +7,10 @@ with CUDA it writes the figures into docs/gpu.md (``--doc``). Checks (docs/gpu.m
 
   optim[CASE]     each checkmate optimizer and option, 10M+ parameters, 50 steps: the CUDA
                   result vs the shadows' CPU Numba kernel (FlatOptimizer) fed the same
-                  gradients, learning rates and clip factors, bit for bit (int32 views)
+                  gradients, learning rates and clip factors, bit for bit
+                  (checkmate.optim.device_check: its CASES, check_case)
   optim-speed     checkmate AdamW on CUDA vs torch's fused CUDA AdamW, 100M parameters
+                  (checkmate.optim.device_check.bench_adamw)
   ddp             2-rank DDP on NCCL on the one GPU (a NCCL_HOSTID per rank), 2 shadows,
                   under `checkmate launch`; a worker SIGKILLed at a random iteration and
                   restarted; final state bit-identical to a failure-free run
@@ -21,7 +23,8 @@ with CUDA it writes the figures into docs/gpu.md (``--doc``). Checks (docs/gpu.m
                   equal to the trainers'; records the NCCL release (root: a tap on lo)
 
 Without CUDA every CUDA part is a SKIP line that names it; ``--cpu-smoke`` runs the
-optimizer harness on CPU tensors at a small size (the harness itself, not the device).
+optimizer harness on CPU tensors at a small size (the exact torch path against the shadow
+kernel: the harness itself, not the device).
 A check that does not fit the remaining budget is skipped and says so. Exit status: 0
 when nothing failed, 1 otherwise; bad arguments are one line and 2.
 
@@ -43,18 +46,17 @@ from checkmate.testbed.device_common import (
     PROJECT_DEPS,
     Budget,
     Result,
-    _cuda,
     _missing,
     environment,
 )
 from checkmate.testbed.device_nccl import nccl_plugin_check
 from checkmate.testbed.device_nccl import worker as _worker_nccl
 from checkmate.testbed.device_runs import (
-    OPTIM_CASES,
     _probe,
     kill_restore,
     optim_case,
     optim_speed,
+    placement,
     probe_backend,
     schemes_check,
 )
@@ -102,24 +104,26 @@ def run_checks(args: argparse.Namespace, emit: Callable[[Result], None]) -> list
         for r in got if isinstance(got, list) else [got]:
             add(r)
 
-    cuda = _cuda() and not args.cpu_smoke
+    # the launcher's decision (checkmate.launch.placement), for the 2-rank jobs
+    cuda = placement(args.cpu_smoke).device == "cuda"
     only = set(args.only.split(",")) if args.only else None
 
     def wanted(name: str) -> bool:
         return only is None or name in only
 
-    no_cuda = "no CUDA device" if not _cuda() else "--cpu-smoke given"
-    # (a) optimizers
+    no_cuda = "--cpu-smoke given" if args.cpu_smoke else "no CUDA device"
+    # (a) optimizers: every case of checkmate.optim.device_check
     if wanted("optim"):
-        if not _cuda() or args.cpu_smoke:
-            for name in OPTIM_CASES:
+        from checkmate.optim.device_check import CASE_NAMES
+
+        if not cuda:
+            for name in CASE_NAMES:
                 if not budget.fits(5):
                     add(Result(f"optim-cpu[{name}]", "SKIP", "does not fit the time budget"))
                     continue
                 guarded(f"optim-cpu[{name}]",
-                        lambda n=name: _relabel(optim_case(n, "cpu", args.cpu_n, args.cpu_steps),
-                                                "optim-cpu"))
-        for name in OPTIM_CASES:
+                        lambda n=name: optim_case(n, "cpu", args.cpu_n, args.cpu_steps))
+        for name in CASE_NAMES:
             if not cuda:
                 add(Result(f"optim[{name}]", "SKIP", f"CUDA vs shadow kernel: {no_cuda}"))
             elif not budget.fits(15):
@@ -207,11 +211,6 @@ def run_checks(args: argparse.Namespace, emit: Callable[[Result], None]) -> list
     return results
 
 
-def _relabel(r: Result, prefix: str) -> Result:
-    r.name = r.name.replace("optim", prefix, 1)
-    return r
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"] and len(argv) > 1:
@@ -281,8 +280,8 @@ def _main(argv: list[str]) -> int:
         results = run_checks(args, lambda r: print(r.line(), flush=True))
         secs = time.monotonic() - t0
         counts = {s: sum(1 for r in results if r.status == s) for s in ("PASS", "FAIL", "SKIP")}
-        doc = args.doc if args.doc is not None else (DOC if _cuda() and not args.cpu_smoke
-                                                     else None)
+        cuda = placement(args.cpu_smoke).device == "cuda"
+        doc = args.doc if args.doc is not None else (DOC if cuda else None)
         if doc is not None and not args.no_doc:
             write_doc(doc, results, env, secs)
         print(f"device-check summary: {counts['PASS']} passed, {counts['FAIL']} failed, "

@@ -51,9 +51,10 @@ class Budget:
 
 
 def _cuda() -> bool:
-    import torch
+    """Whether a CUDA device is visible (the launcher's count: checkmate.launch.placement)."""
+    from checkmate.launch.placement import cuda_device_count
 
-    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    return cuda_device_count() > 0
 
 
 def _missing(mods: tuple[str, ...]) -> list[str]:

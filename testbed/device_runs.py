@@ -1,6 +1,7 @@
 """The device check's checks: (a) each optimizer on CUDA against the shadow's kernel and
-its speed against fused AdamW, (b, c) DDP and FSDP2 kill and restart under checkmate launch,
-(d) the checkpoint schemes on >= 1 GB of state."""
+its speed against fused AdamW (the comparison itself: checkmate.optim.device_check),
+(b, c) DDP and FSDP2 kill and restart under checkmate launch, (d) the checkpoint schemes on
+>= 1 GB of state."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
+from checkmate.launch import placement as launch_placement
 from checkmate.testbed.device_common import (
     NCCL_ENV,
     Budget,
@@ -29,146 +29,32 @@ from checkmate.testbed.device_common import (
 )
 from checkmate.testbed.device_workers import ALTERNATED
 
-#: name -> (class, param groups' options, clip max norm as a multiple of the gradient's
-#: expected norm (about half the steps clip) or None, scheduler)
-OPTIM_CASES: dict[str, tuple[str, list[dict[str, Any]], float | None, bool]] = {
-    "sgd": ("SGD", [{"lr": 0.05}], None, False),
-    "sgd-momentum-dampening": ("SGD", [{"lr": 0.05, "momentum": 0.9, "dampening": 0.3}],
-                               None, False),
-    "sgd-nesterov-weight-decay": ("SGD", [{"lr": 0.05, "momentum": 0.9, "nesterov": True,
-                                           "weight_decay": 1e-3}], None, False),
-    "sgd-maximize": ("SGD", [{"lr": 0.01, "momentum": 0.5, "weight_decay": 1e-4,
-                              "maximize": True}], None, False),
-    "adam": ("Adam", [{"lr": 1e-3, "weight_decay": 1e-2}], None, False),
-    "adam-amsgrad": ("Adam", [{"lr": 1e-3, "amsgrad": True, "betas": (0.8, 0.99)}], None,
-                     False),
-    "adamw": ("AdamW", [{"lr": 1e-3, "weight_decay": 0.1}], None, False),
-    "adamw-maximize-eps": ("AdamW", [{"lr": 1e-3, "maximize": True, "eps": 1e-6}], None,
-                           False),
-    "adamw-groups-scheduler": ("AdamW", [{"lr": 1e-3, "weight_decay": 0.1},
-                                         {"lr": 3e-4, "weight_decay": 0.0, "amsgrad": True}],
-                               None, True),
-    "adamw-clip": ("AdamW", [{"lr": 1e-3, "weight_decay": 0.01}], 1.0, False),
-    "sgd-groups-scheduler-clip": ("SGD", [{"lr": 0.05, "momentum": 0.9},
-                                          {"lr": 0.01, "momentum": 0.9, "nesterov": True}],
-                                  1.0, True),
-}
 
-_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov",
-          "maximize")
+def optim_case(name: str, device: str, n: int, steps: int) -> Result:
+    """(a) One optimizer case of checkmate.optim.device_check (the one CUDA-vs-shadow
+    comparison) as a device-check line. On CPU tensors the exact torch path runs (the
+    default there, Numba, is the shadow's own kernel: it would compare a thing to itself)."""
+    from checkmate.optim import device_check as odc
+
+    r = odc.check_case(odc.CASE_NAMES[name], n=n, steps=steps, device=device,
+                       executor="auto" if device == "cuda" else "torch")
+    where = "CUDA" if device == "cuda" else f"{device} tensors"
+    label = "optim" if device == "cuda" else f"optim-{device}"
+    if not r.ok:
+        return Result(f"{label}[{name}]", "FAIL", f"{where} vs shadow kernel: {r.detail}",
+                      r.figures)
+    return Result(f"{label}[{name}]", "PASS", f"{where} == shadow kernel bit for bit: "
+                  f"{r.detail}, {r.seconds:.1f} s", r.figures)
 
 
-def optim_case(name: str, device: str, n: int, steps: int, seed: int = 0) -> Result:
-    """One optimizer case: ``steps`` steps of checkmate.optim on ``device`` tensors vs the
-    shadow's FlatOptimizer on the CPU, from the same gradients, rates and clip factors."""
-    import numpy as np
-    import torch
+def optim_speed(n: int) -> Result:
+    """(a) checkmate AdamW vs torch's fused AdamW on CUDA (checkmate.optim.device_check)."""
+    from checkmate.optim import device_check as odc
 
-    import checkmate.optim as co
-
-    cls_name, opts, clip, sched = OPTIM_CASES[name]
-    dev = torch.device(device)
-    g = torch.Generator(device=dev).manual_seed(seed)
-    # Uneven tensors (a cut inside none of them is special), split over the groups.
-    sizes = [n // 2 + 7, n // 3 - 5, n - (n // 2 + 7) - (n // 3 - 5)]
-    params = [torch.nn.Parameter(torch.randn(k, generator=g, device=dev) * 0.1)
-              for k in sizes]
-    per = [params[:2], params[2:]] if len(opts) == 2 else [params]
-    groups = [{"params": ps, **o} for ps, o in zip(per, opts, strict=True)]
-    opt = getattr(co, cls_name)(groups)
-    scheduler = (torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.97 ** i) if sched
-                 else None)
-    flat_order = [p for grp in per for p in grp]
-    ranges, pos = [], 0
-    for gi, (grp, pg) in enumerate(zip(per, opt.param_groups, strict=True)):
-        k = sum(p.numel() for p in grp)
-        ranges.append((pos, pos + k, {**{h: pg[h] for h in _HYPER if h in pg}, "group": gi}))
-        pos += k
-    shadow = co.FlatOptimizer(cls_name.lower(), ranges, pos)
-    shadow.state["param"][:] = torch.cat([p.detach().reshape(-1) for p in flat_order]
-                                         ).cpu().numpy()
-    coefs = []
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        for p in flat_order:
-            p.grad = torch.randn(p.shape, generator=g, device=dev) * 0.01
-        sent = torch.cat([p.grad.reshape(-1) for p in flat_order]).cpu().numpy()
-        coef = (co.clip_grad_norm_(flat_order, clip * 0.01 * pos ** 0.5)[1]
-                if clip is not None else None)
-        coefs.append(coef)
-        lrs = [float(pg["lr"]) for pg in opt.param_groups]
-        opt.step()
-        if scheduler is not None:
-            scheduler.step()
-        shadow.step(sent, lrs, coef)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    secs = time.perf_counter() - t0
-    bad = []
-    got = torch.cat([p.detach().reshape(-1) for p in flat_order]).cpu().numpy()
-    if not np.array_equal(got.view(np.int32), shadow.state["param"].view(np.int32)):
-        bad.append(("param", got, shadow.state["param"]))
-    for slot in shadow.slots[1:]:
-        parts = []
-        for p in flat_order:
-            v = opt.state[p].get(slot)
-            parts.append(torch.zeros_like(p).reshape(-1) if v is None else v.reshape(-1))
-        mine = torch.cat(parts).detach().cpu().numpy()
-        if not np.array_equal(mine.view(np.int32), shadow.state[slot].view(np.int32)):
-            bad.append((slot, mine, shadow.state[slot]))
-    figs = {"elements": pos, "steps": steps, "seconds": round(secs, 2),
-            "clipped": sum(1 for c in coefs if c is not None and c < 1.0)}
-    where = f"{device} tensors" if dev.type == "cpu" else "CUDA"
-    if bad:
-        slot, a, b = bad[0]
-        diff = np.flatnonzero(a.view(np.int32) != b.view(np.int32))
-        return Result(f"optim[{name}]", "FAIL",
-                      f"{where} vs shadow kernel after {steps} steps: {len(diff)} of {pos} "
-                      f"elements of {slot} differ (first at {diff[0]}: {a[diff[0]]!r} vs "
-                      f"{b[diff[0]]!r}); slots differing: {', '.join(x[0] for x in bad)}",
-                      figs)
-    if clip is not None and figs["clipped"] == 0:
-        return Result(f"optim[{name}]", "FAIL", "clipping never acted: the case tests "
-                      "nothing about it", figs)
-    return Result(f"optim[{name}]", "PASS",
-                  f"{where} == shadow kernel bit for bit (int32 views), {pos} elements, "
-                  f"{steps} steps, slots {', '.join(shadow.slots)}, {secs:.1f} s",
-                  figs)
-
-
-def optim_speed(n: int, steps: int = 20) -> Result:
-    """checkmate AdamW vs torch's fused AdamW, both on CUDA, per step."""
-    import torch
-
-    import checkmate.optim as co
-
-    dev = torch.device("cuda", 0)
-    times = {}
-    for label in ("checkmate", "fused"):
-        torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(n // 4, device=dev) * 0.1) for _ in range(4)]
-        for p in ps:
-            p.grad = torch.randn_like(p) * 0.01
-        opt = (co.AdamW(ps, lr=1e-3, weight_decay=0.01) if label == "checkmate"
-               else torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True))
-        for _ in range(3):
-            opt.step()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            opt.step()
-        torch.cuda.synchronize()
-        times[label] = (time.perf_counter() - t) / steps
-        del opt, ps
-        torch.cuda.empty_cache()
-    ratio = times["checkmate"] / times["fused"]
-    figs = {"params_m": n / 1e6, "checkmate_ms": round(1e3 * times["checkmate"], 2),
-            "fused_ms": round(1e3 * times["fused"], 2), "ratio": round(ratio, 3)}
-    status = "PASS" if ratio <= 2.0 else "FAIL"
-    return Result("optim-speed", status,
-                  f"checkmate AdamW {figs['checkmate_ms']} ms/step vs torch fused AdamW "
-                  f"{figs['fused_ms']} ms/step at {n / 1e6:.0f}M parameters: ratio "
-                  f"{ratio:.2f} (target <= 2)", figs)
+    b = odc.bench_adamw(n=n)
+    ok, line = odc.speed_verdict(b)
+    figs = {k: round(v, 3) if isinstance(v, float) else v for k, v in b.items()}
+    return Result("optim-speed", "PASS" if ok else "FAIL", line, figs)
 
 
 # --------------------------------------------------------------- (b)(c) launcher checks
@@ -222,11 +108,26 @@ def _probe(backend: str) -> int:
     return 0 if ok else 1
 
 
+#: Ranks of the kill/restart jobs (both on GPU 0: NCCL sees two hosts, NCCL_ENV).
+JOB_RANKS = 2
+
+
+def placement(cpu: bool, nproc: int = JOB_RANKS) -> launch_placement.Placement:
+    """Where the device check's work runs: the launcher's own decision
+    (checkmate.launch.placement) for ``nproc`` ranks, on the CPU when ``cpu`` (--cpu-smoke),
+    else on CUDA where a device is visible."""
+    return launch_placement.place("cpu" if cpu else "auto", nproc,
+                                  launch_placement.cuda_device_count())
+
+
 def _launch_argv(nproc: int, shadows: int | None, mode: str, d: Path, worker: str,
-                 extra: list[str], gockpt: str | None = None, restarts: int = 1) -> list[str]:
-    argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(restarts), "--progress-every", "0", "--dir", str(d),
-            "--mode", mode]
+                 extra: list[str], gockpt: str | None = None, restarts: int = 1,
+                 device: str = "cuda") -> list[str]:
+    """`checkmate launch` of this file's ``worker`` on the device the check decided
+    (placement), given to the launcher rather than decided there again."""
+    argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
+            str(nproc), "--device", device, "--max-restarts", str(restarts),
+            "--progress-every", "0", "--dir", str(d), "--mode", mode]
     if shadows:
         argv += ["--shadows", str(shadows)]
     if gockpt:
@@ -257,8 +158,8 @@ def kill_restore(kind: str, backend: str, budget: Budget, steps: int = 24,
         renv = dict(env)
         if run == "killed":
             renv["CHECKMATE_KILL_AT"] = f"{rank}:{at}"
-        argv = _launch_argv(2, 2, "host", work / run, kind,
-                            ["--steps", str(steps), "--out", str(out)])
+        argv = _launch_argv(JOB_RANKS, 2, "host", work / run, kind,
+                            ["--steps", str(steps), "--out", str(out)], device=device)
         # a hung launch (a NCCL hang) must not eat the whole budget
         rc, text = _run(argv, renv, min(left - 5, 150.0 if device == "cuda" else 400.0))
         outs[run] = text
@@ -309,7 +210,8 @@ def schemes_check(backend: str, budget: Budget, width: int, layers: int, rounds:
         res = work / f"{label}.json"
         argv = _launch_argv(1, shadows, mode, work / label, "bench",
                             ["--schemes", schemes, "--ckdir", str(work / f"ck-{label}"),
-                             "--out", str(res), *common], gockpt=gk, restarts=0)
+                             "--out", str(res), *common], gockpt=gk, restarts=0,
+                            device=device)
         rc, text = _run(argv, env, min(budget.left() - 5,
                                        150.0 if device == "cuda" else 400.0))
         (work / f"{label}.log").write_text(text)

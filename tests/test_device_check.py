@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from checkmate.optim.device_check import CASE_NAMES
 from checkmate.testbed import device_check as dc
 from checkmate.testbed import device_common as common
 from checkmate.testbed import device_runs as runs
@@ -30,13 +32,13 @@ def test_cpu_smoke_runs_end_to_end_and_names_every_skipped_cuda_part(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.strip().splitlines()
     assert lines[0].startswith("device-check: python ")
-    for name in runs.OPTIM_CASES:
+    for name in CASE_NAMES:
         assert f"PASS optim-cpu[{name}]: cpu tensors == shadow kernel bit for bit" in p.stdout
         assert any(ln.startswith(f"SKIP optim[{name}]: CUDA vs shadow kernel: ")
                    for ln in lines), name
     for name in ("optim-speed", "ddp", "fsdp", "schemes", "nccl-plugin"):
         assert any(ln.startswith(f"SKIP {name}: ") for ln in lines), name
-    n = len(runs.OPTIM_CASES)
+    n = len(CASE_NAMES)
     assert lines[-1].startswith(f"device-check summary: {n} passed, 0 failed, {n + 5} skipped "
                                 "in "), lines[-1]
     assert "Traceback" not in p.stderr
@@ -94,3 +96,19 @@ def test_doc_table_escapes_pipes_and_keeps_figures(tmp_path):
     dc.write_doc(doc, [common.Result("a", "PASS", "x | y", {"k": np.float64(1.5).item()})], env, 3)
     text = doc.read_text()
     assert "| a | PASS | x / y `{\"k\": 1.5}` |" in text and "**X**" in text
+
+
+def test_the_check_places_its_work_as_the_launcher_does_and_tells_the_launcher(monkeypatch):
+    """One nproc/device decision (checkmate.launch.placement): the check's device is the
+    launcher's answer, and its launches are given it instead of deciding again."""
+    from checkmate.launch import placement
+
+    monkeypatch.setattr(placement, "cuda_device_count", lambda: 1)
+    on_gpu = runs.placement(cpu=False)
+    assert (on_gpu.device, on_gpu.nproc, on_gpu.gpus_used) == ("cuda", runs.JOB_RANKS, 1)
+    assert runs.placement(cpu=True).device == "cpu"  # --cpu-smoke on a GPU machine
+    monkeypatch.setattr(placement, "cuda_device_count", lambda: 0)
+    assert runs.placement(cpu=False).device == "cpu"
+    argv = runs._launch_argv(runs.JOB_RANKS, 2, "host", Path("/d"), "ddp", [], device="cpu")
+    at = argv.index("--device")
+    assert argv[at + 1] == "cpu" and argv[argv.index("--nproc-per-node") + 1] == "2"

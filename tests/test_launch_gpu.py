@@ -1,9 +1,10 @@
 """``checkmate launch`` on GPUs: the launcher's and the worker's decisions, on the CPU.
 
 The default worker count depends on how many CUDA devices the launcher sees; that one
-number comes from ``checkmate.launch.cli.cuda_device_count``, which these tests replace with a
-double (``fake_cuda_devices``: "CUDA present with N devices") to check the decision. It does
-not model a GPU: nothing here runs on one. The binding of a worker to its GPU and the NCCL
+number comes from ``checkmate.launch.placement.cuda_device_count``, which these tests
+replace with a double (``fake_cuda_devices``: "CUDA present with N devices") to check the
+decision (checkmate.launch.placement.place, which the device check shares). It does not
+model a GPU: nothing here runs on one. The binding of a worker to its GPU and the NCCL
 process group need real devices; those tests skip without CUDA.
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from checkmate.errors import CheckmateError
 from checkmate.launch import cli as launch
+from checkmate.launch import launcher, placement
 from checkmate.train import env as envmod
 from checkmate.train.run_script import bind_device
 
@@ -40,8 +42,8 @@ def _launch_env(monkeypatch: pytest.MonkeyPatch, gpus: int, argv: list[str]) -> 
         seen["nproc"] = args.nproc_per_node
         seen["env"] = dict(os.environ)
 
-    monkeypatch.setattr(launch, "cuda_device_count", fake_cuda_devices(gpus))
-    monkeypatch.setattr(launch, "_run_agent", agent)
+    monkeypatch.setattr(placement, "cuda_device_count", fake_cuda_devices(gpus))
+    monkeypatch.setattr(launcher, "_run_agent", agent)
     with mock.patch.dict(os.environ):
         assert launch.main(["launch", *argv]) == 0
     return seen
@@ -62,7 +64,7 @@ def test_an_explicit_count_and_cpu_win(monkeypatch):
 
 
 def test_without_gpus_the_count_is_required_and_cuda_refused(monkeypatch, capsys):
-    monkeypatch.setattr(launch, "cuda_device_count", fake_cuda_devices(0))
+    monkeypatch.setattr(placement, "cuda_device_count", fake_cuda_devices(0))
     assert launch.main(["launch", "--mode", "off", str(EXAMPLE)]) == 2
     err = capsys.readouterr().err
     assert "--nproc-per-node" in err and len(err.strip().splitlines()) == 1, err
@@ -70,6 +72,24 @@ def test_without_gpus_the_count_is_required_and_cuda_refused(monkeypatch, capsys
                         "off", str(EXAMPLE)]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device is visible" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_placement_decision_the_launcher_and_the_device_check_share():
+    from checkmate.launch.placement import Placement, place
+
+    assert place("auto", None, 3) == Placement("cuda", 3, 3)
+    assert place("auto", 4, 2).gpus_used == 2  # two workers per GPU
+    assert place("auto", 1, 2).gpus_used == 1
+    assert place("cpu", None, 2) == Placement("cpu", 2, 2) and place("cpu", 3, 2).gpus_used == 0
+    assert place("auto", 2, 0) == Placement("cpu", 2, 0)
+    with pytest.raises(CheckmateError, match="no CUDA device is visible"):
+        place("cuda", 1, 0)
+    with pytest.raises(CheckmateError, match="--nproc-per-node"):
+        place("auto", None, 0)
+    with pytest.raises(CheckmateError, match="--device must be one of auto, cuda, cpu"):
+        place("tpu", 1, 1)
+    with pytest.raises(CheckmateError, match="at least 1"):
+        place("cpu", 0, 0)
 
 
 def test_each_worker_binds_its_local_rank_and_sharing_workers_get_their_own_hostid():

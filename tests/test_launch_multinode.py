@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
-from checkmate.launch import cli
+from checkmate.launch import cli, launcher, options
 from checkmate.testbed.multinode import descendants
 from checkmate.train import agreement
 from checkmate.train import env as envmod
@@ -82,8 +82,8 @@ def test_multinode_flags_mean_what_torchrun_makes_of_them(tmp_path):
     flags = ["--nnodes", "2:3", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", "127.0.0.1:29555", "--rdzv-id", "job7", "--max-restarts",
              "3", "--rdzv-conf", "last_call_timeout=5,join_timeout=90"]
-    ours = cli.launch_config(
-        cli._parser(0).parse_args([*flags, "--shadow", "127.0.0.1", str(EXAMPLE)]), tmp_path)
+    ours = launcher.launch_config(
+        options.parser(0).parse_args([*flags, "--shadow", "127.0.0.1", str(EXAMPLE)]), tmp_path)
     torchs, _, _ = config_from_args(parse_args([*flags, str(EXAMPLE)]))
     for f in ("min_nodes", "max_nodes", "nproc_per_node", "run_id", "rdzv_backend",
               "rdzv_endpoint", "rdzv_configs", "max_restarts"):
@@ -91,8 +91,8 @@ def test_multinode_flags_mean_what_torchrun_makes_of_them(tmp_path):
     assert (ours.min_nodes, ours.max_nodes, ours.run_id) == (2, 3, "job7")
     static = ["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "static",
               "--rdzv-endpoint", "127.0.0.1:29556", "--nproc-per-node", "1"]
-    ours = cli.launch_config(
-        cli._parser(0).parse_args([*static, "--shadow", "127.0.0.1", str(EXAMPLE)]), tmp_path)
+    ours = launcher.launch_config(
+        options.parser(0).parse_args([*static, "--shadow", "127.0.0.1", str(EXAMPLE)]), tmp_path)
     torchs, _, _ = config_from_args(parse_args([*static, str(EXAMPLE)]))
     assert ours.rdzv_configs["rank"] == torchs.rdzv_configs["rank"] == 1
 

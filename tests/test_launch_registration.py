@@ -18,7 +18,7 @@ import pytest
 from handshake_service import reg_body, req
 
 from checkmate.errors import CheckmateError
-from checkmate.launch.cli import shadows_from_controller
+from checkmate.launch.launcher import shadows_from_controller
 
 
 def _register_later(addr: tuple[str, int], partition: int, delay: float) -> threading.Timer:

@@ -1,26 +1,30 @@
-"""Checks of the device optimizers for the device check (one GPU): bit-identity with the
-shadows' kernels, and speed against torch's fused AdamW.
+"""Checks of the device optimizers (one GPU): bit-identity with the shadows' kernels.
+
+The one CUDA-vs-shadow optimizer comparison: ``testbed device-check`` runs its CASES as
+optim[CASE] and its speed check as optim-speed; ``python -m checkmate.optim.device_check``
+runs them alone.
 
 :func:`check_case` trains parameters on ``device`` with :class:`checkmate.optim.SGD` /
-``Adam`` / ``AdamW`` (two param groups, a LambdaLR scheduler changing each group's lr,
-optionally clip_grad_norm_) and a shadow (:class:`checkmate.optim.FlatOptimizer`, the
-Numba kernels) from the same raw gradients, lrs and clip factor, and compares every slot's
-bit patterns. :func:`bench_adamw` times one step of both optimizers on CUDA. Both run on
-CPU tensors too (``executor="torch"``), which is how the CPU suite tests them.
+``Adam`` / ``AdamW`` (one or two param groups, optionally a LambdaLR scheduler changing
+each group's lr, clip_grad_norm_ every step, in some steps, or never) and a shadow
+(:class:`checkmate.optim.FlatOptimizer`, the Numba kernels) from the same raw gradients,
+lrs and clip factor, and compares every slot's bit patterns. :func:`bench_adamw` times one
+step of both optimizers on CUDA. Both run on CPU tensors too (``executor="torch"``), which
+is how the CPU suite tests them.
 
 Usage on the GPU machine::
 
     from checkmate.optim import device_check as dc
-    for name, kind, hp in dc.CASES:
-        r = dc.check_case(kind, hp, n=10_000_000, steps=50, device="cuda")
-        print(name, "ok" if r.ok else "FAIL", r.detail)
+    for case in dc.CASES:
+        r = dc.check_case(case, n=10_000_000, steps=50, device="cuda")
+        print(case.name, "ok" if r.ok else "FAIL", r.detail)
     print(dc.bench_adamw(n=100_000_000))
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,25 +35,84 @@ from checkmate.errors import cli_guard
 from checkmate.optim import device as dev
 from checkmate.optim import triton_step
 
-#: (name, kind, param-group hyperparameters) covering every option.
-CASES: list[tuple[str, str, dict[str, Any]]] = [
-    ("sgd", "sgd", {"lr": 0.05}),
-    ("sgd-momentum-dampening-wd", "sgd", {"lr": 0.02, "momentum": 0.8, "dampening": 0.3,
-                                          "weight_decay": 0.01}),
-    ("sgd-nesterov-maximize", "sgd", {"lr": 0.05, "momentum": 0.9, "nesterov": True,
-                                      "weight_decay": 1e-3, "maximize": True}),
-    ("adam", "adam", {"lr": 1e-3}),
-    ("adam-l2-amsgrad", "adam", {"lr": 1e-2, "weight_decay": 0.05, "amsgrad": True}),
-    ("adam-betas-eps", "adam", {"lr": 1e-2, "betas": (0.3, 0.5), "eps": 1e-6}),
-    ("adamw", "adamw", {"lr": 1e-2, "weight_decay": 0.1}),
-    ("adamw-amsgrad-maximize", "adamw", {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True,
-                                         "maximize": True}),
-]
-#: 16-bit gradients go to the kernels as they are, so these cases run without clipping
-#: (torch's clip would multiply in the 16-bit dtype, the shadow in float32).
 CLASSES = {"sgd": co.SGD, "adam": co.Adam, "adamw": co.AdamW}
+#: 16-bit gradients go to the kernels as they are, so those cases run without clipping
+#: (torch's clip would multiply in the 16-bit dtype, the shadow in float32).
 GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                "float16": torch.float16}
+#: How a case clips: every step (the factor must lie in (0, 1) each step), in some steps
+#: (max_norm at the gradients' typical norm: at least one step clipped and one not), or
+#: never (then the gradients also hold NaN and inf).
+CLIPS = ("always", "some", "none")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One optimizer configuration the check trains on the device and on a shadow."""
+
+    name: str
+    kind: str  # sgd, adam, adamw
+    groups: tuple[dict[str, Any], ...]  # each param group's hyperparameters (1 or 2 groups)
+    clip: str = "always"
+    scheduler: bool = True  # a LambdaLR changing each group's lr every step
+    grad_dtype: str = "float32"
+
+
+def _halved(hp: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two groups with the same options, the second at half the rate."""
+    return hp, {**hp, "lr": hp["lr"] / 2}
+
+
+_SGD_NESTEROV_MAX = {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3,
+                     "maximize": True}
+_ADAMW_AMSGRAD_MAX = {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True, "maximize": True}
+
+#: Every option of every optimizer, in one and two groups (same and different options per
+#: group), with and without a scheduler, clipping always, sometimes and never, and 16-bit
+#: gradients.
+CASES: list[Case] = [
+    # two groups with the same options (the second at half the rate), scheduler, clipped
+    Case("sgd", "sgd", _halved({"lr": 0.05})),
+    Case("sgd-momentum-dampening-wd", "sgd",
+         _halved({"lr": 0.02, "momentum": 0.8, "dampening": 0.3, "weight_decay": 0.01})),
+    Case("sgd-nesterov-maximize", "sgd", _halved(_SGD_NESTEROV_MAX)),
+    Case("adam", "adam", _halved({"lr": 1e-3})),
+    Case("adam-l2-amsgrad", "adam", _halved({"lr": 1e-2, "weight_decay": 0.05,
+                                              "amsgrad": True})),
+    Case("adam-betas-eps", "adam", _halved({"lr": 1e-2, "betas": (0.3, 0.5), "eps": 1e-6})),
+    Case("adamw", "adamw", _halved({"lr": 1e-2, "weight_decay": 0.1})),
+    Case("adamw-amsgrad-maximize", "adamw", _halved(_ADAMW_AMSGRAD_MAX)),
+    # one group, a constant rate, no clipping
+    Case("sgd-one-group", "sgd", ({"lr": 0.05},), "none", False),
+    Case("sgd-momentum-dampening", "sgd", ({"lr": 0.05, "momentum": 0.9, "dampening": 0.3},),
+         "none", False),
+    Case("sgd-nesterov-weight-decay", "sgd", ({"lr": 0.05, "momentum": 0.9, "nesterov": True,
+                                               "weight_decay": 1e-3},), "none", False),
+    Case("sgd-maximize", "sgd", ({"lr": 0.01, "momentum": 0.5, "weight_decay": 1e-4,
+                                  "maximize": True},), "none", False),
+    Case("adam-l2", "adam", ({"lr": 1e-3, "weight_decay": 1e-2},), "none", False),
+    Case("adam-amsgrad", "adam", ({"lr": 1e-3, "amsgrad": True, "betas": (0.8, 0.99)},),
+         "none", False),
+    Case("adamw-one-group", "adamw", ({"lr": 1e-3, "weight_decay": 0.1},), "none", False),
+    Case("adamw-maximize-eps", "adamw", ({"lr": 1e-3, "maximize": True, "eps": 1e-6},),
+         "none", False),
+    # two groups with different options, a scheduler; clipping in some steps
+    Case("adamw-groups-scheduler", "adamw", ({"lr": 1e-3, "weight_decay": 0.1},
+                                             {"lr": 3e-4, "weight_decay": 0.0,
+                                              "amsgrad": True}), "none"),
+    Case("adamw-clip", "adamw", ({"lr": 1e-3, "weight_decay": 0.01},), "some", False),
+    Case("sgd-groups-scheduler-clip", "sgd", ({"lr": 0.05, "momentum": 0.9},
+                                              {"lr": 0.01, "momentum": 0.9,
+                                               "nesterov": True}), "some"),
+    # 16-bit gradients, as the wire carries them
+    Case("adamw-amsgrad-maximize-bfloat16", "adamw", _halved(_ADAMW_AMSGRAD_MAX), "none",
+         grad_dtype="bfloat16"),
+    Case("adamw-amsgrad-maximize-float16", "adamw", _halved(_ADAMW_AMSGRAD_MAX), "none",
+         grad_dtype="float16"),
+    Case("sgd-nesterov-maximize-bfloat16", "sgd", _halved(_SGD_NESTEROV_MAX), "none",
+         grad_dtype="bfloat16"),
+]
+CASE_NAMES = {c.name: c for c in CASES}
 
 
 @dataclass
@@ -57,6 +120,7 @@ class Result:
     ok: bool
     detail: str
     seconds: float
+    figures: dict[str, Any] = field(default_factory=dict)
 
 
 def _awkward(rng: np.random.Generator, n: int, nonfinite: bool,
@@ -86,13 +150,12 @@ def _sizes(n: int) -> list[int]:
     return [max(1, n - sum(small))] + small
 
 
-def check_case(kind: str, hp: dict[str, Any], *, n: int = 10_000_000, steps: int = 50,
-               device: str = "cuda", grad_dtype: str = "float32", clip: bool = True,
+def check_case(case: Case, *, n: int = 10_000_000, steps: int = 50, device: str = "cuda",
                executor: str = "auto", seed: int = 0) -> Result:
     """Train ``steps`` steps on ``device`` and on a shadow; compare every slot bit for bit.
 
-    With ``clip`` the gradients are finite (a NaN would make every later step NaN) and
-    clip_grad_norm_ runs each step; without it they hold NaN and inf."""
+    Clipped cases get finite gradients (a NaN would make every later step NaN); unclipped
+    ones hold NaN and inf too."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     sizes = _sizes(n)
@@ -104,22 +167,36 @@ def check_case(kind: str, hp: dict[str, Any], *, n: int = 10_000_000, steps: int
     offs = np.cumsum([0] + sizes)
     params = [torch.nn.Parameter(torch.from_numpy(init[offs[i]:offs[i + 1]].copy()).to(device))
               for i in range(len(sizes))]
-    g2 = {**hp, "lr": hp["lr"] / 2}
-    groups = [{"params": params[:2], **hp}, {"params": params[2:], **g2}]
-    opt = CLASSES[kind](groups, executor=executor)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda e: 0.97 ** e, lambda e: 1 / (1 + e)])
+    cut = [slice(0, 2), slice(2, None)] if len(case.groups) == 2 else [slice(None)]
+    groups = [{"params": params[c], **hp} for c, hp in zip(cut, case.groups, strict=True)]
+    opt = CLASSES[case.kind](groups, executor=executor)
+    sched = (torch.optim.lr_scheduler.LambdaLR(
+        opt, [lambda e: 0.97 ** e, lambda e: 1 / (1 + e)][:len(groups)])
+        if case.scheduler else None)
     spec = {"params": [{"name": nm, "shape": [s]} for nm, s in zip(names, sizes, strict=True)],
             "total": total, "partitions": 1,
-            "optimizer": {"kind": kind, "groups": [{**hp, "params": names[:2]},
-                                                   {**g2, "params": names[2:]}]}}
+            "optimizer": {"kind": case.kind,
+                          "groups": [{**hp, "params": names[c]}
+                                     for c, hp in zip(cut, case.groups, strict=True)]}}
     shadow = co.FlatOptimizer.from_spec(spec, 0)
     shadow.state["param"][:] = init
-    wire = GRAD_DTYPES[grad_dtype]
+    wire = GRAD_DTYPES[case.grad_dtype]
+    clip = case.clip != "none"
     pool = [_awkward(rng, total, not clip, (-30, 8) if clip else (-50, 50), huge=not clip)
             for _ in range(3)]
+    # "some": the limit is the norm of a pool at scale 1, so the steps at scale 8 clip and
+    # those at 1/8 do not
+    max_norm = (float(np.linalg.norm(pool[0].astype(np.float64)))
+                if case.clip == "some" else 1.0)
     used = {dev.executor_for(executor, p.device) for p in params}
+    figs: dict[str, Any] = {"elements": total, "steps": steps, "clipped": 0}
+    where = ", ".join(sorted(used))
+
+    def failed(why: str) -> Result:
+        return Result(False, f"{why} ({where})", time.perf_counter() - t0, figs)
+
     for step in range(steps):
-        scale = np.float32(2.0 ** ((step % 7) - 3))
+        scale = np.float32(2.0 ** ((step * 3) % 7 - 3))  # 1/8, 1, 8, 2, 1/4, 4, 1/2
         with np.errstate(over="ignore"):  # huge values may become inf: meant
             raw = torch.from_numpy(pool[step % 3] * scale).to(wire)  # what the wire carries
         for i, p in enumerate(params):
@@ -131,35 +208,45 @@ def check_case(kind: str, hp: dict[str, Any], *, n: int = 10_000_000, steps: int
             if wire != torch.float32:
                 for p in params:  # torch's clip multiplies in the gradient's dtype
                     p.grad.data = p.grad.data.float()
-            _, coef = co.clip_grad_norm_(params, max_norm=1.0)
-            if not 0.0 < coef < 1.0:
-                return Result(False, f"step {step}: clip factor {coef} clips nothing",
-                              time.perf_counter() - t0)
+            _, coef = co.clip_grad_norm_(params, max_norm=max_norm)
+            figs["clipped"] += coef is not None and coef < 1.0
+            if case.clip == "always" and not 0.0 < coef < 1.0:
+                return failed(f"step {step}: clip factor {coef} clips nothing")
         lrs = [g["lr"] for g in opt.param_groups]
         opt.step()
-        sched.step()
+        if sched is not None:
+            sched.step()
         shadow.step(co.as_kernel_grad(raw), lrs, coef)
         if step % 10 == 9 or step == steps - 1:
-            diff = _compare(opt, params, shadow, offs)
+            diff = _compare(opt, params, shadow)
             if diff:
-                return Result(False, f"step {step}: {diff} ({', '.join(sorted(used))})",
-                              time.perf_counter() - t0)
-    return Result(True, f"{total} elements, {steps} steps, bit-identical "
-                        f"({', '.join(sorted(used))})", time.perf_counter() - t0)
+                return failed(f"after step {step}: {diff}")
+    if case.clip == "some" and not 0 < figs["clipped"] < steps:
+        return failed(f"clipping acted in {figs['clipped']} of {steps} steps: the case is "
+                      "meant to clip in some steps and not in others")
+    secs = time.perf_counter() - t0
+    figs["seconds"] = round(secs, 2)
+    return Result(True, f"{total} elements, {steps} steps, slots {', '.join(shadow.slots)} "
+                        f"bit-identical ({where})", secs, figs)
 
 
 def _compare(opt: torch.optim.Optimizer, params: list[torch.Tensor],
-             shadow: co.FlatOptimizer, offs: np.ndarray) -> str:
+             shadow: co.FlatOptimizer) -> str:
+    """'' when every slot is bit-identical, else the slots that differ, how many elements
+    of the first one and the first such element."""
+    bad = []
     for slot in shadow.slots:
         if slot == "param":
             got = torch.cat([p.detach().reshape(-1).cpu() for p in params]).numpy()
         else:
             got = torch.cat([opt.state[p].get(slot, torch.zeros_like(p)).reshape(-1).cpu()
                              for p in params]).numpy()
-        bad = int((_bits(got) != _bits(shadow.state[slot])).sum())
-        if bad:
-            return f"{slot}: {bad} elements differ"
-    return ""
+        want = shadow.state[slot]
+        diff = np.flatnonzero(_bits(got) != _bits(want))
+        if len(diff):
+            bad.append(f"{len(diff)} of {len(got)} elements of {slot} differ (first at "
+                       f"{diff[0]}: {got[diff[0]]!r} vs shadow {want[diff[0]]!r})")
+    return "; ".join(bad)
 
 
 def _model_sizes(n: int) -> list[int]:
@@ -209,34 +296,38 @@ def bench_adamw(n: int = 100_000_000, steps: int = 20, device: str = "cuda",
 def run_all(n: int = 10_000_000, steps: int = 50, device: str = "cuda",
             executor: str = "auto", bench_n: int = 100_000_000,
             print_line: Any = print) -> bool:
-    """Every CASES entry with clipping, the 16-bit gradient cases, and (on CUDA) the speed
-    ratio: one line each, then a summary line. True if every check passed."""
+    """Every CASES entry and (on CUDA) the speed ratio: one line each, then a summary
+    line. True if every check passed."""
     results = []
-    runs = [(name, kind, hp, "float32", True) for name, kind, hp in CASES]
-    runs += [(f"adamw-amsgrad-maximize-{d}", "adamw", CASES[-1][2], d, False)
-             for d in ("bfloat16", "float16")]
-    runs += [("sgd-nesterov-maximize-bfloat16", "sgd", CASES[2][2], "bfloat16", False)]
-    for name, kind, hp, gd, clip in runs:
-        r = check_case(kind, hp, n=n, steps=steps, device=device, grad_dtype=gd, clip=clip,
-                       executor=executor)
+    for case in CASES:
+        r = check_case(case, n=n, steps=steps, device=device, executor=executor)
         results.append(r.ok)
-        print_line(f"optim {name}{' +clip' if clip else ''}: {'ok' if r.ok else 'FAIL'} "
+        print_line(f"optim[{case.name}]: {'ok' if r.ok else 'FAIL'} "
                    f"({r.detail}; {r.seconds:.1f} s)")
     if torch.device(device).type == "cuda" and bench_n:
-        b = bench_adamw(n=bench_n, device=device, executor=executor)
-        ok = b["ratio"] <= 2.0
+        ok, line = speed_verdict(bench_adamw(n=bench_n, device=device, executor=executor))
         results.append(ok)
-        print_line(f"optim speed: {'ok' if ok else 'FAIL'} (AdamW {b['params']} params in "
-                   f"{b['tensors']} tensors: checkmate {b['checkmate_ms']:.2f} ms/step "
-                   f"[{b['executor']}], torch fused {b['torch_fused_ms']:.2f} ms/step, "
-                   f"ratio {b['ratio']:.2f}, target <= 2)")
+        print_line(f"optim-speed: {'ok' if ok else 'FAIL'} ({line})")
     print_line(f"optim: {sum(results)}/{len(results)} checks passed")
     return all(results)
 
 
+#: checkmate AdamW may take at most this many times torch's fused AdamW's step time.
+SPEED_TARGET = 2.0
+
+
+def speed_verdict(b: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a :func:`bench_adamw` result meets SPEED_TARGET, and one line about it."""
+    return b["ratio"] <= SPEED_TARGET, (
+        f"AdamW {b['params']} params in {b['tensors']} tensors: checkmate "
+        f"{b['checkmate_ms']:.2f} ms/step [{b['executor']}], torch fused "
+        f"{b['torch_fused_ms']:.2f} ms/step, ratio {b['ratio']:.2f}, target <= {SPEED_TARGET:g}")
+
+
 @cli_guard("checkmate.optim.device_check")
 def main(argv: list[str] | None = None) -> int:
-    """``python -m checkmate.optim.device_check``: run_all; exit 0 when every check passed."""
+    """``python -m checkmate.optim.device_check``: run_all; exit 0 when every check passed.
+    (``testbed device-check`` runs the same checks among its others.)"""
     import argparse
 
     ap = argparse.ArgumentParser(prog="checkmate.optim.device_check",

@@ -1,7 +1,7 @@
 """The environment contract between ``checkmate launch`` and a training script.
 
-The launcher (checkmate.launch.cli) sets these variables, torch's elastic agent passes them to
-every worker next to its own (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+The launcher (checkmate.launch.launcher) sets these variables, torch's elastic agent passes
+them to every worker next to its own (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 TORCHELASTIC_RESTART_COUNT), and ``CheckmateSession.from_env`` reads them back. Names and
 formats live here only, so the two sides cannot disagree. Anyone may set them by hand to run
 a script without the launcher.

@@ -1,0 +1,245 @@
+"""The launcher's argument surface: ``checkmate launch``'s flags (torchrun's multi-node
+flags with torchrun's meanings, Checkmate's own beside them), the checks of how they
+combine (one CheckmateError line each), and the readings of them the launcher shares
+(nodes, rendezvous and controller addresses, the GoCkpt directory).
+
+What the launcher does with them is checkmate.launch.launcher; where the workers run
+(their count and device kind) is checkmate.launch.placement.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from checkmate.errors import CheckmateError
+from checkmate.launch.local_shadows import MAX_SHADOWS, MAX_TRAINERS
+from checkmate.launch.placement import DEVICES, place
+from checkmate.train import env as envmod
+
+PROG = "checkmate launch"
+#: torchrun's default rendezvous port.
+RDZV_PORT = 29400
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad arguments as one CheckmateError line (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CheckmateError(message)
+
+
+def _count(lo: int, hi: int) -> Any:
+    def parse(s: str) -> int:
+        if not s.isdigit() or not lo <= int(s) <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer {lo}..{hi}, got {s!r}")
+        return int(s)
+    return parse
+
+
+def parser(gpus: int) -> argparse.ArgumentParser:
+    """``checkmate launch``'s flags on a machine with ``gpus`` CUDA devices (the help names
+    the default worker count; checkmate.launch.placement decides it)."""
+    p = _Parser(prog=PROG, description="Run a training script on N local workers with "
+                "Checkmate shadows and automatic restart (torchrun --standalone style).")
+    # required without GPUs so that argparse names it with any other missing argument;
+    # the count itself (None: one per GPU) is placement.place's to decide
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=_count(1, MAX_TRAINERS),
+                   required=not gpus, default=None, metavar="N",
+                   help="trainer processes (ranks); default with CUDA devices: one per "
+                        f"device ({gpus} here)" if gpus else "trainer processes (ranks)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="cuda: bind each worker to the GPU of its LOCAL_RANK (NCCL for the "
+                        "job, gloo beside it for Checkmate); cpu: no GPU; auto (default): "
+                        "cuda when a CUDA device is visible")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--shadows", type=_count(1, MAX_SHADOWS), metavar="n",
+                   help="start n shadows on loopback (default 2; one node only)")
+    g.add_argument("--shadow", action="append", default=[], metavar="HOST[:PORT]",
+                   help="use a running shadow (TCP service address, default port 47100; "
+                        "UDP on 47001 of the same host), once per partition, in order")
+    p.add_argument("--mode", choices=envmod.ENV_MODES, default="host",
+                   help="host: trainers send the shadow copies; switch: the switch copies "
+                        "them (needs --controller); off: no shadows; gockpt: no shadows, "
+                        "periodic GoCkpt checkpoints under --dir (see --gockpt)")
+    p.add_argument("--gockpt", default="50,4", metavar="EVERY,STEPS",
+                   help="GoCkpt mode: a checkpoint every EVERY iterations, its transfer "
+                        "spread over STEPS steps (default 50,4)")
+    p.add_argument("--max-restarts", "--max_restarts", type=_count(0, 1000), default=0,
+                   metavar="R", help="restarts of the worker group after a failure "
+                   "(default 0; several nodes: failures of the job, as torchrun counts them)")
+    # torchrun's multi-node flags, with torchrun's meanings (torch.distributed.run)
+    p.add_argument("--nnodes", default="1", metavar="MIN[:MAX]",
+                   help="nodes of the job, or the range an elastic job may run on "
+                        "(default 1: this machine only)")
+    p.add_argument("--node-rank", "--node_rank", type=_count(0, 10**6), default=0,
+                   metavar="K", help="this node's rank: static rendezvous only (c10d "
+                   "assigns the ranks, as torchrun)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", choices=("c10d", "static"),
+                   default="c10d", help="rendezvous backend (default c10d)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="", metavar="HOST[:PORT]",
+                   help="the rendezvous store's address, the same on every node (port "
+                        f"default {RDZV_PORT})")
+    p.add_argument("--rdzv-id", "--rdzv_id", default="none", metavar="ID",
+                   help="the job's id in the rendezvous, the same on every node")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", default="", metavar="K=V,...",
+                   help="rendezvous options (torchrun's: join_timeout, last_call_timeout, "
+                        "close_timeout, ...)")
+    p.add_argument("--standalone", action="store_true",
+                   help="one node with a rendezvous of its own (what no --rdzv-endpoint "
+                        "means anyway)")
+    p.add_argument("--local-addr", "--local_addr", default=None, metavar="ADDR",
+                   help="this node's address for the rendezvous (torchrun's)")
+    p.add_argument("--worker-ip", action="append", default=[], metavar="IP",
+                   help="several nodes: the IP of this node whose ckm ports its workers "
+                        "use (each worker takes its own ports on it); default with a "
+                        "loopback --rdzv-endpoint: a loopback address per worker")
+    p.add_argument("--controller", default=None, metavar="HOST[:PORT]",
+                   help="the controller's handshake address: the shadows are found "
+                        "through it, and (--mode switch) it programs the switch for "
+                        "every rendezvous")
+    p.add_argument("--dir", type=Path, metavar="DIR",
+                   help="shadow logs and (with --persist-every) checkpoints (default: a "
+                        "temporary folder for the logs, no checkpoints on disk)")
+    p.add_argument("--persist-every", type=_count(0, 10**9), default=0, metavar="K",
+                   help="shadows write a DCP checkpoint under DIR every K iterations")
+    p.add_argument("--resume", action="store_true",
+                   help="the first attempt resumes from the shadows too (--shadow, or "
+                        "shadows that load --dir's checkpoints)")
+    p.add_argument("--fixed-world", action="store_true",
+                   help="refuse to resume the job on another number of ranks than it ran on "
+                        "(default: allowed, announced in one line on every rank)")
+    p.add_argument("--progress-every", type=_count(0, 10**9), default=10, metavar="K",
+                   help="rank 0 prints iteration, loss and protection every K iterations "
+                        "(CheckmateSession.report; 0: never)")
+    p.add_argument("--seed", type=_count(0, 2**63 - 1), default=0,
+                   help="seed of the per-iteration RNG reseeding")
+    p.add_argument("--job-id", type=_count(1, 2**32 - 1), default=None,
+                   help="ckm job id (default: the --shadow shadows' job, else 1)")
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return p
+
+
+def nodes(args: argparse.Namespace) -> tuple[int, int]:
+    """``--nnodes MIN[:MAX]`` as torchrun reads it; one line when it is not that."""
+    lo, sep, hi = args.nnodes.partition(":")
+    hi = hi if sep else lo
+    if not (lo.isdigit() and hi.isdigit() and 0 < int(lo) <= int(hi)):
+        raise CheckmateError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got "
+                             f"{args.nnodes!r}")
+    return int(lo), int(hi)
+
+
+def multinode(args: argparse.Namespace) -> bool:
+    """Whether this launcher is one node of a job with a rendezvous of its own (the job
+    may span several nodes), as opposed to torchrun --standalone."""
+    return bool(args.rdzv_endpoint) and not args.standalone
+
+
+def rdzv_addr(args: argparse.Namespace) -> tuple[str, int]:
+    """``--rdzv-endpoint`` as (host, port), torchrun's default port when none is given."""
+    host, sep, port = args.rdzv_endpoint.rpartition(":")
+    if not sep:
+        host, port = args.rdzv_endpoint, str(RDZV_PORT)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CheckmateError(f"--rdzv-endpoint must be HOST[:PORT], got "
+                             f"{args.rdzv_endpoint!r}")
+    return host, int(port)
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback."""
+    return host == "localhost" or host.startswith("127.")
+
+
+def _check_multinode(args: argparse.Namespace) -> None:
+    lo, hi = nodes(args)
+    if args.standalone and (args.rdzv_endpoint or hi > 1):
+        raise CheckmateError("--standalone is one node with its own rendezvous: drop "
+                             "--rdzv-endpoint/--nnodes")
+    if hi > 1 and not args.rdzv_endpoint:
+        raise CheckmateError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST[:PORT], "
+                             "the same on every node")
+    if args.rdzv_backend == "static" and lo != hi:
+        raise CheckmateError("the static rendezvous has a fixed number of nodes: --nnodes N")
+    if args.rdzv_backend == "static" and args.node_rank >= hi:
+        raise CheckmateError(f"--node-rank {args.node_rank} is not below --nnodes {hi}")
+    if args.mode == "switch" and not args.controller:
+        raise CheckmateError("--mode switch needs --controller HOST[:PORT]: the controller "
+                             "programs the switch for every rendezvous")
+    if args.controller and args.shadow:
+        raise CheckmateError("give the shadows with --shadow or find them through "
+                             "--controller, not both")
+    if not multinode(args):
+        if args.worker_ip:
+            raise CheckmateError("--worker-ip is for jobs of several nodes (--rdzv-endpoint)")
+        return
+    if args.mode == "gockpt":
+        raise CheckmateError("--mode gockpt runs on one node: its checkpoints are per rank on "
+                             "local disks")
+    if args.mode in ("host", "switch") and not (args.shadow or args.controller):
+        raise CheckmateError("a job of several nodes needs shadows every node reaches: give "
+                             "--shadow HOST[:PORT] per partition or --controller HOST[:PORT]")
+    if args.worker_ip and len(args.worker_ip) != 1:
+        raise CheckmateError("--worker-ip once: this node's address (its workers take "
+                             "ports of their own on it)")
+    if not args.worker_ip and not loopback(rdzv_addr(args)[0]):
+        raise CheckmateError("give --worker-ip IP: the address of this node the other nodes "
+                             "and the shadows reach its workers at")
+
+
+def check(args: argparse.Namespace) -> None:
+    """One CheckmateError line for flags that do not go together (or name no script)."""
+    _check_multinode(args)
+    if args.mode == "off" and (args.shadows or args.shadow or args.resume
+                               or args.controller):
+        raise CheckmateError("--mode off runs without shadows: drop --shadows/--shadow/"
+                             "--resume")
+    if args.mode == "gockpt":
+        if args.shadows or args.shadow or args.persist_every:
+            raise CheckmateError("--mode gockpt runs without shadows: drop --shadows/--shadow/"
+                                 "--persist-every")
+        if args.dir is None:
+            raise CheckmateError("--mode gockpt writes its checkpoints under --dir: give --dir")
+        every, _, steps = args.gockpt.partition(",")
+        if not (every.isdigit() and steps.isdigit() and 1 <= int(steps) <= int(every)):
+            raise CheckmateError(f"--gockpt must be EVERY,STEPS with 1 <= STEPS <= EVERY, got "
+                                 f"{args.gockpt!r}")
+    if args.persist_every and args.dir is None:
+        raise CheckmateError("--persist-every writes under --dir: give --dir")
+    if args.persist_every and args.shadow:
+        raise CheckmateError("--persist-every applies to shadows started here, not --shadow")
+    if not Path(args.script).is_file():
+        raise CheckmateError(f"no such script: {args.script}")
+    if len(args.shadow) > MAX_SHADOWS:
+        raise CheckmateError(f"at most {MAX_SHADOWS} shadows")
+
+
+def parse(argv: list[str], gpus: int) -> argparse.Namespace:
+    """The launcher's arguments with their placement decided (``device``: cuda or cpu,
+    ``nproc_per_node``: a count, ``gpus_used``) and their combinations checked."""
+    args = parser(gpus).parse_args(argv)
+    placed = place(args.device, args.nproc_per_node, gpus)
+    args.device, args.nproc_per_node, args.gpus_used = (placed.device, placed.nproc,
+                                                        placed.gpus_used)
+    check(args)
+    return args
+
+
+def gockpt_dir(args: argparse.Namespace) -> Path:
+    """GoCkpt mode's checkpoint directory (part<rank>/ per rank, the joins beside)."""
+    return (args.dir / "gockpt").resolve()
+
+
+def controller_addr(args: argparse.Namespace) -> tuple[str, int]:
+    """``--controller HOST[:PORT]`` (default port: the handshake's)."""
+    from checkmate.config.cluster import CONTROLLER_PORT
+
+    host, sep, port = args.controller.rpartition(":")
+    if not sep:
+        host, port = args.controller, str(CONTROLLER_PORT)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CheckmateError(f"--controller must be HOST[:PORT], got {args.controller!r}")
+    return host, int(port)
