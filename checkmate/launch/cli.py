@@ -515,13 +515,22 @@ def main(argv: list[str] | None = None) -> int:
         from checkmate.launch import plan
 
         return plan.main(argv[1:])
+    elif argv[:1] == ["doctor"]:
+        from checkmate.launch import doctor
+
+        return doctor.main(argv[1:])
     elif argv and not argv[0].startswith("-"):
         raise CheckmateError(f"unknown command {argv[0]!r}; usage: checkmate launch ... | "
-                             "checkmate secret new FILE | checkmate plan ...")
+                             "checkmate secret new FILE | checkmate plan|doctor ...")
     gpus = cuda_device_count()
     args = _parser(gpus).parse_args(argv)
     args.device = resolve_device(args, gpus)
     _check(args)
+    if multinode(args):  # would torch's rendezvous find this node? (before it runs)
+        from checkmate.launch.hostcheck import refuse
+
+        refuse(rdzv_addr(args)[0], nodes(args)[1], args.rdzv_backend, args.local_addr,
+               args.rdzv_conf, args.worker_ip)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
