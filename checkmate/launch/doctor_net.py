@@ -32,14 +32,16 @@ def check_shadows(addrs: list[Addr], timeout: float = 5.0) -> list[Check]:
     out = []
     for p, a in enumerate(addrs):
         name = f"shadow {_addr(a)}"
+        try:  # reachable at all, before the hello that proves the secret
+            socket.create_connection(a, timeout).close()
+        except OSError as e:
+            out.append(Check(FAIL, name, f"not reachable ({e.strerror or e}): is it running, "
+                             f"is the address right, does a firewall drop TCP {a[1]}?"))
+            continue
         try:
             with ShadowClient(a, timeout) as c:
                 st = c.status()
-        except OSError as e:
-            out.append(Check(FAIL, name, f"not reachable ({e.strerror or e}): is it running, "
-                             "is the address right, does a firewall drop TCP 47100?"))
-            continue
-        except CheckmateError as e:
+        except (CheckmateError, OSError) as e:
             out.append(Check(FAIL, name, f"{e}: give every process of the job the same "
                              "CHECKMATE_SECRET_FILE as the shadow"))
             continue
@@ -64,8 +66,9 @@ def check_controller(addr: Addr, job_id: int, timeout: float = 5.0) -> tuple[Che
     try:
         regs, expected = query_registrations(addr, job_id, timeout=timeout)
     except CheckmateError as e:
-        return Check(FAIL, name, f"{e}: is it running at that address, with this job's "
-                     "CHECKMATE_SECRET_FILE (an unauthenticated request gets no answer)?"), []
+        hint = (f": is it running at that address, does a firewall drop UDP {addr[1]}?"
+                if "did not answer" in str(e) else "")
+        return Check(FAIL, name, f"{e}{hint}"), []
     except OSError as e:
         return Check(FAIL, name, f"not reachable ({e.strerror or e})"), []
     missing = sorted(set(range(expected)) - set(regs))

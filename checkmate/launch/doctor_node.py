@@ -41,15 +41,16 @@ def _requirement(name: str) -> str | None:
     return None
 
 
-def check_versions() -> list[Check]:
-    """torch and numba against the project's requirements; CUDA's version and devices."""
+def check_versions(required: dict[str, str | None] | None = None) -> list[Check]:
+    """torch and numba against the project's requirements (or ``required``: package ->
+    specifier); CUDA's version and devices."""
     from importlib import metadata
 
     from packaging.specifiers import SpecifierSet
 
+    required = required or {pkg: _requirement(pkg) for pkg in ("torch", "numba")}
     out = []
-    for pkg in ("torch", "numba"):
-        spec = _requirement(pkg)
+    for pkg, spec in required.items():
         try:
             have = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -157,6 +158,9 @@ def check_kernels(env: dict[str, str] | None = None) -> Check:
     name = "shadow kernels"
     try:
         first = _probe_kernels(env)
+        if not first["hits"] + first["misses"]:
+            return Check(FAIL, name, "Numba compiled no kernel (NUMBA_DISABLE_JIT set?): a "
+                         "shadow would run its kernels as plain Python, far too slowly")
         if not first["misses"]:
             return Check(PASS, name, f"{first['hits']} loaded from Numba's cache "
                          f"({first['path']}) in {first['seconds']:.1f} s")
