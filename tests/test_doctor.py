@@ -309,7 +309,7 @@ def test_hostname_check_with_and_without_the_job_flags(monkeypatch):
 @pytest.mark.slow
 def test_doctor_command_exit_status(serve_shadows, capsys):
     ip = f"127.84.{random.randrange(1, 255)}.100"
-    with serve_shadows([ip]):
+    with serve_shadows([ip], config=False):
         assert cli.main(["doctor", "--device", "cpu", "--shadow", ip]) == 0
         out = capsys.readouterr().out
         assert f"PASS shadow {ip}:47100: answers, authenticated" in out
