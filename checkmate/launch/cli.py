@@ -285,9 +285,9 @@ def _quiet_agent() -> None:
             print(f"{PROG}: a node joined the rendezvous; restarting the worker group with "
                   "it; it resumes from its checkpoints", flush=True)
         elif "will restart worker group" in msg:
-            left = msg.split(". ", 1)[1].split(";")[0] if ". " in msg else ""
-            print(f"{PROG}: a trainer failed; restarting the worker group ({left}); it "
-                  "resumes from its checkpoints", flush=True)
+            from checkmate.launch.restart_line import restart_line
+
+            print(restart_line(msg, PROG), flush=True)
         return False
 
     only_restarts.checkmate = True  # type: ignore[attr-defined]

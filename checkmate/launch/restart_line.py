@@ -1,0 +1,53 @@
+"""The launcher's one line when torch's agent restarts a failed worker group: what failed.
+
+On several nodes a lost node leaves no trace on the survivors but their own workers'
+failures: each stops because a peer went silent (the ring's stall timeout, or gloo's reset
+connection), and records so (checkmate.train.failures). A restart whose every failure here
+is of that kind is reported as a trainer on another node gone silent -- a lost node, or a
+failed trainer there -- not as "a trainer failed", which would send the user looking for a
+crash on this node that never happened.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from checkmate.train import failures
+
+#: What a worker's failure line says when it stopped only because a peer went silent.
+PEER_GONE = ("a peer is gone", "a peer of the process group is gone")
+_since = time.time()  # records older than this launcher (a reused --dir) are not this job's
+
+
+def recent_failures(log_dir: str | Path | None, since: float) -> list[str]:
+    """The failure lines this node's workers recorded after ``since``."""
+    if not log_dir:
+        return []
+    out = []
+    for path in sorted((Path(log_dir) / "failures").glob("attempt-*-rank-*.txt")):
+        try:
+            stamp, _, line = path.read_text().strip().partition(" ")
+            if float(stamp) > since:
+                out.append(line)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def restart_line(agent_message: str, prog: str, log_dir: str | Path | None = None) -> str:
+    """One line for torch's "Worker group FAILED. K/R attempts left; will restart worker
+    group" (``agent_message``), from the failures recorded since the last restart."""
+    global _since
+    left = agent_message.split(". ", 1)[1].split(";")[0] if ". " in agent_message else ""
+    log_dir = log_dir if log_dir is not None else os.environ.get(failures.LOG_DIR)
+    lines = recent_failures(log_dir, _since)
+    _since = time.time()
+    if lines and all(any(p in ln for p in PEER_GONE) for ln in lines):
+        why = lines[0].removeprefix("checkmate: ")
+        return (f"{prog}: a trainer on another node went silent (a lost node, or a failed "
+                f"trainer there); this node's workers stopped waiting for it ({why}); "
+                f"restarting the worker group ({left}); it resumes from its checkpoints")
+    return (f"{prog}: a trainer failed; restarting the worker group ({left}); it resumes "
+            "from its checkpoints")
