@@ -96,12 +96,19 @@ def _checks(args: argparse.Namespace) -> Iterator[Callable[[], Check | list[Chec
     yield net.check_buffers
     if shadows or args.controller:
         yield lambda: net.check_mtu([h for h, _ in shadows] or [controller[0]])
-    lo, _, hi = args.nnodes.partition(":")
-    top = hi or lo
-    if not top.isdigit():
-        raise CheckmateError(f"--nnodes must be N or MIN:MAX, got {args.nnodes!r}")
-    yield lambda: net.check_hostname(args.rdzv_endpoint or None, int(top), args.rdzv_backend,
-                                     args.local_addr, args.rdzv_conf, args.worker_ip)
+    yield lambda: net.check_hostname(args.rdzv_endpoint or None, _max_nodes(args.nnodes),
+                                     args.rdzv_backend, args.local_addr, args.rdzv_conf,
+                                     args.worker_ip)
+
+
+def _max_nodes(nnodes: str) -> int:
+    """--nnodes N or MIN:MAX as torchrun reads it: the largest number of nodes."""
+    lo, sep, hi = nnodes.partition(":")
+    top = hi if sep else lo
+    if not (lo.isdigit() and top.isdigit() and 0 < int(lo) <= int(top)):
+        raise CheckmateError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got "
+                             f"{nnodes!r}")
+    return int(top)
 
 
 def _controller_port() -> int:
@@ -125,6 +132,7 @@ def run(args: argparse.Namespace, print_line: Callable[[str], None] = print) -> 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 when no check failed, 1 when one did (2: a bad command line)."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    _max_nodes(args.nnodes)  # a bad command line before any check runs
     done = run(args, lambda s: print(s, flush=True))
     count = {s: sum(c.status == s for c in done) for s in (PASS, WARN, FAIL)}
     print(f"{PROG}: {count[PASS]} passed, {count[WARN]} warning(s), {count[FAIL]} failed",
