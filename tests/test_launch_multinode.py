@@ -84,6 +84,7 @@ def test_a_restart_after_peers_went_silent_names_another_node(tmp_path):
     msg = "[default] Worker group FAILED. 2/3 attempts left; will restart worker group"
     d = tmp_path / "failures"
     d.mkdir()
+    assert 0 < rl._process_start() <= time.time()  # records of this process count
     assert rl.restart_line(msg, "L", tmp_path) == ("L: a trainer failed; restarting the "
                                                    "worker group (2/3 attempts left); it "
                                                    "resumes from its checkpoints")

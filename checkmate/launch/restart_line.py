@@ -18,7 +18,22 @@ from checkmate.train import failures
 
 #: What a worker's failure line says when it stopped only because a peer went silent.
 PEER_GONE = ("a peer is gone", "a peer of the process group is gone")
-_since = time.time()  # records older than this launcher (a reused --dir) are not this job's
+
+
+def _process_start() -> float:
+    """When this process started (wall clock): records older than the launcher, in a
+    reused --dir, are not this job's. 0.0 where /proc does not say."""
+    try:
+        with open("/proc/stat") as f:
+            boot = next(int(ln.split()[1]) for ln in f if ln.startswith("btime"))
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0
+
+
+#: Failure records after this time belong to the next restart line.
+_since = _process_start()
 
 
 def recent_failures(log_dir: str | Path | None, since: float) -> list[str]:
