@@ -51,15 +51,29 @@ def recent_failures(log_dir: str | Path | None, since: float) -> list[str]:
     return out
 
 
-def restart_line(agent_message: str, prog: str, log_dir: str | Path | None = None) -> str:
+def _local_workers() -> int:
+    """This node's workers in a job of several nodes (the launcher's environment names
+    their addresses); 0 on one node, where no peer is on another node."""
+    from checkmate.train import env as envmod
+
+    addrs = os.environ.get(envmod.LOCAL_TRAINERS, "")
+    return len([a for a in addrs.split(",") if a])
+
+
+def restart_line(agent_message: str, prog: str, log_dir: str | Path | None = None,
+                 local_workers: int | None = None) -> str:
     """One line for torch's "Worker group FAILED. K/R attempts left; will restart worker
-    group" (``agent_message``), from the failures recorded since the last restart."""
+    group" (``agent_message``), from the failures recorded since the last restart: another
+    node is named only when every one of this node's ``local_workers`` recorded that a
+    peer went silent (a worker killed here records nothing)."""
     global _since
     left = agent_message.split(". ", 1)[1].split(";")[0] if ". " in agent_message else ""
     log_dir = log_dir if log_dir is not None else os.environ.get(failures.LOG_DIR)
+    local_workers = _local_workers() if local_workers is None else local_workers
     lines = recent_failures(log_dir, _since)
     _since = time.time()
-    if lines and all(any(p in ln for p in PEER_GONE) for ln in lines):
+    if (local_workers and len(lines) >= local_workers
+            and all(any(p in ln for p in PEER_GONE) for ln in lines)):
         why = lines[0].removeprefix("checkmate: ")
         return (f"{prog}: a trainer on another node went silent (a lost node, or a failed "
                 f"trainer there); this node's workers stopped waiting for it ({why}); "
