@@ -267,6 +267,7 @@ class ShadowNode:
         self.state.install(m["iteration"], m["step"], ck.slots, m["buffers"], m["extra"],
                            m["lrs"])
         self.restored_from = str(pdir)
+        self.service.reloaded = m["iteration"]
         log.info("restored partition %d from %s at iteration %d", o.partition, pdir,
                  m["iteration"])
 

@@ -66,6 +66,9 @@ class Service:
         #: This partition's checkpoint directory (disk.part_dir): ``holdings`` lists what
         #: it holds and ``fetch`` with ``source: disk`` serves from it (a resume from disk).
         self.disk_dir = disk_dir
+        #: The iteration the shadow reloaded from disk at start (None: none), so a resume
+        #: from it is not reported as one from memory the shadow kept.
+        self.reloaded: int | None = None
         self.key = auth.service_key(secret)
         self.drops = drops if drops is not None else Counter()
         self._bad_log = RateLimitedLog(log.warning)
@@ -296,6 +299,7 @@ class Service:
         disk = persist.restorable_iterations(self.disk_dir) if self.disk_dir else []
         return {"partition": st.partition, "partitions": st.partitions,
                 "has_spec": st.spec is not None, "memory": st.retained(), "disk": disk,
+                "reloaded": self.reloaded,
                 "latest": st.latest, "dir": str(self.disk_dir) if self.disk_dir else None}
 
     def _fetch_disk(self, it: int) -> tuple[dict[str, Any], Any]:

@@ -75,6 +75,41 @@ def test_a_rendezvous_that_never_completes_is_one_line(tmp_path):
     assert "did not complete in time: fewer than 2 node(s) joined" in p.stderr
 
 
+def test_a_restart_after_peers_went_silent_names_another_node(tmp_path, monkeypatch):
+    """The launcher's restart line reads this node's failure records since the last one:
+    every local worker saw a peer go silent -> a trainer on another node went silent;
+    anything else (a crash, a worker that recorded nothing, one node) -> a trainer failed."""
+    from checkmate.launch import restart_line as rl
+
+    monkeypatch.setattr(rl, "_since", rl._since)  # restored after the test
+    msg = "[default] Worker group FAILED. 2/3 attempts left; will restart worker group"
+    d = tmp_path / "failures"
+    d.mkdir()
+    assert 0 < rl._process_start() <= time.time()  # records of this process count
+    assert rl.restart_line(msg, "L", tmp_path, 2) == ("L: a trainer failed; restarting the "
+                                                   "worker group (2/3 attempts left); it "
+                                                   "resumes from its checkpoints")
+    stall = ("checkmate: rank 1: RingError: no progress on bucket 0 of iteration 5 for 15 s: "
+             "a peer is gone at train_elastic.py:40")
+    (d / "attempt-0-rank-1.txt").write_text(f"{time.time():.6f} {stall}\n")
+    (d / "attempt-0-rank-0.txt").write_text(
+        f"{time.time():.6f} checkmate: rank 0: a peer of the process group is gone\n")
+    assert "a trainer failed" in rl.restart_line(msg, "L", tmp_path, 0)  # one node
+    monkeypatch.setattr(rl, "_since", 0.0)
+    # a third local worker recorded nothing: killed here, so this node's own failure
+    assert "a trainer failed" in rl.restart_line(msg, "L", tmp_path, 3)
+    monkeypatch.setattr(rl, "_since", 0.0)
+    line = rl.restart_line(msg, "L", tmp_path, 2)
+    assert line.startswith("L: a trainer on another node went silent (a lost node, or a "
+                           "failed trainer there); this node's workers stopped waiting for "
+                           "it (rank 0: a peer of the process group is gone)"), line
+    assert len(rl.recent_failures(tmp_path, 0.0)) == 2
+    assert rl.recent_failures(tmp_path, time.time() + 1) == []  # older than the last line
+    (d / "attempt-1-rank-0.txt").write_text(
+        f"{time.time():.6f} checkmate: rank 0: ValueError: bad batch at train.py:3\n")
+    assert "a trainer failed" in rl.restart_line(msg, "L", tmp_path, 1)  # a crash of its own
+
+
 def test_multinode_flags_mean_what_torchrun_makes_of_them(tmp_path):
     """The LaunchConfig of `checkmate launch` equals torchrun's for the same flags."""
     from torch.distributed.run import config_from_args, parse_args
@@ -324,6 +359,8 @@ def test_lost_node_is_replaced_by_a_spare_and_the_job_ends_bit_identical(
                 for n in nodes:
                     n.stop()
         assert "resumed from the shadows" in text, text[-3000:]
+        # the survivor says a trainer elsewhere went silent, not that one of its own failed
+        assert "a trainer on another node went silent (a lost node" in text, text[-3000:]
         got = torch.load(tmp_path / ("a.pt" if (tmp_path / "a.pt").exists() else "spare.pt"))
         ref = reference.result()
         _equal(ref["model"], got["model"], "model")

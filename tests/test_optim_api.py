@@ -135,6 +135,23 @@ def test_bad_arguments_are_one_line_errors() -> None:
                       amsgrad=False, step=1)
 
 
+def test_a_negative_lr_from_the_scheduler_is_named_as_the_schedulers() -> None:
+    """The lr a step refuses is the scheduler's for that step; the line says so (and its
+    base), not as if the optimizer had been built with it."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = co.AdamW([p], lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 - 2.0 * e)  # 1, -1, ...
+    p.grad = torch.ones(3)
+    opt.step()
+    sched.step()
+    with pytest.raises(CheckmateError) as e:
+        opt.step()
+    assert "(lr -0.01 is the scheduler's for this step, from initial_lr 0.01)" in str(e.value)
+    with pytest.raises(CheckmateError) as e:  # without a scheduler: no such words
+        co.AdamW([p], lr=-0.5)
+    assert "must be >= 0" in str(e.value) and "scheduler" not in str(e.value)
+
+
 SPEC = {
     "job": 1, "total": 10, "partitions": 2, "buffers": [], "grad_dtype": "float32",
     "params": [{"name": "a", "shape": [2, 3], "offset": 0, "numel": 6},

@@ -26,6 +26,16 @@ def _h(p, memory=(), disk=(), error=""):
     return Holding(p, ("10.0.0.1", 47001 + p), list(memory), list(disk), error)
 
 
+def test_an_iteration_reloaded_from_disk_is_not_called_kept_in_memory():
+    both = [Holding(0, ("10.0.0.1", 47001), [9], [8, 9], reloaded=9),
+            Holding(1, ("10.0.0.1", 47002), [9, 10], [8])]
+    pt = choose(both)
+    assert pt.line == ("checkmate: resuming at iteration 9: every shadow holds it in memory "
+                       "(partition(s) 0 reloaded it from disk at start)")
+    both[0].reloaded = 7  # reloaded an older one, and has received 9 since
+    assert choose(both).line.endswith("every shadow holds it in memory")
+
+
 def test_choose_prefers_the_newest_common_iteration_memory_first():
     pt = choose([_h(0, [7, 8, 9]), _h(1, [8, 9, 10])])
     assert (pt.iteration, pt.sources) == (9, ["memory", "memory"])
@@ -101,12 +111,13 @@ def test_restart_from_disk_while_the_other_runs_on_resumes_from_disk(tmp_path):
         hs = resume_point.ask(addrs)
         # (keep=3: partition 0 holds 6, 8, 10 -- 6 also as the newest iteration both hold.)
         assert [h.memory for h in hs] == [[10, 11], [6]], hs
+        assert [h.reloaded for h in hs] == [None, 6], hs  # what it holds came from disk
         assert {6, 10} <= set(hs[0].disk) and max(hs[1].disk) == 6, hs
         pt = choose(hs)
         assert (pt.iteration, pt.sources) == (6, ["disk", "memory"]), pt
         assert pt.line == ("checkmate: resuming at iteration 6: partition 0 from disk "
-                           "(memory holds 10-11), partition 1 from memory; no newer "
-                           "iteration is held by every partition")
+                           "(memory holds 10-11), partition 1 from memory (reloaded from "
+                           "disk at start); no newer iteration is held by every partition")
         r = restore_point(addrs, spec, pt.iteration, sources=pt.sources)
         assert r.iteration == 6 and r.extra == {"it": 6} and r.step == 6
         assert_state(spec, r.model_sd, r.optim_sd, c.refs[6], 6)

@@ -8,12 +8,14 @@ subcommands.
                      [--seed S] [--job-id J] SCRIPT [ARGS ...]
     checkmate secret new FILE
     checkmate plan ...
+    checkmate doctor [--shadow ADDR ... | --controller ADDR] ...
 
 ``launch`` (also what a first argument that is a flag means) is torchrun for a Checkmate
 job: its flags are checkmate.launch.options, what it does with them
 checkmate.launch.launcher, where its workers run checkmate.launch.placement. ``plan`` is
-checkmate.launch.plan. A subcommand is one entry of COMMANDS: a function from the rest of
-the command line to an exit status, raising CheckmateError for one line and exit 2.
+checkmate.launch.plan, ``doctor`` checkmate.launch.doctor. A subcommand is one entry of
+COMMANDS: a function from the rest of the command line to an exit status, raising
+CheckmateError for one line and exit 2.
 """
 
 from __future__ import annotations
@@ -53,11 +55,18 @@ def _plan(argv: list[str]) -> int:
     return plan.main(argv)
 
 
+def _doctor(argv: list[str]) -> int:
+    from checkmate.launch import doctor
+
+    return doctor.main(argv)
+
+
 #: name -> (what runs it, its usage in the unknown-command line)
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "launch": (_launch, "checkmate launch ..."),
     "secret": (_secret, "checkmate secret new FILE"),
     "plan": (_plan, "checkmate plan ..."),
+    "doctor": (_doctor, "checkmate doctor ..."),
 }
 
 

@@ -83,9 +83,9 @@ def _quiet_agent() -> None:
             print(f"{PROG}: a node joined the rendezvous; restarting the worker group with "
                   "it; it resumes from its checkpoints", flush=True)
         elif "will restart worker group" in msg:
-            left = msg.split(". ", 1)[1].split(";")[0] if ". " in msg else ""
-            print(f"{PROG}: a trainer failed; restarting the worker group ({left}); it "
-                  "resumes from its checkpoints", flush=True)
+            from checkmate.launch.restart_line import restart_line
+
+            print(restart_line(msg, PROG), flush=True)
         return False
 
     only_restarts.checkmate = True  # type: ignore[attr-defined]
@@ -274,6 +274,11 @@ def launch(argv: list[str]) -> int:
     """``checkmate launch ARGS``: run the job; 0 when it ended well, 130 when stopped by a
     signal. Bad arguments and failures raise one CheckmateError line."""
     args = parse(argv, placement.cuda_device_count())
+    if multinode(args):  # would torch's rendezvous find this node? (before it runs)
+        from checkmate.launch.hostcheck import refuse
+
+        refuse(rdzv_addr(args)[0], nodes(args)[1], args.rdzv_backend, args.local_addr,
+               args.rdzv_conf, args.worker_ip)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError

@@ -50,7 +50,12 @@ def resolve(kind: str, hyper: Mapping[str, Any]) -> dict[str, Any]:
     except (TypeError, ValueError) as e:
         raise CheckmateError(f"bad {kind} hyperparameters {dict(hyper)!r}: {e}") from None
     if out["lr"] < 0 or out["weight_decay"] < 0:
-        raise CheckmateError(f"{kind}: lr and weight_decay must be >= 0, got {out}")
+        # a group a torch scheduler drives keeps its base lr as initial_lr: the lr refused
+        # is then the scheduler's for this step, not the one the optimizer was built with
+        base = hyper.get("initial_lr")
+        by = (f" (lr {out['lr']} is the scheduler's for this step, from initial_lr {base})"
+              if base is not None and base != out["lr"] else "")
+        raise CheckmateError(f"{kind}: lr and weight_decay must be >= 0, got {out}{by}")
     if kind == "sgd":
         if out["momentum"] < 0:
             raise CheckmateError(f"sgd: momentum must be >= 0, got {out['momentum']}")

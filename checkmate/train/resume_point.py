@@ -42,6 +42,8 @@ class Holding:
     memory: list[int] = field(default_factory=list)
     disk: list[int] = field(default_factory=list)
     error: str = ""
+    #: the iteration the shadow reloaded from its disk at start (in memory since)
+    reloaded: int | None = None
 
     @property
     def where(self) -> str:
@@ -91,6 +93,8 @@ def ask(addrs: Sequence[Addr], timeout: float = 10.0) -> list[Holding]:
                 raise CheckmateError(f"it serves partition {reply.get('partition')}, not {p}")
             h.memory = sorted(int(i) for i in reply.get("memory") or [])
             h.disk = sorted(int(i) for i in reply.get("disk") or [])
+            r = reply.get("reloaded")
+            h.reloaded = r if isinstance(r, int) and not isinstance(r, bool) else None
         except (CheckmateError, OSError) as e:
             h.error = " ".join(str(e).split()) or type(e).__name__
         out.append(h)
@@ -137,13 +141,19 @@ def choose(hs: Sequence[Holding]) -> ResumePoint:
                              "or on disk: " + "; ".join(h.describe() for h in hs))
     it = max(common)
     sources = ["memory" if it in h.memory else "disk" for h in hs]
+    reloaded = [h.partition for h, s in zip(hs, sources, strict=True)
+                if s == "memory" and h.reloaded == it]
     if all(s == "memory" for s in sources):
         why = "every shadow holds it in memory"
+        if reloaded:
+            why += (f" (partition(s) {', '.join(map(str, reloaded))} reloaded it from disk "
+                    "at start)")
     else:
         parts = []
         for h, s in zip(hs, sources, strict=True):
             parts.append(f"partition {h.partition} from {s}" + (
-                f" (memory holds {spans(h.memory) or 'nothing'})" if s == "disk" else ""))
+                f" (memory holds {spans(h.memory) or 'nothing'})" if s == "disk" else
+                " (reloaded from disk at start)" if h.partition in reloaded else ""))
         why = ", ".join(parts) + "; no newer iteration is held by every partition"
     return ResumePoint(it, sources, f"checkmate: resuming at iteration {it}: {why}")
 
