@@ -91,11 +91,10 @@ def check_optimizer(device: str) -> Check:
     (the device check's comparison, checkmate.optim.device_check, kept to this one call)."""
     from checkmate.optim import device_check
 
-    hp = next(h for name, _, h in device_check.CASES if name == "adamw")
+    case = next(c for c in device_check.CASES if c.name == "adamw")
     name = f"optimizer on {device}"
     try:
-        r = device_check.check_case("adamw", hp, n=OPTIM_PARAMS, steps=OPTIM_STEPS,
-                                    device=device)
+        r = device_check.check_case(case, n=OPTIM_PARAMS, steps=OPTIM_STEPS, device=device)
     except Exception as e:  # noqa: BLE001 - any failure of the device is this check's FAIL
         return Check(FAIL, name, f"AdamW could not run: {type(e).__name__}: "
                      f"{' '.join(str(e).split())[:200]}")
