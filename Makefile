@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml .apt-stamp
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	# torch first, pinned: the CPU build on this machine's disk (a range would pull CUDA).
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,testbed,switch,shadow,metrics]'
 	@touch $@
 
 bpf: $(STAMP)
