@@ -120,10 +120,10 @@ def _closure(roots: set[str]) -> set[str]:
     return seen
 
 
-def _core_site(dest: Path) -> None:
+def _core_site(dest: Path, extra: tuple[str, ...] = ()) -> None:
     """``dest``: links to the installed files of the core packages' closure, nothing else."""
     dest.mkdir()
-    for name in _closure(CORE):
+    for name in _closure(CORE | set(extra)):
         dist = md.distribution(name)
         for f in dist.files or []:
             top = f.parts[0]
@@ -134,15 +134,22 @@ def _core_site(dest: Path) -> None:
                 link.symlink_to(target)
 
 
-def test_installing_over_an_existing_torch_leaves_it_and_imports_with_the_core(wheel, tmp_path):
-    site = tmp_path / "core-site"
-    _core_site(site)
-    venv = tmp_path / "venv"
+def _core_venv(where: Path, extra: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """A fresh venv that sees the core packages (and ``extra`` ones) of this environment
+    through a .pth file, as a team's training environment already has them: (python, site)."""
+    site = where / "core-site"
+    _core_site(site, extra)
+    venv = where / "venv"
     _run(sys.executable, "-m", "venv", "--without-pip", venv)
     py = venv / "bin" / "python"
     purelib = Path(_run(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
                    .stdout.strip())
     (purelib / "core-site.pth").write_text(f"{site}\n")
+    return py, purelib
+
+
+def test_installing_over_an_existing_torch_leaves_it_and_imports_with_the_core(wheel, tmp_path):
+    py, purelib = _core_venv(tmp_path)
     probe = ("import importlib.metadata as md, torch; "
              "print(torch.__version__, torch.__file__, md.version('torch'))")
     before = _run(py, "-c", probe).stdout
@@ -176,3 +183,25 @@ print("ok")
         assert r.returncode != 0
         last = r.stderr.strip().splitlines()[-1]
         assert f"pip install 'checkmate-ckpt[{extra}]'" in last, r.stderr
+
+
+def test_device_check_script_installs_the_wheel_into_the_given_python(wheel, tmp_path):
+    """scripts/device-check.sh on a Python that does not import the project (as the GPU
+    machine's): it installs the wheel with that Python's pip and runs the check from it."""
+    py, purelib = _core_venv(tmp_path, ("pip",))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    shutil.copy2(wheel, wheels)
+    env = {**_offline_env(), "PYTHON": str(py), "DEVICE_WHEELS": str(wheels),
+           "NUMBA_NUM_THREADS": "1"}
+    r = subprocess.run(["bash", ROOT / "scripts/device-check.sh", "--cpu-smoke", "--only",
+                        "optim", "--cpu-n", "3001", "--cpu-steps", "3", "--budget", "300"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "device-check summary:" in out and " 0 failed" in out, out[-3000:]
+    assert "PASS" in out, out[-3000:]
+    # installed into that Python, not onto a path of the script's; its torch left alone
+    where = _run(py, "-c", "import checkmate; print(checkmate.__file__)", cwd=tmp_path).stdout
+    assert where.startswith(str(purelib)), where
+    assert not list(purelib.glob("torch*")), "the check installed a torch"
