@@ -1,7 +1,7 @@
 """`testbed device-check`: Checkmate on one GPU, in one command with a global time budget.
 
 Run by a person with one GPU after ``make setup`` (or ``scripts/device-check.sh``, which
-also brings the project's small dependencies onto a machine that lacks them). Prints one
+installs the project's wheel and the core dependencies it lacks into that machine's Python). Prints one
 line per check -- ``PASS``, ``FAIL`` or ``SKIP`` with the reason -- and a summary line;
 with CUDA it writes the figures into docs/gpu.md (``--doc``). Checks (docs/gpu.md):
 
