@@ -13,28 +13,38 @@
 # once without a failure and once with one rank SIGKILLed at a random iteration
 # (CHECKMATE_KILL_AT, as tests/test_launch.py does); the group restarts, resumes from the
 # shadows, and its final model, optimizer and scheduler state must equal the failure-free
-# run's bit for bit. Last, tests/test_optim_rule.py against the installed package.
-# Exit 0 when all passed; the scratch folder is removed unless KEEP=1.
+# run's bit for bit (the shadows' Numba kernels are compiled into their cache first, as
+# `make setup` does). Last, tests/test_optim_rule.py against the installed package.
+# Exit 0 when all passed; the scratch folder is removed unless KEEP=1. VENV=DIR reuses the
+# virtualenv of an earlier KEEP=1 run (its torch must be TORCH_VERSION): no second download.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 torch_version=${1:?usage: scripts/check-install.sh TORCH_VERSION (e.g. 2.11.0)}
 python=${PYTHON:-python3}
 steps=${STEPS:-12}
-work=$(mktemp -d /tmp/ckm-check-install-XXXXXX)
+work=$(mktemp -d "${TMPDIR:-/tmp}/ckm-check-install-XXXXXX")
 cleanup() { if [[ "${KEEP:-0}" == 1 ]]; then echo "kept $work"; else rm -rf "$work"; fi; }
 trap cleanup EXIT
 say() { echo "check-install: $*"; }
 fail() { echo "check-install: FAIL: $*" >&2; exit 1; }
 
-say "scratch venv in $work with $($python --version 2>&1), torch==$torch_version"
-"$python" -m venv "$work/venv"
-py=$work/venv/bin/python
+venv=${VENV:-$work/venv}
+py=$venv/bin/python
 pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
-pip install --upgrade pip >/dev/null
-pip install "torch==$torch_version" || fail "pip cannot install torch==$torch_version here"
 probe='import importlib.metadata as md, torch; print(md.version("torch"), torch.__file__)'
-before=$("$py" -c "$probe")
+if [[ -n "${VENV:-}" ]]; then
+  say "reusing $venv ($("$py" --version 2>&1))"
+  pip uninstall -y checkmate-ckpt >/dev/null 2>&1 || true
+else
+  say "scratch venv in $work with $($python --version 2>&1), torch==$torch_version"
+  "$python" -m venv "$venv"
+  pip install --upgrade pip >/dev/null
+  pip install "torch==$torch_version" || fail "pip cannot install torch==$torch_version here"
+fi
+before=$("$py" -c "$probe" 2>/dev/null)
+[[ "${before%%[ +]*}" == "$torch_version" ]] ||
+  fail "the venv's torch is ${before%% *}, not $torch_version"
 
 # the wheel and the sdist of this checkout, built from a copy (build/ may be shared)
 mkdir -p "$work/src" "$work/dist"
@@ -46,7 +56,7 @@ pip install build >/dev/null
 whl=$(ls "$work"/dist/checkmate_ckpt-*.whl)
 say "built $(cd "$work/dist" && ls | tr '\n' ' ')"
 pip install "$whl" pytest || fail "pip install of the wheel failed"
-after=$("$py" -c "$probe")
+after=$("$py" -c "$probe" 2>/dev/null)
 [[ "$before" == "$after" ]] || fail "installing the wheel changed torch: $before -> $after"
 say "torch untouched: ${before%% *}; installed: $("$py" -m pip list --format=freeze 2>/dev/null |
   grep -iE '^(checkmate-ckpt|numpy|numba|pydantic|crc32c|pyyaml)==' | tr '\n' ' ')"
@@ -54,11 +64,16 @@ say "torch untouched: ${before%% *}; installed: $("$py" -m pip list --format=fre
 run=$work/run
 mkdir -p "$run"
 cd "$run"  # outside the checkout: only the installed package can be imported
-"$py" -c 'import checkmate, sys; sys.exit(0 if "/venv/" in checkmate.__file__ else 1)' ||
+"$py" -c 'import checkmate, sys; sys.exit(not checkmate.__file__.startswith(sys.argv[1]))' "$venv" ||
   fail "checkmate is not imported from the scratch venv"
+# The shadows' Numba kernels into their on-disk cache first, as `make setup` does: compiled
+# cold on a loaded machine they can take longer than the trainers wait for a shadow.
+say "compiling the shadows' kernels into Numba's cache"
+"$py" -c "from checkmate.shadow import ingest, state; ingest.warm(); state.warm_up_kernels()" \
+  >"$work/kernels.log" 2>&1 || { tail -20 "$work/kernels.log"; fail "compiling the kernels"; }
 launch() {  # NAME [ENV...]: a 2-rank launch with 2 local shadows, final state in NAME.pt
   local name=$1; shift
-  env NUMBA_NUM_THREADS=1 "$@" "$work/venv/bin/checkmate" launch --nproc-per-node 2 \
+  env NUMBA_NUM_THREADS=1 "$@" "$venv/bin/checkmate" launch --nproc-per-node 2 \
     --shadows 2 --max-restarts 1 --progress-every 4 --dir "$run/$name" \
     "$root/examples/train.py" --steps "$steps" --out "$run/$name.pt" >"$run/$name.log" 2>&1 ||
     { tail -30 "$run/$name.log"; fail "the $name launch exited non-zero ($run/$name.log)"; }
@@ -98,7 +113,7 @@ print("check-install: the killed and resumed run equals the clean run bit for bi
       "(model, optimizer, scheduler)")
 PY
 say "tests/test_optim_rule.py"
-"$work/venv/bin/pytest" -q -p no:cacheprovider "$root/tests/test_optim_rule.py" \
+"$venv/bin/pytest" -q -p no:cacheprovider "$root/tests/test_optim_rule.py" \
   >"$work/optim_rule.log" 2>&1 || { tail -30 "$work/optim_rule.log"; fail "tests/test_optim_rule.py"; }
 tail -1 "$work/optim_rule.log"
 say "PASS: torch ${before%% *} on $("$py" --version 2>&1)"
