@@ -30,5 +30,5 @@ def needs(extra: str) -> Iterator[None]:
     except ModuleNotFoundError as e:
         missing = e.name or str(e)
         raise MissingExtra(f"python package {missing} is not installed; it comes with the "
-                           f"[{extra}] extra: pip install '{DIST}[{extra}]'",
-                           name=e.name) from None
+                           f"[{extra}] extra: pip install '{DIST}[{extra}]' (from a "
+                           f"checkout: pip install '.[{extra}]')", name=e.name) from None

@@ -48,7 +48,8 @@ def _serialized_descriptor(package: str, filename: str) -> bytes:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise CheckmateError(f"python package {package} (p4runtime) is not installed; it "
-                             "comes with the [switch] extra: pip install 'checkmate-ckpt[switch]'")
+                             "comes with the [switch] extra: pip install 'checkmate-ckpt[switch]' "
+                             "(from a checkout: pip install '.[switch]')")
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
