@@ -24,9 +24,11 @@ setup: $(STAMP) bpf nccl guest kernels
 $(STAMP): pyproject.toml .apt-stamp
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	# torch first, pinned: the CPU build on this machine's disk (a range would pull CUDA).
+	# torch first, pinned: the CPU build on this machine's disk; pyproject.toml's range
+	# (torch>=2.11) keeps it, where resolving the range alone would pull a CUDA build.
+	# Then the project with every role's extra (the tests import them all).
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,testbed,switch,shadow,metrics]'
 	@touch $@
 
 bpf: $(STAMP)

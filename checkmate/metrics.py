@@ -24,7 +24,6 @@ client's own server starts a thread per connection with no bound: 600 slow conne
 
 from __future__ import annotations
 
-import os
 import queue
 import socket
 import threading
@@ -34,19 +33,17 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
-
 from checkmate.errors import CheckmateError
+from checkmate.extras import needs
+from checkmate.metrics_port import METRICS_PORT_ENV, check_port, port_from_env
 
-#: Environment variable naming the metrics port. When set (non-empty) it wins over the
-#: default passed by the constructor or CLI, so a deployment can move the port without
-#: touching code; ``0`` asks for any free port.
-METRICS_PORT_ENV: Final[str] = "CHECKMATE_METRICS_PORT"
+with needs("metrics"):
+    from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import Collector
 
-_MAX_PORT: Final[int] = 65535
+__all__ = ["METRICS_PORT_ENV", "port_from_env"]  # re-exported: callers read them from here
 
 #: Threads serving scrapes, connections waiting for one, connections per source address,
 #: and seconds a request may take from its accept to its answer.
@@ -285,26 +282,6 @@ def render(collector: Collector) -> str:
     return generate_latest(_registry(collector)).decode("utf-8")
 
 
-def _check_port(port: Any, what: str) -> int:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= _MAX_PORT:
-        raise CheckmateError(f"{what}: {port!r} is not a port (an integer 0..{_MAX_PORT})")
-    return port
-
-
-def port_from_env(default: int | None) -> int | None:
-    """The metrics port: :data:`METRICS_PORT_ENV` when set and non-empty, else ``default``."""
-    raw = os.environ.get(METRICS_PORT_ENV, "").strip()
-    if not raw:
-        return default
-    try:
-        port = int(raw, 10)
-    except ValueError:
-        raise CheckmateError(
-            f"{METRICS_PORT_ENV}={raw!r} is not a port (an integer 0..{_MAX_PORT})"
-        ) from None
-    return _check_port(port, METRICS_PORT_ENV)
-
-
 class _Handler(WSGIRequestHandler):
     """prometheus-client's handler, quiet; every read bounded by the request's deadline."""
 
@@ -425,7 +402,7 @@ def serve(collector: Collector, port: int, bind: str = "127.0.0.1") -> MetricsSe
     Loopback by default: the numbers say little, but a scrape endpoint should be exposed on
     purpose. A bad or taken port raises :class:`CheckmateError` with one line.
     """
-    port = _check_port(port, f"metrics port for {bind}")
+    port = check_port(port, f"metrics port for {bind}")
     try:
         server = BoundedWSGIServer((bind, port))
     except (OSError, OverflowError, ValueError) as e:

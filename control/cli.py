@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f": {e.filename}" if e.filename else ""
         raise CheckmateError(f"{e.strerror or e}{where}") from None
     except ImportError as e:
+        if isinstance(e, CheckmateError):  # checkmate.extras.MissingExtra: names its extra
+            raise
         raise CheckmateError(f"missing python package: {e.name or e}") from None
 
 

@@ -21,11 +21,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from google.protobuf import text_format
-from google.protobuf.message import DecodeError
-
 from checkmate.control import p4proto
 from checkmate.errors import CheckmateError
+from checkmate.extras import needs
+
+with needs("switch"):
+    from google.protobuf import text_format
+    from google.protobuf.message import DecodeError
 
 #: Pipeline instance prefix of TNA names (``Pipeline(...) pipe;`` in checkmate_tna.p4).
 PIPE_PREFIX = "pipe."

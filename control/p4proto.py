@@ -16,10 +16,12 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
-from google.protobuf import any_pb2, descriptor_pool, message_factory
-from google.rpc import status_pb2
-
 from checkmate.errors import CheckmateError
+from checkmate.extras import needs
+
+with needs("switch"):
+    from google.protobuf import any_pb2, descriptor_pool, message_factory
+    from google.rpc import status_pb2
 
 #: The proto files of the p4runtime wheel, in dependency order.
 _P4_FILES = (
@@ -45,7 +47,9 @@ def _serialized_descriptor(package: str, filename: str) -> bytes:
     """The ``serialized_pb`` bytes literal of a generated module, read without importing it."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise CheckmateError(f"python package {package} (p4runtime) is not installed")
+        raise CheckmateError(f"python package {package} (p4runtime) is not installed; it "
+                             "comes with the [switch] extra: pip install 'checkmate-ckpt[switch]' "
+                             "(from a checkout: pip install '.[switch]')")
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):

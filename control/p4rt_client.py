@@ -10,10 +10,12 @@ import queue
 import threading
 from collections.abc import Iterable
 
-import grpc
-
 from checkmate.control import p4proto
 from checkmate.errors import CheckmateError
+from checkmate.extras import needs
+
+with needs("switch"):
+    import grpc
 
 
 class TargetUnreachable(CheckmateError):

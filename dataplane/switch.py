@@ -44,6 +44,7 @@ from checkmate.config.cluster import ClusterConfig
 from checkmate.dataplane import maps
 from checkmate.dataplane.bpfsys import BpfError, PinnedMap
 from checkmate.errors import CheckmateError
+from checkmate.extras import needs
 
 BPFFS = Path("/sys/fs/bpf")
 NETNS_DIR = Path("/run/netns")
@@ -159,7 +160,8 @@ class KernelSwitch:
         if not netns_exists(self.netns):
             raise SwitchUnreachable(f"switch namespace {self.netns} does not exist "
                                     "(run `testbed up`)")
-        from pyroute2 import NetNS
+        with needs("switch"):
+            from pyroute2 import NetNS
 
         try:
             with NetNS(self.netns, flags=0) as ns:

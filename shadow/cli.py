@@ -232,7 +232,7 @@ def _serve_without_config(args: argparse.Namespace, index: int, count: int) -> i
 
 def _run_node(args: argparse.Namespace, opts: NodeOptions) -> int:
     """Start the node, serve until SIGTERM/SIGINT, stop it."""
-    from checkmate import metrics
+    from checkmate.metrics_port import port_from_env
     from checkmate.protocol import auth
     from checkmate.shadow.node import ShadowNode
 
@@ -240,7 +240,9 @@ def _run_node(args: argparse.Namespace, opts: NodeOptions) -> int:
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s shadow[%(threadName)s] %(levelname)s %(message)s")
-    mport = metrics.port_from_env(args.metrics_port)
+    mport = port_from_env(args.metrics_port)
+    if mport is not None:  # prometheus-client (the [metrics] extra) only when metrics are on
+        from checkmate import metrics
     node = ShadowNode(opts).start()
     exporter = None
     if mport is not None:

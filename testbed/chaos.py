@@ -27,6 +27,7 @@ from typing import Any
 
 from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.extras import needs
 from checkmate.testbed.scenario import parse_scenario
 
 
@@ -348,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(" ".join(f"{c}={row[c]}" for c in _COLS), flush=True)
                 for a in rep.get("attacks", []):  # what an attack did and what it met
                     print(f"  attack {json.dumps(a, sort_keys=True)}", flush=True)
-    from rich.console import Console
-    from rich.table import Table
+    with needs("testbed"):
+        from rich.console import Console
+        from rich.table import Table
 
     t = Table(title="testbed chaos")
     for c in _COLS:

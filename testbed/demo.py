@@ -16,6 +16,7 @@ import sys
 from checkmate.config import cluster as config
 from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.extras import needs
 from checkmate.protocol import wire
 
 
@@ -92,8 +93,9 @@ def run_traffic(cfg: config.ClusterConfig, count: int) -> dict[str, dict[str, in
 
 
 def _print(cfg: config.ClusterConfig, stats: dict, counters: dict, installed: bool) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    with needs("testbed"):
+        from rich.console import Console
+        from rich.table import Table
 
     con = Console()
     hosts = Table(title=f"hosts (job {cfg.job_id})")

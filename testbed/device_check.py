@@ -1,9 +1,10 @@
 """`testbed device-check`: Checkmate on one GPU, in one command with a global time budget.
 
 Run by a person with one GPU after ``make setup`` (or ``scripts/device-check.sh``, which
-also brings the project's small dependencies onto a machine that lacks them). Prints one
-line per check -- ``PASS``, ``FAIL`` or ``SKIP`` with the reason -- and a summary line;
-with CUDA it writes the figures into docs/gpu.md (``--doc``). Checks (docs/gpu.md):
+installs the project's wheel and the core dependencies it lacks into that machine's
+Python). Prints one line per check -- ``PASS``, ``FAIL`` or ``SKIP`` with the reason -- and
+a summary line; with CUDA it writes the figures into docs/gpu.md (``--doc``). Checks
+(docs/gpu.md):
 
   optim[CASE]     each checkmate optimizer and option, 10M+ parameters, 50 steps: the CUDA
                   result vs the shadows' CPU Numba kernel (FlatOptimizer) fed the same

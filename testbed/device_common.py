@@ -12,8 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+#: The checkout, or (installed from the wheel) the installed package, which carries the NCCL
+#: plugin's sources in nccl_plugin/ as the checkout does.
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "gpu.md"
+#: Where the results table (docs/gpu.md) and built files (build/) go: the checkout, also when
+#: the check runs from an installed wheel (scripts/device-check.sh sets CHECKMATE_CHECKOUT).
+CHECKOUT = Path(os.environ.get("CHECKMATE_CHECKOUT") or ROOT)
+DOC = CHECKOUT / "docs" / "gpu.md"
 #: Modules the launcher, the shadows and the sessions import (not the optimizer check).
 PROJECT_DEPS = ("crc32c", "pydantic", "yaml", "numba")
 #: Environment for two NCCL ranks on one GPU: each rank its own host id (set by the worker

@@ -24,9 +24,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from checkmate.testbed.device_common import ROOT, Budget, Result, _free_port, _short
+from checkmate.testbed.device_common import (
+    CHECKOUT,
+    ROOT,
+    Budget,
+    Result,
+    _free_port,
+    _short,
+)
 
-PLUGIN = ROOT / "build" / "nccl" / "libnccl-net-ckm.so"
+PLUGIN = CHECKOUT / "build" / "nccl" / "libnccl-net-ckm.so"
 BUCKETS = [262_147, 70_001, 3]  # elements; none a chunk multiple
 ITERATIONS = 3
 CHANNELS = 2

@@ -35,6 +35,7 @@ from typing import Any
 
 from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.extras import needs
 from checkmate.testbed.cluster import LOOPBACK_NET, MODES, Cluster
 from checkmate.testbed.comparison import check_run, compare_states, gockpt_dir, reliability_summary
 from checkmate.testbed.runner import Run
@@ -283,8 +284,9 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
 
 
 def _table(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    with needs("testbed"):
+        from rich.console import Console
+        from rich.table import Table
 
     gk = report.get("gockpt")
     who = (f"GoCkpt every {gk[0]} over {gk[1]} steps" if gk
@@ -318,7 +320,8 @@ def _multinode(args: argparse.Namespace, multinode: Any) -> int:
     sc = multinode.SCENARIOS[args.scenario]
     config_path = Path(args.config).resolve() if args.config else multinode.default_config()
     cfg = cfgmod.load(config_path)
-    from rich.console import Console
+    with needs("testbed"):
+        from rich.console import Console
 
     console = Console(stderr=True)
     with ExitStack() as stack:
@@ -365,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(parts) != 3 or parts[0] != "127" or not all(p.isdigit() and int(p) < 256
                                                        for p in parts):
         raise CheckmateError(f"--loopback-net must look like 127.X.Y, got {args.loopback_net}")
-    from rich.console import Console
+    with needs("testbed"):
+        from rich.console import Console
 
     console = Console(stderr=True)
 

@@ -30,6 +30,7 @@ import yaml
 from checkmate.config.cluster import ClusterConfig
 from checkmate.dataplane.switch import KernelSwitch, netns_exists, nsenter_argv
 from checkmate.errors import CheckmateError
+from checkmate.extras import needs
 
 STATE_ROOT = Path("/run/checkmate")
 NUD_PERMANENT = 0x80
@@ -234,7 +235,8 @@ class Testbed:
             raise
 
     def _build_links(self) -> None:
-        from pyroute2 import NetNS, netns
+        with needs("testbed"):
+            from pyroute2 import NetNS, netns
 
         cfg = self.cfg
         plen = ipaddress.IPv4Network(cfg.network.subnet).prefixlen
@@ -280,7 +282,8 @@ class Testbed:
         the start of a burst, so the first datagrams of a test or bench are not queued or
         dropped. The bridge's forwarding entries are the switch's own (static, sticky, no
         learning: KernelSwitch.bind_ports, run by attach)."""
-        from pyroute2 import NetNS
+        with needs("testbed"):
+            from pyroute2 import NetNS
 
         cfg = self.cfg
         peers = [(h.ip, h.mac) for h in cfg.hosts] + [(cfg.switch.ip, cfg.switch.mac)]
@@ -331,7 +334,8 @@ class Testbed:
     # -- down ----------------------------------------------------------------------------
     def down(self) -> None:
         """Remove processes (by recorded PID), namespaces, pinned BPF objects, state dir."""
-        from pyroute2 import netns
+        with needs("testbed"):
+            from pyroute2 import netns
 
         state = self._read_state()
         for p in state.get("procs", []):

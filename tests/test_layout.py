@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ("errors", "fastexit", "metrics", "ratelog", "schema")
+BASE = ("errors", "extras", "fastexit", "metrics", "metrics_port", "ratelog", "schema")
 TOPS = ("dataplane", "control", "shadow", "testbed", "p4")
 
 

@@ -42,10 +42,12 @@ class _Reliability:
                 with ShadowClient(a) as c:
                     c.request(self.peers_body(p))
         self.monitor = ProtectionMonitor(self, lay.monitor_poll, lay.lag_warn).start()
-        from checkmate import metrics
+        from checkmate.metrics_port import port_from_env
 
-        port = metrics.port_from_env(None)
+        port = port_from_env(None)
         if port is not None:  # one port per rank on a shared host: PORT + rank (0: any)
+            from checkmate import metrics  # prometheus-client: only when metrics are on
+
             self.metrics = metrics.serve(metrics.TrainerCollector(self.protection, lay.rank),
                                          port + lay.rank if port else 0,
                                          lay.trainers[lay.rank][0])

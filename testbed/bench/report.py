@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.extras import needs
 from checkmate.testbed.bench import rounds
 
 TARGETS = (("dcp@1", 2.0), ("torchsave@1", 1.5))
@@ -41,11 +42,8 @@ COLORS = {"torchsave": "tab:red", "dcp": "tab:orange", "dcp-process": "tab:brown
 
 
 def _plots(d: dict[str, Any], figdir: Path) -> dict[str, str]:
-    try:
+    with needs("bench"):  # its plots are drawn with matplotlib
         import matplotlib
-    except ImportError:
-        raise CheckmateError("testbed bench report draws its plots with matplotlib, which is "
-                             "not installed: pip install -e '.[bench]' (make setup does)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -58,6 +58,7 @@ import yaml
 
 from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.extras import needs
 
 SCHEMES = ("none", "torchsave", "dcp", "dcp-process", "checkfreq", "proc-copy", "gockpt",
            "checkmate", "none-switch", "checkmate-switch")
@@ -340,8 +341,9 @@ def state_mb(width: int, layers: int) -> dict[str, float]:
 def _print(med: dict[str, float], plan: dict[str, Any], cpu: dict[str, list[float]],
            args: argparse.Namespace, kernel: dict[str, list[float | None]] | None = None
            ) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    with needs("bench"):
+        from rich.console import Console
+        from rich.table import Table
 
     t = Table(title=f"checkpoint schemes: gpt width {args.width} x {args.layers} layers, "
                     f"stand-in {args.stand_in} s/step, mean of iterations "

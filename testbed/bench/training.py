@@ -32,6 +32,7 @@ import yaml
 
 from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.extras import needs
 from checkmate.testbed.bench import rounds
 
 VARIANTS = (("none", "(a) no checkpoint"), ("checkmate", "(b) checkmate"),
@@ -200,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"trainers {cpu[kind][-1]:6.1f} CPU ms/iteration", flush=True)
     med = {k: statistics.median(v) for k, v in its.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    from rich.console import Console
-    from rich.table import Table
+    with needs("bench"):
+        from rich.console import Console
+        from rich.table import Table
 
     t = Table(title=f"training throughput, {args.model} width {args.width}, "
                     f"{len(cfg.trainers)} trainers, {args.mode} mode, iterations "
