@@ -58,13 +58,25 @@ def _launch(tmp: Path, name: str, world: int, args: list[str], script_args: list
 
 
 # One worker process trains the script once per path, each from its own ``main`` (a fresh
-# model, seed and process group), so one launch per world size replaces three.
+# model, seed and process group), so one launch per world size replaces three. Rank 0 hosts
+# each group's store on MASTER_PORT: the other ranks join the next group only once rank 0
+# has closed the last one (a client that reached the old store would be dropped with it).
 EVERY_PATH = textwrap.dedent("""
-    import runpy, sys
+    import os, runpy, sys, time
+    from pathlib import Path
     lm, out, steps = sys.argv[1:4]
-    for path in sys.argv[4:]:
+    rank = int(os.environ["RANK"])
+    for k, path in enumerate(sys.argv[4:]):
+        gate = Path(out, f"closed-{k - 1}")
+        deadline = time.monotonic() + 300
+        while k and rank and not gate.exists():
+            if time.monotonic() > deadline:
+                sys.exit(f"rank {rank}: rank 0 did not close the group of run {k - 1}")
+            time.sleep(0.05)
         sys.argv = [lm, "--path", path, "--steps", steps, "--out", f"{out}/{path}.pt"]
         runpy.run_path(lm, run_name="__main__")
+        if rank == 0:
+            Path(out, f"closed-{k}").touch()
 """)
 
 
