@@ -3,11 +3,14 @@
 The model is examples/train_lm.py: a small causal language model whose output layer is tied
 to its input embedding (``lm_head.weight = emb.weight``), SGD nesterov with StepLR, two
 micro-batches per step (the first under ``no_sync()``), on Checkmate's own wrapper, stock
-DDP with the hook, and FSDP2. Each restart test runs it twice under ``checkmate launch``:
-once without Checkmate (``--mode off``: our ring without shadows, stock DDP, stock FSDP2),
-once with two shadows and one rank SIGKILLed at a random iteration; the final model,
-optimizer and scheduler state must be equal bit for bit, and the killed run's log must hold
-no traceback. 2 to 5 ranks: with 3 or more the allreduce's summation order shows in the
+DDP with the hook, and FSDP2. Each restart test runs it under ``checkmate launch`` with two
+shadows and one rank SIGKILLed at a random iteration, and compares it with a run without
+Checkmate (``--mode off``: our ring without shadows, stock DDP, stock FSDP2); the final
+model, optimizer and scheduler state must be equal bit for bit, and the killed run's log
+must hold no traceback. The runs without Checkmate of one world size are one launch whose
+workers train the script once per path in turn (``clean_runs``): each is the script's own
+``main`` from a fresh model and seed, bit for bit a launch of its own, at a third of the
+process starts. 2 to 5 ranks: with 3 or more the allreduce's summation order shows in the
 last bits, which is what broke stock DDP's restarts (checkmate.train.ddp_buckets).
 """
 
@@ -29,7 +32,8 @@ from checkmate.spec.model import ModelSpec, difference
 
 ROOT = Path(__file__).resolve().parents[1]
 LM = ROOT / "examples" / "train_lm.py"
-STEPS = 8
+STEPS = 10
+PATHS = ("own", "ddp", "fsdp")
 
 
 def _lm_module():  # noqa: ANN202
@@ -51,6 +55,57 @@ def _launch(tmp: Path, name: str, world: int, args: list[str], script_args: list
     if ok:
         assert p.returncode == 0, out[-4000:]
     return p, out
+
+
+# One worker process trains the script once per path, each from its own ``main`` (a fresh
+# model, seed and process group), so one launch per world size replaces three. Rank 0 hosts
+# each group's store on MASTER_PORT: the other ranks join the next group only once rank 0
+# has closed the last one (a client that reached the old store would be dropped with it).
+EVERY_PATH = textwrap.dedent("""
+    import os, runpy, sys, time
+    from pathlib import Path
+    lm, out, steps = sys.argv[1:4]
+    rank = int(os.environ["RANK"])
+    for k, path in enumerate(sys.argv[4:]):
+        gate = Path(out, f"closed-{k - 1}")
+        deadline = time.monotonic() + 300
+        while k and rank and not gate.exists():
+            if time.monotonic() > deadline:
+                sys.exit(f"rank {rank}: rank 0 did not close the group of run {k - 1}")
+            time.sleep(0.05)
+        sys.argv = [lm, "--path", path, "--steps", steps, "--out", f"{out}/{path}.pt"]
+        runpy.run_path(lm, run_name="__main__")
+        if rank == 0:
+            Path(out, f"closed-{k}").touch()
+""")
+
+
+@pytest.fixture(scope="module")
+def clean_runs(tmp_path_factory):
+    """``clean_runs(world)``: path -> the final state of a run of STEPS iterations without
+    Checkmate (``--mode off``) on ``world`` ranks; one launch per world size, shared by
+    the tests of that size."""
+    done: dict[int, dict[str, dict]] = {}
+
+    def get(world: int) -> dict[str, dict]:
+        if world not in done:
+            tmp = tmp_path_factory.mktemp(f"clean{world}")
+            script = tmp / "every_path.py"
+            script.write_text(EVERY_PATH)
+            argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
+                    str(world), "--progress-every", "0", "--mode", "off", str(script), str(LM),
+                    str(tmp), str(STEPS), *PATHS]
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                               env={**os.environ, "NUMBA_NUM_THREADS": "1"})
+            out = p.stdout + p.stderr
+            (tmp / "clean.log").write_text(out)
+            assert p.returncode == 0, out[-4000:]
+            assert out.count(f"rank 0 of {world}, attempt 0: no shadows (mode off)") == 3, out
+            done[world] = {path: torch.load(tmp / f"{path}.pt", weights_only=False)
+                           for path in PATHS}
+        return done[world]
+
+    return get
 
 
 def _differences(a: object, b: object, where: str = "") -> list[str]:
@@ -140,19 +195,18 @@ def test_the_first_failure_is_the_rank_that_set_the_others_off(tmp_path, monkeyp
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
 @pytest.mark.parametrize("path", ["own", "ddp", "fsdp"])
-def test_kill_and_restore_is_bit_identical_to_a_run_without_checkmate(tmp_path, path, world):
+def test_kill_and_restore_is_bit_identical_to_a_run_without_checkmate(tmp_path, clean_runs,
+                                                                      path, world):
     rank, at = random.randrange(world), random.randrange(2, STEPS)
     why = f"{path}, {world} ranks, rank {rank} killed after iteration {at}"
     script = ["--path", path, "--steps", str(STEPS)]
-    _launch(tmp_path, "clean", world, ["--mode", "off"],
-            [*script, "--out", str(tmp_path / "clean.pt")])
     _, out = _launch(tmp_path, "killed", world, ["--shadows", "2", "--max-restarts", "1"],
                      [*script, "--out", str(tmp_path / "killed.pt")],
                      {"CHECKMATE_KILL_AT": f"{rank}:{at}"})
     m = re.search(r"attempt 1: resumed from the shadows at iteration (\d+)", out)
     assert m and at - 1 <= int(m.group(1)) <= at, (why, out[-3000:])
     assert "Traceback" not in out and "warning" not in out, (why, out[-3000:])
-    clean = torch.load(tmp_path / "clean.pt", weights_only=False)
+    clean = clean_runs(world)[path]
     killed = torch.load(tmp_path / "killed.pt", weights_only=False)
     assert "lm_head.weight" in killed["model"], why
     diff = _differences(clean, killed)
@@ -160,12 +214,10 @@ def test_kill_and_restore_is_bit_identical_to_a_run_without_checkmate(tmp_path, 
 
 
 @pytest.mark.slow
-def test_gockpt_mode_restores_a_tied_model_bit_identically(tmp_path):
-    rank, at = random.randrange(2), random.randrange(7, 10)  # after checkpoint 5 (3 + 2)
+def test_gockpt_mode_restores_a_tied_model_bit_identically(tmp_path, clean_runs):
+    rank, at = random.randrange(2), random.randrange(7, STEPS)  # after checkpoint 5 (3 + 2)
     why = f"rank {rank} killed after iteration {at}"
-    script = ["--steps", "10"]
-    _launch(tmp_path, "clean", 2, ["--mode", "off"],
-            [*script, "--out", str(tmp_path / "clean.pt")])
+    script = ["--steps", str(STEPS)]  # the clean run: the own path's of the matrix, 2 ranks
     _, out = _launch(tmp_path, "killed", 2, ["--mode", "gockpt", "--gockpt", "3,2",
                                              "--max-restarts", "1", "--dir",
                                              str(tmp_path / "run")],
@@ -173,7 +225,7 @@ def test_gockpt_mode_restores_a_tied_model_bit_identically(tmp_path):
                      {"CHECKMATE_KILL_AT": f"{rank}:{at}"})
     assert "attempt 1: resumed from GoCkpt checkpoint" in out, (why, out[-3000:])
     assert "Traceback" not in out, out[-3000:]
-    diff = _differences(torch.load(tmp_path / "clean.pt", weights_only=False),
+    diff = _differences(clean_runs(2)["own"],
                         torch.load(tmp_path / "killed.pt", weights_only=False))
     assert not diff, (why, diff[:5])
 
