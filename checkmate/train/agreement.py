@@ -3,7 +3,11 @@
 Rank 0 decides (where to resume, whether there is anything to resume from) and publishes
 the answer in the c10d store of the rendezvous; every other rank reads that answer
 instead of computing its own. So no two ranks can resume from different iterations, and
-a refusal is the same one line on every rank. Two stores are used, both torch's:
+a refusal is the same one line on every rank. A rank that refuses exits, and when rank 0
+exits torch's agent may take the attempt's store (and the other ranks) down with it: so
+rank 0 publishes a refusal and waits until every rank has read it (each adds one to a
+count of readers) before it raises, bounded by READ_TIMEOUT. Two stores are used, both
+torch's:
 
 * the attempt's store (the default process group's TCPStore, which torch's elastic agent
   makes anew for every rendezvous round): the restore point of this attempt;
@@ -25,6 +29,8 @@ from checkmate.errors import CheckmateError
 
 #: Seconds a rank waits for rank 0's answer (rank 0 may wait for restarting shadows).
 ANSWER_TIMEOUT = 300.0
+#: Seconds rank 0 waits, after publishing a refusal, for every rank to have read it.
+READ_TIMEOUT = 60.0
 #: Key prefix of Checkmate's entries in the job's rendezvous store (torch's own keys
 #: live under ``torch.rendezvous.``).
 PREFIX = "checkmate"
@@ -50,10 +56,11 @@ def job_store(addr: tuple[str, int], run_id: str, timeout: float = 60.0) -> Any:
     return dist.PrefixStore(f"{PREFIX}/{run_id}/", store)
 
 
-def decide(store: Any, key: str, rank: int, compute: Callable[[], Any],
-           timeout: float = ANSWER_TIMEOUT) -> Any:
+def decide(store: Any, key: str, rank: int, world: int, compute: Callable[[], Any],
+           timeout: float = ANSWER_TIMEOUT, read_timeout: float = READ_TIMEOUT) -> Any:
     """Rank 0 runs ``compute`` and publishes its JSON result (or its CheckmateError) under
-    ``key``; every rank returns that one answer, or raises that one error.
+    ``key``; every one of the ``world`` ranks returns that one answer, or raises that one
+    error -- rank 0 only once every other rank has read it (see the module docstring).
 
     The ranks of a process group make the same decisions in the same order, so the n-th
     decision on ``key`` of each rank is the same one: the published key carries n (counted
@@ -66,6 +73,8 @@ def decide(store: Any, key: str, rank: int, compute: Callable[[], Any],
         except CheckmateError as e:
             answer = {"error": str(e)}
         store.set(key, json.dumps(answer))
+        if "error" in answer and world > 1:
+            _wait_read(store, key, world, read_timeout)
     else:
         store.set_timeout(timedelta(seconds=timeout))
         try:
@@ -74,9 +83,21 @@ def decide(store: Any, key: str, rank: int, compute: Callable[[], Any],
             raise CheckmateError(f"rank 0 published no {key!r} within {timeout:.0f} s: "
                                  f"{' '.join(str(e).split())[:200]}") from None
         answer = json.loads(raw)
+        if "error" in answer and store.add(f"{key}/read", 1) == world - 1:
+            store.set(f"{key}/read-by-all", "1")  # the last reader lets rank 0 go
     if "error" in answer:
         raise CheckmateError(answer["error"])
     return answer["ok"]
+
+
+def _wait_read(store: Any, key: str, world: int, timeout: float) -> None:
+    """Rank 0, after publishing a refusal under ``key``: return once the other ``world - 1``
+    ranks have read it, or after ``timeout`` seconds (a rank that never comes is the
+    agent's to notice; the refusal is still this rank's line)."""
+    try:
+        store.wait([f"{key}/read-by-all"], timedelta(seconds=timeout))
+    except RuntimeError:  # timed out (DistStoreError) or the store is gone
+        pass
 
 
 def mark(store: Any, key: str) -> None:
