@@ -1,20 +1,28 @@
-"""A resume that is refused reaches every rank as one line: real shadows, `checkmate launch`.
+"""A resume that is refused reaches every rank as one line.
 
-A job trains a tiny model against two shadows started by hand; a second launch with
-``--resume`` ties the model's head to its embedding (a tie the checkpoint does not have).
-Rank 0 refuses it, and must not exit (taking the attempt's store with it) before the other
-rank has read the refusal: every rank says the one line, no traceback, no C++ frames.
+With real shadows and `checkmate launch`: a job trains a tiny model against two shadows
+started by hand; a second launch with ``--resume`` ties the model's head to its embedding
+(a tie the checkpoint does not have). Rank 0 refuses it, and must not exit (taking the
+attempt's store with it) before the other rank has read the refusal: every rank says the
+one line, no traceback, no C++ frames. With a real TCPStore hosted by rank 0 (as the
+attempt's store is) and three processes, one of them slow: rank 0 stays until every rank
+has read its refusal, and without that wait the slow rank loses the answer.
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing
 import random
 import subprocess
 import sys
 import textwrap
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from fakes import free_port
 
 from checkmate.config import cluster as cfgmod
 
@@ -79,3 +87,48 @@ def test_a_resume_with_changed_ties_is_refused_in_one_line_on_every_rank(tmp_pat
         lines = [ln for ln in out.splitlines() if ln.startswith(f"checkmate: rank {rank}")]
         assert len(lines) == 1, out[-6000:]
         assert "tied parameters" in lines[0] and "head.weight = emb.weight" in lines[0], lines
+
+
+def _rank(rank: int, world: int, port: int, wait: bool, out: str) -> None:
+    """One process of a world sharing a TCPStore that rank 0 hosts and takes along when it
+    ends; rank 2 comes to the decision 1.5 s after the others."""
+    import torch.distributed as dist
+
+    from checkmate.errors import CheckmateError
+    from checkmate.train import agreement
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                          timeout=timedelta(seconds=20))  # rank 0 waits for all to connect
+    if rank == 2:
+        time.sleep(1.5)
+
+    def refuse() -> None:
+        raise CheckmateError("resume: tied parameters changed")
+
+    try:  # without the wait, rank 0 publishes as a world of one would: nobody to wait for
+        agreement.decide(store, "resume-point", rank, world if wait else 1, refuse,
+                         timeout=10)
+        line = "no refusal"
+    except CheckmateError as e:
+        line = str(e)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"line": line, "t": time.time()}))
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_rank0_stays_until_a_slow_rank_read_its_refusal(tmp_path, wait):
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, 3, port, wait, str(tmp_path)))
+             for r in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode == 0
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert got[0]["line"] == got[1]["line"] == "resume: tied parameters changed", got
+    if wait:
+        assert got[2]["line"] == "resume: tied parameters changed", got
+        assert got[0]["t"] >= got[2]["t"] - 0.05, got  # rank 0 left after the slow rank read
+    else:  # the bug this guards against: rank 0 ended, and its store with it
+        assert "the attempt's store closed before rank 0 published" in got[2]["line"], got

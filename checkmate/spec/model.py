@@ -432,8 +432,8 @@ def difference(shadows: ModelSpec, mine: ModelSpec) -> str | None:
             return f"parameter {a.name!r} shape: shadows {list(a.shape)}, this model " \
                    f"{list(b.shape)}"
     if shadows.aliases != mine.aliases:
-        return f"tied parameters changed (name = parameter): shadows {_ties(shadows)}, this model " \
-               f"{_ties(mine)}"
+        return f"tied parameters changed (name = parameter): shadows {_ties(shadows)}, " \
+               f"this model {_ties(mine)}"
     if shadows.grad_dtype != mine.grad_dtype:
         return f"gradient dtype: shadows {shadows.grad_dtype}, this job {mine.grad_dtype}"
     hb = {b.name: b for b in shadows.buffers}
