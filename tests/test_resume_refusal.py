@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -132,3 +133,37 @@ def test_rank0_stays_until_a_slow_rank_read_its_refusal(tmp_path, wait):
         assert got[0]["t"] >= got[2]["t"] - 0.05, got  # rank 0 left after the slow rank read
     else:  # the bug this guards against: rank 0 ended, and its store with it
         assert "the attempt's store closed before rank 0 published" in got[2]["line"], got
+
+
+def test_under_the_launcher_a_rank_counts_itself_once_its_line_is_out(monkeypatch):
+    """run_script's ranks (say_first): reading the refusal does not yet let rank 0 go --
+    the agent stops every rank once rank 0 exits -- but printing the line does (said), and
+    a script that catches the refusal lets it go after SAY_GRACE seconds."""
+    import torch.distributed as dist
+
+    from checkmate.errors import CheckmateError
+    from checkmate.train import agreement
+
+    monkeypatch.setattr(agreement, "_say_first", True)
+    monkeypatch.setattr(agreement, "SAY_GRACE", 2.0)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                           timeout=timedelta(seconds=10))
+
+    def refuse() -> None:
+        raise CheckmateError("resume: tied parameters changed")
+
+    with ThreadPoolExecutor(1) as pool:
+        for say in (True, False):
+            rank0 = pool.submit(agreement.decide, server, "point", 0, 2, refuse)
+            with pytest.raises(CheckmateError, match="tied parameters changed"):
+                agreement.decide(client, "point", 1, 2, lambda: None)
+            time.sleep(0.4)
+            assert not rank0.done()  # read, not yet said
+            t0 = time.monotonic()
+            if say:
+                agreement.said()
+            with pytest.raises(CheckmateError, match="tied parameters changed"):
+                rank0.result(10)
+            took = time.monotonic() - t0
+            assert took < 0.5 if say else 1.0 < took < 4, (say, took)
