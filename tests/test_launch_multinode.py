@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -165,23 +166,33 @@ def test_rank0_decides_and_every_rank_reads_that_answer():
                            timeout=timedelta(seconds=10))
     asked = []
     # rank 1 asks first: it waits for rank 0's answer, never computes one of its own
-    got = agreement.decide(server, "point", 0, lambda: asked.append(0) or {"it": 7})
-    assert agreement.decide(client, "point", 1, lambda: asked.append(1) or {"it": 9}) \
+    got = agreement.decide(server, "point", 0, 2, lambda: asked.append(0) or {"it": 7})
+    assert agreement.decide(client, "point", 1, 2, lambda: asked.append(1) or {"it": 9}) \
         == got == {"it": 7}
     assert asked == [0]
     # the second decision on the key is a new one: rank 1 does not read the first answer
-    agreement.decide(server, "point", 0, lambda: {"it": 8})
-    assert agreement.decide(client, "point", 1, lambda: None) == {"it": 8}
+    agreement.decide(server, "point", 0, 2, lambda: {"it": 8})
+    assert agreement.decide(client, "point", 1, 2, lambda: None) == {"it": 8}
 
     def refuse() -> None:
         raise CheckmateError("resume: nothing to resume from")
 
-    with pytest.raises(CheckmateError, match="nothing to resume from"):
-        agreement.decide(server, "point", 0, refuse)
-    with pytest.raises(CheckmateError, match="nothing to resume from"):
-        agreement.decide(client, "point", 1, lambda: {"it": 1})
+    # rank 0 raises a refusal only once rank 1 has read it: rank 0 runs in a thread here
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(agreement.decide, server, "point", 0, 2, refuse)
+        time.sleep(0.3)
+        assert not first.done()  # published, but not yet read
+        with pytest.raises(CheckmateError, match="nothing to resume from"):
+            agreement.decide(client, "point", 1, 2, lambda: {"it": 1})
+        with pytest.raises(CheckmateError, match="nothing to resume from"):
+            first.result(10)
     with pytest.raises(CheckmateError, match="published no 'late/1'"):
-        agreement.decide(client, "late", 1, lambda: None, timeout=0.5)
+        agreement.decide(client, "late", 1, 2, lambda: None, timeout=0.5)
+    # a rank that never reads holds rank 0 back no longer than read_timeout
+    t0 = time.monotonic()
+    with pytest.raises(CheckmateError, match="nothing to resume from"):
+        agreement.decide(server, "unread", 0, 2, refuse, read_timeout=0.5)
+    assert time.monotonic() - t0 < 5
 
 
 def test_job_store_marks_outlive_the_client():

@@ -90,6 +90,14 @@ def test_difference_names_the_first_change():
     m, o, _ = _workload()
     assert difference(base, ModelSpec.from_torch(7, m, o, 3)) == \
         "partitions: shadows 2, this job 3"
+    tied = _Net()
+    tied.fc2 = nn.Linear(4, 3)
+    untied_spec = ModelSpec.from_torch(7, tied, torch.optim.SGD(tied.parameters(), lr=0.1), 2)
+    tied.fc2.weight = tied.fc.weight  # the same names, one parameter fewer: a tie, not a loss
+    assert difference(untied_spec, ModelSpec.from_torch(
+        7, tied, torch.optim.SGD(tied.parameters(), lr=0.1), 2)) == \
+        "tied parameters changed (name = parameter): shadows none, this model " \
+        "fc2.weight = fc.weight"
     m.fc = nn.Linear(4, 5)  # same names, another shape
     o = torch.optim.AdamW([{"params": [p for p in m.parameters() if p.dim() >= 2],
                             "weight_decay": 0.01},

@@ -413,6 +413,10 @@ def difference(shadows: ModelSpec, mine: ModelSpec) -> str | None:
         return f"job id: shadows {shadows.job}, this job {mine.job}"
     if shadows.partitions != mine.partitions:
         return f"partitions: shadows {shadows.partitions}, this job {mine.partitions}"
+    if shadows.aliases != mine.aliases and _all_names(shadows) == _all_names(mine):
+        # the same names, tied otherwise: say so, not "a parameter is missing"
+        return f"tied parameters changed (name = parameter): shadows {_ties(shadows)}, " \
+               f"this model {_ties(mine)}"
     have, want = [p.name for p in shadows.params], [p.name for p in mine.params]
     extra = [n for n in want if n not in set(have)]
     if extra:
@@ -428,8 +432,8 @@ def difference(shadows: ModelSpec, mine: ModelSpec) -> str | None:
             return f"parameter {a.name!r} shape: shadows {list(a.shape)}, this model " \
                    f"{list(b.shape)}"
     if shadows.aliases != mine.aliases:
-        return f"tied parameters (name = parameter): shadows {_ties(shadows)}, this model " \
-               f"{_ties(mine)}"
+        return f"tied parameters changed (name = parameter): shadows {_ties(shadows)}, " \
+               f"this model {_ties(mine)}"
     if shadows.grad_dtype != mine.grad_dtype:
         return f"gradient dtype: shadows {shadows.grad_dtype}, this job {mine.grad_dtype}"
     hb = {b.name: b for b in shadows.buffers}
@@ -468,6 +472,11 @@ def tied_names(model: Any) -> list[tuple[str, str]]:
         else:
             first[id(p)] = name
     return sorted(out)
+
+
+def _all_names(spec: ModelSpec) -> set[str]:
+    """Every name the model reaches a parameter under, tied or not."""
+    return {p.name for p in spec.params} | {alias for alias, _ in spec.aliases}
 
 
 def _ties(spec: ModelSpec) -> str:

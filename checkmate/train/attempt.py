@@ -66,7 +66,7 @@ def announce(lay: Any, order: Sequence[int]) -> dict[str, Any]:
     docstring); the same result, or the same CheckmateError, on every rank."""
     from checkmate.train import agreement
 
-    got = agreement.decide(agreement.attempt_store(), "switch-attempt", lay.rank,
+    got = agreement.decide(agreement.attempt_store(), "switch-attempt", lay.rank, lay.world,
                            lambda: program(lay, order))
     if lay.rank == 0:
         print(f"checkmate: attempt {got['attempt']}: the switch copies for {lay.world} "

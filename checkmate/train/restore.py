@@ -168,7 +168,7 @@ def restore_session(sess: Any) -> int:
         return {"iteration": found.iteration, "sources": found.sources, "line": found.line}
 
     got = agreement.decide(agreement.attempt_store(), "resume-point", sess.layout.rank,
-                           compute)
+                           sess.layout.world, compute)
     point = ResumePoint(int(got["iteration"]), list(got["sources"]), str(got["line"]))
     r = restore_point(addrs, sess.spec, point.iteration, sources=point.sources)
     from checkmate.train import world

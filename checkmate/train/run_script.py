@@ -43,13 +43,14 @@ import threading
 import time
 
 from checkmate.errors import CheckmateError
-from checkmate.train import failures
+from checkmate.train import agreement, failures
 
 
 def _exit_now(code: int, line: str) -> None:
     failures.record(line, os.environ.get("RANK", "?"))
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
+    agreement.said()  # a refusal rank 0 waits to see read: read, and said (agreement)
     os._exit(code)
 
 
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     _take_sigint(rank)
     _watch_parent(rank)
     threading.excepthook = _thread_error(rank)
+    agreement.say_first()
     try:
         _bind(rank)
         runpy.run_path(script, run_name="__main__")

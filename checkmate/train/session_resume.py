@@ -35,7 +35,7 @@ class _Resume:
 
             store = self._job_store(job)
             return bool(agreement.decide(agreement.attempt_store(), "resume",
-                                         self.layout.rank,
+                                         self.layout.rank, self.layout.world,
                                          lambda: agreement.marked(store, "seeded")))
         if not job.restart_count:
             return False
