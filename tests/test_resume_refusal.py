@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fakes import free_port
@@ -90,9 +91,11 @@ def test_a_resume_with_changed_ties_is_refused_in_one_line_on_every_rank(tmp_pat
         assert "tied parameters" in lines[0] and "head.weight = emb.weight" in lines[0], lines
 
 
-def _rank(rank: int, world: int, port: int, wait: bool, out: str) -> None:
+def _rank(rank: int, world: int, port: int, wait: bool, out: str, rank0_gone: Any) -> None:
     """One process of a world sharing a TCPStore that rank 0 hosts and takes along when it
-    ends; rank 2 comes to the decision 1.5 s after the others."""
+    ends; rank 2 comes to the decision 1.5 s after the others (without the wait: only once
+    rank 0's process has ended, so the control does not hang on how fast a loaded machine
+    tears a process down)."""
     import torch.distributed as dist
 
     from checkmate.errors import CheckmateError
@@ -102,6 +105,8 @@ def _rank(rank: int, world: int, port: int, wait: bool, out: str) -> None:
                           timeout=timedelta(seconds=20))  # rank 0 waits for all to connect
     if rank == 2:
         time.sleep(1.5)
+        if not wait:
+            assert rank0_gone.wait(60)
 
     def refuse() -> None:
         raise CheckmateError("resume: tied parameters changed")
@@ -119,13 +124,16 @@ def _rank(rank: int, world: int, port: int, wait: bool, out: str) -> None:
 def test_rank0_stays_until_a_slow_rank_read_its_refusal(tmp_path, wait):
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, 3, port, wait, str(tmp_path)))
+    rank0_gone = ctx.Event()
+    procs = [ctx.Process(target=_rank, args=(r, 3, port, wait, str(tmp_path), rank0_gone))
              for r in range(3)]
     for proc in procs:
         proc.start()
-    for proc in procs:
+    for r, proc in enumerate(procs):
         proc.join(60)
         assert proc.exitcode == 0
+        if r == 0:
+            rank0_gone.set()
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert got[0]["line"] == got[1]["line"] == "resume: tied parameters changed", got
     if wait:
