@@ -123,12 +123,13 @@ def test_progress_on_a_terminal_is_one_line_rewritten():
 
     out = Tty()
     p = local_shadows.Progress(out)
-    for s in (0.5, 2.5, 2.7, 3.6, 5.0):
+    say = local_shadows.SAY_AFTER
+    for s in (0.5, say + 0.5, say + 0.7, say + 1.6, say + 3.0):
         p(s)
-    p.end(True, 5.2)
+    p.end(True, say + 3.2)
     text = out.getvalue()
-    assert text.count("\n") == 1 and text.endswith("5 s: ready\n")
-    assert text.count("\r") == 4  # 2.5, 3.6, 5.0 and the closing rewrite; 0.5/2.7 skipped
+    assert text.count("\n") == 1 and text.endswith(f"{say + 3.2:.0f} s: ready\n")
+    assert text.count("\r") == 4  # 3 updates and the closing rewrite; 0.5 and +0.7 skipped
 
 
 @pytest.mark.slow

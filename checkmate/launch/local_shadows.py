@@ -43,7 +43,7 @@ SHADOW_WINDOW = 64
 #: cache (about two minutes on a loaded 2-core machine; checkmate.train.shadow_client).
 START_TIMEOUT = READY_TIMEOUT
 #: Seconds of waiting after which the launcher says the shadows compile their kernels.
-SAY_AFTER = 2.0
+SAY_AFTER = 3.0  # loading them from the cache takes under a second
 
 
 def _bindable(ip: str, port: int, kind: int) -> bool:
