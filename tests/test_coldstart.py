@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,11 @@ def test_a_shadow_whose_compile_fails_is_one_line_not_a_wait(monkeypatch):
 def test_a_silent_address_is_named_in_the_line():
     with pytest.raises(ShadowError, match=r"shadow 127\.0\.0\.1:1 does not answer: .*waited"):
         wait_ready([("127.0.0.1", 1)], timeout=0.3, poll=0.1)
+    # a wrong address fails after silent_timeout, not after the compile's long timeout
+    t0 = time.monotonic()
+    with pytest.raises(ShadowError, match=r"does not answer"):
+        wait_ready([("127.0.0.1", 1)], timeout=60.0, poll=0.1, silent_timeout=0.3)
+    assert time.monotonic() - t0 < 5
 
 
 def test_check_shadows_waits_for_kernels_with_one_progress_line(monkeypatch, capsys):

@@ -12,7 +12,11 @@ seed). The workers start only when every shadow is ready (:meth:`LocalShadows.st
 answering on its TCP port with its Numba kernels compiled. A fresh install has an empty
 Numba cache and each shadow compiles for a minute or two; trainers started meanwhile would
 time out seeding and fail with nothing to restore, so the launcher waits, says so on one
-line, and fails in one line only past START_TIMEOUT. Shadows are stopped by PID: at exit,
+line, and fails in one line only past START_TIMEOUT. The shadow compiles in the background
+behind a service that already answers (not before it listens): so the wait can tell a
+compiling shadow from a dead or unreachable one, show how long it has compiled, and fail
+at once when the compile fails; trainers started without the launcher wait the same way
+(checkmate.train.shadow_client.wait_ready). Shadows are stopped by PID: at exit,
 on Ctrl-C or an error, and -- through the kernel's parent-death signal -- even when the
 launcher itself is SIGKILLed.
 """

@@ -48,6 +48,11 @@ def draw_run() -> str:
     return secrets.token_hex(16)
 
 
+#: Seconds a trainer waits for a shadow that does not answer at all before it fails (one
+#: that answers and compiles its kernels is waited for up to shadow_client.READY_TIMEOUT).
+SILENT_SHADOW = 30.0
+
+
 class _Start:
     """Part of :class:`CheckmateSession` (session.py): ``start`` and what it sets up."""
 
@@ -101,7 +106,8 @@ class _Start:
 
             # Shadows started beside a torchrun (not by `checkmate launch`, which waits for
             # them) may still compile their kernels: a seed sent now would time out.
-            wait_ready(lay.shadow_tcp, on_wait=self._say_compiling if lay.rank == 0 else None)
+            wait_ready(lay.shadow_tcp, on_wait=self._say_compiling if lay.rank == 0 else None,
+                       silent_timeout=SILENT_SHADOW)
             flat = self._seed_flat()
             seed_share(lay.shadow_tcp, self.spec, flat, lay.rank, lay.world)
             wait_seeded(lay.shadow_tcp, timeout=seed_timeout)

@@ -207,7 +207,8 @@ def kernels_state(status: Mapping[str, Any]) -> tuple[str, float, str]:
 
 
 def wait_ready(addrs: Sequence[Addr], timeout: float = READY_TIMEOUT,
-               on_wait: Any = None, check: Any = None, poll: float = 0.5) -> float:
+               on_wait: Any = None, check: Any = None, poll: float = 0.5,
+               silent_timeout: float | None = None) -> float:
     """Block until every shadow answers and its kernels are compiled; returns the seconds
     waited. ``on_wait(seconds)`` is called on every poll while one still compiles (for a
     progress line), ``check()`` on every poll (it may raise: a local shadow that exited).
@@ -215,9 +216,12 @@ def wait_ready(addrs: Sequence[Addr], timeout: float = READY_TIMEOUT,
     Training must not start before: a seed sent to a compiling shadow waits for the
     compiler and times out, and the job fails with nothing to restore. A shadow still
     compiling at ``timeout`` is one ShadowError line that says so (and that a cold Numba
-    cache is why), one that does not answer is a line with its address and error."""
+    cache is why), one that does not answer is a line with its address and error -- after
+    ``silent_timeout`` seconds (default: ``timeout``) of not answering: a wrong address
+    need not wait as long as a compile."""
     t0 = time.monotonic()
     deadline = t0 + timeout
+    silent_deadline = t0 + (timeout if silent_timeout is None else silent_timeout)
     pending = list(addrs)
     while True:
         if check is not None:
@@ -229,6 +233,9 @@ def wait_ready(addrs: Sequence[Addr], timeout: float = READY_TIMEOUT,
                 with ShadowClient(a, max(1.0, min(10.0, deadline - time.monotonic()))) as c:
                     state, secs, err = kernels_state(c.status())
             except (CheckmateError, OSError) as e:
+                if time.monotonic() >= silent_deadline:
+                    raise ShadowError(f"shadow {a[0]}:{a[1]} does not answer: {e}; waited "
+                                      f"{time.monotonic() - t0:.0f}s") from None
                 still.append(a)
                 last = f"shadow {a[0]}:{a[1]} does not answer: {e}"
                 continue
