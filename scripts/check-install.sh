@@ -13,8 +13,8 @@
 # once without a failure and once with one rank SIGKILLed at a random iteration
 # (CHECKMATE_KILL_AT, as tests/test_launch.py does); the group restarts, resumes from the
 # shadows, and its final model, optimizer and scheduler state must equal the failure-free
-# run's bit for bit (the shadows' Numba kernels are compiled into their cache first, as
-# `make setup` does). Last, tests/test_optim_rule.py against the installed package.
+# run's bit for bit (the first launch compiles the shadows' Numba kernels from an empty
+# cache, as a user's first run does). Last, tests/test_optim_rule.py against the installed package.
 # Exit 0 when all passed; the scratch folder is removed unless KEEP=1. VENV=DIR reuses the
 # virtualenv of an earlier KEEP=1 run (its torch must be TORCH_VERSION): no second download.
 set -euo pipefail
@@ -66,11 +66,8 @@ mkdir -p "$run"
 cd "$run"  # outside the checkout: only the installed package can be imported
 "$py" -c 'import checkmate, sys; sys.exit(not checkmate.__file__.startswith(sys.argv[1]))' "$venv" ||
   fail "checkmate is not imported from the scratch venv"
-# The shadows' Numba kernels into their on-disk cache first, as `make setup` does: compiled
-# cold on a loaded machine they can take longer than the trainers wait for a shadow.
-say "compiling the shadows' kernels into Numba's cache"
-"$py" -c "from checkmate.shadow import ingest, state; ingest.warm(); state.warm_up_kernels()" \
-  >"$work/kernels.log" 2>&1 || { tail -20 "$work/kernels.log"; fail "compiling the kernels"; }
+# No kernel step: the first launch compiles the shadows' Numba kernels from an empty cache,
+# as a user's first run after `pip install` does (the launcher waits for them).
 launch() {  # NAME [ENV...]: a 2-rank launch with 2 local shadows, final state in NAME.pt
   local name=$1; shift
   env NUMBA_NUM_THREADS=1 "$@" "$venv/bin/checkmate" launch --nproc-per-node 2 \

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 
 import numpy as np
 from llvmlite import ir
@@ -341,10 +342,24 @@ class Batch:
             self.__init__(max(k, 2 * self.size))  # type: ignore[misc]
 
 
+_WARMED = False
+#: One thread compiles; the others (a receive thread, the node's warm-up) wait for it.
+_WARM_LOCK = threading.Lock()
+
+
 def warm() -> None:
     """Compile (or load from Numba's cache) both functions for the array types the receivers
     pass -- UDP: lengths read in place from the mmsghdr array (strided uint32); verbs: int64
-    arrays -- so a shadow's first batch does not wait for the compiler."""
+    arrays -- so a shadow's first batch does not wait for the compiler. Once per process;
+    a second caller waits for the first one's compile."""
+    global _WARMED
+    with _WARM_LOCK:
+        if not _WARMED:
+            _warm()
+            _WARMED = True
+
+
+def _warm() -> None:
     b = Batch(1)
     b.params[P_CRC] = crc_function()
     buf = np.zeros(_HL, np.uint8)

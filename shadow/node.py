@@ -17,7 +17,7 @@ from typing import Any
 from checkmate.config.cluster import RESTORE_PORT, SHADOW_PORT
 from checkmate.errors import CheckmateError
 from checkmate.protocol import auth, datamac
-from checkmate.shadow import checkpoint_load, disk, persist
+from checkmate.shadow import checkpoint_load, disk, ingest, persist
 from checkmate.shadow.assembler import Assembler
 from checkmate.shadow.receiver import Receiver, open_socket
 from checkmate.shadow.register import register
@@ -97,6 +97,12 @@ class ShadowNode:
         self.restored_from: str | None = None
         self._commits_at_start = 0
         self.warm_seconds: float | None = None  # background kernel warm-up of an empty start
+        self._ready_seconds = 0.0  # from start until every kernel was ready
+        #: Set when the background warm-up has compiled (or loaded from Numba's cache) every
+        #: kernel; until then ``status`` says ``kernels: compiling`` (see :meth:`_warm`).
+        self.kernels_ready = threading.Event()
+        self.kernels_error = ""
+        self._warm_t0 = time.monotonic()
         self._peers: dict[str, Any] | None = None  # validated when the spec is known
         self.verbs: Any = None  # checkmate.shadow.verbs.VerbsReceiver with transport verbs
         self.metrics: Any = None  # checkmate.metrics.MetricsServer, set by `shadow serve`
@@ -223,11 +229,9 @@ class ShadowNode:
                 if self.restored_from is not None:
                     self.persister.last_iteration = self.state.latest
             self._commits_at_start = self.state.committed_count
-            if self.state.spec is None:
-                # Started empty: compile the optimizer kernels now, in the background, so a
-                # re-seed does not wait for the compiler (a disk restart compiled them while
-                # installing its checkpoint).
-                threading.Thread(target=self._warm, name="shadow-warm", daemon=True).start()
+            # The TCP service answers status at once; the kernels compile behind it.
+            self._warm_t0 = time.monotonic()
+            threading.Thread(target=self._warm, name="shadow-warm", daemon=True).start()
             self.service.start()
             if o.controller is not None:
                 epoch, token = register(self.secret, o.controller, o.job, o.partition,
@@ -246,10 +250,34 @@ class ShadowNode:
         return self
 
     def _warm(self) -> None:
-        t0 = time.perf_counter()
-        warm_up_kernels()
-        self.warm_seconds = round(time.perf_counter() - t0, 3)
-        log.info("optimizer kernels ready in %.1fs", self.warm_seconds)
+        """Compile (or load from Numba's on-disk cache) the receive pass and, when started
+        empty, every optimizer kernel (a disk restart compiled its own while installing
+        the checkpoint), in the background: the service answers meanwhile, its status says
+        ``kernels: compiling`` and for how long, so whoever starts trainers can wait for
+        ``ready`` (checkmate.train.shadow_client.wait_ready) instead of timing out on a
+        seed that waits for the compiler -- from a cold cache that takes minutes on a
+        loaded machine."""
+        try:
+            ingest.warm()
+            if self.state.spec is None:
+                t0 = time.monotonic()
+                warm_up_kernels()
+                self.warm_seconds = round(time.monotonic() - t0, 3)
+        except Exception as e:  # noqa: BLE001 - reported in status, the wait fails on it
+            self.kernels_error = f"{type(e).__name__}: {e}"[:300]
+            log.exception("compiling the shadow kernels failed")
+            return
+        self._ready_seconds = round(time.monotonic() - self._warm_t0, 3)
+        self.kernels_ready.set()
+        log.info("kernels ready in %.1fs", self._ready_seconds)
+
+    def kernels_status(self) -> dict[str, Any]:
+        """``ready``, ``compiling`` or ``failed``, and the seconds it took (or has taken)."""
+        if self.kernels_ready.is_set():
+            return {"state": "ready", "seconds": self._ready_seconds}
+        state = "failed" if self.kernels_error else "compiling"
+        return {"state": state, "seconds": round(time.monotonic() - self._warm_t0, 1),
+                "error": self.kernels_error}
 
     def _load_from_disk(self) -> None:
         o = self.opts
@@ -319,6 +347,7 @@ class ShadowNode:
             "persist": self.persister.status() if self.persister else None,
             "restored_from": self.restored_from,
             "warm_seconds": self.warm_seconds,
+            "kernels": self.kernels_status(),
             "rcvbuf": self.rcvbuf,
             "tcp_service": self.service.health(),
             "metrics": self.metrics.health() if self.metrics is not None else None,

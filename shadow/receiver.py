@@ -110,7 +110,6 @@ class Receiver:
         #: What the compiled scan fills (checkmate.shadow.ingest), and its CRC32C function.
         self._batch = ingest.Batch(batch)
         self._crc_fn = ingest.crc_function()
-        ingest.warm()  # compiled before a thread takes datagrams (once per process)
         granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         self.linger = LINGER if granted >= LINGER_MIN_RCVBUF else 0.0
         self.wakeups = 0  # times the thread went to sleep and woke up (poll or linger)
@@ -184,6 +183,9 @@ class Receiver:
                 time.sleep(0.05)
 
     def _loop(self) -> None:
+        # Compiled before the thread takes datagrams: here, not at construction, so a cold
+        # Numba cache does not hold up the shadow's TCP service (the node warms it too).
+        ingest.warm()
         sock = self.sock
         # Non-blocking batched receive; poll only when the queue is empty (a socket timeout
         # would cost a poll() syscall before every datagram).

@@ -292,9 +292,11 @@ class VerbsReceiver:
         self._thread.start()
 
     def _run(self) -> None:
+        from checkmate.shadow import ingest
         from checkmate.shadow.osname import name_thread
 
         name_thread()
+        ingest.warm()  # the receiver's compiled pass, before the first completion
         # Idle: sleep between polls, doubling from ``idle_sleep`` up to IDLE_MAX while
         # nothing arrives (a busy poll would take a core the trainers share); the ring
         # holds what arrives meanwhile (1024 slots: 5 ms at 200k datagrams/s).

@@ -8,8 +8,17 @@ Linux answers every 127.0.0.0/8 address on ``lo`` without configuration. The /24
 at random among those whose ports are all free, so concurrent jobs do not collide.
 
 Shadows started here run ``shadow serve`` without a config (the job id comes from the
-seed) and are stopped by PID: at exit, on Ctrl-C or an error, and -- through the kernel's
-parent-death signal -- even when the launcher itself is SIGKILLed.
+seed). The workers start only when every shadow is ready (:meth:`LocalShadows.start`):
+answering on its TCP port with its Numba kernels compiled. A fresh install has an empty
+Numba cache and each shadow compiles for a minute or two; trainers started meanwhile would
+time out seeding and fail with nothing to restore, so the launcher waits, says so on one
+line, and fails in one line only past START_TIMEOUT. The shadow compiles in the background
+behind a service that already answers (not before it listens): so the wait can tell a
+compiling shadow from a dead or unreachable one, show how long it has compiled, and fail
+at once when the compile fails; trainers started without the launcher wait the same way
+(checkmate.train.shadow_client.wait_ready). Shadows are stopped by PID: at exit,
+on Ctrl-C or an error, and -- through the kernel's parent-death signal -- even when the
+launcher itself is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -20,13 +29,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import TextIO
 
 from checkmate.config import cluster as config
 from checkmate.errors import CheckmateError
-from checkmate.protocol.frames import Addr
-from checkmate.train.shadow_client import ShadowClient
+from checkmate.protocol.frames import Addr, ShadowError
+from checkmate.train.shadow_client import READY_TIMEOUT, ShadowClient, wait_ready
 
 #: Host numbers inside the /24: trainers from .10, shadows from .100.
 TRAINER_BASE, SHADOW_BASE = 10, 100
@@ -34,8 +43,11 @@ MAX_TRAINERS, MAX_SHADOWS = SHADOW_BASE - TRAINER_BASE, 254 - SHADOW_BASE
 #: Iterations a shadow accepts ahead of its last commit (trainers may run ahead while a
 #: fresh shadow compiles its first optimizer step).
 SHADOW_WINDOW = 64
-#: Seconds shadows get to come up.
-START_TIMEOUT = 60.0
+#: Seconds shadows get to come up: bind, answer, and compile their kernels from a cold Numba
+#: cache (about two minutes on a loaded 2-core machine; checkmate.train.shadow_client).
+START_TIMEOUT = READY_TIMEOUT
+#: Seconds of waiting after which the launcher says the shadows compile their kernels.
+SAY_AFTER = 3.0  # loading them from the cache takes under a second
 
 
 def _bindable(ip: str, port: int, kind: int) -> bool:
@@ -104,8 +116,9 @@ class LocalShadows:
     def log(self, partition: int) -> Path:
         return self.logdir / f"shadow-{partition}.log"
 
-    def start(self) -> LocalShadows:
-        """Start every shadow and wait until each answers on its TCP port."""
+    def start(self, out: TextIO | None = None) -> LocalShadows:
+        """Start every shadow and wait until each is ready: it answers on its TCP port and
+        its kernels are compiled (a cold Numba cache: one progress line on ``out``)."""
         self.logdir.mkdir(parents=True, exist_ok=True)
         for p, (ip, _) in enumerate(self.tcp):
             argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
@@ -119,22 +132,25 @@ class LocalShadows:
                 self.procs.append(subprocess.Popen(
                     argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                     start_new_session=True, preexec_fn=_die_with_parent))
-        deadline = time.monotonic() + START_TIMEOUT
-        for p, (proc, addr) in enumerate(zip(self.procs, self.tcp, strict=True)):
-            while True:
-                if proc.poll() is not None:
-                    raise CheckmateError(f"shadow {p} exited ({proc.returncode}): "
-                                         f"{_last_line(self.log(p))} (log: {self.log(p)})")
-                try:
-                    socket.create_connection(addr, 0.5).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise CheckmateError(
-                            f"shadow {p} did not come up in {START_TIMEOUT:.0f} s "
-                            f"(log: {self.log(p)})") from None
-                    time.sleep(0.1)
+        progress = Progress(out if out is not None else sys.stdout)
+        try:
+            waited = wait_ready(self.tcp, START_TIMEOUT, on_wait=progress,
+                                check=self._check_alive, poll=0.2)
+        except ShadowError as e:
+            progress.end(None, 0.0)
+            raise CheckmateError(f"the shadows were not ready in {START_TIMEOUT:.0f}s: {e} "
+                                 f"(logs: {self.logdir})") from None
+        except BaseException:
+            progress.end(None, 0.0)
+            raise
+        progress.end(True, waited)
         return self
+
+    def _check_alive(self) -> None:
+        for p, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                raise CheckmateError(f"shadow {p} exited ({proc.returncode}): "
+                                     f"{_last_line(self.log(p))} (log: {self.log(p)})")
 
     def stop(self) -> None:
         """SIGTERM every shadow this object started, by PID; SIGKILL what outlives 10 s."""
@@ -149,6 +165,39 @@ class LocalShadows:
                 proc.wait()
 
 
+PROG_LINE = "checkmate launch: compiling the shadow kernels once (Numba cache)"
+
+
+class Progress:
+    """The one line shown while the shadows compile their kernels: rewritten in place every
+    second on a terminal, else written once and closed with the time it took."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out, self.shown, self.seconds = out, False, 0.0
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+
+    def __call__(self, seconds: float) -> None:
+        if seconds < SAY_AFTER or (self.shown and (not self.tty or seconds - self.seconds < 1)):
+            return
+        self.seconds = seconds
+        text = f"{PROG_LINE}, {seconds:.0f} s"
+        self.out.write(f"\r{text}" if self.tty else f"{text}; the workers start when done\n")
+        self.out.flush()
+        self.shown = True
+
+    def end(self, ok: bool | None, seconds: float) -> None:
+        """Close the line: ``ok`` says the kernels are ready after ``seconds``, None that
+        the wait failed (its error line follows)."""
+        if not self.shown:
+            return
+        if self.tty:
+            self.out.write(f"\r{PROG_LINE}, {seconds:.0f} s: ready\n" if ok else "\n")
+        elif ok:
+            self.out.write(f"checkmate launch: the shadow kernels are ready after "
+                           f"{seconds:.0f} s (cached for the next run)\n")
+        self.out.flush()
+
+
 def _last_line(path: Path) -> str:
     try:
         lines = path.read_text(errors="replace").strip().splitlines()
@@ -158,8 +207,9 @@ def _last_line(path: Path) -> str:
 
 
 def check_shadows(addrs: list[Addr]) -> int:
-    """Shadows started elsewhere (``--shadow``): each must answer and serve its partition
-    of ``len(addrs)``; returns the job id they serve (0: none yet, learned from the seed)."""
+    """Shadows started elsewhere (``--shadow``): each must answer, serve its partition of
+    ``len(addrs)`` and have its kernels compiled (waited for, as for local shadows);
+    returns the job id they serve (0: none yet, learned from the seed)."""
     jobs = set()
     for p, a in enumerate(addrs):
         try:
@@ -175,6 +225,14 @@ def check_shadows(addrs: list[Addr]) -> int:
             jobs.add(int(st["job"]))
     if len(jobs) > 1:
         raise CheckmateError(f"the shadows serve different jobs: {sorted(jobs)}")
+    # Started just before the launcher (a fresh install), they may still be compiling.
+    progress = Progress(sys.stdout)
+    try:
+        waited = wait_ready(addrs, START_TIMEOUT, on_wait=progress)
+    except ShadowError as e:
+        progress.end(None, 0.0)
+        raise CheckmateError(f"the shadows were not ready in {START_TIMEOUT:.0f}s: {e}") from None
+    progress.end(True, waited)
     return jobs.pop() if jobs else 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 import threading
 from typing import Any
 
@@ -45,6 +46,11 @@ def draw_run() -> str:
               "(docs/security.md)", flush=True)
         return ""
     return secrets.token_hex(16)
+
+
+#: Seconds a trainer waits for a shadow that does not answer at all before it fails (one
+#: that answers and compiles its kernels is waited for up to shadow_client.READY_TIMEOUT).
+SILENT_SHADOW = 30.0
 
 
 class _Start:
@@ -96,8 +102,12 @@ class _Start:
 
             self.iteration = restore_session(self)
         else:
-            from checkmate.train.shadow_client import seed_share, wait_seeded
+            from checkmate.train.shadow_client import seed_share, wait_ready, wait_seeded
 
+            # Shadows started beside a torchrun (not by `checkmate launch`, which waits for
+            # them) may still compile their kernels: a seed sent now would time out.
+            wait_ready(lay.shadow_tcp, on_wait=self._say_compiling if lay.rank == 0 else None,
+                       silent_timeout=SILENT_SHADOW)
             flat = self._seed_flat()
             seed_share(lay.shadow_tcp, self.spec, flat, lay.rank, lay.world)
             wait_seeded(lay.shadow_tcp, timeout=seed_timeout)
@@ -112,6 +122,13 @@ class _Start:
         # Every ring socket must be bound before anyone sends.
         dist.barrier(group=self.group)
         return self.iteration
+
+    def _say_compiling(self, seconds: float) -> None:
+        """Once, on rank 0: why training has not started yet."""
+        if seconds >= 2.0 and not getattr(self, "_said_compiling", False):
+            self._said_compiling = True
+            print("checkmate: waiting for the shadows to compile their kernels once (a cold "
+                  "Numba cache)", file=sys.stderr, flush=True)
 
     def _gather_nodes(self) -> list[int] | None:
         """Every rank's node (checkmate.train.session_group.gather_nodes); None for a

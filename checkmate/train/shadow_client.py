@@ -192,6 +192,71 @@ def _statuses(addrs: Sequence[Addr], timeout: float) -> list[dict[str, Any]]:
     return out
 
 
+#: Seconds to wait for a shadow's kernels: a cold Numba cache (the first run after an
+#: install) takes up to ~2 minutes on a loaded 2-core machine; an unloaded one, 30-60 s.
+READY_TIMEOUT = 600.0
+
+
+def kernels_state(status: Mapping[str, Any]) -> tuple[str, float, str]:
+    """(``ready`` | ``compiling`` | ``failed``, seconds, error) from a status reply; a shadow
+    that does not report its kernels compiled them before it answered (ready)."""
+    k = status.get("kernels")
+    if not isinstance(k, Mapping):
+        return "ready", 0.0, ""
+    return str(k.get("state", "ready")), float(k.get("seconds") or 0.0), str(k.get("error", ""))
+
+
+def wait_ready(addrs: Sequence[Addr], timeout: float = READY_TIMEOUT,
+               on_wait: Any = None, check: Any = None, poll: float = 0.5,
+               silent_timeout: float | None = None) -> float:
+    """Block until every shadow answers and its kernels are compiled; returns the seconds
+    waited. ``on_wait(seconds)`` is called on every poll while one still compiles (for a
+    progress line), ``check()`` on every poll (it may raise: a local shadow that exited).
+
+    Training must not start before: a seed sent to a compiling shadow waits for the
+    compiler and times out, and the job fails with nothing to restore. A shadow still
+    compiling at ``timeout`` is one ShadowError line that says so (and that a cold Numba
+    cache is why), one that does not answer is a line with its address and error -- after
+    ``silent_timeout`` seconds (default: ``timeout``) of not answering: a wrong address
+    need not wait as long as a compile."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    silent_deadline = t0 + (timeout if silent_timeout is None else silent_timeout)
+    pending = list(addrs)
+    while True:
+        if check is not None:
+            check()
+        still: list[Addr] = []
+        last = ""
+        for a in pending:
+            try:
+                with ShadowClient(a, max(1.0, min(10.0, deadline - time.monotonic()))) as c:
+                    state, secs, err = kernels_state(c.status())
+            except (CheckmateError, OSError) as e:
+                if time.monotonic() >= silent_deadline:
+                    raise ShadowError(f"shadow {a[0]}:{a[1]} does not answer: {e}; waited "
+                                      f"{time.monotonic() - t0:.0f}s") from None
+                still.append(a)
+                last = f"shadow {a[0]}:{a[1]} does not answer: {e}"
+                continue
+            if state == "failed":
+                raise ShadowError(f"shadow {a[0]}:{a[1]} could not compile its kernels: {err}")
+            if state != "ready":
+                still.append(a)
+                last = (f"shadow {a[0]}:{a[1]} is still compiling its Numba kernels after "
+                        f"{secs:.0f}s (a cold Numba cache: the first run after an install "
+                        "compiles them once; `checkmate doctor` caches them ahead of a run)")
+        pending = still
+        waited = time.monotonic() - t0
+        if not pending:
+            return waited
+        if time.monotonic() >= deadline:
+            raise ShadowError(f"{last}; waited {timeout:.0f}s")
+        if on_wait is not None:
+            on_wait(waited)
+        time.sleep(poll)
+
+
 def consistent_point(addrs: Sequence[Addr], timeout: float = 10.0) -> int:
     """The newest iteration every partition retains: the only safe restore point.
 
