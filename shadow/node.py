@@ -231,7 +231,10 @@ class ShadowNode:
             self._commits_at_start = self.state.committed_count
             # The TCP service answers status at once; the kernels compile behind it.
             self._warm_t0 = time.monotonic()
-            threading.Thread(target=self._warm, name="shadow-warm", daemon=True).start()
+            # Empty or not is decided now: a re-seed may give the state its spec while the
+            # receive pass still compiles, and its optimizer kernels must be compiled anyway.
+            threading.Thread(target=self._warm, args=(self.state.spec is None,),
+                             name="shadow-warm", daemon=True).start()
             self.service.start()
             if o.controller is not None:
                 epoch, token = register(self.secret, o.controller, o.job, o.partition,
@@ -249,7 +252,7 @@ class ShadowNode:
                  self.rcvbuf)
         return self
 
-    def _warm(self) -> None:
+    def _warm(self, empty: bool) -> None:
         """Compile (or load from Numba's on-disk cache) the receive pass and, when started
         empty, every optimizer kernel (a disk restart compiled its own while installing
         the checkpoint), in the background: the service answers meanwhile, its status says
@@ -259,7 +262,7 @@ class ShadowNode:
         loaded machine."""
         try:
             ingest.warm()
-            if self.state.spec is None:
+            if empty:
                 t0 = time.monotonic()
                 warm_up_kernels()
                 self.warm_seconds = round(time.monotonic() - t0, 3)
