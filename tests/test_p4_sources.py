@@ -1,9 +1,11 @@
 """The P4 sources agree with their P4Info, with the ckm wire format and with the controller,
 and keep to the rules the compilers enforce.
 
-No P4 compiler exists here (both programs are compiled outside the project), so the sources
-are parsed with a small reader good enough for the subset they use (controls, tables, keys,
-actions, counters, header types, parser states). Every table, key, action, parameter and
+tests/test_p4_compile.py compiles both programs with the real compilers when they are at
+hand; these checks need none: the sources are parsed with a small reader good enough for
+the subset they use (controls, tables, keys, actions, counters, header types, parser
+states), so they also say what a rule means (the length check is evaluated against the
+kernel switch's). Every table, key, action, parameter and
 counter is checked by name against the hand-written P4Info and against what p4c emitted
 (tests/fixtures/p4c/), bit widths resolved from the header definitions. Structural checks
 stand for the Tofino compile errors met before (indexed and direct counters in one action;

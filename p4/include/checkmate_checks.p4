@@ -18,7 +18,10 @@
  * - every value is computed by a plain assignment into metadata, all in one step with no
  *   value depending on another (one action, one stage): payload = udp.length -
  *   CKM_UDP_OVERHEAD (one 16-bit subtract of a constant) and, per dtype, count[15:0] *
- *   size (size is a generated power-of-two constant: one shift);
+ *   size (size is a generated power-of-two constant: one shift). That action is run by a
+ *   keyless hidden table (no P4Info object): assigned in the apply block, the compiler
+ *   folded the expressions into the conditions, which a Tofino gateway cannot evaluate
+ *   ("condition expression too complex"); after a table it compares two 16-bit fields;
  * - the comparisons are if-conditions (gateways) on those fields and constants, and `ok`
  *   is only ever assigned a constant; the earlier `ok = want == payload;` put the value of
  *   a comparison into an action ("source of modify_field invalid");
