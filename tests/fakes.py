@@ -129,7 +129,11 @@ class FakeSwitch:
         self.direct_counts: dict[tuple, tuple[int, int]] = {}
         self.counts: dict[tuple[str, int], tuple[int, int]] = {}  # (counter name, index)
         self.lock = threading.Lock()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        # A compiled Tofino pipeline config is about 5 MB, past gRPC's 4 MB default: the
+        # servers this stands for take up to 256 MB (Stratum's --grpc_max_recv_msg_size
+        # default, PI's server's SetMaxReceiveMessageSize).
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                                  options=[("grpc.max_receive_message_length", 256 << 20)])
         u = grpc.unary_unary_rpc_method_handler
         handlers = {
             "Write": u(self.Write, pb.WriteRequest.FromString,

@@ -11,6 +11,7 @@ table, action, parameter and counter by name.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -512,6 +513,35 @@ def _bf_pipeline_config_class():
     pool.Add(f)
     return message_factory.GetMessageClass(
         pool.FindMessageTypeByName("stratum.test.BfPipelineConfig"))
+
+
+def test_tofino_pushes_the_real_compiled_build(tmp_path, monkeypatch):
+    """The compiler's own TNA folder (make p4; compiled here when the toolchain is on
+    PATH, else skipped): the driver pushes its binary P4Info and the packed tofino.bin,
+    context.json and bfrt.json, and programs every table, port_bind included."""
+    from checkmate.control import p4build, pipeline
+
+    if p4build.compiler("tna")[0] is None:
+        pytest.skip(f"no TNA compiler: {p4build.compiler('tna')[1]}")
+    built = p4build.compile_program("tna", REPO / "build" / "p4" / "checkmate_tna").out
+    shutil.copytree(built, tmp_path / "checkmate_tna")
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    sw = FakeSwitch(None)
+    try:
+        res, _ = _tofino_deploy(sw, tofino_cfg(sw.address))
+    finally:
+        sw.stop()
+    assert sw.pipeline_sets == 1 and p4tables.SOURCE_UNCHECKED not in res.notes
+    cfg = _bf_pipeline_config_class().FromString(sw.device_config)
+    assert cfg.p4_name == pipeline.PROGRAMS["tna"]
+    assert cfg.bfruntime_info == (built / "bfrt.json").read_bytes()
+    (prof,) = cfg.profiles
+    assert prof.binary == (built / "pipe" / "tofino.bin").read_bytes()
+    assert prof.context == (built / "pipe" / "context.json").read_bytes()
+    pushed = p4proto.p4info().P4Info.FromString((built / "p4info.bin").read_bytes())
+    assert sw.p4info == pushed  # the binary P4Info, extern payloads and all
+    assert sw.table("ckm_replicate") == TOFINO_REPLICATE
+    assert len(sw.table("port_bind")) == len({h.switch_port for h in tofino_cfg("x").hosts}) + 1
 
 
 @pytest.mark.parametrize("binary", ["p4info.bin", "p4info.binpb"])
