@@ -143,10 +143,12 @@ def stage_usage(out: Path) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m checkmate.control.p4build",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("arch", nargs="*", choices=[*pipeline.PROGRAMS, []], default=[],
-                    help="which programs (default: both)")
+    ap.add_argument("arch", nargs="*", help=f"{' or '.join(pipeline.PROGRAMS)} (default: both)")
     ap.add_argument("--force", action="store_true", help="compile even when up to date")
     args = ap.parse_args(argv)
+    unknown = [a for a in args.arch if a not in pipeline.PROGRAMS]
+    if unknown:
+        ap.error(f"unknown program {', '.join(unknown)} (one of {', '.join(pipeline.PROGRAMS)})")
     try:
         for arch in args.arch or list(pipeline.PROGRAMS):
             r = compile_program(arch, force=args.force)
