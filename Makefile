@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.checkmate-installed
 APT_PKGS := clang llvm libbpf-dev bpftool iproute2 ethtool gcc
 
-.PHONY: setup run test lint bpf nccl guest kernels clean
+.PHONY: setup run test lint bpf nccl guest kernels clean p4 p4-fixtures
 
 setup: $(STAMP) bpf nccl guest kernels
 
@@ -53,6 +53,18 @@ guest: $(STAMP)
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	  $(GUEST_PKGS) >/dev/null; } || echo "guest packages not installed: verbs guest tests skip"
 	@$(PY) -m checkmate.testbed.guest build || echo "no soft-RoCE guest: verbs guest tests skip"
+
+# Both P4 programs into build/p4/ (docs/architecture.md, "P4 programs"): p4c-bm2-ss and
+# bf-p4c or p4c's Tofino driver, from PATH or the toolchain in $$P4_TOOLCHAIN
+# (default ../shared/p4-toolchain; scripts/p4-toolchain.sh). A no-op when up to date.
+P4_PATH = p4bin=$$(bash scripts/p4-toolchain.sh); PATH="$${p4bin:+$$p4bin:}$$PATH"
+p4: $(STAMP)
+	@$(P4_PATH) $(PY) -m checkmate.control.p4build
+
+# After a change to p4/: compile, then copy the compiler's P4Info into tests/fixtures/p4c
+# and its TNA stage usage into docs/architecture.md (scripts/p4_regen.py).
+p4-fixtures: $(STAMP)
+	@$(P4_PATH) $(PY) scripts/p4_regen.py
 
 run: setup
 	$(VENV)/bin/testbed run --scenario kill-restore

@@ -176,13 +176,17 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         bool source_ok = false;
         bit<32> source_bad = SRC_BAD_MAC;
         if (port_bind.apply().hit) {
-            if (hdr.ethernet.src_addr == meta.bind_mac) {
-                if (!hdr.ipv4.isValid()) {
-                    source_ok = true;
-                } else if (hdr.ipv4.src_addr == meta.bind_ip) {
-                    source_ok = true;
-                } else {
-                    source_bad = SRC_BAD_IP;
+            /* The 48-bit MAC compared as its high 16 and low 32 bits: one Tofino 1
+             * gateway takes at most 4 bytes + 12 bits of PHV input. */
+            if (hdr.ethernet.src_addr[47:32] == meta.bind_mac[47:32]) {
+                if (hdr.ethernet.src_addr[31:0] == meta.bind_mac[31:0]) {
+                    if (!hdr.ipv4.isValid()) {
+                        source_ok = true;
+                    } else if (hdr.ipv4.src_addr == meta.bind_ip) {
+                        source_ok = true;
+                    } else {
+                        source_bad = SRC_BAD_IP;
+                    }
                 }
             }
         }

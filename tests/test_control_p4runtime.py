@@ -11,6 +11,7 @@ table, action, parameter and counter by name.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -18,7 +19,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fakes import FakeSwitch, compiled_p4info, fixture_p4info, ip, stale_p4info
+from fakes import (
+    FakeSwitch,
+    compiled_p4info,
+    fixture_p4info,
+    ip,
+    stale_p4info,
+    unchecked_p4info,
+)
 from google.protobuf import text_format
 
 from checkmate.config import cluster as config
@@ -111,7 +119,9 @@ def test_deploy_writes_exact_entries_and_groups(bmv2):
     assert bmv2.table("ckm_punt") == {
         ((("dst_ip", ip("10.77.0.1")), ("udp_dst_port", 48023)), "to_cpu", (("port", 64),))}
     assert all(u.type == PB.Update.INSERT for u in bmv2.updates)
-    assert res.writes == len(bmv2.updates) == 8 + 9 + 2 + 7 + 1
+    # groups, replicate, rewrite, l2_fwd, punt, port_bind (six hosts and the CPU port)
+    assert res.writes == len(bmv2.updates) == 8 + 9 + 2 + 7 + 1 + 7
+    assert len(bmv2.table("port_bind")) == 7 and p4tables.SOURCE_UNCHECKED not in res.notes
     # Groups are written before the entries that point at them.
     kinds = ["g" if u.entity.HasField("packet_replication_engine_entry") else "t"
              for u in bmv2.updates]
@@ -127,7 +137,7 @@ def test_redeploy_writes_nothing(bmv2):
         finally:
             d.close()
     assert res.writes == 0
-    assert len(bmv2.updates) == 27
+    assert len(bmv2.updates) == 34
 
 
 def test_changed_config_removes_stale_entries(bmv2):
@@ -216,13 +226,29 @@ def test_status_reads_entries_counters_and_groups(bmv2):
     hits = [e for e in st["entries"] if e["packets"] == 42]
     assert len(hits) == 1 and hits[0]["bytes"] == 378000
     assert hits[0]["entry"].startswith("ckm_replicate")
-    assert len(st["entries"]) == 18
+    assert len(st["entries"]) == 25  # port_bind's 7 included
     assert st["ckm_stats"] == {"plain": 5, "replicated": 3, "no_entry": 1, "malformed": 1,
                                "handshake": 2, "spoofed": 4, "parser_error": 6,
-                               "ckm": 5 + 3 + 1 + 2 + 4, "l2_miss": 9, "rewrite_miss": 2}
+                               "ckm": 5 + 3 + 1 + 2 + 4, "l2_miss": 9, "rewrite_miss": 2,
+                               "bad_src_mac": 0, "bad_src_ip": 0}
     assert set(st["groups"]) == set(EXPECTED_GROUPS)
-    # p4c's P4Info predates the per-port source check (fakes.COMPILED_BEHIND): said loudly
-    assert st["notes"] == [p4tables.SOURCE_UNCHECKED]
+    assert st["notes"] == []
+
+
+def test_build_without_the_source_check_is_said_unprotected():
+    """p4c's output from before the per-port source check (fakes.UNCHECKED_AT) is still
+    programmed, and deploy and status both say loudly that sources go unchecked."""
+    sw = FakeSwitch(unchecked_p4info("v1model"))
+    cfg = p4_cfg("bmv2", sw.address)
+    d = driver(cfg)
+    try:
+        res = d.apply(plan_mod.build(cfg))
+        st = d.status()
+    finally:
+        d.close()
+        sw.stop()
+    assert res.notes == [p4tables.SOURCE_UNCHECKED] and res.writes == 27
+    assert st["notes"] == [p4tables.SOURCE_UNCHECKED] and len(st["entries"]) == 18
 
 
 def test_ports_are_bound_to_their_hosts_sources(tmp_path):
@@ -266,7 +292,8 @@ def test_switch_with_hash_ids_is_programmed_by_name(bmv2):
     tid = {t.preamble.name: t.preamble.id for t in info.tables}
     aid = {a.preamble.name: a.preamble.id for a in info.actions}
     used = {(te.table_id, te.action.action.action_id) for te in bmv2.entries.values()}
-    assert used == {(tid["CkmIngress.l2_fwd"], aid["CkmIngress.forward"]),
+    assert used == {(tid["CkmIngress.port_bind"], aid["CkmIngress.bind_source"]),
+                    (tid["CkmIngress.l2_fwd"], aid["CkmIngress.forward"]),
                     (tid["CkmIngress.ckm_punt"], aid["CkmIngress.to_cpu"]),
                     (tid["CkmIngress.ckm_replicate"], aid["CkmIngress.replicate"]),
                     (tid["CkmEgress.shadow_rewrite"], aid["CkmEgress.rewrite_shadow"])}
@@ -316,7 +343,7 @@ def test_switch_without_pipeline_gets_the_compiled_program(tmp_path, monkeypatch
     assert sw.pipeline_sets == 1 and sw.device_config == program
     assert {t.preamble.name for t in sw.p4info.tables} >= {"CkmIngress.ckm_replicate"}
     assert sw.table("ckm_replicate") == EXPECTED_REPLICATE
-    assert res.writes == 27
+    assert res.writes == 34
 
 
 def test_stale_compiled_p4info_is_refused_before_the_push(tmp_path, monkeypatch):
@@ -364,7 +391,8 @@ def test_status_of_a_switch_without_pipeline_loads_nothing(tmp_path, monkeypatch
 
 def test_other_program_on_switch_is_refused():
     info = compiled_p4info("v1model")
-    info.tables[0].preamble.name = "MyIngress.ipv4_lpm"
+    (l2,) = [t for t in info.tables if t.preamble.name == "CkmIngress.l2_fwd"]
+    l2.preamble.name = "MyIngress.ipv4_lpm"
     sw = FakeSwitch(info)
     try:
         cfg = p4_cfg("bmv2", sw.address)
@@ -440,7 +468,7 @@ def test_tofino_status_names_extern_counters_it_cannot_read(tmp_path, monkeypatc
             d.close()
     finally:
         sw.stop()
-    assert len(st["entries"]) == 18 and all(e["packets"] is None for e in st["entries"])
+    assert len(st["entries"]) == 25 and all(e["packets"] is None for e in st["entries"])
     assert st["ckm_stats"] == {}
     assert any("--p4runtime-force-std-externs" in n for n in st["notes"])
 
@@ -485,6 +513,35 @@ def _bf_pipeline_config_class():
     pool.Add(f)
     return message_factory.GetMessageClass(
         pool.FindMessageTypeByName("stratum.test.BfPipelineConfig"))
+
+
+def test_tofino_pushes_the_real_compiled_build(tmp_path, monkeypatch):
+    """The compiler's own TNA folder (make p4; compiled here when the toolchain is on
+    PATH, else skipped): the driver pushes its binary P4Info and the packed tofino.bin,
+    context.json and bfrt.json, and programs every table, port_bind included."""
+    from checkmate.control import p4build, pipeline
+
+    if p4build.compiler("tna")[0] is None:
+        pytest.skip(f"no TNA compiler: {p4build.compiler('tna')[1]}")
+    built = p4build.compile_program("tna", REPO / "build" / "p4" / "checkmate_tna").out
+    shutil.copytree(built, tmp_path / "checkmate_tna")
+    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
+    sw = FakeSwitch(None)
+    try:
+        res, _ = _tofino_deploy(sw, tofino_cfg(sw.address))
+    finally:
+        sw.stop()
+    assert sw.pipeline_sets == 1 and p4tables.SOURCE_UNCHECKED not in res.notes
+    cfg = _bf_pipeline_config_class().FromString(sw.device_config)
+    assert cfg.p4_name == pipeline.PROGRAMS["tna"]
+    assert cfg.bfruntime_info == (built / "bfrt.json").read_bytes()
+    (prof,) = cfg.profiles
+    assert prof.binary == (built / "pipe" / "tofino.bin").read_bytes()
+    assert prof.context == (built / "pipe" / "context.json").read_bytes()
+    pushed = p4proto.p4info().P4Info.FromString((built / "p4info.bin").read_bytes())
+    assert sw.p4info == pushed  # the binary P4Info, extern payloads and all
+    assert sw.table("ckm_replicate") == TOFINO_REPLICATE
+    assert len(sw.table("port_bind")) == len({h.switch_port for h in tofino_cfg("x").hosts}) + 1
 
 
 @pytest.mark.parametrize("binary", ["p4info.bin", "p4info.binpb"])
@@ -586,7 +643,7 @@ def test_cli_deploy_and_status_against_double(bmv2, tmp_path):
     env = {"CHECKMATE_CONTROL_STATE": str(tmp_path / "state.json")}
     r = _run_cli(["deploy", "--switch", "sw0"], path, **env)
     assert r.returncode == 0, r.stderr
-    assert "27 added, 0 changed, 0 removed" in r.stdout
+    assert "34 added, 0 changed, 0 removed" in r.stdout
     assert bmv2.table("ckm_replicate") == EXPECTED_REPLICATE
     r = _run_cli(["deploy", "--switch", "sw0"], path, **env)
     assert r.returncode == 0 and "0 added, 0 changed, 0 removed" in r.stdout

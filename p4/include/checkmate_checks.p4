@@ -18,7 +18,10 @@
  * - every value is computed by a plain assignment into metadata, all in one step with no
  *   value depending on another (one action, one stage): payload = udp.length -
  *   CKM_UDP_OVERHEAD (one 16-bit subtract of a constant) and, per dtype, count[15:0] *
- *   size (size is a generated power-of-two constant: one shift);
+ *   size (size is a generated power-of-two constant: one shift). That action is run by a
+ *   keyless hidden table (no P4Info object): assigned in the apply block, the compiler
+ *   folded the expressions into the conditions, which a Tofino gateway cannot evaluate
+ *   ("condition expression too complex"); after a table it compares two 16-bit fields;
  * - the comparisons are if-conditions (gateways) on those fields and constants, and `ok`
  *   is only ever assigned a constant; the earlier `ok = want == payload;` put the value of
  *   a comparison into an action ("source of modify_field invalid");
@@ -36,12 +39,27 @@
 #define CKM_MAX_PAYLOAD (65535 - 8 - CKM_HEADER_LEN)
 
 control CkmLengthCheck(in headers_t hdr, inout ckm_meta_t meta, out bool ok) {
-    apply {
+    /* The lengths are computed by a table's action, not in the apply block: the compiler
+     * cannot see through a table, so each gateway below compares two 16-bit fields
+     * instead of the expressions folded into it ("condition expression too complex"). */
+    @hidden action lengths() {
         meta.len_payload = hdr.udp.length - CKM_UDP_OVERHEAD;
         meta.len_float32 = hdr.ckm.count[15:0] * CKM_DT_FLOAT32_SIZE;
         meta.len_bfloat16 = hdr.ckm.count[15:0] * CKM_DT_BFLOAT16_SIZE;
         meta.len_float16 = hdr.ckm.count[15:0] * CKM_DT_FLOAT16_SIZE;
         meta.len_bytes = hdr.ckm.count[15:0] * CKM_DT_BYTES_SIZE;
+    }
+
+    @hidden table compute_lengths {
+        actions = {
+            lengths;
+        }
+        const default_action = lengths();
+        size = 1;
+    }
+
+    apply {
+        compute_lengths.apply();
         ok = false;
         if (hdr.udp.length >= CKM_UDP_OVERHEAD && hdr.ckm.count[31:16] == 0) {
             if (hdr.ckm.dtype == CKM_DT_FLOAT32) {
