@@ -130,8 +130,10 @@ class FakeSwitch:
         self.counts: dict[tuple[str, int], tuple[int, int]] = {}  # (counter name, index)
         self.lock = threading.Lock()
         # A compiled Tofino pipeline config is about 5 MB, past gRPC's 4 MB default: the
-        # servers this stands for take up to 256 MB (Stratum's --grpc_max_recv_msg_size
-        # default, PI's server's SetMaxReceiveMessageSize).
+        # servers this stands for take up to 256 MiB: Stratum's --grpc_max_recv_msg_size
+        # defaults to 256 * 1024 * 1024 (stratum/stratum, stratum/hal/lib/common/hal.cc, its
+        # DEFINE_uint32), and PI's server sets SetMaxReceiveMessageSize(256*1024*1024)
+        # (p4lang/PI, proto/server/pi_server.cpp, PIGrpcServerRunAddr).
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                                   options=[("grpc.max_receive_message_length", 256 << 20)])
         u = grpc.unary_unary_rpc_method_handler
