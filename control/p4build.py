@@ -13,6 +13,7 @@ the sources' hash and the command: a rerun with the same sources and compiler is
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import re
@@ -93,6 +94,15 @@ def compile_program(arch: str, out: Path | None = None, force: bool = False) -> 
     error count and the log on failure."""
     src = pipeline.p4_source(arch)
     out = (Path(out) if out is not None else pipeline.program_dir(arch)).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # Two compiles into one folder (two `make p4`, two test workers) would write the same
+    # files at once: the second waits for the first and then finds its build up to date.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _compile_locked(arch, src, out, force)
+
+
+def _compile_locked(arch: str, src: Path, out: Path, force: bool) -> Result:
     cmd = command(arch, src, out)
     key = sources_hash(src, cmd)
     stamp = out / STAMP
