@@ -1,6 +1,6 @@
 """`shadow serve` in its own network namespace, over a real veth link.
 
-Two namespaces (td-sh: the shadow; td-tr: the controller and a trainer-side sender) joined
+Two namespaces (tsn-sh: the shadow; tsn-tr: the controller and a trainer-side sender) joined
 by a veth pair. The controller is helper B's real HandshakeService; it programs the
 P4Runtime TEST DOUBLE of tests/fakes.py (there is no switch hardware or bmv2
 here). The shadow finds the controller from the config (switch.ip:CONTROLLER_PORT),
@@ -33,11 +33,11 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
 ]
 
-NS_SH, NS_TR = "td-sh", "td-tr"
+NS_SH, NS_TR = "tsn-sh", "tsn-tr"
 CFG = """\
 job: {id: 21, name: tdnet}
 switch: {name: sw0, target: bmv2, ip: 10.79.9.1}
-network: {subnet: 10.79.9.0/24, prefix: td}
+network: {subnet: 10.79.9.0/24, prefix: tsn}
 hosts:
   - {name: t0, role: trainer, rank: 0, ip: 10.79.9.10}
   - {name: s0, role: shadow, partition: 0, ip: 10.79.9.100}
