@@ -31,7 +31,7 @@ from checkmate.shadow import ingest
 from checkmate.shadow.node import NodeOptions, ShadowNode
 from checkmate.shadow.state import make_optimizer
 from checkmate.testbed.verbs_checks import JOB, LRS, Pair, _spec
-from checkmate.train.shadow_client import ShadowClient, seed_share
+from checkmate.train.shadow_client import ShadowClient, seed_share, wait_ready
 
 
 def warm(timeout: float = 300.0) -> None:
@@ -48,6 +48,7 @@ def warm(timeout: float = 300.0) -> None:
         flat["param"][:] = rng.standard_normal(spec.total).astype(np.float32)
         ref = make_optimizer(spec, 0, spec.total)
         ref.load(flat, 0)
+        wait_ready([("127.0.0.1", node.tcp_port)])  # the kernels this warm-up caches
         seed_share([("127.0.0.1", node.tcp_port)], spec, flat, 0, 1)
         grad = rng.standard_normal(spec.total).astype(np.float32)
         fake = Pair.__new__(Pair)  # only its datagram builder: no shadows, no device

@@ -30,7 +30,7 @@ from checkmate.shadow.node import NodeOptions, ShadowNode
 from checkmate.shadow.state import make_optimizer
 from checkmate.shadow.verbs import VerbsSender
 from checkmate.spec.model import ModelSpec
-from checkmate.train.shadow_client import ShadowClient, fetch_all, seed_share
+from checkmate.train.shadow_client import ShadowClient, fetch_all, seed_share, wait_ready
 
 JOB = 21
 LRS = [0.01, 0.003]
@@ -65,6 +65,9 @@ class Pair:
         self.flat["param"][:] = rng.standard_normal(spec.total).astype(np.float32)
         self.ref = make_optimizer(spec, 0, spec.total)
         self.ref.load(self.flat, 0)
+        # as trainers do: a seed sent while a shadow still compiles waits behind the compiler
+        # (a guest under TCG on a busy host: past the seed's timeout)
+        wait_ready([("127.0.0.1", n.tcp_port) for n in self.nodes.values()])
         for n in self.nodes.values():
             seed_share([("127.0.0.1", n.tcp_port)], spec, self.flat, 0, 1)
         self.wait(lambda st: st["seeded"], "seeded")
