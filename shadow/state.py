@@ -240,8 +240,8 @@ class ShadowState:
             if not self._ensure_assembler(iteration) and reset_assembler:
                 assert self.asm is not None
                 self.asm.request_reset(iteration)
-            log.info("partition %d state installed at iteration %d (step %d)",
-                     self.partition, iteration, step)
+            log.info("partition %d of job %d state installed at iteration %d (step %d)",
+                     self.partition, self.job, iteration, step)
 
     def _ensure_assembler(self, iteration: int) -> bool:
         """Create the assembler (and stepper) expecting ``iteration`` + 1; False if one exists."""

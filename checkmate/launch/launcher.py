@@ -104,7 +104,7 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
     os.environ.update({
         envmod.JOB_ID: str(job_id), envmod.MODE: args.mode, envmod.DEVICE: args.device,
         envmod.SEED: str(args.seed), envmod.PROGRESS_EVERY: str(args.progress_every),
-        envmod.RESUME: "1" if args.resume else "0",
+        envmod.RESUME: "1" if args.resume else "0", envmod.GROUPS: str(args.pp * args.tp),
         "PYTHONUNBUFFERED": "1",
     })
     for name in (envmod.TRAINERS, envmod.LOCAL_TRAINERS, envmod.RDZV_STORE,
@@ -283,7 +283,15 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    count = 0 if args.mode in ("off", "gockpt") else (len(args.shadow) or args.shadows or 2)
+    groups = args.pp * args.tp  # data-parallel groups, each with its own shadows
+    count = 0 if args.mode in ("off", "gockpt") else (len(args.shadow)
+                                                      or (args.shadows or 2) * groups)
+    if count % groups:
+        raise CheckmateError(f"--shadow names {count} shadows for {groups} data-parallel "
+                             f"groups (--pp {args.pp} --tp {args.tp}): give each group as many")
+    if groups > 1 and args.mode == "switch":
+        raise CheckmateError("--pp/--tp with --mode switch: the controller does not yet "
+                             "program a ring per data-parallel group; use --mode host")
     running = bool(args.shadow or args.controller)
     # Without --dir the logs go to a temporary directory, kept only if the job fails.
     own_logdir = args.dir is None
@@ -318,10 +326,11 @@ def launch(argv: list[str]) -> int:
         elif count:
             local = LocalShadows(net, count, logdir,
                                  args.dir / "checkpoints" if args.persist_every else None,
-                                 args.persist_every)
+                                 args.persist_every, groups)
             kept = ", kept if the job fails" if own_logdir else ""
-            print(f"{PROG}: starting {count} shadow(s) on {net}.100+ (logs: {logdir}{kept})",
-                  flush=True)
+            per = f" ({count // groups} per data-parallel group)" if groups > 1 else ""
+            print(f"{PROG}: starting {count} shadow(s){per} on {net}.100+ (logs: {logdir}"
+                  f"{kept})", flush=True)
             local.start()
             tcp, job_id = local.tcp, args.job_id or 1
         else:

@@ -100,11 +100,13 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class LocalShadows:
-    """``count`` shadow processes on ``net`` (.100, .101, ...), logs under ``logdir``."""
+    """``count`` shadow processes on ``net`` (.100, .101, ...), logs under ``logdir``; a
+    mesh job's ``groups`` data-parallel groups take ``count // groups`` each, in order
+    (each set is partitions 0.. of its group, persisting under a folder of its own)."""
 
     def __init__(self, net: str, count: int, logdir: Path, persist_dir: Path | None = None,
-                 persist_every: int = 0) -> None:
-        self.net, self.count, self.logdir = net, count, logdir
+                 persist_every: int = 0, groups: int = 1) -> None:
+        self.net, self.count, self.logdir, self.groups = net, count, logdir, groups
         self.persist_dir, self.persist_every = persist_dir, persist_every
         self.procs: list[subprocess.Popen] = []
 
@@ -120,12 +122,15 @@ class LocalShadows:
         """Start every shadow and wait until each is ready: it answers on its TCP port and
         its kernels are compiled (a cold Numba cache: one progress line on ``out``)."""
         self.logdir.mkdir(parents=True, exist_ok=True)
+        per = self.count // self.groups
         for p, (ip, _) in enumerate(self.tcp):
             argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
-                    f"{p}/{self.count}", "--bind", ip, "--no-register",
+                    f"{p % per}/{per}", "--bind", ip, "--no-register",
                     "--window", str(SHADOW_WINDOW)]
             if self.persist_dir is not None:
-                argv += ["--dir", str(self.persist_dir)]
+                pdir = (self.persist_dir if self.groups == 1
+                        else self.persist_dir / f"group{p // per}")
+                argv += ["--dir", str(pdir)]
                 if self.persist_every:
                     argv += ["--persist-every", str(self.persist_every)]
             with open(self.log(p), "ab") as log:

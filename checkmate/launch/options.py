@@ -55,10 +55,17 @@ def parser(gpus: int) -> argparse.ArgumentParser:
                         "cuda when a CUDA device is visible")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--shadows", type=_count(1, MAX_SHADOWS), metavar="n",
-                   help="start n shadows on loopback (default 2; one node only)")
+                   help="start n shadows on loopback per data-parallel group (default 2; one "
+                        "node only)")
     g.add_argument("--shadow", action="append", default=[], metavar="HOST[:PORT]",
                    help="use a running shadow (TCP service address, default port 47100; "
-                        "UDP on 47001 of the same host), once per partition, in order")
+                        "UDP on 47001 of the same host), once per partition, in order "
+                        "(a mesh job: group 0's partitions, then group 1's, ...)")
+    p.add_argument("--pp", type=_count(1, 256), default=1, metavar="P",
+                   help="the script's pipeline-parallel degree (its DeviceMesh's pp "
+                        "dimension): shadows are per data-parallel group, P x T groups")
+    p.add_argument("--tp", type=_count(1, 256), default=1, metavar="T",
+                   help="the script's tensor-parallel degree (its DeviceMesh's tp dimension)")
     p.add_argument("--mode", choices=envmod.ENV_MODES, default="host",
                    help="host: trainers send the shadow copies; switch: the switch copies "
                         "them (needs --controller); off: no shadows; gockpt: no shadows, "

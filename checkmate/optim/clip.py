@@ -36,3 +36,26 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     if not has_grads:
         return total, None
     return total, clip_coef_of(total, float(max_norm))
+
+
+def clip_mesh(parameters: Iterable[torch.Tensor], max_norm: float, cross: object
+              ) -> float | None:
+    """Clip a mesh job's part of the model by the norm of the whole model (torchtitan's
+    rule): this part's squared 2-norm is summed over ``cross`` (the process group of the
+    parts that make up one replica: every pipeline stage), so every part applies the same
+    factor; returns it (None when no part has a gradient)."""
+    import torch.distributed as dist
+
+    params = [p for p in parameters if p.grad is not None]
+    local = (torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+             if params else torch.zeros(()))
+    sq = torch.stack([local.detach().to("cpu", torch.float64) ** 2,
+                      torch.tensor(float(len(params)), dtype=torch.float64)])
+    dist.all_reduce(sq, group=cross)
+    if sq[1] == 0:
+        return None
+    total = sq[0].sqrt().to(torch.float32)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm,
+                                             total.to(params[0].grad.device))
+    return clip_coef_of(total, float(max_norm))

@@ -86,6 +86,29 @@ FIELDS: tuple[Field, ...] = (
     Field("crc32c", 52, 4, "CRC32C (Castagnoli) of the payload only"),
 )
 
+#: A mesh job (pipeline or tensor parallel beside data parallel) is several data-parallel
+#: groups, each with its own shadows: on the wire a group is a job of its own, its
+#: ``job_id`` the job's with the group number + 1 in the top byte (GROUP_SHIFT). So every
+#: component keys a group as it keys a job (the switch's tables, the shadows' ingest, the
+#: datagram and control keys), and a datagram of one group is refused by another group's
+#: shadows as another job's would be. A plain data-parallel job is group-less: its own id.
+GROUP_SHIFT = 24
+MAX_GROUPS = (1 << (32 - GROUP_SHIFT)) - 1
+
+
+def group_job_id(job_id: int, group: int, groups: int) -> int:
+    """The wire job id of data-parallel ``group`` (of ``groups``) of job ``job_id``."""
+    if groups == 1:
+        return job_id
+    if not 0 < job_id < 1 << GROUP_SHIFT:
+        raise CheckmateError(f"a job with {groups} data-parallel groups needs a job id below "
+                             f"{1 << GROUP_SHIFT} (its groups take the top byte), got {job_id}")
+    if not 0 <= group < groups <= MAX_GROUPS:
+        raise CheckmateError(f"data-parallel group {group} of {groups}: at most {MAX_GROUPS} "
+                             "groups per job")
+    return job_id | (group + 1) << GROUP_SHIFT
+
+
 _FMT = {1: "B", 2: "H", 4: "I", 8: "Q"}
 STRUCT = struct.Struct("!" + "".join(_FMT[f.size] for f in FIELDS))
 assert STRUCT.size == HEADER_LEN

@@ -202,6 +202,25 @@ class CheckmateDDP(nn.Module):
         finally:
             self._callback_queued = False
 
+    def reduce(self) -> None:
+        """Reduce now what backward passes inside ``no_sync()`` accumulated, as the next
+        backward outside it would: for schedules that run the backward passes themselves
+        (torch.distributed.pipelining: ``with model.no_sync(): schedule.step(...)``, then
+        ``model.reduce()``). Once per iteration, like a reducing backward."""
+        if self._callback_queued:
+            raise CheckmateError("reduce() during a backward pass: call it after the "
+                                 "schedule's step, outside no_sync()")
+        if self.reduced_iteration == self.iteration:
+            raise CheckmateError(
+                f"iteration {self.iteration}: reduce() after this iteration's gradient was "
+                "reduced would reduce it twice and the shadows would drift")
+        self.reduced_iteration = self.iteration
+        self._in_backward_sync = True
+        self._fired = set()
+        self._futures = [None] * len(self.buckets)
+        self._callback_queued = True
+        self._finish_backward()
+
     def flat_gradient(self) -> torch.Tensor:
         """The reduced gradient of the last backward in flat order (a view, do not modify)."""
         return self.flat_grad

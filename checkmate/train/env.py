@@ -57,6 +57,10 @@ KILL_AT = "CHECKMATE_KILL_AT"
 #: ``cuda``: the worker is bound to the GPU of its LOCAL_RANK (checkmate.train.run_script)
 #: and the job's collectives run on NCCL; ``cpu`` (default): no GPU.
 DEVICE = "CHECKMATE_DEVICE"
+#: Data-parallel groups of a mesh job (``checkmate launch --pp P --tp T``: P x T): the
+#: shadows in CHECKMATE_SHADOWS are that many equal sets, group g's the g-th
+#: (CheckmateSession.from_env(..., mesh=...)). Default 1.
+GROUPS = "CHECKMATE_GROUPS"
 #: Set by torch's elastic agent: how many times the worker group was restarted.
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
@@ -93,6 +97,7 @@ class EnvJob:
     rdzv_store: tuple[str, int] | None = None
     controller: tuple[str, int] | None = None
     stall_timeout: float | None = None
+    groups: int = 1
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -192,4 +197,14 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         seed=_int(env, SEED, 0), progress_every=_int(env, PROGRESS_EVERY, 0),
         restart_count=_int(env, RESTART_COUNT, 0), resume=resume == "1", kill_at=kill_at,
         gockpt=gockpt, device=device, local_trainer=local_trainer, rdzv_store=store,
-        controller=controller, stall_timeout=float(stall) if stall else None)
+        controller=controller, stall_timeout=float(stall) if stall else None,
+        groups=_groups(env, len(tcp)))
+
+
+def _groups(env: Mapping[str, str], shadows: int) -> int:
+    """CHECKMATE_GROUPS, checked against the shadow list it divides."""
+    groups = _int(env, GROUPS, 1)
+    if groups < 1 or shadows % groups:
+        raise CheckmateError(f"environment variable {GROUPS} must divide the {shadows} "
+                             f"shadows of {SHADOWS} into equal sets, got {groups}")
+    return groups

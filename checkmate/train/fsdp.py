@@ -265,7 +265,7 @@ class FSDPSession(ShareSender, CheckmateSession):
         total = _full(torch.nn.utils.get_total_norm(grads, 2.0))
         coef = torch.tensor([clip_coef_of(total, float(self.max_grad_norm))],
                             dtype=torch.float64)
-        dist.broadcast(coef, src=0, group=self.group)  # one factor for every shard
+        dist.broadcast(coef, group=self.group, group_src=0)  # one factor for every shard
         factor = torch.tensor(float(coef[0]), dtype=torch.float32)
         with torch.no_grad():
             for g in grads:

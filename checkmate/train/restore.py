@@ -130,12 +130,12 @@ def restore_trainer(addrs: list[tuple[str, int]], model: torch.nn.Module,
     return it, extra.get("user", {})
 
 
-def check_resume(addrs: list[tuple[str, int]], spec: Any,
-                 wait: float | None = None) -> ResumePoint:
-    """Where to resume (checkmate.train.resume_point: the newest iteration every partition
-    holds, memory first, then disk), after checking that every shadow holds state of a job
-    whose spec equals ``spec`` (this trainer's model and optimizer); CheckmateError with
-    one line naming the first difference, or what is missing when there is nothing."""
+def check_holdings(addrs: list[tuple[str, int]], spec: Any,
+                   wait: float | None = None) -> list[Any]:
+    """What every shadow holds (checkmate.train.resume_point.Holding), after checking that
+    every shadow holds state of a job whose spec equals ``spec`` (this trainer's model and
+    optimizer) and waiting until they stop committing; CheckmateError with one line naming
+    the first difference, or what is missing when there is nothing."""
     from checkmate.spec.model import difference
 
     wait = resume_point.RESUME_WAIT if wait is None else wait
@@ -147,7 +147,14 @@ def check_resume(addrs: list[tuple[str, int]], spec: Any,
             raise CheckmateError(f"resume: {why} (resume with the model and optimizer the "
                                  "job started with, or start it anew with resume=False)")
     settle(addrs)
-    return resume_point.choose(resume_point.ask(addrs))
+    return resume_point.ask(addrs)
+
+
+def check_resume(addrs: list[tuple[str, int]], spec: Any,
+                 wait: float | None = None) -> ResumePoint:
+    """Where to resume (checkmate.train.resume_point: the newest iteration every partition
+    holds, memory first, then disk), after :func:`check_holdings`."""
+    return resume_point.choose(check_holdings(addrs, spec, wait))
 
 
 def restore_session(sess: Any) -> int:
@@ -167,8 +174,14 @@ def restore_session(sess: Any) -> int:
         resume_point.say_line(found.line)
         return {"iteration": found.iteration, "sources": found.sources, "line": found.line}
 
-    got = agreement.decide(agreement.attempt_store(), "resume-point", sess.layout.rank,
-                           sess.layout.world, compute)
+    mesh = getattr(sess, "mesh", None)
+    if mesh is None:
+        got = agreement.decide(agreement.attempt_store(), "resume-point", sess.layout.rank,
+                               sess.layout.world, compute)
+    else:
+        from checkmate.train import mesh_restore
+
+        got = mesh_restore.agree(sess, addrs)
     point = ResumePoint(int(got["iteration"]), list(got["sources"]), str(got["line"]))
     r = restore_point(addrs, sess.spec, point.iteration, sources=point.sources)
     from checkmate.train import world

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from checkmate.errors import CheckmateError
 
@@ -44,10 +44,17 @@ class Holding:
     error: str = ""
     #: the iteration the shadow reloaded from its disk at start (in memory since)
     reloaded: int | None = None
+    #: a mesh job's data-parallel group (checkmate.train.mesh_restore); None: the only one
+    group: int | None = None
+
+    @property
+    def name(self) -> str:
+        g = "" if self.group is None else f"group {self.group} "
+        return f"{g}partition {self.partition}"
 
     @property
     def where(self) -> str:
-        return f"partition {self.partition} ({self.addr[0]}:{self.addr[1]})"
+        return f"{self.name} ({self.addr[0]}:{self.addr[1]})"
 
     def describe(self) -> str:
         if self.error:
@@ -141,21 +148,34 @@ def choose(hs: Sequence[Holding]) -> ResumePoint:
                              "or on disk: " + "; ".join(h.describe() for h in hs))
     it = max(common)
     sources = ["memory" if it in h.memory else "disk" for h in hs]
-    reloaded = [h.partition for h, s in zip(hs, sources, strict=True)
+    reloaded = [h.name for h, s in zip(hs, sources, strict=True)
                 if s == "memory" and h.reloaded == it]
     if all(s == "memory" for s in sources):
         why = "every shadow holds it in memory"
         if reloaded:
-            why += (f" (partition(s) {', '.join(map(str, reloaded))} reloaded it from disk "
-                    "at start)")
+            why += (f" (partition(s) {', '.join(n.removeprefix('partition ') for n in reloaded)}"
+                    " reloaded it from disk at start)")
     else:
         parts = []
         for h, s in zip(hs, sources, strict=True):
-            parts.append(f"partition {h.partition} from {s}" + (
+            parts.append(f"{h.name} from {s}" + (
                 f" (memory holds {spans(h.memory) or 'nothing'})" if s == "disk" else
-                " (reloaded from disk at start)" if h.partition in reloaded else ""))
+                " (reloaded from disk at start)" if h.name in reloaded else ""))
         why = ", ".join(parts) + "; no newer iteration is held by every partition"
     return ResumePoint(it, sources, f"checkmate: resuming at iteration {it}: {why}")
+
+
+def choose_groups(per_group: Sequence[Sequence[Holding]]) -> tuple[ResumePoint,
+                                                                   list[list[str]]]:
+    """:func:`choose` over every partition of every data-parallel group of a mesh job (one
+    iteration for all of them), with each group's sources."""
+    flat = [replace(h, group=g) for g, hs in enumerate(per_group) for h in hs]
+    point = choose(flat)
+    out, at = [], 0
+    for hs in per_group:
+        out.append(point.sources[at:at + len(hs)])
+        at += len(hs)
+    return point, out
 
 
 def find(addrs: Sequence[Addr], wait: float = RESUME_WAIT,

@@ -34,6 +34,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
 from checkmate.spec.model import ModelSpec
@@ -73,6 +74,9 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
     unscale, skip and update (checkmate.train.amp), and a restore resumes its state.
     """
 
+    #: A mesh job's data-parallel group (checkmate.train.session_group.MeshGroup): set by
+    #: from_env(mesh=...); None: the job is this one data-parallel group.
+    mesh: Any = None
     #: The gradient path is our ring, whose copies follow the ring schedule's nodes
     #: (checkmate.train.ring_schedule); a session over another path says False.
     ring_nodes = True
@@ -157,7 +161,7 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
     @classmethod
     def from_env(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any = None, max_grad_norm: float | None = None,
-                 resume: bool | None = None, *, scaler: Any = None,
+                 resume: bool | None = None, *, scaler: Any = None, mesh: Any = None,
                  **layout: Any) -> CheckmateSession:
         """A started session for a script run by ``checkmate launch`` (or by hand with the
         variables of checkmate.train.env): the job's addresses come from the environment,
@@ -172,6 +176,10 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
         ``sess.done_iteration + 1``; ``sess.restored_extra`` is the user ``extra`` of the
         restored iteration ({} on a fresh start). ``scaler``: the job's
         ``torch.amp.GradScaler`` for fp16 (see ``step``); its state is restored too.
+        ``mesh``: the job's torch ``DeviceMesh`` when it is not purely data parallel
+        (pipeline or tensor parallel beside it): this session then protects this rank's
+        data-parallel group only (checkmate.train.session_group.mesh_group), with that
+        group's share of the launcher's shadows, and every group resumes at one iteration.
         ``layout`` overrides JobLayout fields.
         """
         from checkmate.train import env as envmod
@@ -180,15 +188,22 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
 
         job = envmod.read()
         layout.setdefault("fixed_world", worldmod.fixed_from_env())
-        group = session_group.join_group(job)
-        trainers = session_group.ring_addrs(job, group)
         if job.stall_timeout is not None:
             layout.setdefault("stall_timeout", job.stall_timeout)
-        lay = JobLayout(job_id=job.job_id, rank=job.rank, world=job.world,
-                        trainers=trainers, shadows=job.shadows, shadow_tcp=job.shadow_tcp,
-                        mode="off" if job.mode == "gockpt" else job.mode, seed=job.seed,
-                        gockpt=job.gockpt, controller=job.controller, **layout)
+        mg = None
+        if mesh is None:
+            group = session_group.join_group(job)
+            where = {"job_id": job.job_id, "rank": job.rank, "world": job.world,
+                     "trainers": session_group.ring_addrs(job, group),
+                     "shadows": job.shadows, "shadow_tcp": job.shadow_tcp}
+        else:
+            mg = session_group.mesh_group(mesh, job.rank)
+            group = mg.dp
+            where = session_group.group_layout(job, mg)
+        lay = JobLayout(mode="off" if job.mode == "gockpt" else job.mode, seed=job.seed,
+                        gockpt=job.gockpt, controller=job.controller, **where, **layout)
         sess = cls(model, optimizer, scheduler, lay, max_grad_norm, group, scaler=scaler)
+        sess.mesh = mg
         # switch mode under the launcher: each attempt has the controller program its ring
         sess.announce_attempt = lay.mode == "switch"
         sess.progress_every = job.progress_every
@@ -197,20 +212,25 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
         if resume is None:
             resume = sess._resume_wanted(job)
         done = sess.start(resume=resume)
+        if not hasattr(sess, "restored_extra"):
+            sess.restored_extra = {}
+        if mg is not None:
+            dist.barrier(group=mg.world)  # every group seeded or restored: then "seeded"
         if job.rdzv_store is not None and not resume and job.rank == 0 and lay.mode != "off":
             from checkmate.train import agreement
 
             agreement.mark(sess._job_store(job), "seeded")  # later attempts resume
-        if not hasattr(sess, "restored_extra"):
-            sess.restored_extra = {}
         if job.rank == 0:
             how = (f"resumed from the shadows at iteration {done}" if resume and not lay.gockpt
                    else f"resumed from GoCkpt checkpoint {done}" if resume
                    else f"seeded {len(lay.shadows)} shadow(s)" if lay.mode != "off"
                    else "GoCkpt checkpoints every {} iterations over {} steps".format(
                        *lay.gockpt[1:]) if lay.gockpt else "no shadows (mode off)")
-            print(f"checkmate: rank 0 of {job.world}, attempt {job.restart_count}: {how}",
-                  flush=True)
+            groups = (f" ({mg.count} data-parallel groups of {lay.world}: "
+                      f"{' x '.join(mg.place.other_dims)} x {' x '.join(mg.place.dp_dims)})"
+                      if mg is not None else "")
+            print(f"checkmate: rank 0 of {job.world}{groups}, attempt {job.restart_count}: "
+                  f"{how}", flush=True)
         return sess
 
     def __enter__(self) -> CheckmateSession:

@@ -121,7 +121,7 @@ class _Reliability:
                 logging.getLogger("checkmate.train").warning(
                     "checkmate: training finished at iteration %d but it is not protected: "
                     "%s", self.done_iteration, e)
-        dist.broadcast_object_list(ok, src=0, group=self.group)
+        dist.broadcast_object_list(ok, group=self.group, group_src=0)
         if self.monitor is not None:
             self.monitor.poll_once()
         return {**self.protection(), "protected": bool(ok[0])}

@@ -35,10 +35,19 @@ class _Resume:
 
             store = self._job_store(job)
             return bool(agreement.decide(agreement.attempt_store(), "resume",
-                                         self.layout.rank, self.layout.world,
+                                         *self._job_place(),
                                          lambda: agreement.marked(store, "seeded")))
         if not job.restart_count:
             return False
+        if self.mesh is not None and gk is None:
+            from checkmate.train import agreement
+
+            # Every group decides alike: rank 0 of the job asks every group's shadows.
+            per = len(job.shadow_tcp) // self.mesh.count
+            sets = [job.shadow_tcp[g * per:(g + 1) * per] for g in range(self.mesh.count)]
+            return bool(agreement.decide(agreement.attempt_store(), "resume",
+                                         *self._job_place(),
+                                         lambda: any(_any_seeded(a) for a in sets)))
         answer: list[Any] = [True]
         if self.layout.rank == 0 and gk is not None:
             from checkmate.gockpt.trainer import wait_idle
@@ -50,22 +59,21 @@ class _Resume:
                 print("checkmate: no GoCkpt checkpoint was written before the restart: "
                       "starting fresh", flush=True)
         elif self.layout.rank == 0:
-            from checkmate.train import resume_point
-
-            # Restarting shadows are waited for; state in memory or on disk counts.
-            hs = resume_point.survey(self.layout.shadow_tcp)
-            if all(h.error for h in hs):
-                answer[0] = ("cannot ask the shadows whether to resume: "
-                             + "; ".join(h.describe() for h in hs))
-            else:
-                answer[0] = any(h.memory or h.disk for h in hs)
-            if answer[0] is False:
-                print("checkmate: no shadow was seeded before the restart: starting fresh",
-                      flush=True)
-        dist.broadcast_object_list(answer, src=0, group=self.group)
+            try:
+                answer[0] = _any_seeded(self.layout.shadow_tcp)
+            except CheckmateError as e:
+                answer[0] = str(e)
+        dist.broadcast_object_list(answer, group=self.group, group_src=0)
         if isinstance(answer[0], str):
             raise CheckmateError(answer[0])
         return bool(answer[0])
+
+    def _job_place(self) -> tuple[int, int]:
+        """(rank, world) of this trainer in the whole job: a mesh job's decisions are the
+        job's, not one group's."""
+        if self.mesh is not None:
+            return dist.get_rank(), dist.get_world_size()
+        return self.layout.rank, self.layout.world
 
     def _job_store(self, job: Any) -> Any:
         """A client of the job's rendezvous store (multi-node launches), made once."""
@@ -97,7 +105,7 @@ class _Resume:
                 got[0] = restore(lay.gockpt[0], spec)[0]
             except CheckmateError as e:
                 got[1] = str(e)
-        dist.broadcast_object_list(got, src=0, group=self.group)
+        dist.broadcast_object_list(got, group=self.group, group_src=0)
         if got[1] is not None:
             raise CheckmateError(got[1])
         it, step, model_sd, optim_sd, extra = restore(lay.gockpt[0], spec, got[0])
@@ -106,3 +114,18 @@ class _Resume:
         self.restored_extra = extra.get("user", {})
         self.opt_step = step
         return it
+
+
+def _any_seeded(addrs: list[tuple[str, int]]) -> bool:
+    """Whether any shadow holds state (memory or disk) to resume from; restarting shadows
+    are waited for. CheckmateError when none can be asked."""
+    from checkmate.train import resume_point
+
+    hs = resume_point.survey(addrs)
+    if all(h.error for h in hs):
+        raise CheckmateError("cannot ask the shadows whether to resume: "
+                             + "; ".join(h.describe() for h in hs))
+    if any(h.memory or h.disk for h in hs):
+        return True
+    print("checkmate: no shadow was seeded before the restart: starting fresh", flush=True)
+    return False

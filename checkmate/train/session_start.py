@@ -71,7 +71,7 @@ class _Start:
                 nonce = [secrets.randbits(32), draw_run(), None]
             except CheckmateError as e:
                 nonce[2] = str(e)
-        dist.broadcast_object_list(nonce, src=0, group=self.group)
+        dist.broadcast_object_list(nonce, group=self.group, group_src=0)
         if nonce[2] is not None:
             raise CheckmateError(nonce[2])  # the same line on every rank
         self._set_run(nonce[1])

@@ -51,8 +51,11 @@ class _Step:
 
         hyper = self._step_hyper()  # before anything changes: a refused step leaves no trace
         self._before_grads_change()
-        inv_scale, skip = (amp.unscale(self.scaler, self.optimizer, self.layout.world,
-                                       self.group) if self.scaler is not None else (None, False))
+        # A mesh job's groups skip alike: the flag is agreed over the whole job.
+        over = ((self.layout.world, self.group) if self.mesh is None
+                else (dist.get_world_size(), self.mesh.world))
+        inv_scale, skip = (amp.unscale(self.scaler, self.optimizer, *over)
+                           if self.scaler is not None else (None, False))
         if self.gockpt is not None:
             self.gockpt.before_clip(self.iteration)
         coef = self._clip() if self.max_grad_norm is not None and not skip else None
@@ -120,8 +123,11 @@ class _Step:
 
     def _clip(self) -> float | None:
         """Clip to ``max_grad_norm``; the float32 factor applied (None: no gradients)."""
-        from checkmate.optim.clip import clip_grad_norm_
+        from checkmate.optim.clip import clip_grad_norm_, clip_mesh
 
+        if self.mesh is not None and self.mesh.count > 1:
+            # By the norm of the whole model: every group applies (and sends) one factor.
+            return clip_mesh(self.module.parameters(), self.max_grad_norm, self.mesh.cross)
         return clip_grad_norm_(self.module.parameters(), self.max_grad_norm)[1]
 
     def _step_hyper(self) -> list[dict[str, Any]]:
@@ -156,7 +162,7 @@ class _Step:
         bufs = [b for b in self.module.buffers() if b.numel()]
         if bufs and self.layout.world > 1:
             flat = torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for b in bufs])
-            dist.broadcast(flat, src=0, group=self.group)
+            dist.broadcast(flat, group=self.group, group_src=0)
             if self.layout.rank != 0:
                 off = 0
                 with torch.no_grad():

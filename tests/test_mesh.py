@@ -1,0 +1,165 @@
+"""Mesh jobs (issue 34): pipeline parallel beside data parallel, one session per group.
+
+The unit tests pin how a DeviceMesh is cut into data-parallel groups, how a group is named
+on the wire, and how one restore point is chosen over every group. The launch tests run
+examples/train_pp.py (a small language model in two pipeline stages, torch's
+PipelineStage with GPipe and 1F1B, 2 x 2 ranks) under ``checkmate launch --pp 2``: a run
+with one rank SIGKILLed at a random iteration is bit-identical, stage by stage, to a run
+without Checkmate (``--mode off``, the same ring without shadows).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkmate.errors import CheckmateError
+from checkmate.protocol import wire
+from checkmate.train.resume_point import Holding, choose_groups
+from checkmate.train.session_group import place_in_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
+PP = ROOT / "examples" / "train_pp.py"
+STEPS = 8
+WORLD = 4
+
+
+# ----------------------------------------------------------------------------- fast
+def test_a_mesh_is_cut_into_data_parallel_groups_over_its_other_dimensions():
+    grid = np.arange(8).reshape(2, 2, 2)  # pp x dp x tp
+    places = [place_in_mesh(grid, ("pp", "dp", "tp"), r) for r in range(8)]
+    assert {p.groups for p in places} == {4}
+    assert places[0].rows == [[0, 2], [1, 3], [4, 6], [5, 7]]  # (pp, tp) row-major
+    assert places[0].cols == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [(p.group, p.dp_rank) for p in places] == [
+        (0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert places[5].other_dims == ("pp", "tp") and places[5].dp_dims == ("dp",)
+    # HSDP: both data-parallel dimensions make one group, replicate-major
+    hsdp = place_in_mesh(np.arange(4).reshape(2, 2), ("dp_replicate", "dp_shard"), 3)
+    assert (hsdp.groups, hsdp.group, hsdp.dp_rank, hsdp.dp_world) == (1, 0, 3, 4)
+
+
+def test_a_mesh_without_names_or_without_a_data_parallel_dimension_is_one_line():
+    with pytest.raises(CheckmateError, match="needs a name for every dimension"):
+        place_in_mesh(np.arange(4).reshape(2, 2), None, 0)
+    with pytest.raises(CheckmateError, match="no data-parallel dimension"):
+        place_in_mesh(np.arange(4).reshape(2, 2), ("pp", "tp"), 0)
+
+
+def test_each_group_is_a_job_of_its_own_on_the_wire():
+    assert wire.group_job_id(7, 0, 1) == 7  # a plain data-parallel job keeps its id
+    ids = {wire.group_job_id(7, g, 4) for g in range(4)}
+    assert len(ids) == 4 and 7 not in ids
+    assert all(i & ((1 << wire.GROUP_SHIFT) - 1) == 7 for i in ids)
+    with pytest.raises(CheckmateError, match="job id below"):
+        wire.group_job_id(1 << wire.GROUP_SHIFT, 0, 2)
+    with pytest.raises(CheckmateError, match="at most"):
+        wire.group_job_id(1, 0, wire.MAX_GROUPS + 1)
+
+
+def test_one_restore_point_for_every_group_or_one_line_naming_the_group():
+    a = ("127.0.0.1", 1)
+    g0 = [Holding(0, a, memory=[4, 5, 6]), Holding(1, a, memory=[5, 6])]
+    g1 = [Holding(0, a, memory=[3, 4, 5], disk=[]), Holding(1, a, memory=[2], disk=[5])]
+    point, sources = choose_groups([g0, g1])
+    assert point.iteration == 5  # the newest iteration every partition of every group holds
+    assert sources == [["memory", "memory"], ["memory", "disk"]]
+    assert "group 1 partition 1 from disk" in point.line
+    with pytest.raises(CheckmateError, match="group 1 partition 1"):
+        choose_groups([g0, [Holding(0, a, memory=[5]), Holding(1, a, memory=[1])]])
+
+
+# ----------------------------------------------------------------------------- launches
+def _launch(tmp: Path, name: str, args: list[str], script: list[str],
+            env: dict[str, str] | None = None) -> tuple[int, str]:
+    argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
+            str(WORLD), "--pp", "2", "--progress-every", "0", *args, str(PP), *script]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
+    out = p.stdout + p.stderr
+    (tmp / f"{name}.log").write_text(out)
+    return p.returncode, out
+
+
+def _states(prefix: Path) -> list[dict]:
+    return [torch.load(f"{prefix}.{r}", weights_only=False) for r in range(WORLD)]
+
+
+def _same(a: object, b: object) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k])
+                                                                      for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def clean_pp(tmp_path_factory):
+    """Every rank's final stage state after STEPS iterations without Checkmate."""
+    tmp = tmp_path_factory.mktemp("clean_pp")
+    rc, out = _launch(tmp, "clean", ["--mode", "off"],
+                      ["--steps", str(STEPS), "--out", str(tmp / "state")])
+    assert rc == 0, out[-4000:]
+    assert "rank 0 of 4 (2 data-parallel groups of 2: pp x dp)" in out, out
+    return _states(tmp / "state")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipeline_job_killed_anywhere_restarts_bit_identically(tmp_path, clean_pp,
+                                                                   schedule):
+    # GPipe and 1F1B both accumulate the micro-batches in order: the same bits as the
+    # clean (GPipe) run.
+    rank, at = random.randrange(WORLD), random.randrange(2, STEPS)
+    rc, out = _launch(tmp_path, "killed", ["--shadows", "1", "--max-restarts", "1",
+                                           "--dir", str(tmp_path / "logs")],
+                      ["--steps", str(STEPS), "--schedule", schedule,
+                       "--out", str(tmp_path / "state")],
+                      env={"CHECKMATE_KILL_AT": f"{rank}:{at}"})
+    assert rc == 0, f"rank {rank} killed at {at}:\n{out[-4000:]}"
+    assert "Traceback" not in out, out[-4000:]
+    assert "starting 2 shadow(s) (1 per data-parallel group)" in out, out
+    resumed = [ln for ln in out.splitlines() if "(all 2 data-parallel groups)" in ln]
+    assert len(resumed) == 1, out[-3000:]
+    # the killed rank's step was done but not its control message: at, or the one before
+    assert int(re.search(r"resuming at iteration (\d+) ", resumed[0])[1]) in (at, at - 1), \
+        resumed[0]
+    assert "attempt 1: resumed from the shadows" in out, out[-3000:]
+    for r, (got, want) in enumerate(zip(_states(tmp_path / "state"), clean_pp, strict=True)):
+        assert _same(got, want), f"rank {r} (stage {r // 2}) differs after a kill of " \
+                                 f"rank {rank} at {at}"
+    assert out.count("the shadows hold iteration 8 (per shadow: [8, 8])") == 1, out[-2000:]
+    # each group's shadow holds that group's stage under the group's own wire job id
+    for g in range(2):
+        log = (tmp_path / "logs" / f"shadow-{g}.log").read_text()
+        assert f"partition 0 of job {wire.group_job_id(1, g, 2)} state installed" in log, log
+
+
+def test_a_mesh_the_launcher_did_not_size_the_shadows_for_is_one_line(tmp_path):
+    argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
+            str(WORLD), "--progress-every", "0", "--shadows", "1", str(PP), "--steps", "2"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "NUMBA_NUM_THREADS": "1"})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert "the DeviceMesh has 2 data-parallel groups (pp), the launcher started shadows " \
+           "for 1: launch with --pp/--tp giving 2 groups" in out, out[-3000:]
+
+
+def test_pipeline_groups_in_switch_mode_are_refused_until_the_controller_programs_them():
+    p = subprocess.run([sys.executable, "-m", "checkmate.launch.cli", "launch",
+                        "--nproc-per-node", "4", "--pp", "2", "--mode", "switch",
+                        "--controller", "127.0.0.1:9", str(PP)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "--pp/--tp with --mode switch" in p.stderr
