@@ -38,8 +38,10 @@ from checkmate.train.shadow_client import (
 )
 
 
-def settle(addrs: list[tuple[str, int]], quiet: float = 0.3, timeout: float = 10.0) -> None:
-    """Wait until no shadow's latest committed iteration changed for ``quiet`` seconds."""
+def settle(addrs: list[tuple[str, int]], quiet: float = 0.5, timeout: float = 10.0) -> None:
+    """Wait until no shadow committed an iteration or took in a datagram for ``quiet``
+    seconds: the killed job's last datagrams (still queued, or placed but not yet stepped
+    on a loaded host) are committed before the resume point is picked."""
     deadline = time.monotonic() + timeout
     last: list[Any] | None = None
     since = time.monotonic()
@@ -47,7 +49,8 @@ def settle(addrs: list[tuple[str, int]], quiet: float = 0.3, timeout: float = 10
         now = []
         for a in addrs:
             with ShadowClient(a) as c:
-                now.append(c.status().get("latest"))
+                st = c.status()
+            now.append((st.get("latest"), st.get("received"), st.get("pending")))
         if now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet:

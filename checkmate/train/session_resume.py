@@ -117,15 +117,24 @@ class _Resume:
 
 
 def _any_seeded(addrs: list[tuple[str, int]]) -> bool:
-    """Whether any shadow holds state (memory or disk) to resume from; restarting shadows
-    are waited for. CheckmateError when none can be asked."""
+    """Whether any shadow holds a trained iteration (memory or disk) to resume from;
+    restarting shadows are waited for. CheckmateError when none can be asked.
+
+    Shadows that hold the initial state at most (iteration 0: the previous attempt died
+    while seeding, perhaps with some partitions seeded and others not) are seeded anew:
+    a fresh start builds that same initial state, and a resume could fail on the
+    partitions that were never seeded."""
     from checkmate.train import resume_point
 
     hs = resume_point.survey(addrs)
     if all(h.error for h in hs):
         raise CheckmateError("cannot ask the shadows whether to resume: "
                              + "; ".join(h.describe() for h in hs))
-    if any(h.memory or h.disk for h in hs):
+    if any(i > 0 for h in hs for i in h.memory + h.disk):
         return True
-    print("checkmate: no shadow was seeded before the restart: starting fresh", flush=True)
+    seeded = any(h.memory or h.disk for h in hs)
+    print("checkmate: " + ("the shadows hold no trained iteration (the last attempt ended "
+                           "before its first step): seeding them anew" if seeded else
+                           "no shadow was seeded before the restart: starting fresh"),
+          flush=True)
     return False
