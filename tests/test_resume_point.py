@@ -202,3 +202,23 @@ def test_disk_fetch_refusals_are_one_line():
             assert cl.fetch(0).iteration == 0  # the connection stays usable
     finally:
         c.close()
+
+
+def test_a_restart_resumes_only_from_a_trained_iteration_else_seeds_anew(monkeypatch,
+                                                                          capsys):
+    from checkmate.train import session_resume
+
+    def holdings(*hs):
+        monkeypatch.setattr(resume_point, "survey", lambda addrs: list(hs))
+
+    holdings(_h(0, memory=[0]), _h(1))  # died while seeding: partition 1 never seeded
+    assert session_resume._any_seeded([]) is False
+    assert "hold no trained iteration" in capsys.readouterr().out
+    holdings(_h(0), _h(1))
+    assert session_resume._any_seeded([]) is False
+    assert "no shadow was seeded" in capsys.readouterr().out
+    holdings(_h(0, memory=[0, 1]), _h(1, disk=[0]))  # a trained iteration: resume (and a
+    assert session_resume._any_seeded([]) is True    # resume that cannot is one line)
+    holdings(_h(0, error="refused"), _h(1, error="refused"))
+    with pytest.raises(CheckmateError, match="cannot ask the shadows whether to resume"):
+        session_resume._any_seeded([])
