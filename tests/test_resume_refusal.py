@@ -118,6 +118,11 @@ def _rank(rank: int, world: int, port: int, wait: bool, out: str, rank0_gone: An
     except CheckmateError as e:
         line = str(e)
     Path(out, f"rank{rank}.json").write_text(json.dumps({"line": line, "t": time.time()}))
+    if not wait:  # rank 1 is not the slow one: rank 0 stays until it has read, then goes
+        if rank == 1:
+            store.set("rank1-read", "1")
+        elif rank == 0:
+            store.wait(["rank1-read"], timedelta(seconds=60))
 
 
 @pytest.mark.parametrize("wait", [True, False])
