@@ -77,6 +77,23 @@ def test_one_restore_point_for_every_group_or_one_line_naming_the_group():
         choose_groups([g0, [Holding(0, a, memory=[5]), Holding(1, a, memory=[1])]])
 
 
+def test_a_resume_onto_another_mesh_shape_is_one_line():
+    from checkmate.train import world
+
+    pp2 = place_in_mesh(np.arange(4).reshape(2, 2), ("pp", "dp"), 2)
+    saved = {"mesh": world.mesh_of(pp2)}
+    world.check_mesh(saved, pp2)  # the same group of the same mesh
+    world.check_mesh({}, None)  # a plain job
+    pp1 = place_in_mesh(np.arange(4).reshape(1, 4), ("pp", "dp"), 2)
+    with pytest.raises(CheckmateError, match=r"hold group 1 of 2 \(pp\) and this rank is "
+                                             r"group 0 of 1 \(pp\)"):
+        world.check_mesh(saved, pp1)
+    with pytest.raises(CheckmateError, match="a plain data-parallel job"):
+        world.check_mesh(saved, None)
+    with pytest.raises(CheckmateError, match="a plain data-parallel job"):
+        world.check_mesh({}, pp2)
+
+
 # ----------------------------------------------------------------------------- launches
 def _launch(tmp: Path, name: str, args: list[str], script: list[str],
             env: dict[str, str] | None = None) -> tuple[int, str]:

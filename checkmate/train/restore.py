@@ -189,6 +189,7 @@ def restore_session(sess: Any) -> int:
     r = restore_point(addrs, sess.spec, point.iteration, sources=point.sources)
     from checkmate.train import world
 
+    world.check_mesh(r.extra, mesh.place if mesh is not None else None)
     world.check(r.extra, sess.layout.rank, sess.layout.world, sess.layout.fixed_world)
     model_sd, optim_sd = sess.local_state_dicts(r.model_sd, r.optim_sd)
     load_trainer_state(sess.module, sess.optimizer, sess.scheduler, model_sd, optim_sd,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
 from checkmate.train.ddp import CheckmateDDP
+from checkmate.train.world import mesh_of as world_mesh
 
 
 def rng_seed(seed: int, rank: int, iteration: int) -> int:
@@ -118,6 +119,7 @@ class _Step:
                 "scaler": (self.scaler.state_dict() if self.scaler is not None else None),
                 "user": extra or {},
                 "world": self.layout.world,  # a resume on another size says so
+                **({"mesh": world_mesh(self.mesh.place)} if self.mesh is not None else {}),
             },
         }
 

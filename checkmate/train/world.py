@@ -47,3 +47,33 @@ def check(restored: dict[str, Any], rank: int, world: int, fixed: bool) -> None:
           f"rank and world size) and the allreduce's summation order change, so the run "
           f"continues consistently but not bit-identically (--fixed-world refuses this)",
           flush=True)
+
+
+def mesh_of(place: Any) -> dict[str, Any] | None:
+    """What a mesh job's control message says of its mesh (``extra["mesh"]``): how many
+    data-parallel groups, over which dimensions, and which group wrote it; None: a plain
+    data-parallel job."""
+    if place is None:
+        return None
+    return {"groups": place.groups, "group": place.group, "dims": list(place.other_dims)}
+
+
+def check_mesh(restored: dict[str, Any], place: Any) -> None:
+    """Refuse, in one line, a resume whose group is not the one that wrote the checkpoint:
+    another mesh shape (its groups hold other parts of the model), or a plain job resuming
+    a mesh job's shadows or the reverse. A different number of data-parallel ranks within
+    the group is :func:`check`'s to say."""
+    old, now = restored.get("mesh"), mesh_of(place)
+    if old is None and now is None:
+        return
+
+    def shape(m: dict[str, Any] | None) -> str:
+        if m is None:
+            return "a plain data-parallel job"
+        return f"group {m['group']} of {m['groups']} ({' x '.join(m['dims']) or 'dp'})"
+
+    if old is None or now is None or (old.get("groups"), old.get("group"), old.get("dims")) \
+            != (now["groups"], now["group"], now["dims"]):
+        raise CheckmateError(f"the shadows hold {shape(old)} and this rank is {shape(now)}: "
+                             "a resume onto another mesh shape is not supported from the "
+                             "shadows; restart with the mesh the job ran on")
