@@ -161,3 +161,27 @@ def test_docs_scale_shows_what_plan_prints_now(capsys):
         assert main(shlex.split(cmd)) == 0
         assert capsys.readouterr().out.strip() == shown.strip(), \
             f"docs/scale.md is stale for: checkmate plan {cmd}"
+
+
+def test_a_mesh_job_is_sized_per_data_parallel_group(capsys):
+    from checkmate.launch import scale
+    from checkmate.launch.plan import main
+
+    # torchtitan's layout: TP fills a node, so a data-parallel group has a rank per node
+    assert scale.group_nodes(64, 8, 8, 2) == [0, 1, 2, 3]
+    assert scale.group_nodes(64, 8, 2, 2) == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    assert main(["--mtbf", "3h", "--step-time", "1.5", "--params", "64B", "--gpus", "64",
+                 "--tp", "4", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    # 64B over 8 groups: 8B each, 32 GB/s of float32 gradient per group per 1.5 s step at
+    # 2 GB/s per shadow: ceil(10.67) = 11 shadows per group, 88 in all
+    assert "8 data-parallel groups, each protecting 1/8 of the model (8e+09 params)" in out
+    assert "8 data-parallel groups of 8 ranks, each with its own 11 shadow(s) (88 in all)" \
+        in out
+    # TP 4 on nodes of 8: two data-parallel ranks of a group per node (ranks 0, 4 | 8, 12 ...)
+    assert "its ring: 8 ranks on 4 node(s), crossing the switch on 4 hop(s)" in out
+    # the job's entries are the groups' together: 8 x (4 hops x 11 partitions)
+    assert "the whole job (64 GPUs on 8 node(s)): ckm_replicate entries 352 of" in out
+    with pytest.raises(CheckmateError, match="not a multiple of --tp 4 x --pp 2"):
+        main(["--mtbf", "3h", "--step-time", "1.5", "--params", "7B", "--gpus", "60",
+              "--tp", "4", "--pp", "2"])

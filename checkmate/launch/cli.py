@@ -34,6 +34,7 @@ def _launch(argv: list[str]) -> int:
     return launcher.launch(argv)
 
 
+@cli_guard("checkmate secret")  # its errors name it, not launch
 def _secret(argv: list[str]) -> int:
     """``checkmate secret new FILE``: a job secret for machines set up by hand."""
     from checkmate.protocol import auth
@@ -49,12 +50,14 @@ def _secret(argv: list[str]) -> int:
     return 0
 
 
+@cli_guard("checkmate plan")  # its errors name it, not launch
 def _plan(argv: list[str]) -> int:
     from checkmate.launch import plan
 
     return plan.main(argv)
 
 
+@cli_guard("checkmate doctor")  # its errors name it, not launch
 def _doctor(argv: list[str]) -> int:
     from checkmate.launch import doctor
 

@@ -194,6 +194,10 @@ def _parser() -> argparse.ArgumentParser:
                          "--params; docs/scale.md)")
     ap.add_argument("--gpus-per-node", type=_count, default=8,
                     help="ranks per node (default 8)")
+    ap.add_argument("--tp", type=_count, default=1,
+                    help="tensor-parallel degree: shadows are sized per data-parallel group "
+                         "(TP x PP groups, each 1/(TP x PP) of the model; docs/scale.md)")
+    ap.add_argument("--pp", type=_count, default=1, help="pipeline-parallel degree")
     return ap
 
 
@@ -213,6 +217,14 @@ def main(argv: list[str]) -> int:
             pl = plan(s, a.step_time, a.mtbf)
             print(f"{s.name:<16}{pl.n_star:>10.1f}{pl.interval:>10d}{pl.waste:>10.4f}"
                   f"{pl.lost_per_failure_s:>16.2f}{pl.throughput:>12.4f}")
+    if min(a.tp, a.pp) < 1:
+        raise CheckmateError("--tp and --pp must be at least 1")
+    groups = a.tp * a.pp
+    if a.params is not None and groups > 1:
+        print(f"mesh: TP {a.tp} x PP {a.pp}: {groups} data-parallel groups, each protecting "
+              f"1/{groups} of the model ({math.ceil(a.params / groups):.3g} params) with "
+              "shadows of its own; the sizing below is per group")
+        a.params = math.ceil(a.params / groups)
     if a.params is not None:
         gb = 2 if a.grad_dtype != "float32" else 4
         sz = size(a.params, a.step_time, gb, a.optimizer, shadow_memory=a.shadow_memory,
@@ -248,8 +260,15 @@ def main(argv: list[str]) -> int:
             raise CheckmateError("--gpus needs --params (the shadows set the partitions)")
         from checkmate.launch import scale
 
-        for line in scale.describe(scale.scale(a.gpus, a.gpus_per_node, sz, a.step_time, gb,
-                                               a.params)):
+        if groups > 1:
+            nodes = scale.group_nodes(a.gpus, a.gpus_per_node, a.tp, a.pp)
+            one = scale.scale(len(nodes), a.gpus_per_node, sz, a.step_time, gb, a.params,
+                              node_of=nodes)
+            lines = scale.describe_mesh(one, a.gpus, a.gpus_per_node, a.tp, a.pp)
+        else:
+            lines = scale.describe(scale.scale(a.gpus, a.gpus_per_node, sz, a.step_time, gb,
+                                               a.params))
+        for line in lines:
             print(line)
     return 0
 

@@ -85,14 +85,16 @@ class Scale:
 
 
 def scale(gpus: int, per_node: int, sizing: Sizing, step_s: float, grad_bytes: int,
-          params: int) -> Scale:
+          params: int, node_of: list[int] | None = None) -> Scale:
     """The figures of a job of ``gpus`` ranks, ``per_node`` per node (the last node may hold
-    fewer), with ``sizing.shadows`` partitions."""
+    fewer), with ``sizing.shadows`` partitions; ``node_of``: each rank's node when it is not
+    rank // per_node (one data-parallel group of a mesh job: :func:`group_nodes`)."""
     if gpus < 1 or per_node < 1:
         raise CheckmateError(f"need --gpus >= 1 and --gpus-per-node >= 1, got {gpus} and "
                              f"{per_node}")
-    nodes = math.ceil(gpus / per_node)
-    sched = RingSchedule.build(gpus, [r // per_node for r in range(gpus)])
+    nodes_of = node_of or [r // per_node for r in range(gpus)]
+    nodes = len(set(nodes_of))
+    sched = RingSchedule.build(gpus, nodes_of)
     hops = sched.network_hops()
     p = sizing.shadows
     entries = len(hops) * p
@@ -143,3 +145,41 @@ def describe(s: Scale) -> list[str]:
         "ckm_replicate key, group and rid ids are switch-wide)",
     ]
     return lines
+
+
+def group_nodes(gpus: int, per_node: int, tp: int, pp: int) -> list[int]:
+    """The nodes of data-parallel group (pp 0, tp 0) of a mesh job laid out as torchtitan
+    lays it (``init_device_mesh`` over ``(pp, dp, tp)``, tp innermost, so a TP group fills a
+    node's GPUs first): its data-parallel rank d is global rank d * tp, on node
+    (d * tp) // per_node, numbered from 0 in ring order. Every group has the same shape."""
+    groups = tp * pp
+    if gpus % groups:
+        raise CheckmateError(f"--gpus {gpus} is not a multiple of --tp {tp} x --pp {pp}")
+    seen: dict[int, int] = {}
+    return [seen.setdefault((d * tp) // per_node, len(seen)) for d in range(gpus // groups)]
+
+
+def describe_mesh(s: Scale, gpus: int, per_node: int, tp: int, pp: int) -> list[str]:
+    """The lines ``checkmate plan --tp/--pp`` prints: one group's figures (``s``, every group
+    alike), then the job's, each group on the switch as a job of its own (its wire job id,
+    checkmate.protocol.wire.group_job_id)."""
+    g = tp * pp
+    nodes = math.ceil(gpus / per_node)
+    t = s.table_sizes
+    return [
+        f"mesh: TP {tp} x PP {pp} = {g} data-parallel groups of {s.gpus} ranks, each with "
+        f"its own {s.partitions} shadow(s) ({g * s.partitions} in all); one group:",
+        f"  its ring: {s.gpus} ranks on {s.nodes} node(s), crossing the switch on "
+        f"{s.network_hops} hop(s)",
+        *("  " + line for line in describe(s)[1:4]),
+        f"the whole job ({gpus} GPUs on {nodes} node(s)): ckm_replicate entries "
+        f"{g * s.entries} of {t['ckm_replicate']}; multicast groups "
+        f"{g * (s.groups - 1) + 1} of {MGID_SPACE - GROUP_BASE}; shadow_rewrite entries "
+        f"{g * s.rewrites} of {t['shadow_rewrite']}; switch ports {nodes + g * s.partitions}"
+        f" of {SWITCH_PORTS}" + (" (EXCEEDS: several switches)"
+                                 if nodes + g * s.partitions > SWITCH_PORTS else "")
+        + f"; {g * s.writes_per_rendezvous} controller writes per rendezvous",
+        f"each group is a job of its own on the switch (its own wire job id): {g} jobs' "
+        "group and replication id ranges, which are not allocated per job yet (one switch "
+        "carries one job today; switch mode refuses mesh jobs: docs/scale.md)",
+    ]
