@@ -334,6 +334,7 @@ class ShadowNode:
                 **({"progress": st.reseed.status()} if st.reseed is not None else {}),
             },
             "seeded_iteration": st.seeded_iteration,
+            "installs": st.installs,  # seeds, disk reloads and re-seeds taken
             "latest": st.latest,
             "retained": st.retained(),
             "epoch": self.receiver.epoch,

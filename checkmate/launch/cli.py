@@ -57,6 +57,13 @@ def _plan(argv: list[str]) -> int:
     return plan.main(argv)
 
 
+@cli_guard("checkmate checkpoints")  # its errors name it, not launch
+def _checkpoints(argv: list[str]) -> int:
+    from checkmate.launch import checkpoints
+
+    return checkpoints.main(argv)
+
+
 @cli_guard("checkmate doctor")  # its errors name it, not launch
 def _doctor(argv: list[str]) -> int:
     from checkmate.launch import doctor
@@ -70,6 +77,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "secret": (_secret, "checkmate secret new FILE"),
     "plan": (_plan, "checkmate plan ..."),
     "doctor": (_doctor, "checkmate doctor ..."),
+    "checkpoints": (_checkpoints, "checkmate checkpoints --shadow HOST[:PORT] ..."),
 }
 
 

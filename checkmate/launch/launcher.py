@@ -104,12 +104,15 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
     os.environ.update({
         envmod.JOB_ID: str(job_id), envmod.MODE: args.mode, envmod.DEVICE: args.device,
         envmod.SEED: str(args.seed), envmod.PROGRESS_EVERY: str(args.progress_every),
-        envmod.RESUME: "1" if args.resume else "0", envmod.GROUPS: str(args.pp * args.tp),
+        envmod.RESUME: "1" if args.resume or args.resume_at is not None else "0",
+        envmod.GROUPS: str(args.pp * args.tp),
         "PYTHONUNBUFFERED": "1",
     })
     for name in (envmod.TRAINERS, envmod.LOCAL_TRAINERS, envmod.RDZV_STORE,
-                 envmod.CONTROLLER):
+                 envmod.CONTROLLER, envmod.RESUME_AT):
         os.environ.pop(name, None)
+    if args.resume_at is not None:
+        os.environ[envmod.RESUME_AT] = str(args.resume_at)
     if multinode(args):  # ranks come from the rendezvous: the workers exchange addresses
         os.environ[envmod.LOCAL_TRAINERS] = envmod.format_addrs(trainers)
         os.environ[envmod.RDZV_STORE] = envmod.format_addrs([rdzv_addr(args)])

@@ -114,6 +114,10 @@ def parser(gpus: int) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="the first attempt resumes from the shadows too (--shadow, or "
                         "shadows that load --dir's checkpoints)")
+    p.add_argument("--resume-at", type=_count(0, 2**62), default=None, metavar="ITERATION",
+                   help="the first attempt resumes at ITERATION (held by every partition, "
+                        "in memory or on disk; `checkmate checkpoints` lists them) and the "
+                        "shadows drop what they hold after it: a rewind")
     p.add_argument("--fixed-world", action="store_true",
                    help="refuse to resume the job on another number of ranks than it ran on "
                         "(default: allowed, announced in one line on every rank)")
@@ -201,9 +205,12 @@ def check(args: argparse.Namespace) -> None:
     """One CheckmateError line for flags that do not go together (or name no script)."""
     _check_multinode(args)
     if args.mode == "off" and (args.shadows or args.shadow or args.resume
-                               or args.controller):
+                               or args.controller or args.resume_at is not None):
         raise CheckmateError("--mode off runs without shadows: drop --shadows/--shadow/"
-                             "--resume")
+                             "--resume/--resume-at")
+    if args.resume_at is not None and args.mode == "gockpt":
+        raise CheckmateError("--resume-at rewinds the shadows: GoCkpt mode has none (it "
+                             "resumes from its newest checkpoint)")
     if args.mode == "gockpt":
         if args.shadows or args.shadow or args.persist_every:
             raise CheckmateError("--mode gockpt runs without shadows: drop --shadows/--shadow/"

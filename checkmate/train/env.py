@@ -51,6 +51,9 @@ SEED = "CHECKMATE_SEED"
 PROGRESS_EVERY = "CHECKMATE_PROGRESS_EVERY"
 #: ``1``: the first attempt resumes from the shadows too (``checkmate launch --resume``).
 RESUME = "CHECKMATE_RESUME"
+#: ``ITERATION``: the first attempt resumes at that iteration, not the newest, and the
+#: shadows are rewound to it (``checkmate launch --resume-at``).
+RESUME_AT = "CHECKMATE_RESUME_AT"
 #: Test only: ``RANK:ITERATION`` makes that rank SIGKILL itself after that iteration's
 #: optimizer step, before the control message, in the launcher's first attempt only.
 KILL_AT = "CHECKMATE_KILL_AT"
@@ -98,6 +101,7 @@ class EnvJob:
     controller: tuple[str, int] | None = None
     stall_timeout: float | None = None
     groups: int = 1
+    resume_at: int | None = None
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -198,7 +202,8 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         restart_count=_int(env, RESTART_COUNT, 0), resume=resume == "1", kill_at=kill_at,
         gockpt=gockpt, device=device, local_trainer=local_trainer, rdzv_store=store,
         controller=controller, stall_timeout=float(stall) if stall else None,
-        groups=_groups(env, len(tcp)))
+        groups=_groups(env, len(tcp)),
+        resume_at=_int(env, RESUME_AT) if env.get(RESUME_AT) else None)
 
 
 def _groups(env: Mapping[str, str], shadows: int) -> int:

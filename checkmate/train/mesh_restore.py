@@ -53,7 +53,8 @@ def agree(sess: Any, addrs: list[tuple[str, int]]) -> dict[str, Any]:
                 raise CheckmateError(got["error"])
             per_group.append([Holding(**{**h, "addr": tuple(h["addr"])})
                               for h in got["holdings"]])
-        point, sources = resume_point.choose_groups(per_group)
+        point, sources = resume_point.choose_groups(per_group,
+                                                    getattr(sess, "resume_at", None))
         at = f"iteration {point.iteration}:"
         line = point.line.replace(at, f"{at[:-1]} (all {place.groups} data-parallel groups):",
                                   1)

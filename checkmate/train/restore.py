@@ -154,10 +154,10 @@ def check_holdings(addrs: list[tuple[str, int]], spec: Any,
 
 
 def check_resume(addrs: list[tuple[str, int]], spec: Any,
-                 wait: float | None = None) -> ResumePoint:
+                 wait: float | None = None, at: int | None = None) -> ResumePoint:
     """Where to resume (checkmate.train.resume_point: the newest iteration every partition
-    holds, memory first, then disk), after :func:`check_holdings`."""
-    return resume_point.choose(check_holdings(addrs, spec, wait))
+    holds, memory first, then disk; or ``at``), after :func:`check_holdings`."""
+    return resume_point.choose(check_holdings(addrs, spec, wait), at)
 
 
 def restore_session(sess: Any) -> int:
@@ -172,8 +172,10 @@ def restore_session(sess: Any) -> int:
 
     addrs = sess.layout.shadow_tcp
 
+    at = getattr(sess, "resume_at", None)
+
     def compute() -> dict[str, Any]:
-        found = check_resume(addrs, sess.spec)
+        found = check_resume(addrs, sess.spec, at=at)
         resume_point.say_line(found.line)
         return {"iteration": found.iteration, "sources": found.sources, "line": found.line}
 
@@ -198,7 +200,61 @@ def restore_session(sess: Any) -> int:
     sess.restored_control = r.extra  # the whole extra: e.g. DDP's bucket layout (ddp_hook)
     sess.opt_step = r.step
     sess.resume_point = point
+    if at is not None:
+        rewind_shadows(sess, r.iteration, r.step, r.extra)
     return r.iteration
+
+
+def rewind_shadows(sess: Any, iteration: int, step: int, extra: dict[str, Any]) -> None:
+    """After a resume at an older iteration than the newest held (``--resume-at``): seed
+    every shadow anew with the restored state at ``iteration``, with its control message's
+    buffers and extra, so the shadows drop what they committed after it -- in memory, and
+    on disk as a new lineage (shadow.persist) -- and follow the run as it goes on from
+    here, whatever it does differently. Every rank sends its share; rank 0 then waits until
+    every shadow has installed it."""
+    import torch.distributed as dist
+
+    from checkmate.train.shadow_client import seed_share
+
+    lay = sess.layout
+    before = _installs(lay.shadow_tcp) if lay.rank == 0 else []
+    dist.barrier(group=sess.group)  # counted before any rank's share can complete a seed
+    context = {"buffers": sess.spec.encode_buffers(dict(sess.module.named_buffers())),
+               "extra": extra}
+    seed_share(lay.shadow_tcp, sess.spec, sess._seed_flat(), lay.rank, lay.world,
+               iteration=iteration, step=step, context=context)
+    if lay.rank == 0:
+        _wait_installed(lay.shadow_tcp, iteration, before)
+        resume_point.say_line(f"checkmate: rewound the shadows to iteration {iteration}: "
+                              "what they held after it is dropped, in memory and on disk")
+
+
+def _installs(addrs: list[tuple[str, int]]) -> list[int]:
+    out = []
+    for a in addrs:
+        with ShadowClient(a) as c:
+            out.append(int(c.status().get("installs") or 0))
+    return out
+
+
+def _wait_installed(addrs: list[tuple[str, int]], iteration: int, before: list[int],
+                    timeout: float = 60.0) -> None:
+    """Until every shadow installed a new seed (its count past ``before``) at
+    ``iteration``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sts = []
+        for a in addrs:
+            with ShadowClient(a) as c:
+                sts.append(c.status())
+        if all(int(s.get("installs") or 0) > b and s.get("seeded_iteration") == iteration
+               for s, b in zip(sts, before, strict=True)):
+            return
+        if time.monotonic() > deadline:
+            raise CheckmateError(f"resume at iteration {iteration}: the shadows did not take "
+                                 f"the rewound state within {timeout:.0f} s (latest per "
+                                 f"shadow: {[s.get('latest') for s in sts]})")
+        time.sleep(0.05)
 
 
 @cli_guard("checkmate.train.restore")

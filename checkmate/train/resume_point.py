@@ -125,9 +125,10 @@ def survey(addrs: Sequence[Addr], wait: float = RESUME_WAIT,
         time.sleep(0.5)
 
 
-def choose(hs: Sequence[Holding]) -> ResumePoint:
+def choose(hs: Sequence[Holding], at: int | None = None) -> ResumePoint:
     """The newest iteration every partition holds (memory first, then disk), with its line;
-    CheckmateError naming what is missing when there is none."""
+    CheckmateError naming what is missing when there is none. ``at``: that iteration (a
+    rewind), or one line naming what every partition holds."""
     if not hs:
         raise CheckmateError("resume: no shadow addresses given")
     down = [h for h in hs if h.error]
@@ -146,11 +147,20 @@ def choose(hs: Sequence[Holding]) -> ResumePoint:
     if not common:
         raise CheckmateError("resume: no iteration is held by every partition, in memory "
                              "or on disk: " + "; ".join(h.describe() for h in hs))
-    it = max(common)
+    if at is not None and at not in common:
+        raise CheckmateError(f"resume at iteration {at}: not held by every partition; held "
+                             f"by all: {spans(sorted(common))} (" +
+                             "; ".join(h.describe() for h in hs) + ")")
+    it = max(common) if at is None else at
     sources = ["memory" if it in h.memory else "disk" for h in hs]
     reloaded = [h.name for h, s in zip(hs, sources, strict=True)
                 if s == "memory" and h.reloaded == it]
-    if all(s == "memory" for s in sources):
+    if at is not None and at != max(common):
+        why = (f"rewound as asked (newest held by all: {max(common)}); "
+               + ("every shadow holds it in memory" if all(s == "memory" for s in sources)
+                  else ", ".join(f"{h.name} from {s}" for h, s in zip(hs, sources,
+                                                                       strict=True))))
+    elif all(s == "memory" for s in sources):
         why = "every shadow holds it in memory"
         if reloaded:
             why += (f" (partition(s) {', '.join(n.removeprefix('partition ') for n in reloaded)}"
@@ -165,12 +175,12 @@ def choose(hs: Sequence[Holding]) -> ResumePoint:
     return ResumePoint(it, sources, f"checkmate: resuming at iteration {it}: {why}")
 
 
-def choose_groups(per_group: Sequence[Sequence[Holding]]) -> tuple[ResumePoint,
-                                                                   list[list[str]]]:
+def choose_groups(per_group: Sequence[Sequence[Holding]], at: int | None = None
+                  ) -> tuple[ResumePoint, list[list[str]]]:
     """:func:`choose` over every partition of every data-parallel group of a mesh job (one
     iteration for all of them), with each group's sources."""
     flat = [replace(h, group=g) for g, hs in enumerate(per_group) for h in hs]
-    point = choose(flat)
+    point = choose(flat, at)
     out, at = [], 0
     for hs in per_group:
         out.append(point.sources[at:at + len(hs)])

@@ -77,6 +77,9 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
     #: A mesh job's data-parallel group (checkmate.train.session_group.MeshGroup): set by
     #: from_env(mesh=...); None: the job is this one data-parallel group.
     mesh: Any = None
+    #: ``start(resume=True)`` resumes at this iteration, not the newest, and rewinds the
+    #: shadows to it (checkmate.train.restore.rewind_shadows); None: the newest.
+    resume_at: int | None = None
     #: The gradient path is our ring, whose copies follow the ring schedule's nodes
     #: (checkmate.train.ring_schedule); a session over another path says False.
     ring_nodes = True
@@ -209,6 +212,9 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
         sess.progress_every = job.progress_every
         if job.kill_at is not None and job.kill_at[0] == job.rank and not job.restart_count:
             sess.injector = _kill_hook(job.kill_at[1])
+        if job.resume_at is not None and not job.restart_count:
+            sess.resume_at = job.resume_at  # the first attempt only: later ones go on
+            resume = True
         if resume is None:
             resume = sess._resume_wanted(job)
         done = sess.start(resume=resume)

@@ -143,14 +143,20 @@ class ShadowClient:
         reply, _ = self.request({"op": "spec"})
         return ModelSpec.from_json(reply["spec"])
 
-    def seed(self, iteration: int, slot: str, offset: int, data: np.ndarray, step: int) -> None:
-        """Seed ``data`` (fp32) at flat ``offset`` of ``slot``; split into bounded requests."""
+    def seed(self, iteration: int, slot: str, offset: int, data: np.ndarray, step: int,
+             context: dict[str, Any] | None = None) -> None:
+        """Seed ``data`` (fp32) at flat ``offset`` of ``slot``; split into bounded requests.
+        ``context``: the seeded version's ``buffers`` and ``extra`` (a rewind's: what its
+        control message held), sent with the first request."""
         arr = np.ascontiguousarray(data, dtype="<f4").reshape(-1)
         per = SEED_CHUNK // 4
         for a in range(0, len(arr), per):
             part = arr[a:a + per]
-            self.request({"op": "seed", "iteration": iteration, "slot": slot,
-                          "offset": offset + a, "count": len(part), "step": step}, part)
+            head = {"op": "seed", "iteration": iteration, "slot": slot,
+                    "offset": offset + a, "count": len(part), "step": step}
+            if context and a == 0:
+                head.update(context)
+            self.request(head, part)
 
     def status(self) -> dict[str, Any]:
         reply, _ = self.request({"op": "status"})
@@ -370,11 +376,13 @@ def restore_state_dicts(
 def seed_share(
     addrs: Sequence[Addr], spec: ModelSpec, flat: Mapping[str, np.ndarray], rank: int,
     world: int, iteration: int = 0, step: int = 0, timeout: float = 60.0,
+    context: dict[str, Any] | None = None,
 ) -> None:
     """Send this trainer's share of the initial state to every shadow.
 
     Each partition's range is cut into ``world`` contiguous pieces; rank r sends piece r of
-    every slot, so the trainers together cover every partition once.
+    every slot, so the trainers together cover every partition once. ``context``: the
+    version's buffers and extra (a rewind seeds an iteration that had a control message).
     """
     from checkmate.spec.partition import partition_bounds
 
@@ -384,7 +392,7 @@ def seed_share(
         with ShadowClient(addrs[p], timeout) as c:
             c.send_spec(spec)  # idempotent: whichever rank arrives first sets it
             for s in spec.slots:
-                c.seed(iteration, s, a, flat[s][a:b], step)
+                c.seed(iteration, s, a, flat[s][a:b], step, context)
 
 
 def wait_seeded(addrs: Sequence[Addr], timeout: float = 60.0, poll: float = 0.05) -> None:
