@@ -12,11 +12,12 @@ group). The schedule runs every micro-batch's backward inside ``sess.model.no_sy
 whole model (every stage), and after a failure every stage resumes at one iteration.
 
 What the script must do: pass the mesh; draw its data from the data-parallel coordinate and
-the iteration (every stage of a replica sees the same micro-batches); build the schedule
-with ``scale_grads=False`` and scale the loss itself (a schedule that rescales gradients
-after they were reduced would step on other gradients than the shadows got). Stock DDP as
-the stage module does not work: under a pipelining schedule it reduces twice in the first
-iteration (torch 2.13), which DDPSession refuses.
+the iteration (every stage of a replica sees the same micro-batches); run the schedule
+inside ``no_sync()`` and reduce after it (any scaling the schedule does to the gradients
+happens before the reduction, so the shadows get what the optimizer steps on; this script
+scales the loss instead, ``scale_grads=False``). Stock DDP as the stage module does not
+work: under a pipelining schedule it reduces twice in the first iteration (torch 2.13),
+which DDPSession refuses.
 """
 
 import argparse
