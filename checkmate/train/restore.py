@@ -191,7 +191,20 @@ def restore_session(sess: Any) -> int:
     r = restore_point(addrs, sess.spec, point.iteration, sources=point.sources)
     from checkmate.train import world
 
-    world.check_mesh(r.extra, mesh.place if mesh is not None else None)
+    # A refusal of what was restored (another mesh shape, a fixed world of another size) is
+    # decided once, by rank 0, for every rank: a rank refusing on its own would end before
+    # slower ranks read the restore point, and take the attempt's store with it.
+    place = mesh.place if mesh is not None else None
+    rank, size = sess._job_place()
+
+    def refusal() -> bool:
+        world.check_mesh(r.extra, place)
+        world.check(r.extra, sess.layout.rank, sess.layout.world, sess.layout.fixed_world,
+                    quiet=True)
+        return True
+
+    agreement.decide(agreement.attempt_store(), "resume-checks", rank, size, refusal)
+    world.check_mesh(r.extra, place)
     world.check(r.extra, sess.layout.rank, sess.layout.world, sess.layout.fixed_world)
     model_sd, optim_sd = sess.local_state_dicts(r.model_sd, r.optim_sd)
     load_trainer_state(sess.module, sess.optimizer, sess.scheduler, model_sd, optim_sd,

@@ -32,9 +32,11 @@ def fixed_from_env() -> bool:
     return value == "1"
 
 
-def check(restored: dict[str, Any], rank: int, world: int, fixed: bool) -> None:
+def check(restored: dict[str, Any], rank: int, world: int, fixed: bool,
+          quiet: bool = False) -> None:
     """Announce (every rank) or refuse a resume on ``world`` ranks of a checkpoint whose
-    control message says it ran on another number; nothing when it does not say."""
+    control message says it ran on another number; nothing when it does not say.
+    ``quiet``: refuse only (rank 0 deciding for every rank), announce nothing."""
     old = restored.get("world")
     if not isinstance(old, int) or old == world:
         return
@@ -42,6 +44,8 @@ def check(restored: dict[str, Any], rank: int, world: int, fixed: bool) -> None:
         raise CheckmateError(f"the checkpoint was written by a job of {old} ranks and this "
                              f"one has {world}, but the job asked for a fixed size "
                              f"(--fixed-world): restart it with {old} ranks")
+    if quiet:
+        return
     print(f"checkmate: rank {rank}: resuming a job of {old} ranks on {world}: every rank "
           f"loads the whole model from the checkpoint; each rank's data (a function of "
           f"rank and world size) and the allreduce's summation order change, so the run "
