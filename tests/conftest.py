@@ -44,6 +44,19 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[auth.SECRET_ENV] = str(auth.create_secret(Path(_SECRET_DIR) / "job.key"))
 
 
+#: Test files whose scenarios race wall-clock deadlines (a repair given up after seconds, a
+#: live re-seed that must finish before the run ends): scripts/test.sh runs them alone,
+#: after the rest has run two files at a time, so that their timing is what one job on
+#: the machine sees.
+SERIAL_FILES = ("test_e2e_host.py", "test_e2e_switch.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     for d in (_SECRET_DIR, _CHILD_TMP):
         if d is not None:
