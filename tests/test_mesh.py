@@ -1,11 +1,15 @@
-"""Mesh jobs (issue 34): pipeline parallel beside data parallel, one session per group.
+"""Mesh jobs (issue 34): pipeline or tensor parallel beside data parallel, one session per
+data-parallel group.
 
 The unit tests pin how a DeviceMesh is cut into data-parallel groups, how a group is named
 on the wire, and how one restore point is chosen over every group. The launch tests run
 examples/train_pp.py (a small language model in two pipeline stages, torch's
-PipelineStage with GPipe and 1F1B, 2 x 2 ranks) under ``checkmate launch --pp 2``: a run
-with one rank SIGKILLed at a random iteration is bit-identical, stage by stage, to a run
-without Checkmate (``--mode off``, the same ring without shadows).
+PipelineStage with GPipe and 1F1B, 2 x 2 ranks) under ``checkmate launch --pp 2`` and
+examples/train_tp.py (its blocks split by parallelize_module, DTensor parameters, 2 x 2
+ranks) under ``--tp 2``: a run with one rank SIGKILLed at a random iteration is
+bit-identical, rank by rank, to a run without Checkmate (``--mode off``, the same ring
+without shadows). A two-process check pins the tensor-parallel clip norm: the norm of the
+whole model, every shard and every copy counted once.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import random
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +33,7 @@ from checkmate.train.session_group import place_in_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 PP = ROOT / "examples" / "train_pp.py"
+TP = ROOT / "examples" / "train_tp.py"
 STEPS = 8
 WORLD = 4
 
@@ -96,9 +102,10 @@ def test_a_resume_onto_another_mesh_shape_is_one_line():
 
 # ----------------------------------------------------------------------------- launches
 def _launch(tmp: Path, name: str, args: list[str], script: list[str],
-            env: dict[str, str] | None = None) -> tuple[int, str]:
+            env: dict[str, str] | None = None, example: Path = PP) -> tuple[int, str]:
+    dim = "--pp" if example == PP else "--tp"
     argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
-            str(WORLD), "--pp", "2", "--progress-every", "0", *args, str(PP), *script]
+            str(WORLD), dim, "2", "--progress-every", "0", *args, str(example), *script]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
     out = p.stdout + p.stderr
@@ -180,3 +187,77 @@ def test_pipeline_groups_in_switch_mode_are_refused_until_the_controller_program
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "--pp/--tp with --mode switch" in p.stderr
+
+
+@pytest.fixture(scope="module")
+def clean_tp(tmp_path_factory):
+    """Every rank's final state (local shards) after STEPS iterations without Checkmate."""
+    tmp = tmp_path_factory.mktemp("clean_tp")
+    rc, out = _launch(tmp, "clean", ["--mode", "off"],
+                      ["--steps", str(STEPS), "--out", str(tmp / "state")], example=TP)
+    assert rc == 0, out[-4000:]
+    assert "rank 0 of 4 (2 data-parallel groups of 2: tp x dp)" in out, out
+    return _states(tmp / "state")
+
+
+def test_a_tensor_parallel_job_killed_anywhere_restarts_bit_identically(tmp_path, clean_tp):
+    rank, at = random.randrange(WORLD), random.randrange(2, STEPS)
+    rc, out = _launch(tmp_path, "killed", ["--shadows", "1", "--max-restarts", "1"],
+                      ["--steps", str(STEPS), "--out", str(tmp_path / "state")],
+                      env={"CHECKMATE_KILL_AT": f"{rank}:{at}"}, example=TP)
+    assert rc == 0, f"rank {rank} killed at {at}:\n{out[-4000:]}"
+    assert "Traceback" not in out, out[-4000:]
+    resumed = [ln for ln in out.splitlines() if "(all 2 data-parallel groups)" in ln]
+    assert len(resumed) == 1, out[-3000:]
+    assert int(re.search(r"resuming at iteration (\d+) ", resumed[0])[1]) in (at, at - 1), \
+        resumed[0]
+    for r, (got, want) in enumerate(zip(_states(tmp_path / "state"), clean_tp, strict=True)):
+        assert _same(got, want), f"rank {r} (tp {r % 2}) differs after a kill of rank " \
+                                 f"{rank} at {at}"
+
+
+NORM = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from checkmate.optim.clip import clip_mesh
+    from checkmate.train.tensor_parallel import counts_in_norm, local
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 6))
+    parallelize_module(model, mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
+    x = torch.randn(4, 6)
+    model(x).pow(2).sum().backward()
+    params = list(model.parameters())
+    # the reference: the norm of the whole model's gradient, each DTensor gathered whole
+    full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for p in params]
+    whole = float(torch.stack([g.double().pow(2).sum() for g in full]).sum().sqrt())
+    first = mesh.get_local_rank("tp") == 0
+    max_norm = whole / 4  # clips: the factor shows the norm used
+    coef = clip_mesh([local(p.grad) for p in params], [counts_in_norm(p, first)
+                     for p in params], max_norm, mesh["tp"].get_group())
+    print(f"rank {dist.get_rank()} whole {whole:.6f} coef {coef:.6f}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_the_tensor_parallel_clip_norm_counts_every_shard_and_every_copy_once(tmp_path):
+    script = tmp_path / "norm.py"
+    script.write_text(NORM)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", str(script)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    got = re.findall(r"rank (\d) whole ([0-9.]+) coef ([0-9.]+)", p.stdout)
+    assert len(got) == 2, p.stdout
+    for _, _whole, coef in got:
+        # max_norm / (norm + 1e-6) with max_norm a quarter of the whole norm: 0.25 exactly
+        # when the norm is the whole model's (a copy counted twice, or a shard left out,
+        # moves it)
+        assert float(coef) == pytest.approx(0.25, rel=1e-5), got

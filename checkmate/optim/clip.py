@@ -38,24 +38,25 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     return total, clip_coef_of(total, float(max_norm))
 
 
-def clip_mesh(parameters: Iterable[torch.Tensor], max_norm: float, cross: object
-              ) -> float | None:
+def clip_mesh(grads: list[torch.Tensor], counted: list[bool], max_norm: float,
+              cross: object) -> float | None:
     """Clip a mesh job's part of the model by the norm of the whole model (torchtitan's
-    rule): this part's squared 2-norm is summed over ``cross`` (the process group of the
-    parts that make up one replica: every pipeline stage), so every part applies the same
-    factor; returns it (None when no part has a gradient)."""
+    rule): the squared 2-norm of the ``counted`` ones of this part's gradients (local
+    tensors) is summed over ``cross`` (the process group of the parts that make up one
+    replica: every pipeline stage, every tensor-parallel shard), so every part applies the
+    same factor to all of ``grads``; returns it (None when no part has a gradient)."""
     import torch.distributed as dist
 
-    params = [p for p in parameters if p.grad is not None]
-    local = (torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-             if params else torch.zeros(()))
-    sq = torch.stack([local.detach().to("cpu", torch.float64) ** 2,
-                      torch.tensor(float(len(params)), dtype=torch.float64)])
+    use = [g for g, c in zip(grads, counted, strict=True) if c]
+    norm = torch.nn.utils.get_total_norm(use, 2.0) if use else torch.zeros(())
+    sq = torch.stack([norm.detach().to("cpu", torch.float64) ** 2,
+                      torch.tensor(float(len(grads)), dtype=torch.float64)])
     dist.all_reduce(sq, group=cross)
     if sq[1] == 0:
         return None
     total = sq[0].sqrt().to(torch.float32)
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm,
-                                             total.to(params[0].grad.device))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grads_with_norm_
+    with torch.no_grad():
+        for g in grads:
+            g.mul_(coef.to(g.device))
     return clip_coef_of(total, float(max_norm))

@@ -138,11 +138,14 @@ class ModelSpec:
         kind: str | None = None,
         grad_dtype: str = "float32",
         order: Sequence[str] | None = None,
+        local: bool = False,
     ) -> ModelSpec:
         """A spec for a torch module and its optimizer.
 
         ``order`` is the flat order (parameter names); by default the module's own order.
-        ``kind`` defaults from the optimizer's class name (AdamW, Adam or SGD).
+        ``kind`` defaults from the optimizer's class name (AdamW, Adam or SGD). ``local``:
+        DTensor parameters count as their local tensor (a tensor-parallel rank's shard:
+        checkmate.train.tensor_parallel), not as the global tensor.
         """
         named = dict(model.named_parameters())
         names = list(order) if order is not None else list(named)
@@ -168,7 +171,10 @@ class ModelSpec:
         persistent = set(model.state_dict())  # non-persistent buffers are not restored
         buffers = [(n, tuple(b.shape), str(b.dtype).removeprefix("torch."))
                    for n, b in model.named_buffers() if n in persistent]
-        return cls.build(job, [(n, tuple(named[n].shape)) for n in names], kind, groups,
+        def shape(t: Any) -> tuple[int, ...]:
+            return tuple(t.to_local().shape if local and hasattr(t, "to_local") else t.shape)
+
+        return cls.build(job, [(n, shape(named[n])) for n in names], kind, groups,
                          partitions, buffers, grad_dtype, tied_names(model))
 
     @classmethod

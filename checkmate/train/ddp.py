@@ -33,6 +33,7 @@ from torch import nn
 
 from checkmate.errors import CheckmateError
 from checkmate.train.ring import RingAllreduce
+from checkmate.train.tensor_parallel import like, local
 
 #: Default bucket size in elements (4 MiB of fp32).
 BUCKET_ELEMS = 1 << 20
@@ -87,13 +88,20 @@ class CheckmateDDP(nn.Module):
         params = [named[n] for n in self.order]
         if any(p.dtype != torch.float32 for p in params):
             raise CheckmateError("CheckmateDDP needs float32 parameters")
-        sizes = [p.numel() for p in params]
+        # A tensor-parallel parameter (DTensor) is reduced as its local shard: the view is
+        # the shard's, and its gradient a DTensor over that view, placed as the parameter.
+        shards = [local(p) for p in params]
+        sizes = [t.numel() for t in shards]
         self.total = sum(sizes)
         self.flat_grad = torch.zeros(self.total, dtype=torch.float32)
         self._views: list[torch.Tensor] = []
+        #: What each parameter's ``grad`` is set to: its view, or a DTensor over the view.
+        self._grads: list[torch.Tensor] = []
         off = 0
-        for p, n in zip(params, sizes, strict=True):
-            self._views.append(self.flat_grad[off:off + n].view(p.shape))
+        for p, t, n in zip(params, shards, sizes, strict=True):
+            view = self.flat_grad[off:off + n].view(t.shape)
+            self._views.append(view)
+            self._grads.append(like(p, view))
             off += n
         self._params = params
         self.buckets = bucket_ranges(sizes, bucket_elems)
@@ -137,11 +145,12 @@ class CheckmateDDP(nn.Module):
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         if not self._callback_queued:
             self._start_backward()
-        view = self._views[i]
-        if p.grad is not view:
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-            p.grad = view
+        view, mine = self._views[i], self._grads[i]
+        if p.grad is not mine:
+            g = local(p.grad)
+            if g is None or g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+            p.grad = mine
         if not self._in_backward_sync:
             self._accumulated.add(i)
             return
@@ -191,10 +200,10 @@ class CheckmateDDP(nn.Module):
         for b, (_, _, idx) in enumerate(self.buckets):
             if self._futures[b] is None:
                 for i in idx:
-                    kept = i in self._accumulated and self._params[i].grad is self._views[i]
+                    kept = i in self._accumulated and self._params[i].grad is self._grads[i]
                     if i not in self._fired and not kept:
                         self._views[i].zero_()
-                        self._params[i].grad = self._views[i]
+                        self._params[i].grad = self._grads[i]
                 self._launch(b)
         self._accumulated.clear()
         try:

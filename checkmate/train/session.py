@@ -80,6 +80,8 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
     #: ``start(resume=True)`` resumes at this iteration, not the newest, and rewinds the
     #: shadows to it (checkmate.train.restore.rewind_shadows); None: the newest.
     resume_at: int | None = None
+    #: The model holds tensor-parallel DTensors: the session replicates their local shards.
+    tensor_parallel = False
     #: The gradient path is our ring, whose copies follow the ring schedule's nodes
     #: (checkmate.train.ring_schedule); a session over another path says False.
     ring_nodes = True
@@ -108,7 +110,8 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
         self.scaler = check_scaler(scaler)
         self._check_model(model)
         self.spec = ModelSpec.from_torch(layout.job_id, model, optimizer,
-                                         max(1, len(layout.shadows)))
+                                         max(1, len(layout.shadows)),
+                                         local=self.tensor_parallel)
         self.iteration = 0
         self.last_clip: float | None = None
         self.control_bytes = 0
@@ -156,7 +159,13 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
 
     def _check_model(self, model: torch.nn.Module) -> None:
         """Refuse what this session's gradient path cannot replicate (FSDP2's DTensors here:
-        ``checkmate.train.fsdp.FSDPSession`` takes those)."""
+        ``checkmate.train.fsdp.FSDPSession`` takes those); a mesh session takes the
+        DTensors of tensor parallel (their local shards: checkmate.train.tensor_parallel)."""
+        if self.mesh is not None:
+            from checkmate.train.tensor_parallel import uses_tensor_parallel
+
+            self.tensor_parallel = uses_tensor_parallel(model, self.mesh.place)
+            return
         from checkmate.train.sharded import refuse_sharded
 
         refuse_sharded(model)  # one line, not a crash or a drift mid-run
@@ -205,8 +214,11 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
             where = session_group.group_layout(job, mg)
         lay = JobLayout(mode="off" if job.mode == "gockpt" else job.mode, seed=job.seed,
                         gockpt=job.gockpt, controller=job.controller, **where, **layout)
-        sess = cls(model, optimizer, scheduler, lay, max_grad_norm, group, scaler=scaler)
+        # The mesh is known before __init__ runs (which checks the model against it), for
+        # every subclass alike, without a parameter in each one's signature.
+        sess = cls.__new__(cls)
         sess.mesh = mg
+        sess.__init__(model, optimizer, scheduler, lay, max_grad_norm, group, scaler=scaler)
         # switch mode under the launcher: each attempt has the controller program its ring
         sess.announce_attempt = lay.mode == "switch"
         sess.progress_every = job.progress_every

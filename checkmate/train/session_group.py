@@ -155,6 +155,10 @@ class MeshGroup:
     def count(self) -> int:
         return self.place.groups
 
+    #: Whether this rank is the first of its tensor-parallel group (tp coordinate 0, or no
+    #: tp dimension): where the whole model's norm counts the parameters TP ranks copy.
+    first_tp_rank: bool = True
+
 
 def mesh_group(mesh: Any, rank: int) -> MeshGroup:
     """The MeshGroup of ``rank`` in a torch ``DeviceMesh``. Every rank of the job must call
@@ -171,7 +175,11 @@ def mesh_group(mesh: Any, rank: int) -> MeshGroup:
     dp, _ = dist.new_subgroups_by_enumeration(place.rows, backend="gloo")
     cross, _ = dist.new_subgroups_by_enumeration(place.cols, backend="gloo")
     world = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    return MeshGroup(place, dp, cross, world)
+    mg = MeshGroup(place, dp, cross, world)
+    names = list(mesh.mesh_dim_names)
+    if "tp" in names:
+        mg.first_tp_rank = mesh.get_local_rank("tp") == 0
+    return mg
 
 
 def group_layout(job: Any, mg: MeshGroup) -> dict[str, Any]:

@@ -148,6 +148,8 @@ class _Reliability:
         it = self.done_iteration
         if self.layout.rank != 0 or not every or it % every:
             return
+        if self.mesh is not None and not self.mesh.first_tp_rank:
+            return  # the TP ranks of a replica report one loss: the first one says it
         text = f"checkmate: iteration {it}"
         if loss is not None:
             text += f" loss {float(loss.detach() if torch.is_tensor(loss) else loss):.4f}"

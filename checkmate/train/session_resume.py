@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
@@ -89,8 +90,18 @@ class _Resume:
     def local_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]
                           ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Whole-model state dicts (a restore) in the form this rank's module and optimizer
-        load: unchanged here; FSDPSession keeps its rank's shards."""
-        return model_sd, optim_sd
+        load: unchanged here, but a tensor-parallel rank's local tensors placed as its
+        DTensors; FSDPSession keeps its rank's shards."""
+        if not self.tensor_parallel:
+            return model_sd, optim_sd
+        from checkmate.train.tensor_parallel import like
+
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        msd = {k: like(params[k], v) if k in params else v for k, v in model_sd.items()}
+        order = self.spec.state_order()
+        state = {i: {k: like(params[order[i]], v) if torch.is_tensor(v) and v.dim() else v
+                     for k, v in st.items()} for i, st in optim_sd["state"].items()}
+        return msd, {**optim_sd, "state": state}
 
     def _gockpt_restore(self) -> int:
         """Every rank loads the iteration rank 0 found newest in the GoCkpt directory."""

@@ -161,9 +161,14 @@ class _Start:
                 qp["gid"], int(qp["qpn"]), int(qp["qkey"]))))
 
     def _seed_flat(self) -> dict[str, Any]:
-        """Every slot of the whole model as flat arrays: what this rank seeds a share of."""
-        return self.spec.flat_from_state_dicts(self.module.state_dict(),
-                                               self.optimizer.state_dict())
+        """Every slot of the whole model as flat arrays: what this rank seeds a share of
+        (a tensor-parallel rank's: of its local shards)."""
+        msd, osd = self.module.state_dict(), self.optimizer.state_dict()
+        if self.tensor_parallel:
+            from checkmate.train.tensor_parallel import local_optim_state, local_state
+
+            msd, osd = local_state(msd), local_optim_state(osd)
+        return self.spec.flat_from_state_dicts(msd, osd)
 
     def _start_comm(self, nonce: int) -> None:
         """The gradient path: our ring and CheckmateDDP (checkmate.train.ddp_hook replaces

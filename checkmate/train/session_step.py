@@ -129,7 +129,13 @@ class _Step:
 
         if self.mesh is not None and self.mesh.count > 1:
             # By the norm of the whole model: every group applies (and sends) one factor.
-            return clip_mesh(self.module.parameters(), self.max_grad_norm, self.mesh.cross)
+            from checkmate.train.tensor_parallel import counts_in_norm, local
+
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            first = self.mesh.first_tp_rank
+            return clip_mesh([local(p.grad) for p in params],
+                             [counts_in_norm(p, first) for p in params], self.max_grad_norm,
+                             self.mesh.cross)
         return clip_grad_norm_(self.module.parameters(), self.max_grad_norm)[1]
 
     def _step_hyper(self) -> list[dict[str, Any]]:
