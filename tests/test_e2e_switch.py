@@ -183,9 +183,15 @@ def test_one_iteration_blacked_out_for_good_ends_protected(cfg_path, tmp_path):
     """Every datagram of iteration 30 to shadow s0 is dropped by the switch, repair answers
     included (they carry that iteration): the shadow gives up on repair within
     REPAIR_ESCALATE seconds, asks for a re-seed, is re-seeded live, and the job ends
-    protected and bit-identical to failure-free."""
+    protected and bit-identical to failure-free.
+
+    The run must outlast the escalation: the gap shows when iteration 30 + 64 (the
+    shadow's window) arrives, the re-seed is asked REPAIR_ESCALATE (5 s) later and needs a
+    few iterations of its own. An idle machine trains this GPT at about 34 iterations/s, so
+    250 steps ended 4.6 s after the gap showed, before the re-seed could start (the job
+    then ends unprotected, rightly); 600 leave about 15 s."""
     report = _run_scenario(cfg_path, tmp_path,
-                           "name: blackout\nmodel: gpt\nsteps: 250\nseed: 4\n"
+                           "name: blackout\nmodel: gpt\nsteps: 600\nseed: 4\n"
                            "faults: [{port: s0, drop: 1.0, from: 30, until: 30}]\n")
     chaos = report["runs"]["chaos"]
     assert report["ok"] and report["bit_identical"] is True, report.get("problems")
