@@ -186,25 +186,15 @@ class FSDPSession(ShareSender, CheckmateSession):
                  for i, st in sorted(osd["state"].items())}
         return self.spec.flat_from_state_dicts(model_sd, {**osd, "state": state})
 
-    def _shard_like(self, full: torch.Tensor, p: DTensor) -> DTensor:
+    #: Every restored tensor becomes this rank's shard (CheckmateSession.local_state_dicts).
+    places_state = True
+
+    def _place_like(self, full: torch.Tensor, p: DTensor) -> DTensor:
         """This rank's rows of the whole tensor ``full``, placed as ``p`` is."""
         lo, hi = shard_rows(p.shape[0], self.layout.world, self.layout.rank)
         local = full.reshape(p.shape)[lo:hi].to(p.to_local().device).contiguous().clone()
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())
-
-    def local_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]
-                          ) -> tuple[dict[str, Any], dict[str, Any]]:
-        params = dict(self.module.named_parameters(remove_duplicate=False))  # tied: each name
-        msd = {k: self._shard_like(v, params[k]) if k in params else v
-               for k, v in model_sd.items()}
-        order = self.spec.state_order()
-        state = {}
-        for i, st in optim_sd["state"].items():
-            p = params[order[i]]
-            state[i] = {k: self._shard_like(v, p) if torch.is_tensor(v) and v.dim() else v
-                        for k, v in st.items()}
-        return msd, {**optim_sd, "state": state}
 
     def new_reseed(self, partition: int, reason: str) -> Any:
         if partition not in self._refused_reseed:

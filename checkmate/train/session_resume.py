@@ -90,18 +90,31 @@ class _Resume:
     def local_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]
                           ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Whole-model state dicts (a restore) in the form this rank's module and optimizer
-        load: unchanged here, but a tensor-parallel rank's local tensors placed as its
-        DTensors; FSDPSession keeps its rank's shards."""
-        if not self.tensor_parallel:
+        load: each parameter's tensor and optimizer state placed by ``_place_like``
+        (unchanged for whole parameters)."""
+        if not self.places_state:
             return model_sd, optim_sd
+        params = dict(self.module.named_parameters(remove_duplicate=False))  # tied: each name
+        msd = {k: self._place_like(v, params[k]) if k in params else v
+               for k, v in model_sd.items()}
+        order = self.spec.state_order()
+        state = {i: {k: self._place_like(v, params[order[i]])
+                     if torch.is_tensor(v) and v.dim() else v for k, v in st.items()}
+                 for i, st in optim_sd["state"].items()}
+        return msd, {**optim_sd, "state": state}
+
+    @property
+    def places_state(self) -> bool:
+        """Whether restored tensors need placing (tensor-parallel DTensors; FSDPSession's
+        shards): whole parameters load as they are."""
+        return self.tensor_parallel
+
+    def _place_like(self, t: torch.Tensor, p: torch.Tensor) -> Any:
+        """A restored tensor of parameter ``p``, as ``p`` holds it: a tensor-parallel rank's
+        local tensor wrapped as its DTensor (checkmate.train.tensor_parallel.like)."""
         from checkmate.train.tensor_parallel import like
 
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        msd = {k: like(params[k], v) if k in params else v for k, v in model_sd.items()}
-        order = self.spec.state_order()
-        state = {i: {k: like(params[order[i]], v) if torch.is_tensor(v) and v.dim() else v
-                     for k, v in st.items()} for i, st in optim_sd["state"].items()}
-        return msd, {**optim_sd, "state": state}
+        return like(p, t)
 
     def _gockpt_restore(self) -> int:
         """Every rank loads the iteration rank 0 found newest in the GoCkpt directory."""
