@@ -336,8 +336,11 @@ def _export(args: argparse.Namespace) -> int:
     out = export(args.dirs, args.out, args.iteration,
                  on_skip=lambda text: print(f"shadow: {text}", file=sys.stderr))
     info = json.loads((out / "checkmate.json").read_text())
-    print(f"exported iteration {info['iteration']} of {info['partitions']} partitions to "
-          f"{out} (load it with torch.distributed.checkpoint.load)")
+    parts = info["partitions"]
+    what = (f"{parts} partitions" if isinstance(parts, int) else
+            f"{len(parts)} data-parallel groups ({sum(parts)} partitions)")
+    print(f"exported iteration {info['iteration']} of {what} to {out} (load it with "
+          "torch.distributed.checkpoint.load)")
     return 0
 
 

@@ -17,6 +17,13 @@ each further name of a tied parameter, as ``model.state_dict()`` lists it) and o
 the owner of a parameter's first element writes its ``optim.state.<i>.step``; partition 0
 writes the rest whole: parameters without elements, buffers, ``optim.param_groups``,
 ``scheduler``, ``extra`` and ``checkmate`` (iteration, step, lrs, partitions).
+
+A mesh job's spec (``state_keys`` "fqn") keys optimizer state by parameter name instead
+(``optim.state.<name>.<slot>``, ``param_groups[*]["params"]`` names), the layout of
+``torch.distributed.checkpoint.state_dict``, so that the checkpoints of its groups (pipeline
+stages, TP ranks) join into one without two stages claiming one index. A parameter that is
+a tensor-parallel shard (its spec has ``global_shape``) is stored as chunks of the whole
+tensor at the shard's offsets, as DCP stores a DTensor: plain ``dcp.load`` reshards it.
 """
 
 from __future__ import annotations
@@ -80,10 +87,16 @@ class Piece:
     (load); :class:`SavePlanner` and :class:`LoadPlanner` resolve a chunk to its view.
     """
 
-    def __init__(self, shape: tuple[int, ...], lo: int, hi: int, flat: np.ndarray) -> None:
+    def __init__(self, shape: tuple[int, ...], lo: int, hi: int, flat: np.ndarray,
+                 whole: tuple[int, ...] | None = None,
+                 origin: tuple[int, ...] | None = None) -> None:
         self.shape, self.flat = tuple(shape), flat
         self.lo = lo
-        self.boxes = boxes(self.shape, lo, hi)
+        #: the stored tensor: ``shape`` itself, or the whole tensor a shard lies in at origin
+        self.whole = tuple(whole) if whole is not None else self.shape
+        origin = tuple(origin) if origin is not None else (0,) * len(self.shape)
+        self.boxes = [(tuple(a + b for a, b in zip(o, origin, strict=True)), z, s, e)
+                      for o, z, s, e in boxes(self.shape, lo, hi)]
         if len(flat) != hi - lo:
             raise LayoutError(f"piece [{lo}, {hi}) backed by {len(flat)} elements")
 
@@ -95,14 +108,14 @@ class Piece:
                 for o, z, _s, _e in self.boxes]
 
     def view(self, offsets: Any) -> Any:
-        """The tensor view of the chunk that starts at ``offsets``."""
+        """The tensor view of the chunk that starts at ``offsets`` (in the whole tensor)."""
         import torch
 
         key = tuple(offsets)
         for o, z, s, e in self.boxes:
             if o == key:
                 return torch.from_numpy(self.flat[s - self.lo:e - self.lo]).view(z)
-        raise LayoutError(f"no chunk at offsets {key} in a piece of shape {self.shape}")
+        raise LayoutError(f"no chunk at offsets {key} in a piece of shape {self.whole}")
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
         import torch
@@ -112,7 +125,7 @@ class Piece:
         props = TensorProperties.create_from_tensor(torch.zeros(0, dtype=torch.float32))
         return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=c, properties=props,
-                                                      size=torch.Size(self.shape)))
+                                                      size=torch.Size(self.whole)))
                 for c in self.chunks()]
 
     def __create_chunk_list__(self) -> list[Any]:
@@ -196,7 +209,7 @@ def _piece(p: ParamSpec, lo: int, hi: int, flat: np.ndarray) -> Any:
 
     if p.numel == 0:
         return torch.zeros(p.shape, dtype=torch.float32)
-    return Piece(p.shape, lo, hi, flat)
+    return Piece(p.shape, lo, hi, flat, p.global_shape, p.global_offset)
 
 
 def partition_state_dict(spec: ModelSpec, partition: int, iteration: int, step: int,
@@ -213,7 +226,9 @@ def partition_state_dict(spec: ModelSpec, partition: int, iteration: int, step: 
     model: dict[str, Any] = {}
     state: dict[int, dict[str, Any]] = {}
     gof = spec.group_of()
+    by_name = spec.state_keys == "fqn"
     for idx, name in enumerate(spec.state_order()):
+        key: int | str = name if by_name else idx
         p = spec.param(name)
         if p.numel == 0 and partition == 0:  # no element to own: partition 0 writes it
             lo = hi = a = b = 0
@@ -231,7 +246,7 @@ def partition_state_dict(spec: ModelSpec, partition: int, iteration: int, step: 
         for s in spec.group_slots(spec.groups[gof[name]]):
             entry[s] = _piece(p, lo, hi, slots[s][a:b])
         if entry:
-            state[idx] = entry
+            state[key] = entry
     for alias, name in spec.aliases:  # a tied parameter's other names: the same chunks,
         if name in model:             # so model.state_dict() of the tied model loads
             model[alias] = model[name]
@@ -244,6 +259,9 @@ def partition_state_dict(spec: ModelSpec, partition: int, iteration: int, step: 
         nxt = sched.get("_last_lr") if isinstance(sched, dict) else None
         model.update(buffers or {})
         sd["optim"]["param_groups"] = param_groups(spec, nxt or lrs, base, hyper)
+        if by_name:
+            for pg, g in zip(sd["optim"]["param_groups"], spec.groups, strict=True):
+                pg["params"] = list(g.params)
         if sched is not None:
             sd["scheduler"] = sched
         sd["extra"] = user
@@ -285,9 +303,9 @@ def read_slots(path: Path, spec: ModelSpec, partition: int, step: int) -> dict[s
     for fqn, piece in want.items():
         got = md.state_dict_metadata.get(fqn)
         chunks = getattr(got, "chunks", None)
-        if chunks is None or tuple(getattr(got, "size", ())) != piece.shape:
+        if chunks is None or tuple(getattr(got, "size", ())) != piece.whole:
             raise LayoutError(f"{path}: {fqn} is missing or not a tensor of shape "
-                              f"{list(piece.shape)}")
+                              f"{list(piece.whole)}")
         have = sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks)
         if have != sorted((o, z) for o, z, _s, _e in piece.boxes):
             raise LayoutError(f"{path}: {fqn} holds chunks {have}, not partition "

@@ -34,6 +34,7 @@ from checkmate.train.session_group import place_in_mesh
 ROOT = Path(__file__).resolve().parents[1]
 PP = ROOT / "examples" / "train_pp.py"
 TP = ROOT / "examples" / "train_tp.py"
+THREE_D = ROOT / "examples" / "train_3d.py"
 STEPS = 8
 WORLD = 4
 
@@ -100,12 +101,50 @@ def test_a_resume_onto_another_mesh_shape_is_one_line():
         world.check_mesh({}, pp2)
 
 
+def test_a_tensor_parallel_shard_is_placed_in_the_whole_tensor_by_the_spec():
+    from checkmate.shadow.torch_layout import Piece
+    from checkmate.spec.model import ModelSpec, SpecError
+
+    spec = ModelSpec.build(1, [("up.weight", (4, 3))], "sgd", [{"params": ["up.weight"],
+                           "lr": 0.1}], 1, shards={"up.weight": ((8, 3), (4, 0))},
+                           state_keys="fqn")
+    again = ModelSpec.from_json(spec.dumps())
+    assert again == spec and again.params[0].whole == (8, 3) and again.state_keys == "fqn"
+    piece = Piece((4, 3), 2, 12, np.arange(10, dtype=np.float32), (8, 3), (4, 0))
+    # flat elements 2..11 of the shard: the rest of row 0, rows 1..3, at row 4 of the whole
+    assert [tuple(c.offsets) for c in piece.chunks()] == [(4, 2), (5, 0)]
+    assert piece.view((5, 0)).tolist()[0] == [1.0, 2.0, 3.0]
+    doc = spec.to_json()
+    doc["params"][0]["global_offset"] = [6, 0]  # rows 6..9 of an 8-row tensor
+    with pytest.raises(SpecError, match="does not fit in the global shape"):
+        ModelSpec.from_json(doc)
+    del doc["params"][0]["global_offset"]
+    with pytest.raises(SpecError, match="come together"):
+        ModelSpec.from_json(doc)
+
+
+def test_a_pipeline_stage_that_lost_a_peer_says_so_in_one_line():
+    from checkmate.train.run_script import _gloo_cause
+
+    gloo = RuntimeError("[/x/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: "
+                        "Connection reset by peer. This is typically caused by ...")
+    try:
+        try:
+            raise gloo
+        except RuntimeError as e:  # torch.distributed.pipelining's stage wraps it
+            raise RuntimeError("[Stage 1] failed to run forward") from e
+    except RuntimeError as wrapped:
+        assert _gloo_cause(wrapped) == str(gloo)
+    assert _gloo_cause(RuntimeError("a bug of the script")) is None
+
+
 # ----------------------------------------------------------------------------- launches
 def _launch(tmp: Path, name: str, args: list[str], script: list[str],
             env: dict[str, str] | None = None, example: Path = PP) -> tuple[int, str]:
-    dim = "--pp" if example == PP else "--tp"
+    dims = {PP: ["--pp", "2"], TP: ["--tp", "2"], THREE_D: ["--pp", "2", "--tp", "2"]}
+    world = 8 if example == THREE_D else WORLD
     argv = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
-            str(WORLD), dim, "2", "--progress-every", "0", *args, str(example), *script]
+            str(world), *dims[example], "--progress-every", "0", *args, str(example), *script]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
     out = p.stdout + p.stderr
@@ -113,8 +152,8 @@ def _launch(tmp: Path, name: str, args: list[str], script: list[str],
     return p.returncode, out
 
 
-def _states(prefix: Path) -> list[dict]:
-    return [torch.load(f"{prefix}.{r}", weights_only=False) for r in range(WORLD)]
+def _states(prefix: Path, world: int = WORLD) -> list[dict]:
+    return [torch.load(f"{prefix}.{r}", weights_only=False) for r in range(world)]
 
 
 def _same(a: object, b: object) -> bool:
@@ -139,11 +178,9 @@ def clean_pp(tmp_path_factory):
     return _states(tmp / "state")
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_pipeline_job_killed_anywhere_restarts_bit_identically(tmp_path, clean_pp,
-                                                                   schedule):
-    # GPipe and 1F1B both accumulate the micro-batches in order: the same bits as the
-    # clean (GPipe) run.
+def test_a_pipeline_job_killed_anywhere_restarts_bit_identically(tmp_path, clean_pp):
+    # GPipe here; 1F1B in the 3-D job below (both accumulate the micro-batches in order)
+    schedule = "gpipe"
     rank, at = random.randrange(WORLD), random.randrange(2, STEPS)
     rc, out = _launch(tmp_path, "killed", ["--shadows", "1", "--max-restarts", "1",
                                            "--dir", str(tmp_path / "logs")],
@@ -264,3 +301,88 @@ def test_the_tensor_parallel_clip_norm_counts_every_shard_and_every_copy_once(tm
         # when the norm is the whole model's (a copy counted twice, or a shard left out,
         # moves it)
         assert float(coef) == pytest.approx(0.25, rel=1e-5), got
+
+
+PLAIN_LOAD = textwrap.dedent("""
+    # The whole model (TP 1 x PP 1) in one process with plain torch: no checkmate imported.
+    import sys
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    sys.path.insert(0, sys.argv[1])
+    import train_3d
+
+    assert not any(m.split(".")[0] == "checkmate" for m in sys.modules), "checkmate imported"
+    ckpt, prefix, pp_n, tp_n, world = sys.argv[2], sys.argv[3], 2, 2, 8
+    model = train_3d.LM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # state to load into, and values unlike the trained ones
+    msd, osd = model.state_dict(), get_optimizer_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    bad, checked = [], 0
+    for r in range(world):  # every rank's own final state: a shard or a copy of the whole
+        pp, tp = r // (world // pp_n), r % tp_n
+        saved = torch.load(f"{prefix}.{r}", weights_only=False)
+        names = [n for n, _ in train_3d.stage_of(pp, pp_n).named_parameters()]
+        want = {("model", k, ""): v for k, v in saved["model"].items()}
+        for i, st in saved["optimizer"]["state"].items():
+            want.update({("optim", names[i], k): v for k, v in st.items()})
+        for (kind, name, slot), mine in want.items():
+            whole = msd[name] if kind == "model" else osd["state"][name][slot]
+            if whole.shape != mine.shape:  # a TP shard: its chunk of the whole tensor
+                d = [a != b for a, b in zip(whole.shape, mine.shape)].index(True)
+                whole = whole.chunk(tp_n, d)[tp]
+            checked += 1
+            if not torch.equal(whole, mine):
+                bad.append((r, kind, name, slot))
+    grouped = sum(len(g["params"]) for g in osd["param_groups"])
+    print(f"checked {checked} differ {bad} params {grouped} of {len(list(model.parameters()))}")
+""")
+
+
+def test_a_3d_job_killed_anywhere_restarts_bit_identically_and_its_files_reshard(tmp_path):
+    """PP 2 x DP 2 x TP 2 (8 ranks, 1F1B, AdamW): a random rank killed at a random
+    iteration, then the four groups' shadows' disk checkpoints joined by ``shadow export``
+    load with plain ``dcp.load`` into the whole model in one process (TP 1 x PP 1, no
+    checkmate imported) and into the same mesh, with the values the run ended with."""
+    rank, at = random.randrange(8), random.randrange(2, STEPS)
+    rc, out = _launch(tmp_path, "killed", ["--shadows", "1", "--max-restarts", "1",
+                                           "--persist-every", "1", "--dir",
+                                           str(tmp_path / "run")],
+                      ["--steps", str(STEPS), "--out", str(tmp_path / "state")],
+                      env={"CHECKMATE_KILL_AT": f"{rank}:{at}"}, example=THREE_D)
+    assert rc == 0, f"rank {rank} killed at {at}:\n{out[-4000:]}"
+    assert "Traceback" not in out, out[-4000:]
+    assert "rank 0 of 8 (4 data-parallel groups of 2: pp x tp x dp)" in out, out
+    resumed = [ln for ln in out.splitlines() if "(all 4 data-parallel groups)" in ln]
+    assert len(resumed) == 1, out[-3000:]
+    assert int(re.search(r"resuming at iteration (\d+) ", resumed[0])[1]) in (at, at - 1), \
+        resumed[0]
+    assert "error:" not in out, out[-3000:]  # the other ranks lost a peer, said as such
+    ckpt = tmp_path / "whole"
+    p = subprocess.run([sys.executable, "-m", "checkmate.shadow.cli", "export", "--out",
+                        str(ckpt), *map(str, sorted((tmp_path / "run" / "checkpoints")
+                                                    .glob("group*")))],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"exported iteration {STEPS} of 4 data-parallel groups (4 partitions)" in p.stdout
+    script = tmp_path / "plain_load.py"
+    script.write_text(PLAIN_LOAD)
+    p = subprocess.run([sys.executable, str(script), str(ROOT / "examples"), str(ckpt),
+                        str(tmp_path / "state")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    got = re.search(r"checked (\d+) differ (.*) params (\d+) of (\d+)", p.stdout)
+    assert got and got[2] == "[]" and int(got[1]) > 100, p.stdout
+    assert got[3] == got[4], p.stdout  # every parameter in the joined optimizer groups
+    # the same mesh: a run without Checkmate ends with the same bits, then loads the files
+    rc, clean = _launch(tmp_path, "clean", ["--mode", "off"],
+                        ["--steps", str(STEPS), "--out", str(tmp_path / "clean"),
+                         "--load", str(ckpt)], example=THREE_D)
+    assert rc == 0, clean[-4000:]
+    assert clean.count("the saved values") == 8 and "DIFFERENT" not in clean, clean[-3000:]
+    for r, (a, b) in enumerate(zip(_states(tmp_path / "state", 8),
+                                   _states(tmp_path / "clean", 8), strict=True)):
+        assert _same(a, b), f"rank {r} differs after a kill of rank {rank} at {at}"

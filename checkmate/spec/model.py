@@ -44,6 +44,20 @@ class ParamSpec:
     shape: tuple[int, ...]
     offset: int
     numel: int
+    #: a shard of a larger tensor (a tensor-parallel rank's DTensor part): the whole
+    #: tensor's shape and the shard's offsets in it; None for a whole tensor
+    global_shape: tuple[int, ...] | None = None
+    global_offset: tuple[int, ...] | None = None
+
+    @property
+    def whole(self) -> tuple[int, ...]:
+        """The shape of the tensor this parameter is (a part of)."""
+        return self.global_shape if self.global_shape is not None else self.shape
+
+    @property
+    def origin(self) -> tuple[int, ...]:
+        """Where this parameter's elements start in :attr:`whole`."""
+        return self.global_offset if self.global_offset is not None else (0,) * len(self.shape)
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,10 @@ class ModelSpec:
     #: embeddings, shared blocks). One parameter to the flat space, the optimizer and the
     #: shadows; every name is restored (torch's state_dict lists each of them).
     aliases: tuple[tuple[str, str], ...] = ()
+    #: "index": optimizer state under torch.optim's state_dict indices; "fqn": under the
+    #: parameters' names, as torch.distributed.checkpoint.state_dict keys it (a mesh job,
+    #: whose groups' checkpoints join into one)
+    state_keys: str = "index"
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,13 +130,19 @@ class ModelSpec:
         buffers: Iterable[tuple[str, Sequence[int], str]] = (),
         grad_dtype: str = "float32",
         aliases: Iterable[tuple[str, str]] = (),
+        shards: Mapping[str, tuple[Sequence[int], Sequence[int]]] | None = None,
+        state_keys: str = "index",
     ) -> ModelSpec:
         """A spec from parameter names and shapes in flat order; offsets are computed here.
-        ``aliases``: (further name, parameter name) of each tied parameter's other names."""
+        ``aliases``: (further name, parameter name) of each tied parameter's other names;
+        ``shards``: name -> (global shape, global offset) of each parameter that is a shard."""
         params, off = [], 0
         for name, shape in named_shapes:
             n = math.prod(shape)
             params.append({"name": name, "shape": list(shape), "offset": off, "numel": n})
+            if shards and name in shards:
+                params[-1]["global_shape"] = list(shards[name][0])
+                params[-1]["global_offset"] = list(shards[name][1])
             off += n
         return cls.from_json({
             "job": job, "params": params, "total": off, "partitions": partitions,
@@ -126,6 +150,7 @@ class ModelSpec:
             "buffers": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in buffers],
             "grad_dtype": grad_dtype,
             **({"aliases": dict(aliases)} if aliases else {}),
+            **({"state_keys": state_keys} if state_keys != "index" else {}),
         })
 
     @classmethod
@@ -139,13 +164,15 @@ class ModelSpec:
         grad_dtype: str = "float32",
         order: Sequence[str] | None = None,
         local: bool = False,
+        state_keys: str = "index",
     ) -> ModelSpec:
         """A spec for a torch module and its optimizer.
 
         ``order`` is the flat order (parameter names); by default the module's own order.
         ``kind`` defaults from the optimizer's class name (AdamW, Adam or SGD). ``local``:
         DTensor parameters count as their local tensor (a tensor-parallel rank's shard:
-        checkmate.train.tensor_parallel), not as the global tensor.
+        checkmate.train.tensor_parallel), not as the global tensor, and the spec says where
+        the shard lies in it. ``state_keys``: see :attr:`state_keys`.
         """
         named = dict(model.named_parameters())
         names = list(order) if order is not None else list(named)
@@ -174,8 +201,12 @@ class ModelSpec:
         def shape(t: Any) -> tuple[int, ...]:
             return tuple(t.to_local().shape if local and hasattr(t, "to_local") else t.shape)
 
+        shards = {}
+        if local:
+            shards = {n: at for n in names if (at := _shard_place(named[n])) is not None}
         return cls.build(job, [(n, shape(named[n])) for n in names], kind, groups,
-                         partitions, buffers, grad_dtype, tied_names(model))
+                         partitions, buffers, grad_dtype, tied_names(model), shards,
+                         state_keys)
 
     @classmethod
     def from_json(cls, obj: Any) -> ModelSpec:
@@ -197,7 +228,8 @@ class ModelSpec:
         except ValidationError as e:
             msg = first_error(e)
             raise SpecError(f"spec.{msg}" if e.errors()[0]["loc"] else msg) from None
-        params = tuple(ParamSpec(p.name, p.shape, p.offset, p.numel) for p in doc.params)
+        params = tuple(ParamSpec(p.name, p.shape, p.offset, p.numel, p.global_shape,
+                                 p.global_offset) for p in doc.params)
         groups = tuple(GroupSpec(
             params=tuple(g.params), lr=g.lr, betas=g.betas, eps=g.eps,
             weight_decay=g.weight_decay, amsgrad=g.amsgrad, momentum=g.momentum,
@@ -205,14 +237,18 @@ class ModelSpec:
             for g in doc.optimizer.groups)
         buffers = tuple(BufferSpec(b.name, b.shape, b.dtype) for b in doc.buffers)
         return cls(doc.job, params, doc.total, doc.partitions, doc.optimizer.kind, groups,
-                   buffers, doc.grad_dtype, tuple(sorted(doc.aliases.items())))
+                   buffers, doc.grad_dtype, tuple(sorted(doc.aliases.items())),
+                   doc.state_keys)
 
     def to_json(self) -> dict[str, Any]:
         """The spec as the JSON object docs/protocol.md describes."""
         return {
             "job": self.job,
             "params": [{"name": p.name, "shape": list(p.shape), "offset": p.offset,
-                        "numel": p.numel} for p in self.params],
+                        "numel": p.numel, **({} if p.global_shape is None else {
+                            "global_shape": list(p.global_shape),
+                            "global_offset": list(p.global_offset)})}
+                       for p in self.params],
             "total": self.total,
             "partitions": self.partitions,
             "optimizer": {"kind": self.kind, "groups": [
@@ -225,6 +261,7 @@ class ModelSpec:
             "grad_dtype": self.grad_dtype,
             # only when there are any: the spec of an untied model stays what it was
             **({"aliases": dict(self.aliases)} if self.aliases else {}),
+            **({"state_keys": self.state_keys} if self.state_keys != "index" else {}),
         }
 
     def dumps(self) -> str:
@@ -465,6 +502,19 @@ def difference(shadows: ModelSpec, mine: ModelSpec) -> str | None:
             if ha[k] != hm[k]:
                 return f"param group {gi} {k}: shadows {ha[k]}, this optimizer {hm[k]}"
     return None
+
+
+def _shard_place(p: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(global shape, offsets of the local shard in it) of a sharded DTensor parameter (the
+    checkpoint stores the shard at its place in the whole tensor, so plain DCP reshards it);
+    None for a plain tensor or a DTensor that is a whole copy (Replicate)."""
+    placements = getattr(p, "placements", None)
+    if placements is None or all(pl.is_replicate() for pl in placements):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    return tuple(p.shape), tuple(int(o) for o in offset)
 
 
 def tied_names(model: Any) -> list[tuple[str, str]]:

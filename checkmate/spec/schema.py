@@ -20,6 +20,7 @@ from checkmate.schema import one_of as _one_of
 
 KINDS = ("adamw", "adam", "sgd")
 GRAD_DTYPES = ("float32", "bfloat16", "float16")
+STATE_KEYS = ("index", "fqn")
 BUFFER_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8",
                  "bool")
 
@@ -77,11 +78,22 @@ class _Obj(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _opt_shape(v: Any) -> tuple[int, ...] | None:
+    return None if v is None else _shape(v)
+
+
+OptShape = Annotated[tuple[int, ...] | None, BeforeValidator(_opt_shape)]
+
+
 class ParamDoc(_Obj):
     name: Name = Field(None, validate_default=True)
     shape: Shape = Field(None, validate_default=True)
     offset: I63 = Field(None, validate_default=True)
     numel: I63 = Field(None, validate_default=True)
+    #: a shard of a larger tensor (a DTensor's local part): the whole tensor's shape, and
+    #: where the shard starts in it; both or neither
+    global_shape: OptShape = None
+    global_offset: OptShape = None
 
     @model_validator(mode="after")
     def _numel(self) -> ParamDoc:
@@ -89,6 +101,13 @@ class ParamDoc(_Obj):
         if self.numel != n:
             raise ValueError(f".numel is {self.numel} but shape {list(self.shape)} has {n} "
                              "elements")
+        g, o = self.global_shape, self.global_offset
+        if (g is None) != (o is None):
+            raise ValueError(".global_shape and .global_offset come together")
+        if g is not None and (len(g) != len(self.shape) or len(o) != len(self.shape) or any(
+                a + z > w for a, z, w in zip(o, self.shape, g, strict=True))):
+            raise ValueError(f": a shard of shape {list(self.shape)} at {list(o)} does not "
+                             f"fit in the global shape {list(g)}")
         return self
 
 
@@ -162,6 +181,9 @@ class SpecDoc(_Obj):
     #: further name -> parameter name, for a parameter reachable under several names (tied)
     aliases: dict[Annotated[str, BeforeValidator(_name)], Annotated[str, BeforeValidator(
         _name)]] = Field(default_factory=dict)
+    #: how the checkpoint keys optimizer state: "index" (torch.optim's state_dict) or "fqn"
+    #: (torch.distributed.checkpoint.state_dict's, a mesh job: its groups' files join)
+    state_keys: Annotated[str, _one_of(STATE_KEYS)] = "index"
 
     @model_validator(mode="after")
     def _across_fields(self) -> SpecDoc:

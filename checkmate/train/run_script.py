@@ -145,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             raise  # sys.exit("message"): Python prints it and exits 1
         code = e.code or 0
     except BaseException as e:  # noqa: BLE001 -- every other failure is one line too
-        text = str(e)
-        if isinstance(e, RuntimeError) and "/gloo/" in text:
-            why = text.split("] ", 1)[-1].split(". ")[0]
+        gloo = _gloo_cause(e)
+        if gloo is not None:
+            why = gloo.split("] ", 1)[-1].split(". ")[0]
             _exit_now(1, f"checkmate: rank {rank}: a peer of the process group is gone "
                       f"({why}); exiting for the launcher to restart the group")
         _exit_now(1, f"checkmate: rank {rank}: error: {failures.describe(e, rank)}")
@@ -155,6 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         code = 0
     _finish(code)
     return code
+
+
+def _gloo_cause(e: BaseException) -> str | None:
+    """The text of a gloo transport error that caused ``e`` (torch's pipelining stages
+    re-raise it as their own RuntimeError ``from`` it), or None."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, RuntimeError) and "/gloo/" in str(cur):
+            return str(cur)
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def _finish(code: int) -> None:

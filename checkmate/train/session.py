@@ -111,7 +111,8 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
         self._check_model(model)
         self.spec = ModelSpec.from_torch(layout.job_id, model, optimizer,
                                          max(1, len(layout.shadows)),
-                                         local=self.tensor_parallel)
+                                         local=self.tensor_parallel,
+                                         state_keys="index" if self.mesh is None else "fqn")
         self.iteration = 0
         self.last_clip: float | None = None
         self.control_bytes = 0

@@ -83,3 +83,4 @@ def counts_in_norm(p: Any, first_tp_rank: bool) -> bool:
     if is_dtensor(p) and not all(isinstance(pl, Replicate) for pl in p.placements):
         return True
     return first_tp_rank
+
