@@ -12,6 +12,10 @@ gradient is clipped by the norm of the whole model: every shard once, every copy
 
 What the script must do: pass the mesh, and draw its data from the data-parallel
 coordinate and the iteration (the TP ranks of a replica see the same batch).
+
+``--fsdp``: FSDP2 + TP (torchtitan's 2-D layout) instead: every block and the root are
+also ``fully_shard``-ed over the mesh's ``dp`` dimension, and ``FSDPSession`` protects each
+TP rank's group, each rank sending its rows of its TP part.
 """
 
 import argparse
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -27,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from checkmate.optim import AdamW
-from checkmate.train import CheckmateSession
+from checkmate.train import CheckmateSession, FSDPSession
 
 VOCAB, DIM, SEQ, LAYERS = 64, 32, 8, 2
 
@@ -53,7 +58,7 @@ class LM(nn.Module):
         h = self.emb(x)
         for b in self.blocks:
             h = b(h)
-        return self.head(h)
+        return self.head(h.reshape(-1, DIM))  # (tokens, VOCAB): not a view (FSDP2 warns)
 
 
 def batch(dp: int, iteration: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +74,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", help="every rank saves its final state (local shards) to OUT.RANK")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 over dp beside TP")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -80,15 +86,20 @@ def main() -> None:
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
                                                "down": RowwiseParallel()})
+    session = CheckmateSession
+    if args.fsdp:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        session = FSDPSession
     optimizer = AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 5))
-    sess = CheckmateSession.from_env(model, optimizer, scheduler, max_grad_norm=1.0,
-                                     mesh=mesh)
+    sess = session.from_env(model, optimizer, scheduler, max_grad_norm=1.0, mesh=mesh)
     for it in range(sess.done_iteration + 1, args.steps + 1):
         sess.begin(it)
         x, y = batch(dp, it, args.batch)
         optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(sess.model(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss = nn.functional.cross_entropy(sess.model(x), y.reshape(-1))
         loss.backward()
         sess.step()
         sess.report(loss)

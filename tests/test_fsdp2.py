@@ -189,26 +189,33 @@ def test_a_step_without_gradients_is_one_error_line_on_every_rank(loopback_shado
                                    "parameters"), lines[0]
 
 
-def test_launch_restarts_a_killed_fsdp2_trainer_bit_identical(tmp_path):
+@pytest.mark.parametrize("hsdp", [0, 2], ids=["fsdp2", "hsdp"])
+def test_launch_restarts_a_killed_fsdp2_trainer_bit_identical(tmp_path, hsdp):
     """examples/train_fsdp.py under ``checkmate launch``: a SIGKILL at a random rank and
-    iteration is recovered by the launcher and the run ends as a clean one, bit for bit."""
-    rank, at = random.randrange(2), random.randrange(3, STEPS)
+    iteration is recovered by the launcher and the run ends as a clean one, bit for bit.
+    HSDP: 2 replicas x 2 shards on a (dp_replicate, dp_shard) mesh, passed to the session."""
+    world = 4 if hsdp else 2
+    rank, at = random.randrange(world), random.randrange(3, STEPS)
     why = f"rank {rank} killed at iteration {at}"
 
     def launch(name: str, env: dict[str, str] | None = None) -> tuple[str, dict]:
         out = tmp_path / f"{name}.pt"
         p = subprocess.run(
-            [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
-             "--shadows", "2", "--max-restarts", "1", str(EXAMPLE), "--steps",
-             str(STEPS + 2), "--out", str(out)], capture_output=True, text=True,
+            [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
+             str(world), "--shadows", "2", "--max-restarts", "1", str(EXAMPLE), "--steps",
+             str(STEPS + 2), "--out", str(out), *(["--hsdp", str(hsdp)] if hsdp else [])],
+            capture_output=True, text=True,
             timeout=400, env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
         assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
         return p.stdout + p.stderr, torch.load(out, weights_only=False)
 
     clean, ref = launch("clean")
     assert "restarting the worker group" not in clean, why
+    if hsdp:
+        assert "(one data-parallel group: dp_replicate x dp_shard)" in clean, clean[-2000:]
     killed, got = launch("killed", {"CHECKMATE_KILL_AT": f"{rank}:{at}"})
     assert "restarting the worker group" in killed, (why, killed[-3000:])
+    assert "Traceback" not in killed, killed[-3000:]
     m = re.search(r"attempt 1: resumed from the shadows at iteration (\d+)", killed)
     assert m and at - 1 <= int(m.group(1)) <= at, (why, killed[-3000:])
     assert_state_equal(got["model"], ref["model"], f"model ({why})")
@@ -250,6 +257,25 @@ def test_shards_follow_torch_chunk_and_the_owners_cover_every_element_once(world
                         if a < off + n and off < b:
                             assert owner == r and bounds[q][0] <= a and b <= bounds[q][1]
     assert torch.equal(hits, torch.ones_like(hits))
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_hsdp_replicas_send_each_segment_of_their_shard_once_between_them(replicas):
+    from checkmate.optim import AdamW
+    from checkmate.spec.model import ModelSpec
+    from checkmate.train.fsdp import replica_share, shard_owners, shard_ranges
+    from checkmate.train.segments import cut_segments
+
+    m = _model()
+    spec = ModelSpec.from_torch(7, m, AdamW(m.parameters()), 4)
+    shards = shard_ranges(spec, 2)
+    mine = cut_segments(spec, [(a, b) for a, b, o in shard_owners(spec, shards, 0,
+                                                                   spec.total) if o == 1])
+    sent = [s for rep in range(replicas)
+            for segs in replica_share(mine, replicas, rep).values() for s in segs]
+    assert sorted(sent) == sorted(s for segs in mine.values() for s in segs)
+    assert {s[3] % replicas for s in replica_share(mine, replicas, replicas - 1)[
+        spec.params[0].name]} <= {replicas - 1}
 
 
 def _refusals(rank: int, world: int) -> int:

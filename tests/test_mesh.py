@@ -253,6 +253,37 @@ def test_a_tensor_parallel_job_killed_anywhere_restarts_bit_identically(tmp_path
                                  f"{rank} at {at}"
 
 
+@pytest.fixture(scope="module")
+def clean_fsdp_tp(tmp_path_factory):
+    """FSDP2 + TP: every rank's final state (its rows of its TP part) without Checkmate."""
+    tmp = tmp_path_factory.mktemp("clean_fsdp_tp")
+    rc, out = _launch(tmp, "clean", ["--mode", "off"],
+                      ["--fsdp", "--steps", str(STEPS), "--out", str(tmp / "state")],
+                      example=TP)
+    assert rc == 0, out[-4000:]
+    return _states(tmp / "state")
+
+
+def test_fsdp2_beside_tensor_parallel_killed_anywhere_restarts_bit_identically(tmp_path,
+                                                                               clean_fsdp_tp):
+    """torchtitan's 2-D layout: blocks split by parallelize_module over tp, everything
+    fully_shard-ed over dp, FSDPSession per TP rank: each rank sends its rows of its TP
+    part, a random kill restarts bit-identically."""
+    rank, at = random.randrange(WORLD), random.randrange(2, STEPS)
+    rc, out = _launch(tmp_path, "killed", ["--shadows", "1", "--max-restarts", "1"],
+                      ["--fsdp", "--steps", str(STEPS), "--out", str(tmp_path / "state")],
+                      env={"CHECKMATE_KILL_AT": f"{rank}:{at}"}, example=TP)
+    assert rc == 0, f"rank {rank} killed at {at}:\n{out[-4000:]}"
+    assert "Traceback" not in out and "UserWarning" not in out, out[-4000:]
+    resumed = [ln for ln in out.splitlines() if "(all 2 data-parallel groups)" in ln]
+    assert len(resumed) == 1, out[-3000:]
+    got = _states(tmp_path / "state")
+    # FSDP's rows of the TP part: blocks.0.up.weight is (4*32 / TP 2 / DP 2) x 32 here
+    assert got[0]["model"]["blocks.0.up.weight"].shape == (32, 32)
+    for r, (a, b) in enumerate(zip(got, clean_fsdp_tp, strict=True)):
+        assert _same(a, b), f"rank {r} differs after a kill of rank {rank} at {at}"
+
+
 NORM = textwrap.dedent("""
     import os, sys
     import torch, torch.distributed as dist

@@ -165,6 +165,7 @@ class ModelSpec:
         order: Sequence[str] | None = None,
         local: bool = False,
         state_keys: str = "index",
+        parts: Mapping[str, tuple[tuple[int, ...], Any]] | None = None,
     ) -> ModelSpec:
         """A spec for a torch module and its optimizer.
 
@@ -172,7 +173,9 @@ class ModelSpec:
         ``kind`` defaults from the optimizer's class name (AdamW, Adam or SGD). ``local``:
         DTensor parameters count as their local tensor (a tensor-parallel rank's shard:
         checkmate.train.tensor_parallel), not as the global tensor, and the spec says where
-        the shard lies in it. ``state_keys``: see :attr:`state_keys`.
+        the shard lies in it. ``state_keys``: see :attr:`state_keys`. ``parts``: name ->
+        (shape, (global shape, global offset) or None) of every parameter, where the session
+        knows better than the tensor (FSDP2 + TP: the TP rank's part, not FSDP's rows).
         """
         named = dict(model.named_parameters())
         names = list(order) if order is not None else list(named)
@@ -204,7 +207,11 @@ class ModelSpec:
         shards = {}
         if local:
             shards = {n: at for n in names if (at := _shard_place(named[n])) is not None}
-        return cls.build(job, [(n, shape(named[n])) for n in names], kind, groups,
+        shapes = [shape(named[n]) for n in names]
+        if parts is not None:
+            shards = {n: parts[n][1] for n in names if parts[n][1] is not None}
+            shapes = [tuple(parts[n][0]) for n in names]
+        return cls.build(job, list(zip(names, shapes, strict=True)), kind, groups,
                          partitions, buffers, grad_dtype, tied_names(model), shards,
                          state_keys)
 

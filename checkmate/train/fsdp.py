@@ -24,15 +24,25 @@ exactly those rows. ``FSDPSession`` builds on that:
   optimizer's own ``load_state_dict``.
 - ``checkmate.optim`` steps the local shards (``to_local()``) with the shadows' arithmetic.
 
+HSDP (``fully_shard(..., mesh=mesh)`` on a 2-D mesh ``(dp_replicate, dp_shard)``: every
+parameter placed ``(Replicate(), Shard(0))``) is the same with the rows split over the
+``dp_shard`` ranks only: the R replicas of a shard hold the same reduced gradient, and
+replica ``p mod R`` sends (and repairs) partition p's part of it, so the sending is spread
+over every rank and each element still goes out once. The whole job is one data-parallel
+group (both dimensions are data parallel), ranks numbered replicate-major as torch's mesh
+numbers them.
+
 Not supported: a live re-seed of a restarted shadow (one rank holds only its rows of a
 partition): one warning line, and the partition stays unprotected -- the protection monitor
-reports its lag -- until the job restarts; HSDP or 2-D meshes, other placements, and
-parameters that are not sharded (every parameter must be under ``fully_shard``) are refused.
+reports its lag -- until the job restarts; FSDP2 with tensor parallel (a ``tp`` dimension),
+other placements, and parameters that are not sharded (every parameter must be under
+``fully_shard``) are refused.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -41,6 +51,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+# FSDP2 places a parameter that TP also splits on dim 0 this way (rows of the TP part)
+from torch.distributed.tensor.placement_types import _StridedShard
+
 from checkmate.errors import CheckmateError
 from checkmate.optim.clip import clip_coef_of
 from checkmate.train.layout import JobLayout
@@ -48,6 +61,7 @@ from checkmate.train.repair import owners_body
 from checkmate.train.ring import MAX_CHUNK
 from checkmate.train.segments import Segment, cut_segments, send_runs
 from checkmate.train.session import CheckmateSession
+from checkmate.train.session_group import DP_DIMS
 from checkmate.train.share_copy import ShareSender
 
 log = logging.getLogger("checkmate.train")
@@ -85,6 +99,51 @@ def shard_owners(spec: Any, shards: dict[str, list[tuple[int, int]]], start: int
     return out
 
 
+def _dp_dims(mesh: Any) -> list[int]:
+    """The data-parallel dimensions of a parameter's mesh (all of an unnamed one: plain
+    ``fully_shard`` makes a 1-D mesh without names)."""
+    names = mesh.mesh_dim_names
+    if not names:
+        return list(range(mesh.ndim))
+    return [i for i, n in enumerate(names) if n in DP_DIMS]
+
+
+def fsdp_mesh(model: torch.nn.Module) -> tuple[int, int, int, int]:
+    """(replicas, this rank's replica, shards, this rank's shard) of an FSDP2 model's mesh:
+    plain FSDP2 (one replica), HSDP's (dp_replicate, dp_shard), or FSDP2 + TP's (dp, tp),
+    whose data-parallel dimension is the shard one."""
+    m = next(model.parameters()).device_mesh
+    dp = _dp_dims(m)
+    if len(dp) == 2:
+        return m.size(dp[0]), m.get_local_rank(dp[0]), m.size(dp[1]), m.get_local_rank(dp[1])
+    return 1, 0, m.size(dp[0]), m.get_local_rank(dp[0])
+
+
+def tp_part(p: DTensor) -> tuple[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    """(shape, place) of the tensor-parallel part of an FSDP2 parameter: the tensor FSDP
+    cuts this rank's rows from (FSDP2 + TP shards the TP rank's local tensor on dim 0), and
+    (global shape, offsets) of it in the whole tensor, None when TP does not split it."""
+    mesh = p.device_mesh
+    dp = _dp_dims(mesh)
+    other = [i for i in range(mesh.ndim) if i not in dp]
+    placements = [p.placements[i] for i in other]
+    if not placements or all(pl.is_replicate() for pl in placements):
+        return tuple(p.shape), None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sub = mesh[tuple(mesh.mesh_dim_names[i] for i in other)]
+    shape, offset = compute_local_shape_and_global_offset(p.shape, sub, placements)
+    return tuple(shape), (tuple(p.shape), tuple(int(o) for o in offset))
+
+
+def replica_share(segments: dict[str, list[Segment]], replicas: int, replica: int
+                  ) -> dict[str, list[Segment]]:
+    """The segments of a shard that HSDP replica ``replica`` of ``replicas`` sends: those of
+    the partitions p with p mod replicas == replica, so that the replicas, which all hold
+    the shard's reduced gradient, send each element once between them."""
+    return {n: [s for s in segs if s[3] % replicas == replica] for n, segs in segments.items()}
+
+
 def _full(t: Any) -> Any:
     """The whole tensor of a DTensor (a collective: every rank calls it in the same order)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -114,8 +173,11 @@ class FSDPSession(ShareSender, CheckmateSession):
                                  f"without them: off), got mode {layout.mode!r}")
         super().__init__(model, optimizer, scheduler, layout, max_grad_norm, group,
                          scaler=scaler)
-        world, rank = layout.world, layout.rank
-        #: Per parameter name, its element range [lo, hi) on every rank (in rank order).
+        #: HSDP's replicas and this rank's (1 and 0 for plain FSDP2), the shard ranks that
+        #: split the rows and this rank's shard.
+        self.replicas, self.replica, self.shard_world, self.shard_rank = fsdp_mesh(model)
+        world, rank = self.shard_world, self.shard_rank
+        #: Per parameter name, its element range [lo, hi) on every shard rank (in order).
         self.shards = shard_ranges(self.spec, world)
         named = dict(model.named_parameters())
         for name, ranges in self.shards.items():
@@ -137,19 +199,36 @@ class FSDPSession(ShareSender, CheckmateSession):
 
     def _check_model(self, model: torch.nn.Module) -> None:
         world, rank = self.layout.world, self.layout.rank
+        other = self.mesh.place.other_dims if self.mesh is not None else ()
+        if set(other) - {"tp"}:
+            raise CheckmateError(
+                f"FSDP2 on a mesh with {' and '.join(d for d in other if d != 'tp')} "
+                "dimensions is not supported yet: FSDPSession takes plain FSDP2, HSDP "
+                "(dp_replicate x dp_shard) or FSDP2 + TP (dp x tp)")
         for name, p in model.named_parameters():
             if not isinstance(p, DTensor):
                 raise CheckmateError(
                     f"parameter {name} is not sharded: FSDPSession needs fully_shard applied "
                     "to the whole model (its gradient would never be reduced otherwise)")
             mesh = p.device_mesh
-            if (mesh.ndim != 1 or tuple(p.placements) != (Shard(0),)
-                    or mesh.size() != world or mesh.get_local_rank() != rank):
+            dp = _dp_dims(mesh)
+            on_dp = tuple(p.placements[i] for i in dp)
+            rows = on_dp[-1] if on_dp else None
+            coord = mesh.get_coordinate() or []
+            flat = -1
+            if coord and dp:
+                flat = coord[dp[0]] if len(dp) == 1 else coord[dp[0]] * mesh.size(dp[1]) + \
+                    coord[dp[1]]
+            if (not dp or len(dp) > 2 or (len(dp) == 2 and len(dp) != mesh.ndim)
+                    or any(not pl.is_replicate() for pl in on_dp[:-1])
+                    or not isinstance(rows, (Shard, _StridedShard)) or rows.dim != 0
+                    or math.prod(mesh.size(i) for i in dp) != world or flat != rank):
                 raise CheckmateError(
                     f"parameter {name} is a DTensor placed {tuple(p.placements)} on a mesh of "
                     f"shape {tuple(mesh.shape)}: Checkmate supports FSDP2's dim-0 sharding "
-                    f"over one mesh of all {world} ranks in rank order (no HSDP, no tensor "
-                    "parallelism)")
+                    f"over the {world} data-parallel ranks in rank order: plain, HSDP's "
+                    "(Replicate, Shard(0)) over (dp_replicate, dp_shard), or beside a tp "
+                    "dimension (no HSDP with TP)")
             if p.dtype != torch.float32:
                 raise CheckmateError(f"parameter {name} is {p.dtype}: the shadows keep float32 "
                                      "parameters (a MixedPrecisionPolicy may compute in "
@@ -166,33 +245,55 @@ class FSDPSession(ShareSender, CheckmateSession):
         if self.layout.mode == "off":
             return
         self._piece = MAX_CHUNK
-        rank = self.layout.rank
-        self._segments = cut_segments(self.spec, [
+        rank = self.shard_rank
+        mine = cut_segments(self.spec, [
             (lo, hi) for lo, hi, r in shard_owners(self.spec, self.shards, 0, self.spec.total)
             if r == rank])
+        self._segments = replica_share(mine, self.replicas, self.replica)
         self._start_copier(next(self.module.parameters()).to_local(), self._send_runs)
 
     def peers_body(self, partition: int) -> dict[str, Any]:
         lay = self.layout
         start, end = self.spec.bounds(partition)
         trainers = [lay.repair_addr(r) for r in range(lay.world)]
-        return owners_body(trainers, shard_owners(self.spec, self.shards, start, end)
-                           if lay.repair else [], 0, self.run)
+        sender = (partition % self.replicas) * self.shard_world  # its replica's first rank
+        owners = [(lo, hi, sender + r) for lo, hi, r in
+                  shard_owners(self.spec, self.shards, start, end)]
+        return owners_body(trainers, owners if lay.repair else [], 0, self.run)
+
+    def _spec_parts(self, model: torch.nn.Module) -> dict[str, Any] | None:
+        """FSDP2 + TP: the spec holds each TP rank's part of a parameter (FSDP's rows are
+        cut from it), placed in the whole tensor; plain FSDP2 and HSDP: whole tensors."""
+        if self.mesh is None or not self.mesh.place.other_dims:
+            return None
+        return {n: tp_part(p) for n, p in model.named_parameters()}
 
     def _seed_flat(self) -> dict[str, Any]:
-        model_sd = {k: _full(v) for k, v in self.module.state_dict().items()}
+        model_sd = {k: self._tp_whole(v) for k, v in self.module.state_dict().items()}
         osd = self.optimizer.state_dict()
-        state = {i: {k: _full(v) for k, v in st.items()}
+        state = {i: {k: self._tp_whole(v) for k, v in st.items()}
                  for i, st in sorted(osd["state"].items())}
         return self.spec.flat_from_state_dicts(model_sd, {**osd, "state": state})
+
+    def _tp_whole(self, v: Any) -> Any:
+        """What the spec holds of ``v`` (a parameter or optimizer state, a collective for a
+        DTensor): the whole tensor, or under FSDP2 + TP the TP rank's part of it."""
+        full = _full(v)
+        if not isinstance(v, DTensor):
+            return full
+        shape, place = tp_part(v)
+        if place is None:
+            return full
+        return full[tuple(slice(o, o + z) for o, z in zip(place[1], shape, strict=True))]
 
     #: Every restored tensor becomes this rank's shard (CheckmateSession.local_state_dicts).
     places_state = True
 
     def _place_like(self, full: torch.Tensor, p: DTensor) -> DTensor:
         """This rank's rows of the whole tensor ``full``, placed as ``p`` is."""
-        lo, hi = shard_rows(p.shape[0], self.layout.world, self.layout.rank)
-        local = full.reshape(p.shape)[lo:hi].to(p.to_local().device).contiguous().clone()
+        shape = tp_part(p)[0]
+        lo, hi = shard_rows(shape[0], self.shard_world, self.shard_rank)
+        local = full.reshape(shape)[lo:hi].to(p.to_local().device).contiguous().clone()
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())
 
@@ -227,7 +328,7 @@ class FSDPSession(ShareSender, CheckmateSession):
         """This rank's shard segments: read in place on the CPU, or queued for an
         asynchronous copy to the host (sent by the copier's thread once it completed; the
         step's fence orders the clip's writes after the copy)."""
-        rank = self.layout.rank
+        rank = self.shard_rank
         parts = []
         for p in self.spec.params:
             segs = self._segments.get(p.name)
@@ -249,6 +350,8 @@ class FSDPSession(ShareSender, CheckmateSession):
         self.shard_stats["seconds"] += time.perf_counter() - t0
 
     def _clip(self) -> float | None:
+        if self.mesh is not None and self.mesh.place.other_dims:
+            return self._clip_tp()
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not grads:
             return None
@@ -262,3 +365,14 @@ class FSDPSession(ShareSender, CheckmateSession):
                 local = g.to_local()
                 local.mul_(factor.to(local.device))
         return float(coef[0])
+
+    def _clip_tp(self) -> float | None:
+        """FSDP2 + TP: the whole model's norm from every rank's local rows, each TP copy
+        counted on the first TP rank only, summed over the whole job (clip_mesh)."""
+        from checkmate.optim.clip import clip_mesh
+
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        counted = [self.replica == 0 and (tp_part(p)[1] is not None or self.mesh.first_tp_rank)
+                   for p in params]
+        return clip_mesh([p.grad.to_local() for p in params], counted,
+                         float(self.max_grad_norm), self.mesh.world)

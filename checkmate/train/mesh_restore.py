@@ -56,8 +56,8 @@ def agree(sess: Any, addrs: list[tuple[str, int]]) -> dict[str, Any]:
         point, sources = resume_point.choose_groups(per_group,
                                                     getattr(sess, "resume_at", None))
         at = f"iteration {point.iteration}:"
-        line = point.line.replace(at, f"{at[:-1]} (all {place.groups} data-parallel groups):",
-                                  1)
+        line = point.line if place.groups == 1 else point.line.replace(
+            at, f"{at[:-1]} (all {place.groups} data-parallel groups):", 1)
         resume_point.say_line(line)
         return {"iteration": point.iteration, "sources": sources, "line": line}
 

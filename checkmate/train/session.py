@@ -112,7 +112,8 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
         self.spec = ModelSpec.from_torch(layout.job_id, model, optimizer,
                                          max(1, len(layout.shadows)),
                                          local=self.tensor_parallel,
-                                         state_keys="index" if self.mesh is None else "fqn")
+                                         state_keys="index" if self.mesh is None else "fqn",
+                                         parts=self._spec_parts(model))
         self.iteration = 0
         self.last_clip: float | None = None
         self.control_bytes = 0
@@ -157,6 +158,12 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
         self._closed = False
         self._at_exit = _closer(weakref.ref(self))
         atexit.register(self._at_exit)
+
+    def _spec_parts(self, model: torch.nn.Module) -> dict[str, Any] | None:
+        """Per parameter, the shape this session replicates and its place in the whole
+        tensor, where the tensors do not say it themselves (ModelSpec.from_torch's
+        ``parts``); None: they do."""
+        return None
 
     def _check_model(self, model: torch.nn.Module) -> None:
         """Refuse what this session's gradient path cannot replicate (FSDP2's DTensors here:
@@ -245,9 +252,11 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
                    else f"seeded {len(lay.shadows)} shadow(s)" if lay.mode != "off"
                    else "GoCkpt checkpoints every {} iterations over {} steps".format(
                        *lay.gockpt[1:]) if lay.gockpt else "no shadows (mode off)")
-            groups = (f" ({mg.count} data-parallel groups of {lay.world}: "
-                      f"{' x '.join(mg.place.other_dims)} x {' x '.join(mg.place.dp_dims)})"
-                      if mg is not None else "")
+            groups = ("" if mg is None else
+                      f" (one data-parallel group: {' x '.join(mg.place.dp_dims)})"
+                      if not mg.place.other_dims else
+                      f" ({mg.count} data-parallel groups of {lay.world}: "
+                      f"{' x '.join(mg.place.other_dims)} x {' x '.join(mg.place.dp_dims)})")
             print(f"checkmate: rank 0 of {job.world}{groups}, attempt {job.restart_count}: "
                   f"{how}", flush=True)
         return sess
