@@ -51,29 +51,10 @@ def pytest_configure(config: pytest.Config) -> None:
 SERIAL_FILES = ("test_e2e_host.py", "test_e2e_switch.py")
 
 
-#: The files that take longest (CI's --durations, 2026-11-29), longest first: handed out
-#: first (scripts/test.sh keeps this order, --no-loadscope-reorder), so that no long file
-#: starts last while the other worker idles. Only the order changes; every test runs.
-LONG_FILES = ("test_restart_exact.py", "test_mesh.py", "test_verbs.py",
-              "test_launch_multinode.py", "test_control_p4runtime.py", "test_launch.py",
-              "test_fsdp2.py", "test_coldstart.py", "test_gockpt.py", "test_rewind.py",
-              "test_ddp_hook.py", "test_launch_gpu.py")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
-    count: dict[str, int] = {}
-    for item in items:
-        count[item.path.name] = count.get(item.path.name, 0) + 1
-
-    def weight(item: pytest.Item) -> tuple[int, int]:
-        name = item.path.name
-        long = LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
-        return long, -count[name]  # then xdist's own rule: files with more tests first
-
-    items.sort(key=weight)  # stable: a file's tests keep their order
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
