@@ -3,12 +3,13 @@
     checkmate launch --nproc-per-node 4 --tp 2 --shadows 2 --max-restarts 1 \\
         examples/train_tp.py
 
-A 2-D DeviceMesh ``(dp, tp)``: every block of a small language model is split over the TP
-ranks with torch's ``parallelize_module`` (ColwiseParallel up-projection, RowwiseParallel
-down-projection: DTensor parameters), the embedding, norms and head are copies on every TP
-rank, and ``CheckmateSession.from_env(..., mesh=mesh)`` protects each TP rank's
-data-parallel group (its local shards and copies) with its own ring and shadows. The
-gradient is clipped by the norm of the whole model: every shard once, every copy once.
+A 2-D DeviceMesh ``(dp, tp)``: every block of a small language model (tied embeddings) is
+split over the TP ranks with torch's ``parallelize_module`` (ColwiseParallel
+up-projection, RowwiseParallel down-projection: DTensor parameters), the embedding, norms
+and head are copies on every TP rank, and ``CheckmateSession.from_env(..., mesh=mesh)``
+protects each TP rank's data-parallel group (its local shards and copies) with its own ring
+and shadows. The gradient is clipped by the norm of the whole model: every shard once,
+every copy once.
 
 What the script must do: pass the mesh, and draw its data from the data-parallel
 coordinate and the iteration (the TP ranks of a replica see the same batch).
@@ -53,6 +54,7 @@ class LM(nn.Module):
         self.emb = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
         self.head = nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB))
+        self.head[1].weight = self.emb.weight  # tied embeddings: one parameter, two names
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)

@@ -189,12 +189,12 @@ def test_a_step_without_gradients_is_one_error_line_on_every_rank(loopback_shado
                                    "parameters"), lines[0]
 
 
-@pytest.mark.parametrize("hsdp", [0, 2], ids=["fsdp2", "hsdp"])
-def test_launch_restarts_a_killed_fsdp2_trainer_bit_identical(tmp_path, hsdp):
-    """examples/train_fsdp.py under ``checkmate launch``: a SIGKILL at a random rank and
+def test_launch_restarts_a_killed_hsdp_trainer_bit_identical(tmp_path):
+    """examples/train_fsdp.py under ``checkmate launch``, as HSDP (2 replicas x 2 shards on
+    a (dp_replicate, dp_shard) mesh, passed to the session): a SIGKILL at a random rank and
     iteration is recovered by the launcher and the run ends as a clean one, bit for bit.
-    HSDP: 2 replicas x 2 shards on a (dp_replicate, dp_shard) mesh, passed to the session."""
-    world = 4 if hsdp else 2
+    (Plain FSDP2 under the launcher: tests/test_restart_exact.py, at 2 to 5 ranks.)"""
+    hsdp, world = 2, 4
     rank, at = random.randrange(world), random.randrange(3, STEPS)
     why = f"rank {rank} killed at iteration {at}"
 
@@ -203,7 +203,7 @@ def test_launch_restarts_a_killed_fsdp2_trainer_bit_identical(tmp_path, hsdp):
         p = subprocess.run(
             [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
              str(world), "--shadows", "2", "--max-restarts", "1", str(EXAMPLE), "--steps",
-             str(STEPS + 2), "--out", str(out), *(["--hsdp", str(hsdp)] if hsdp else [])],
+             str(STEPS + 2), "--out", str(out), "--hsdp", str(hsdp)],
             capture_output=True, text=True,
             timeout=400, env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
         assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
@@ -211,8 +211,7 @@ def test_launch_restarts_a_killed_fsdp2_trainer_bit_identical(tmp_path, hsdp):
 
     clean, ref = launch("clean")
     assert "restarting the worker group" not in clean, why
-    if hsdp:
-        assert "(one data-parallel group: dp_replicate x dp_shard)" in clean, clean[-2000:]
+    assert "(one data-parallel group: dp_replicate x dp_shard)" in clean, clean[-2000:]
     killed, got = launch("killed", {"CHECKMATE_KILL_AT": f"{rank}:{at}"})
     assert "restarting the worker group" in killed, (why, killed[-3000:])
     assert "Traceback" not in killed, killed[-3000:]

@@ -100,39 +100,6 @@ def test_launch_restarts_a_killed_trainer_bit_identical(tmp_path):
 
 
 @pytest.mark.slow
-def test_launch_gockpt_mode_restarts_a_killed_trainer_bit_identical(tmp_path):
-    """GoCkpt mode under the launcher: no shadows; a SIGKILL at a random rank and iteration
-    after the first checkpoint; the group resumes from the newest checkpoint every rank's
-    process wrote and ends as the clean run, bit for bit."""
-    steps, every, k = 12, 3, 2  # checkpoints of 5, 8, 11
-    rank, at = random.randrange(2), random.randrange(6, 11)
-    why = f"rank {rank} killed at iteration {at}"
-
-    def launch(name: str, env: dict[str, str] | None = None) -> tuple[str, dict]:
-        out = tmp_path / f"{name}.pt"
-        p = subprocess.run(
-            [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
-             "--mode", "gockpt", "--gockpt", f"{every},{k}", "--max-restarts", "1",
-             "--dir", str(tmp_path / name), str(EXAMPLE), "--steps", str(steps), "--out",
-             str(out)], capture_output=True, text=True, timeout=400,
-            env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
-        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-        return p.stdout + p.stderr, torch.load(out, weights_only=False)
-
-    clean, ref = launch("clean")
-    assert "GoCkpt checkpoints every 3 iterations over 2 steps" in clean, clean[-3000:]
-    assert "the newest GoCkpt checkpoint is of iteration 11" in clean, clean[-3000:]
-    killed, got = launch("killed", {"CHECKMATE_KILL_AT": f"{rank}:{at}"})
-    assert "restarting the worker group" in killed, (why, killed[-3000:])
-    m = re.search(r"attempt 1: resumed from GoCkpt checkpoint (\d+)", killed)
-    newest = max(c for c in (5, 8) if c < at)  # the newest window that ended before the kill
-    assert m and int(m.group(1)) == newest, (why, killed[-3000:])
-    assert "Traceback" not in killed, (why, killed[-3000:])
-    _assert_same(ref["model"], got["model"], f"model ({why})")
-    _assert_same(ref["optimizer"], got["optimizer"], f"optimizer ({why})")
-    _assert_same(ref["scheduler"], got["scheduler"], f"scheduler ({why})")
-
-
 @pytest.mark.parametrize("argv,needle", [
     ([], "--nproc-per-node"),
     (["--nproc-per-node", "0", "x.py"], "expected an integer 1.."),

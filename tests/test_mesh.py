@@ -381,7 +381,7 @@ def test_a_3d_job_killed_anywhere_restarts_bit_identically_and_its_files_reshard
     checkmate imported) and into the same mesh, with the values the run ended with."""
     rank, at = random.randrange(8), random.randrange(2, STEPS)
     rc, out = _launch(tmp_path, "killed", ["--shadows", "1", "--max-restarts", "1",
-                                           "--persist-every", "1", "--dir",
+                                           "--persist-every", "4", "--dir",
                                            str(tmp_path / "run")],
                       ["--steps", str(STEPS), "--out", str(tmp_path / "state")],
                       env={"CHECKMATE_KILL_AT": f"{rank}:{at}"}, example=THREE_D)

@@ -223,7 +223,12 @@ def test_gockpt_mode_restores_a_tied_model_bit_identically(tmp_path, clean_runs)
                                              str(tmp_path / "run")],
                      [*script, "--out", str(tmp_path / "killed.pt")],
                      {"CHECKMATE_KILL_AT": f"{rank}:{at}"})
-    assert "attempt 1: resumed from GoCkpt checkpoint" in out, (why, out[-3000:])
+    # the launcher's lines, and the newest window that ended before the kill (checkpoints
+    # of 5 and 8: every 3 iterations, spread over 2 steps)
+    assert "attempt 0: GoCkpt checkpoints every 3 iterations over 2 steps" in out, out[-3000:]
+    m = re.search(r"attempt 1: resumed from GoCkpt checkpoint (\d+)", out)
+    assert m and int(m[1]) == max(c for c in (5, 8) if c < at), (why, out[-3000:])
+    assert "the newest GoCkpt checkpoint is of iteration 8" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     diff = _differences(clean_runs(2)["own"],
                         torch.load(tmp_path / "killed.pt", weights_only=False))
