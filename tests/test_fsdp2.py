@@ -309,6 +309,17 @@ def _refusals(rank: int, world: int) -> int:
             out[name] = "accepted"
         except CheckmateError as e:
             out[name] = str(e)
+    # a mesh with a pipeline dimension (as from_env passes it): FSDP2 + PP is not supported
+    from checkmate.train.session_group import MeshGroup, place_in_mesh
+
+    pp = place_in_mesh([[0, 1], [2, 3]], ("pp", "dp"), rank)
+    sess = FSDPSession.__new__(FSDPSession)
+    sess.mesh = MeshGroup(pp, None, None, None)
+    try:
+        sess.__init__(sharded, AdamW(sharded.parameters()), None, layout)
+        out["pp"] = "accepted"
+    except CheckmateError as e:
+        out["pp"] = str(e)
     print(json.dumps(out), flush=True)
     return 0
 
@@ -322,6 +333,8 @@ def test_sessions_that_cannot_replicate_an_fsdp2_model_refuse_it_in_one_line():
         assert "needs a torch DistributedDataParallel" in got["DDPSession"]
         assert got["partial"].startswith("parameter 1.weight is not sharded"), got["partial"]
         assert "host mode only" in got["switch"], got["switch"]
+        assert got["pp"].startswith("FSDP2 on a mesh with pp dimensions is not supported "
+                                    "yet"), got["pp"]
 
 
 if __name__ == "__main__":
