@@ -380,9 +380,10 @@ def test_a_3d_job_killed_anywhere_restarts_bit_identically_and_its_files_reshard
     load with plain ``dcp.load`` into the whole model in one process (TP 1 x PP 1, no
     checkmate imported) and into the same mesh, with the values the run ended with."""
     rank, at = random.randrange(8), random.randrange(2, STEPS)
+    # --verify-every 1: every group's data-parallel copies agree after every step
     rc, out = _launch(tmp_path, "killed", ["--shadows", "1", "--max-restarts", "1",
-                                           "--persist-every", "4", "--dir",
-                                           str(tmp_path / "run")],
+                                           "--persist-every", "4", "--verify-every", "1",
+                                           "--dir", str(tmp_path / "run")],
                       ["--steps", str(STEPS), "--out", str(tmp_path / "state")],
                       env={"CHECKMATE_KILL_AT": f"{rank}:{at}"}, example=THREE_D)
     assert rc == 0, f"rank {rank} killed at {at}:\n{out[-4000:]}"

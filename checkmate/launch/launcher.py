@@ -106,6 +106,7 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
         envmod.SEED: str(args.seed), envmod.PROGRESS_EVERY: str(args.progress_every),
         envmod.RESUME: "1" if args.resume or args.resume_at is not None else "0",
         envmod.GROUPS: str(args.pp * args.tp),
+        envmod.VERIFY_EVERY: str(args.verify_every),
         "PYTHONUNBUFFERED": "1",
     })
     for name in (envmod.TRAINERS, envmod.LOCAL_TRAINERS, envmod.RDZV_STORE,

@@ -118,6 +118,10 @@ def parser(gpus: int) -> argparse.ArgumentParser:
                    help="the first attempt resumes at ITERATION (held by every partition, "
                         "in memory or on disk; `checkmate checkpoints` lists them) and the "
                         "shadows drop what they hold after it: a rewind")
+    p.add_argument("--verify-every", type=_count(0, 2**31), default=0, metavar="K",
+                   help="every K iterations the data-parallel ranks compare a digest of their "
+                        "model and optimizer state; a rank that differs from the others is "
+                        "named and the job restarts from the shadows (default 0: never)")
     p.add_argument("--fixed-world", action="store_true",
                    help="refuse to resume the job on another number of ranks than it ran on "
                         "(default: allowed, announced in one line on every rank)")

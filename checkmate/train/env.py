@@ -57,6 +57,13 @@ RESUME_AT = "CHECKMATE_RESUME_AT"
 #: Test only: ``RANK:ITERATION`` makes that rank SIGKILL itself after that iteration's
 #: optimizer step, before the control message, in the launcher's first attempt only.
 KILL_AT = "CHECKMATE_KILL_AT"
+#: ``K``: every K iterations the data-parallel ranks compare a digest of their state
+#: (checkmate.train.replica_check; ``checkmate launch --verify-every``). 0: never.
+VERIFY_EVERY = "CHECKMATE_VERIFY_EVERY"
+#: Test only: ``RANK:ITERATION`` makes that rank flip one bit of its first parameter after
+#: that iteration's optimizer step, in the launcher's first attempt only (a silent data
+#: corruption for replica_check to find).
+FLIP_AT = "CHECKMATE_FLIP_AT"
 #: ``cuda``: the worker is bound to the GPU of its LOCAL_RANK (checkmate.train.run_script)
 #: and the job's collectives run on NCCL; ``cpu`` (default): no GPU.
 DEVICE = "CHECKMATE_DEVICE"
@@ -102,6 +109,8 @@ class EnvJob:
     stall_timeout: float | None = None
     groups: int = 1
     resume_at: int | None = None
+    verify_every: int = 0
+    flip_at: tuple[int, int] | None = None
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -175,13 +184,7 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         if len(udp) != len(tcp):
             raise CheckmateError(f"{SHADOWS_UDP} lists {len(udp)} addresses, {SHADOWS} "
                                  f"{len(tcp)}")
-    kill = env.get(KILL_AT)
-    kill_at = None
-    if kill:
-        r, _, it = kill.partition(":")
-        if not r.isdigit() or not it.isdigit():
-            raise CheckmateError(f"{KILL_AT} must look like RANK:ITERATION, got {kill!r}")
-        kill_at = (int(r), int(it))
+    kill_at, flip_at = _rank_iteration(env, KILL_AT), _rank_iteration(env, FLIP_AT)
     device = env.get(DEVICE) or "cpu"
     if device not in ENV_DEVICES:
         raise CheckmateError(f"environment variable {DEVICE} must be one of "
@@ -203,7 +206,19 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         gockpt=gockpt, device=device, local_trainer=local_trainer, rdzv_store=store,
         controller=controller, stall_timeout=float(stall) if stall else None,
         groups=_groups(env, len(tcp)),
-        resume_at=_int(env, RESUME_AT) if env.get(RESUME_AT) else None)
+        resume_at=_int(env, RESUME_AT) if env.get(RESUME_AT) else None,
+        verify_every=_int(env, VERIFY_EVERY, 0), flip_at=flip_at)
+
+
+def _rank_iteration(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
+    """A test-only ``RANK:ITERATION`` variable (KILL_AT, FLIP_AT), or None when unset."""
+    v = env.get(name)
+    if not v:
+        return None
+    r, _, it = v.partition(":")
+    if not r.isdigit() or not it.isdigit():
+        raise CheckmateError(f"{name} must look like RANK:ITERATION, got {v!r}")
+    return int(r), int(it)
 
 
 def _groups(env: Mapping[str, str], shadows: int) -> int:

@@ -288,6 +288,9 @@ class FSDPSession(ShareSender, CheckmateSession):
 
     #: Every restored tensor becomes this rank's shard (CheckmateSession.local_state_dicts).
     places_state = True
+    #: Ranks hold different shards: no copies for replica_check to compare (HSDP's
+    #: replicas would be: not yet).
+    replicates_state = False
 
     def _place_like(self, full: torch.Tensor, p: DTensor) -> DTensor:
         """This rank's rows of the whole tensor ``full``, placed as ``p`` is."""

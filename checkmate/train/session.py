@@ -54,6 +54,30 @@ from checkmate.train.session_step import _Step, rng_seed
 __all__ = ["RUN_ENV", "CheckmateSession", "draw_run", "rng_seed"]
 
 
+def _flip_hook(iteration: int, module: torch.nn.Module) -> Any:
+    """Test-only silent data corruption (CHECKMATE_FLIP_AT): after ``iteration``'s optimizer
+    step, flip the lowest bit of this rank's first parameter element (its local tensor)."""
+    def hook(phase: str, it: int) -> None:
+        if phase == "before-control" and it == iteration:
+            p = next(module.parameters())
+            local = p.to_local() if hasattr(p, "to_local") else p
+            with torch.no_grad():
+                local.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+    return hook
+
+
+def _hooks(*hooks: Any) -> Any:
+    """One injector calling each of ``hooks`` that is set (None when none is)."""
+    live = [h for h in hooks if h is not None]
+    if not live:
+        return None
+
+    def hook(phase: str, it: int) -> None:
+        for h in live:
+            h(phase, it)
+    return hook
+
+
 def _kill_hook(iteration: int) -> Any:
     """Test-only failure (CHECKMATE_KILL_AT): SIGKILL this process after ``iteration``'s
     optimizer step, before its control message."""
@@ -82,6 +106,14 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
     resume_at: int | None = None
     #: The model holds tensor-parallel DTensors: the session replicates their local shards.
     tensor_parallel = False
+    #: Every ``verify_every`` iterations the data-parallel ranks compare their state
+    #: (checkmate.train.replica_check); 0: never. ``verified_iteration``: the newest they
+    #: agreed on (None: none yet).
+    verify_every = 0
+    verified_iteration: int | None = None
+    #: Every data-parallel rank holds the whole (group's) state, so the ranks' copies can
+    #: be compared; FSDP2's ranks hold different shards (FSDPSession says False).
+    replicates_state = True
     #: The gradient path is our ring, whose copies follow the ring schedule's nodes
     #: (checkmate.train.ring_schedule); a session over another path says False.
     ring_nodes = True
@@ -230,8 +262,13 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
         # switch mode under the launcher: each attempt has the controller program its ring
         sess.announce_attempt = lay.mode == "switch"
         sess.progress_every = job.progress_every
-        if job.kill_at is not None and job.kill_at[0] == job.rank and not job.restart_count:
-            sess.injector = _kill_hook(job.kill_at[1])
+        first = not job.restart_count  # test faults: the first attempt only
+        sess.injector = _hooks(
+            _flip_hook(job.flip_at[1], model) if first and job.flip_at is not None
+            and job.flip_at[0] == job.rank else None,
+            _kill_hook(job.kill_at[1]) if first and job.kill_at is not None
+            and job.kill_at[0] == job.rank else None)
+        sess.verify_every = job.verify_every
         if job.resume_at is not None and not job.restart_count:
             sess.resume_at = job.resume_at  # the first attempt only: later ones go on
             resume = True

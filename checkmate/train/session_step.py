@@ -86,6 +86,12 @@ class _Step:
         self.done_iteration = self.iteration
         if self.monitor is not None:
             self.monitor.capture(self.iteration, self.opt_step)
+        if self.verify_every and self.iteration % self.verify_every == 0 \
+                and self.replicates_state:
+            from checkmate.train.replica_check import agree
+
+            agree(self.module, self.optimizer, self.group, self.layout.world, self.iteration)
+            self.verified_iteration = self.iteration
         return coef
 
     def _before_grads_change(self) -> None:

@@ -1,0 +1,87 @@
+"""Replica agreement: data-parallel ranks that hold the same state compare it (issue 35).
+
+Why: under the own wrapper, stock DDP and every tensor-parallel group, each data-parallel
+rank holds the whole (group's) model and optimizer state, and after every step these
+copies are equal bit for bit. A rank whose copy differs was corrupted silently (a GPU or
+memory that flipped a bit) and would go on training a different model, and poison the
+others through its gradients. Every ``verify_every`` iterations each rank hashes its state
+(CRC32C over the bytes of every parameter and optimizer state tensor, in one fixed order)
+and the ranks all-gather the 4-byte digests over the session's gloo group; a rank that
+differs from the majority is named in one line on every rank, and the job stops with it
+(under ``checkmate launch`` the restart resumes from the shadows, whose state the
+corrupted copy never touched).
+
+What it cannot catch: a corruption before the allreduce (a wrong gradient) reaches every
+replica and every shadow alike, so they all agree. FSDP2 ranks hold different shards: no
+copies to compare (HSDP's replicas would be; not yet).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import crc32c
+import torch
+import torch.distributed as dist
+
+from checkmate.errors import CheckmateError
+
+
+class ReplicaDivergence(CheckmateError):
+    """The data-parallel copies of the state differ; the message names the ranks."""
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    local = local.detach()
+    if local.device.type != "cpu":
+        local = local.cpu()
+    return memoryview(local.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def state_digest(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """CRC32C of this rank's parameters and optimizer state tensors (each rank's local
+    tensors), in the module's parameter order and each state's sorted slot names."""
+    value = 0
+    params = list(module.parameters())
+    for p in params:
+        value = crc32c.crc32c(_bytes(p), value)
+    for p in params:
+        for slot, t in sorted(optimizer.state.get(p, {}).items()):
+            if torch.is_tensor(t):
+                value = crc32c.crc32c(slot.encode(), value)
+                value = crc32c.crc32c(_bytes(t), value)
+    return value
+
+
+def odd_ones(digests: list[int]) -> tuple[list[int], bool]:
+    """(ranks whose digest differs from the majority's, whether there is a majority): with
+    no digest held by more than half the ranks every rank is named."""
+    common, n = Counter(digests).most_common(1)[0]
+    if n * 2 <= len(digests):
+        return list(range(len(digests))), False
+    return [r for r, d in enumerate(digests) if d != common], True
+
+
+def agree(module: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any,
+          world: int, iteration: int) -> None:
+    """Every rank of ``group``: compare this iteration's state digests; ReplicaDivergence,
+    the same line on every rank, when a rank differs."""
+    mine = torch.tensor([state_digest(module, optimizer)], dtype=torch.int64)
+    every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    bad, majority = odd_ones([int(t[0]) for t in every])
+    if not bad:
+        return
+    if majority:
+        who = ", ".join(str(r) for r in bad)
+        raise ReplicaDivergence(
+            f"iteration {iteration}: the model and optimizer state of data-parallel rank(s) "
+            f"{who} differ from the other {world - len(bad)} ranks' (silent data corruption "
+            "on that rank, or a step that is not deterministic); stopping: a restart resumes "
+            "from the shadows' copy")
+    raise ReplicaDivergence(
+        f"iteration {iteration}: the {world} data-parallel ranks' model and optimizer states "
+        "differ with no majority (silent data corruption, or a step that is not "
+        "deterministic); stopping: a restart resumes from the shadows' copy")

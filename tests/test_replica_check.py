@@ -1,0 +1,100 @@
+"""Replica agreement (issue 35 item 2): the data-parallel ranks compare a digest of their
+state every K iterations, and a rank whose state was silently corrupted is named.
+
+The launch test flips one bit of one rank's parameters after an optimizer step
+(CHECKMATE_FLIP_AT, test only) in examples/train.py with 4 trainers and 2 shadows: without
+the check the run ends without a word and with another model than a clean run's (the
+corruption is real and silent); with ``--verify-every 1`` every rank names the corrupted
+rank at that iteration, the launcher restarts the group from the shadows (which never saw
+the flipped bit) and the run ends bit-identical to the clean one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from checkmate.optim import AdamW
+from checkmate.train.replica_check import odd_ones, state_digest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train.py"
+STEPS = 8
+
+
+def test_the_odd_ranks_are_the_ones_outside_the_majority():
+    assert odd_ones([7, 7, 7, 7]) == ([], True)
+    assert odd_ones([7, 7, 9, 7]) == ([2], True)
+    assert odd_ones([7, 9]) == ([0, 1], False)  # two ranks: no majority to trust
+    assert odd_ones([7, 7, 9, 9]) == ([0, 1, 2, 3], False)
+
+
+def test_the_digest_sees_one_bit_of_a_parameter_or_of_the_optimizer_state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = state_digest(model, opt)
+    assert state_digest(model, opt) == before  # a function of the state only
+    with torch.no_grad():
+        w = model[1].weight
+        w.view(-1)[3:4].view(torch.int32).bitwise_xor_(1)
+        assert state_digest(model, opt) != before
+        w.view(-1)[3:4].view(torch.int32).bitwise_xor_(1)
+        assert state_digest(model, opt) == before
+        slot = opt.state[model[0].bias]["exp_avg_sq"]
+        slot.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
+        assert state_digest(model, opt) != before
+
+
+def _launch(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None
+            ) -> tuple[str, dict]:
+    out = tmp / f"{name}.pt"
+    p = subprocess.run(
+        [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "4",
+         "--shadows", "2", "--max-restarts", "1", "--progress-every", "0", *args,
+         str(EXAMPLE), "--steps", str(STEPS), "--out", str(out)],
+        capture_output=True, text=True, timeout=400,
+        env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
+    text = p.stdout + p.stderr
+    assert p.returncode == 0, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    return text, torch.load(out, weights_only=False)
+
+
+def _same(a: object, b: object) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k])
+                                                                      for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_a_flipped_bit_on_one_rank_is_named_and_the_restart_is_bit_identical(tmp_path):
+    rank, at = random.randrange(1, 4), random.randrange(2, STEPS)
+    flip = {"CHECKMATE_FLIP_AT": f"{rank}:{at}"}
+    why = f"a bit of rank {rank} flipped after iteration {at}"
+    clean, ref = _launch(tmp_path, "clean", [])
+    # without the check: silent, and another model at the end
+    silent, drifted = _launch(tmp_path, "silent", [], flip)
+    assert "differ" not in silent and "restarting" not in silent, (why, silent[-3000:])
+    assert not _same(drifted["model"], ref["model"]), why
+    # with it: named at once on every rank, restarted from the shadows, bit-identical
+    checked, got = _launch(tmp_path, "checked", ["--verify-every", "1"], flip)
+    line = (f"iteration {at}: the model and optimizer state of data-parallel rank(s) {rank} "
+            "differ from the other 3 ranks'")
+    assert checked.count(line) == 4, (why, checked[-3000:])
+    assert "restarting the worker group" in checked, (why, checked[-3000:])
+    assert f"attempt 1: resumed from the shadows at iteration {at}" in checked, \
+        (why, checked[-3000:])
+    for part in ("model", "optimizer", "scheduler"):
+        assert _same(got[part], ref[part]), f"{part} differs ({why})"
