@@ -242,18 +242,24 @@ def merge(parts: list[Path], out: Path, link: bool = True) -> Path:
                            "partitions": f["partitions"], "spec": f["spec"]}, link)
 
 
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Dotted DCP keys as the nested dicts DCP flattens into them."""
+    out: dict[str, Any] = {}
+    for fqn, v in flat.items():
+        *path, leaf = fqn.split(".")
+        node = out
+        for k in path:
+            node = node.setdefault(k, {})
+        node[leaf] = v
+    return out
+
+
 def _load_objects(part: Path, fqns: list[str]) -> dict[str, Any]:
     """Non-tensor entries of a partition checkpoint by their flat DCP keys (DCP flattens a
     list as a dict of its indices, so ``optim.param_groups.0.params`` nests as dicts)."""
     import torch.distributed.checkpoint as dcp
 
-    sd: dict[str, Any] = {}
-    for fqn in fqns:
-        *path, leaf = fqn.split(".")
-        node = sd
-        for k in path:
-            node = node.setdefault(k, {})
-        node[leaf] = None
+    sd = _nest(dict.fromkeys(fqns))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -351,16 +357,9 @@ def merge_groups(groups: list[list[Path]], out: Path, link: bool = True) -> Path
             raise MergeError(f"mesh group {missing[0]}'s optimizer param groups have other "
                              "settings than group 0's")
         pg = _joined_param_groups([parts[0] for parts in groups], keys)
-        nested: dict[str, Any] = {}
-        for fqn, v in pg.items():
-            *path, leaf = fqn.split(".")
-            node = nested
-            for k in path:
-                node = node.setdefault(k, {})
-            node[leaf] = v
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(nested, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+            dcp.save(_nest(pg), storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
         md = dcp.FileSystemReader(tmp).read_metadata()
         all_.sdm.update(md.state_dict_metadata)
         all_.results = [r for r in all_.results if r.index.fqn not in pg]

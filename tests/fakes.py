@@ -537,3 +537,15 @@ def tiny_net_groups(m):
     return [{"params": [m.emb.weight, m.fc.weight, m.out.weight], "weight_decay": 0.05},
             {"params": [m.fc.bias, m.bn.weight, m.bn.bias, m.out.bias], "weight_decay": 0.0,
              "lr": 2e-3}]
+
+
+def same_state(a: object, b: object) -> bool:
+    """Two saved states (nested dicts, lists, tensors) equal bit for bit, dtypes included."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k])
+                                                                      for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return a == b

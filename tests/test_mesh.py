@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fakes import same_state
 
 from checkmate.errors import CheckmateError
 from checkmate.protocol import wire
@@ -156,17 +157,6 @@ def _states(prefix: Path, world: int = WORLD) -> list[dict]:
     return [torch.load(f"{prefix}.{r}", weights_only=False) for r in range(world)]
 
 
-def _same(a: object, b: object) -> bool:
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k])
-                                                                      for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
 @pytest.fixture(scope="module")
 def clean_pp(tmp_path_factory):
     """Every rank's final stage state after STEPS iterations without Checkmate."""
@@ -197,7 +187,7 @@ def test_a_pipeline_job_killed_anywhere_restarts_bit_identically(tmp_path, clean
         resumed[0]
     assert "attempt 1: resumed from the shadows" in out, out[-3000:]
     for r, (got, want) in enumerate(zip(_states(tmp_path / "state"), clean_pp, strict=True)):
-        assert _same(got, want), f"rank {r} (stage {r // 2}) differs after a kill of " \
+        assert same_state(got, want), f"rank {r} (stage {r // 2}) differs after a kill of " \
                                  f"rank {rank} at {at}"
     assert out.count("the shadows hold iteration 8 (per shadow: [8, 8])") == 1, out[-2000:]
     # each group's shadow holds that group's stage under the group's own wire job id
@@ -249,7 +239,7 @@ def test_a_tensor_parallel_job_killed_anywhere_restarts_bit_identically(tmp_path
     assert int(re.search(r"resuming at iteration (\d+) ", resumed[0])[1]) in (at, at - 1), \
         resumed[0]
     for r, (got, want) in enumerate(zip(_states(tmp_path / "state"), clean_tp, strict=True)):
-        assert _same(got, want), f"rank {r} (tp {r % 2}) differs after a kill of rank " \
+        assert same_state(got, want), f"rank {r} (tp {r % 2}) differs after a kill of rank " \
                                  f"{rank} at {at}"
 
 
@@ -281,7 +271,7 @@ def test_fsdp2_beside_tensor_parallel_killed_anywhere_restarts_bit_identically(t
     # FSDP's rows of the TP part: blocks.0.up.weight is (4*32 / TP 2 / DP 2) x 32 here
     assert got[0]["model"]["blocks.0.up.weight"].shape == (32, 32)
     for r, (a, b) in enumerate(zip(got, clean_fsdp_tp, strict=True)):
-        assert _same(a, b), f"rank {r} differs after a kill of rank {rank} at {at}"
+        assert same_state(a, b), f"rank {r} differs after a kill of rank {rank} at {at}"
 
 
 NORM = textwrap.dedent("""
@@ -417,4 +407,4 @@ def test_a_3d_job_killed_anywhere_restarts_bit_identically_and_its_files_reshard
     assert clean.count("the saved values") == 8 and "DIFFERENT" not in clean, clean[-3000:]
     for r, (a, b) in enumerate(zip(_states(tmp_path / "state", 8),
                                    _states(tmp_path / "clean", 8), strict=True)):
-        assert _same(a, b), f"rank {r} differs after a kill of rank {rank} at {at}"
+        assert same_state(a, b), f"rank {r} differs after a kill of rank {rank} at {at}"

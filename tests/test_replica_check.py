@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from fakes import same_state
 
 from checkmate.optim import AdamW
 from checkmate.train.replica_check import odd_ones, state_digest
@@ -68,17 +69,6 @@ def _launch(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = 
     return text, torch.load(out, weights_only=False)
 
 
-def _same(a: object, b: object) -> bool:
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k])
-                                                                      for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
 def test_a_flipped_bit_on_one_rank_is_named_and_the_restart_is_bit_identical(tmp_path):
     rank, at = random.randrange(1, 4), random.randrange(2, STEPS)
     flip = {"CHECKMATE_FLIP_AT": f"{rank}:{at}"}
@@ -87,7 +77,7 @@ def test_a_flipped_bit_on_one_rank_is_named_and_the_restart_is_bit_identical(tmp
     # without the check: silent, and another model at the end
     silent, drifted = _launch(tmp_path, "silent", [], flip)
     assert "differ" not in silent and "restarting" not in silent, (why, silent[-3000:])
-    assert not _same(drifted["model"], ref["model"]), why
+    assert not same_state(drifted["model"], ref["model"]), why
     # with it: named at once on every rank, restarted from the shadows, bit-identical
     checked, got = _launch(tmp_path, "checked", ["--verify-every", "1"], flip)
     line = (f"iteration {at}: the model and optimizer state of data-parallel rank(s) {rank} "
@@ -97,4 +87,4 @@ def test_a_flipped_bit_on_one_rank_is_named_and_the_restart_is_bit_identical(tmp
     assert f"attempt 1: resumed from the shadows at iteration {at}" in checked, \
         (why, checked[-3000:])
     for part in ("model", "optimizer", "scheduler"):
-        assert _same(got[part], ref[part]), f"{part} differs ({why})"
+        assert same_state(got[part], ref[part]), f"{part} differs ({why})"

@@ -206,7 +206,7 @@ class ModelSpec:
 
         shards = {}
         if local:
-            shards = {n: at for n in names if (at := _shard_place(named[n])) is not None}
+            shards = {n: at for n in names if (at := shard_part(named[n])[1]) is not None}
         shapes = [shape(named[n]) for n in names]
         if parts is not None:
             shards = {n: parts[n][1] for n in names if parts[n][1] is not None}
@@ -511,17 +511,26 @@ def difference(shadows: ModelSpec, mine: ModelSpec) -> str | None:
     return None
 
 
-def _shard_place(p: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(global shape, offsets of the local shard in it) of a sharded DTensor parameter (the
-    checkpoint stores the shard at its place in the whole tensor, so plain DCP reshards it);
-    None for a plain tensor or a DTensor that is a whole copy (Replicate)."""
+def shard_part(p: Any, dims: Sequence[int] | None = None
+               ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    """(shape, place) of ``p``'s part over its mesh dimensions ``dims`` (default: all of
+    them; a DTensor's local shard): the part's shape, and (global shape, offsets of the part
+    in it), so that a checkpoint stores the part at its place in the whole tensor and plain
+    DCP reshards it. Place None: ``p`` is whole there (a plain tensor, or Replicate on every
+    one of ``dims``)."""
     placements = getattr(p, "placements", None)
-    if placements is None or all(pl.is_replicate() for pl in placements):
-        return None
+    if placements is None:
+        return tuple(p.shape), None
+    mesh = p.device_mesh
+    dims = list(range(mesh.ndim)) if dims is None else list(dims)
+    chosen = [placements[i] for i in dims]
+    if not chosen or all(pl.is_replicate() for pl in chosen):
+        return tuple(p.shape), None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
-    return tuple(p.shape), tuple(int(o) for o in offset)
+    sub = mesh if len(dims) == mesh.ndim else mesh[tuple(mesh.mesh_dim_names[i] for i in dims)]
+    shape, offset = compute_local_shape_and_global_offset(p.shape, sub, chosen)
+    return tuple(shape), (tuple(p.shape), tuple(int(o) for o in offset))
 
 
 def tied_names(model: Any) -> list[tuple[str, str]]:

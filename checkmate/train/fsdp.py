@@ -56,6 +56,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from checkmate.errors import CheckmateError
 from checkmate.optim.clip import clip_coef_of
+from checkmate.spec.model import shard_part
 from checkmate.train.layout import JobLayout
 from checkmate.train.repair import owners_body
 from checkmate.train.ring import MAX_CHUNK
@@ -123,17 +124,8 @@ def tp_part(p: DTensor) -> tuple[tuple[int, ...], tuple[tuple[int, ...], tuple[i
     """(shape, place) of the tensor-parallel part of an FSDP2 parameter: the tensor FSDP
     cuts this rank's rows from (FSDP2 + TP shards the TP rank's local tensor on dim 0), and
     (global shape, offsets) of it in the whole tensor, None when TP does not split it."""
-    mesh = p.device_mesh
-    dp = _dp_dims(mesh)
-    other = [i for i in range(mesh.ndim) if i not in dp]
-    placements = [p.placements[i] for i in other]
-    if not placements or all(pl.is_replicate() for pl in placements):
-        return tuple(p.shape), None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    sub = mesh[tuple(mesh.mesh_dim_names[i] for i in other)]
-    shape, offset = compute_local_shape_and_global_offset(p.shape, sub, placements)
-    return tuple(shape), (tuple(p.shape), tuple(int(o) for o in offset))
+    dp = _dp_dims(p.device_mesh)
+    return shard_part(p, [i for i in range(p.device_mesh.ndim) if i not in dp])
 
 
 def replica_share(segments: dict[str, list[Segment]], replicas: int, replica: int
@@ -190,6 +182,9 @@ class FSDPSession(ShareSender, CheckmateSession):
         self._segments: dict[str, list[Segment]] = {}
         self._piece = 0
         self._refused_reseed: set[int] = set()
+        #: FSDP2 + TP: per parameter, whether its rows count in this rank's share of the
+        #: clip norm (_clip_tp)
+        self._tp_counted: dict[int, bool] | None = None
         #: Replicated pieces and bytes, and seconds spent copying and sending them.
         self.shard_stats: dict[str, float] = {"pieces": 0, "bytes": 0, "seconds": 0.0}
         #: Asynchronous device-to-host copies of the shards (checkmate.train.share_copy),
@@ -214,11 +209,12 @@ class FSDPSession(ShareSender, CheckmateSession):
             dp = _dp_dims(mesh)
             on_dp = tuple(p.placements[i] for i in dp)
             rows = on_dp[-1] if on_dp else None
-            coord = mesh.get_coordinate() or []
+            coord = mesh.get_coordinate()
             flat = -1
-            if coord and dp:
-                flat = coord[dp[0]] if len(dp) == 1 else coord[dp[0]] * mesh.size(dp[1]) + \
-                    coord[dp[1]]
+            if coord and dp:  # the data-parallel coordinate, row-major over its dimensions
+                flat = 0
+                for i in dp:
+                    flat = flat * mesh.size(i) + coord[i]
             if (not dp or len(dp) > 2 or (len(dp) == 2 and len(dp) != mesh.ndim)
                     or any(not pl.is_replicate() for pl in on_dp[:-1])
                     or not isinstance(rows, (Shard, _StridedShard)) or rows.dim != 0
@@ -374,8 +370,11 @@ class FSDPSession(ShareSender, CheckmateSession):
         counted on the first TP rank only, summed over the whole job (clip_mesh)."""
         from checkmate.optim.clip import clip_mesh
 
+        if self._tp_counted is None:  # fixed by the placements: worked out once
+            self._tp_counted = {id(p): self.replica == 0 and (
+                tp_part(p)[1] is not None or self.mesh.first_tp_rank)
+                for p in self.module.parameters()}
         params = [p for p in self.module.parameters() if p.grad is not None]
-        counted = [self.replica == 0 and (tp_part(p)[1] is not None or self.mesh.first_tp_rank)
-                   for p in params]
-        return clip_mesh([p.grad.to_local() for p in params], counted,
+        return clip_mesh([p.grad.to_local() for p in params],
+                         [self._tp_counted[id(p)] for p in params],
                          float(self.max_grad_norm), self.mesh.world)
