@@ -56,13 +56,15 @@ __all__ = ["RUN_ENV", "CheckmateSession", "draw_run", "rng_seed"]
 
 def _flip_hook(iteration: int, module: torch.nn.Module) -> Any:
     """Test-only silent data corruption (CHECKMATE_FLIP_AT): after ``iteration``'s optimizer
-    step, flip the lowest bit of this rank's first parameter element (its local tensor)."""
+    step, flip a bit of this rank's first parameter element (its local tensor): mantissa bit
+    20, an eighth of the element's value, so that it reaches every rank's state through the
+    gradients (the lowest bit can round away in them, and the corruption stay on one rank)."""
     def hook(phase: str, it: int) -> None:
         if phase == "before-control" and it == iteration:
             p = next(module.parameters())
             local = p.to_local() if hasattr(p, "to_local") else p
             with torch.no_grad():
-                local.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+                local.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
     return hook
 
 
