@@ -73,7 +73,8 @@ def test_unreadable_and_invalid_files(tmp_path) -> None:
 
 
 def test_testbed_cli_rejects_unknown_commands_in_one_line() -> None:
-    for argv in (["frobnicate"], ["bench", "nonexistent"]):
+    for argv in (["frobnicate"], ["bench", "nonexistent"],
+                 ["bench", "restart", "--kill-at", "10", "--steps", "10"]):
         r = subprocess.run([sys.executable, "-m", "checkmate.testbed.cli", *argv],
                            capture_output=True, text=True)
         assert r.returncode == 2

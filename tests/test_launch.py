@@ -210,9 +210,12 @@ def test_restart_before_any_seed_starts_fresh(tmp_path):
     assert "the shadows hold iteration 3 " in p.stdout, p.stdout
 
 
-def test_failed_group_without_restarts_is_one_line_per_process(tmp_path):
+@pytest.mark.parametrize("start", ["forkserver", "exec"])
+def test_failed_group_without_restarts_is_one_line_per_process(tmp_path, start):
     """Rank 1 exits after the rendezvous; rank 0's collective fails in gloo: one line from
-    rank 0 (not a traceback), and one from the launcher naming both ranks, exit 2."""
+    rank 0 (not a traceback), and one from the launcher naming both ranks, exit 2 -- with
+    workers forked from the launcher's server (where torch's agent itself reports only the
+    first worker it saw fail) and with every worker a fresh Python."""
     script = tmp_path / "dies.py"
     script.write_text(
         "import os\nimport torch.distributed as dist\n"
@@ -222,7 +225,8 @@ def test_failed_group_without_restarts_is_one_line_per_process(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     p = subprocess.run([sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
-                        "2", "--mode", "off", str(script)], capture_output=True, text=True,
+                        "2", "--mode", "off", "--worker-start", start, str(script)],
+                       capture_output=True, text=True,
                        timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     out = p.stdout + p.stderr
     assert p.returncode == 2 and "Traceback" not in out, out

@@ -35,6 +35,7 @@ from typing import Any
 
 from checkmate.errors import CheckmateError
 from checkmate.launch import placement
+from checkmate.launch.forked_workers import START_METHOD
 from checkmate.launch.local_shadows import (
     LocalShadows,
     check_shadows,
@@ -90,6 +91,14 @@ def _quiet_agent() -> None:
 
     only_restarts.checkmate = True  # type: ignore[attr-defined]
     agent_log.addFilter(only_restarts)
+    # A worker that died is logged with the agent's own traceback (where it noticed, not
+    # why the worker died): its line stays, the traceback goes (the failure's line is ours).
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_no_trace)
+
+
+def _no_trace(rec: logging.LogRecord) -> bool:
+    rec.exc_info, rec.exc_text = None, None
+    return True
 
 
 def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list,
@@ -218,6 +227,7 @@ def launch_config(args: argparse.Namespace, logdir: Path) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
     common = {"nproc_per_node": args.nproc_per_node, "max_restarts": args.max_restarts,
+              "start_method": START_METHOD,
               # the agent's per-attempt files go with the job's logs (torch's default is
               # a /tmp/torchelastic_* directory nobody removes)
               "logs_specs": DefaultLogsSpecs(log_dir=str(logdir / "elastic"))}
@@ -247,8 +257,15 @@ def _run_agent(args: argparse.Namespace, logdir: Path) -> None:
     # rank 0 of each attempt hosts a fresh store.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cfg = launch_config(args, logdir)
-    elastic_launch(cfg, sys.executable)("-u", "-m", "checkmate.train.run_script",
-                                        args.script, *args.args)
+    if args.worker_start == "exec":
+        elastic_launch(cfg, sys.executable)("-u", "-m", "checkmate.train.run_script",
+                                            args.script, *args.args)
+        return
+    from checkmate.launch.forked_workers import use_fork_server
+    from checkmate.train import run_script
+
+    use_fork_server()
+    elastic_launch(cfg, run_script.worker)(args.script, *args.args)
 
 
 def _rendezvous_line(args: argparse.Namespace, err: Exception) -> str:

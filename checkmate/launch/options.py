@@ -30,6 +30,10 @@ class _Parser(argparse.ArgumentParser):
         raise CheckmateError(message)
 
 
+#: How the agent starts a worker (checkmate.launch.forked_workers).
+WORKER_STARTS = ("forkserver", "exec")
+
+
 def _count(lo: int, hi: int) -> Any:
     def parse(s: str) -> int:
         if not s.isdigit() or not lo <= int(s) <= hi:
@@ -125,6 +129,10 @@ def parser(gpus: int) -> argparse.ArgumentParser:
     p.add_argument("--fixed-world", action="store_true",
                    help="refuse to resume the job on another number of ranks than it ran on "
                         "(default: allowed, announced in one line on every rank)")
+    p.add_argument("--worker-start", choices=WORKER_STARTS, default="forkserver",
+                   help="forkserver: every worker is forked from one server that imported "
+                        "torch once (a restart resumes seconds sooner); exec: every worker is a "
+                        "fresh Python (default: forkserver)")
     p.add_argument("--progress-every", type=_count(0, 10**9), default=10, metavar="K",
                    help="rank 0 prints iteration, loss and protection every K iterations "
                         "(CheckmateSession.report; 0: never)")

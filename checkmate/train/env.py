@@ -64,6 +64,9 @@ VERIFY_EVERY = "CHECKMATE_VERIFY_EVERY"
 #: that iteration's optimizer step, in the launcher's first attempt only (a silent data
 #: corruption for replica_check to find).
 FLIP_AT = "CHECKMATE_FLIP_AT"
+#: The launcher's process id, for workers forked from its server (whose parent is that
+#: server, which lives as long as they do): they end when the launcher is gone.
+LAUNCHER_PID = "CHECKMATE_LAUNCHER_PID"
 #: ``cuda``: the worker is bound to the GPU of its LOCAL_RANK (checkmate.train.run_script)
 #: and the job's collectives run on NCCL; ``cpu`` (default): no GPU.
 DEVICE = "CHECKMATE_DEVICE"

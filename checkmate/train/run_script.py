@@ -1,4 +1,6 @@
-"""``python -m checkmate.train.run_script SCRIPT ARGS``: one worker of ``checkmate launch``.
+"""One worker of ``checkmate launch``: ``worker(SCRIPT, *ARGS)``, forked from the launcher's
+server (checkmate.launch.forked_workers), or ``python -m checkmate.train.run_script SCRIPT
+ARGS`` (``--worker-start exec``).
 
 Runs the user's script as ``python SCRIPT ARGS`` would (``__main__``, ``sys.argv``, the
 script's folder first on ``sys.path``), so that a CheckmateError raised in it -- a bad
@@ -37,6 +39,7 @@ import gc
 import io
 import os
 import runpy
+import select
 import signal
 import sys
 import threading
@@ -54,16 +57,33 @@ def _exit_now(code: int, line: str) -> None:
     os._exit(code)
 
 
-def _watch_parent(rank: str) -> None:
-    """End this worker when the launcher (its parent) is gone."""
+def _watch_parent(rank: str, launcher: int | None = None) -> None:
+    """End this worker when the launcher is gone: its parent, or ``launcher`` (a worker
+    forked from the launcher's server, which outlives the launcher as long as its workers
+    live)."""
     parent = os.getppid()
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
+    def gone() -> None:
         _exit_now(1, f"checkmate: rank {rank}: the launcher is gone; exiting")
 
-    threading.Thread(target=watch, daemon=True, name="ckm-parent").start()
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        gone()
+
+    def watch_launcher(pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)  # readable once the process has ended
+        except ProcessLookupError:
+            gone()
+        select.select([fd], [], [])
+        gone()
+
+    if launcher is None:
+        threading.Thread(target=watch_parent, daemon=True, name="ckm-parent").start()
+    else:
+        threading.Thread(target=watch_launcher, args=(launcher,), daemon=True,
+                         name="ckm-parent").start()
 
 
 def _take_sigint(rank: str) -> None:
@@ -110,7 +130,22 @@ def _bind(rank: str) -> None:
         torch.cuda.set_device(dev)
 
 
-def main(argv: list[str] | None = None) -> int:
+def worker(script: str, *args: str) -> None:
+    """A worker forked by ``checkmate launch``'s fork server (torch's elastic agent calls it
+    with the script and its arguments). Ends as ``main`` does, except that a script that
+    succeeds returns here instead of exiting: the agent collects its return before the
+    process ends (still without the interpreter's teardown: the fork server's child leaves
+    with ``os._exit``)."""
+    from checkmate.train import env as envmod
+
+    sys.stdout.reconfigure(line_buffering=True)  # as ``python -u`` prints: line by line
+    sys.stderr.reconfigure(line_buffering=True)
+    main([script, *args], exit_on_success=False,
+         launcher=int(os.environ[envmod.LAUNCHER_PID]))
+
+
+def main(argv: list[str] | None = None, exit_on_success: bool = True,
+         launcher: int | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         print("usage: python -m checkmate.train.run_script SCRIPT [ARGS ...]", file=sys.stderr)
@@ -120,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     _take_sigint(rank)
-    _watch_parent(rank)
+    _watch_parent(rank, launcher)
     threading.excepthook = _thread_error(rank)
     agreement.say_first()
     try:
@@ -153,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         _exit_now(1, f"checkmate: rank {rank}: error: {failures.describe(e, rank)}")
     else:
         code = 0
-    _finish(code)
+    _finish(code, exit_now=exit_on_success or code != 0)
     return code
 
 
@@ -170,7 +205,7 @@ def _gloo_cause(e: BaseException) -> str | None:
     return None
 
 
-def _finish(code: int) -> None:
+def _finish(code: int, exit_now: bool = True) -> None:
     """End a worker whose script returned, without the interpreter's teardown.
 
     Left to finalization, gloo's C++ worker threads can outlive the interpreter and abort
@@ -192,7 +227,8 @@ def _finish(code: int) -> None:
                 obj.flush()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    if exit_now:
+        os._exit(code)
 
 
 def _open(obj: object) -> bool:
