@@ -4,9 +4,10 @@ state every K iterations, and a rank whose state was silently corrupted is named
 The launch test flips one bit of one rank's parameters after an optimizer step
 (CHECKMATE_FLIP_AT, test only) in examples/train.py with 4 trainers and 2 shadows: without
 the check the run ends without a word and with another model than a clean run's (the
-corruption is real and silent); with ``--verify-every 1`` every rank names the corrupted
-rank at that iteration, the launcher restarts the group from the shadows (which never saw
-the flipped bit) and the run ends bit-identical to the clean one.
+corruption is real and silent); with ``--verify-every 3`` every rank names the corrupted
+rank at the next check, the launcher restarts the group from the shadows at the check before
+(what the corrupted copy's gradients did since is dropped with it) and the run ends
+bit-identical to the clean one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from checkmate.train.replica_check import odd_ones, state_digest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train.py"
 STEPS = 8
+EVERY = 3  # --verify-every
 
 
 def test_the_odd_ranks_are_the_ones_outside_the_majority():
@@ -54,6 +56,21 @@ def test_the_digest_sees_one_bit_of_a_parameter_or_of_the_optimizer_state():
         assert state_digest(model, opt) != before
 
 
+def test_a_rewind_is_for_the_next_attempt_only(tmp_path, monkeypatch):
+    from checkmate.train import failures
+
+    monkeypatch.delenv(failures.LOG_DIR, raising=False)
+    failures.record_rewind(6)  # no log dir (a script run without the launcher): nothing kept
+    assert failures.rewind_for(1) is None
+    monkeypatch.setenv(failures.LOG_DIR, str(tmp_path))
+    monkeypatch.setenv(failures.RESTART_COUNT, "2")
+    failures.record_rewind(6)
+    failures.record_rewind(6)  # every rank writes it: the same file, whole
+    assert failures.rewind_for(3) == 6
+    assert failures.rewind_for(2) is None and failures.rewind_for(4) is None
+    assert [p.name for p in (tmp_path / "failures").iterdir()] == ["rewind-attempt-3.txt"]
+
+
 def _launch(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None
             ) -> tuple[str, dict]:
     out = tmp / f"{name}.pt"
@@ -70,7 +87,11 @@ def _launch(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = 
 
 
 def test_a_flipped_bit_on_one_rank_is_named_and_the_restart_is_bit_identical(tmp_path):
-    rank, at = random.randrange(1, 4), random.randrange(2, STEPS)
+    """Checked every 3 iterations, the flip is found at the next check; the ranks fed the
+    corrupted copy's gradients to the shadows since, so the restart rewinds to the check
+    before it (or the start) and the run still ends as one without the fault."""
+    rank, at = random.randrange(1, 4), random.randrange(1, 7)
+    found = -(-at // EVERY) * EVERY  # the first check at or after the flip (3 or 6 < STEPS)
     flip = {"CHECKMATE_FLIP_AT": f"{rank}:{at}"}
     why = f"a bit of rank {rank} flipped after iteration {at}"
     clean, ref = _launch(tmp_path, "clean", [])
@@ -79,12 +100,18 @@ def test_a_flipped_bit_on_one_rank_is_named_and_the_restart_is_bit_identical(tmp
     assert "differ" not in silent and "restarting" not in silent, (why, silent[-3000:])
     assert not same_state(drifted["model"], ref["model"]), why
     # with it: named at once on every rank, restarted from the shadows, bit-identical
-    checked, got = _launch(tmp_path, "checked", ["--verify-every", "1"], flip)
-    line = (f"iteration {at}: the model and optimizer state of data-parallel rank(s) {rank} "
-            "differ from the other 3 ranks'")
+    checked, got = _launch(tmp_path, "checked", ["--verify-every", str(EVERY)], flip)
+    back = found - EVERY  # the newest verified iteration; 0: the start
+    then = (f"a restart resumes from the shadows at iteration {back}, the newest the ranks "
+            "verified" if back else "a restart begins the job again, as no iteration was "
+            "verified")
+    line = (f"iteration {found}: the model and optimizer state of data-parallel rank(s) "
+            f"{rank} differ from the other 3 ranks' (silent data corruption on that rank, or a "
+            f"step that is not deterministic); stopping: {then}")
     assert checked.count(line) == 4, (why, checked[-3000:])
     assert "restarting the worker group" in checked, (why, checked[-3000:])
-    assert f"attempt 1: resumed from the shadows at iteration {at}" in checked, \
-        (why, checked[-3000:])
+    again = (f"attempt 1: resumed from the shadows at iteration {back}" if back
+             else "attempt 1: seeded 2 shadow(s)")
+    assert again in checked, (why, checked[-3000:])
     for part in ("model", "optimizer", "scheduler"):
         assert same_state(got[part], ref[part]), f"{part} differs ({why})"

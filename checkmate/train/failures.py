@@ -53,6 +53,35 @@ def record(line: str, rank: str) -> None:
         pass  # the line is on stderr anyway
 
 
+def record_rewind(iteration: int) -> None:
+    """Make the launcher's next attempt resume at ``iteration`` rather than at the newest
+    iteration the shadows hold (the data-parallel copies diverged after it: the newer ones
+    may carry the corruption, checkmate.train.replica_check). Every rank writes it, so rank 0
+    of the next attempt finds it on whichever node it runs; nothing without a log dir."""
+    d = _dir()
+    if d is None:
+        return
+    attempt = int(os.environ.get(RESTART_COUNT, "0")) + 1
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f"rewind-attempt-{attempt}.{os.getpid()}.tmp"
+        tmp.write_text(f"{iteration}\n")
+        tmp.replace(d / f"rewind-attempt-{attempt}.txt")
+    except OSError:
+        pass  # the next attempt resumes at the newest iteration, as without a log dir
+
+
+def rewind_for(attempt: int) -> int | None:
+    """The iteration attempt ``attempt`` must resume at (``record_rewind``), or None."""
+    d = _dir()
+    if d is None:
+        return None
+    try:
+        return int((d / f"rewind-attempt-{attempt}.txt").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def describe(exc: BaseException, rank: str) -> str:
     """One line for an exception the script raised: its type, message and innermost frame
     of the script; the traceback is written to a file the line names (or, without a log

@@ -7,9 +7,10 @@ memory that flipped a bit) and would go on training a different model, and poiso
 others through its gradients. Every ``verify_every`` iterations each rank hashes its state
 (CRC32C over the bytes of every parameter and optimizer state tensor, in one fixed order)
 and the ranks all-gather the 4-byte digests over the session's gloo group; a rank that
-differs from the majority is named in one line on every rank, and the job stops with it
-(under ``checkmate launch`` the restart resumes from the shadows, whose state the
-corrupted copy never touched).
+differs from the majority is named in one line on every rank, and the job stops with it.
+Under ``checkmate launch`` the restart resumes from the shadows at the newest iteration the
+ranks verified (the previous check, or where the attempt started): from there on the
+corrupted copy may have fed the allreduce, and so the shadows, its gradients.
 
 What it cannot catch: a corruption before the allreduce (a wrong gradient) reaches every
 replica and every shadow alike, so they all agree. FSDP2 ranks hold different shards: no
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
+from checkmate.train import failures
 
 
 class ReplicaDivergence(CheckmateError):
@@ -65,23 +67,28 @@ def odd_ones(digests: list[int]) -> tuple[list[int], bool]:
 
 
 def agree(module: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any,
-          world: int, iteration: int) -> None:
+          world: int, iteration: int, verified: int | None = None) -> None:
     """Every rank of ``group``: compare this iteration's state digests; ReplicaDivergence,
-    the same line on every rank, when a rank differs."""
+    the same line on every rank, when a rank differs, after recording that the launcher's
+    next attempt resumes at ``verified`` (the newest iteration the ranks agreed on)."""
     mine = torch.tensor([state_digest(module, optimizer)], dtype=torch.int64)
     every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     bad, majority = odd_ones([int(t[0]) for t in every])
     if not bad:
         return
+    then = "stopping: a restart resumes from the shadows"
+    if verified is not None:
+        failures.record_rewind(verified)
+        then = (f"{then} at iteration {verified}, the newest the ranks verified" if verified
+                else "stopping: a restart begins the job again, as no iteration was verified")
     if majority:
         who = ", ".join(str(r) for r in bad)
         raise ReplicaDivergence(
             f"iteration {iteration}: the model and optimizer state of data-parallel rank(s) "
             f"{who} differ from the other {world - len(bad)} ranks' (silent data corruption "
-            "on that rank, or a step that is not deterministic); stopping: a restart resumes "
-            "from the shadows' copy")
+            f"on that rank, or a step that is not deterministic); {then}")
     raise ReplicaDivergence(
         f"iteration {iteration}: the {world} data-parallel ranks' model and optimizer states "
-        "differ with no majority (silent data corruption, or a step that is not "
-        "deterministic); stopping: a restart resumes from the shadows' copy")
+        f"differ with no majority (silent data corruption, or a step that is not "
+        f"deterministic); {then}")

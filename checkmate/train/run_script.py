@@ -51,8 +51,9 @@ from checkmate.train import agreement, failures
 
 def _exit_now(code: int, line: str) -> None:
     failures.record(line, os.environ.get("RANK", "?"))
-    print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(2, f"{line}\n".encode())  # one write: lines of ranks failing together stay whole
     agreement.said()  # a refusal rank 0 waits to see read: read, and said (agreement)
     os._exit(code)
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
 from checkmate.spec.model import ModelSpec
+from checkmate.train import failures
 from checkmate.train.ddp import CheckmateDDP, bucket_ranges
 from checkmate.train.layout import JobLayout
 from checkmate.train.protection import ProtectionMonitor
@@ -110,7 +111,7 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
     tensor_parallel = False
     #: Every ``verify_every`` iterations the data-parallel ranks compare their state
     #: (checkmate.train.replica_check); 0: never. ``verified_iteration``: the newest they
-    #: agreed on (None: none yet).
+    #: agreed on, or the iteration they started from (None: no check).
     verify_every = 0
     verified_iteration: int | None = None
     #: Every data-parallel rank holds the whole (group's) state, so the ranks' copies can
@@ -271,12 +272,20 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
             _kill_hook(job.kill_at[1]) if first and job.kill_at is not None
             and job.kill_at[0] == job.rank else None)
         sess.verify_every = job.verify_every
-        if job.resume_at is not None and not job.restart_count:
-            sess.resume_at = job.resume_at  # the first attempt only: later ones go on
+        # --resume-at: the first attempt only (later ones go on); a later attempt goes back
+        # to where the last one's replicas were last verified, when they diverged after it
+        at = (job.resume_at if not job.restart_count
+              else failures.rewind_for(job.restart_count))
+        if at == 0:  # the start: seed the shadows anew, and they drop what they held
+            resume = False
+        elif at is not None:
+            sess.resume_at = at
             resume = True
         if resume is None:
             resume = sess._resume_wanted(job)
         done = sess.start(resume=resume)
+        if sess.verify_every:
+            sess.verified_iteration = done  # every rank began from the same state
         if not hasattr(sess, "restored_extra"):
             sess.restored_extra = {}
         if mg is not None:

@@ -90,7 +90,8 @@ class _Step:
                 and self.replicates_state:
             from checkmate.train.replica_check import agree
 
-            agree(self.module, self.optimizer, self.group, self.layout.world, self.iteration)
+            agree(self.module, self.optimizer, self.group, self.layout.world, self.iteration,
+                  self.verified_iteration)
             self.verified_iteration = self.iteration
         return coef
 
