@@ -331,7 +331,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from checkmate.shadow.merge import export
+    from checkmate.shadow.export import export
 
     out = export(args.dirs, args.out, args.iteration,
                  on_skip=lambda text: print(f"shadow: {text}", file=sys.stderr))

@@ -25,8 +25,7 @@ import math
 import os
 import shutil
 import threading
-import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ class SeedPoint(MergeError):
     """
 
 
-def _name(iteration: int) -> str:
+def iter_name(iteration: int) -> str:
     return f"{_ITER}{iteration:012d}"
 
 
@@ -67,7 +66,7 @@ def _fsync(p: Path) -> None:
         os.close(fd)
 
 
-def _coverage(fqn: str, md: Any, region: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+def check_coverage(fqn: str, md: Any, region: tuple[tuple[int, ...], tuple[int, ...]] | None = None
               ) -> None:
     """Every element of the tensor (or of ``region``: offsets, sizes, a tensor-parallel
     shard's place in it) in exactly one chunk, and no chunk outside, else MergeError."""
@@ -119,7 +118,7 @@ def _place(src: Path, dst: Path, link: bool) -> None:
 
 
 @dataclasses.dataclass
-class _Joined:
+class Joined:
     """One iteration's partitions of one group, read and joined in memory (not yet written)."""
 
     first: dict[str, Any]  # partition 0's ckm.json
@@ -129,7 +128,7 @@ class _Joined:
     files: dict[str, tuple[Path, str]]  # new data file name -> (source, sha256)
 
 
-def _collect(parts: list[Path], prefix: str = "") -> _Joined:
+def collect(parts: list[Path], prefix: str = "") -> Joined:
     """Read the partition dirs of one group at one iteration; MergeError unless they are
     partitions 0..n-1 of one iteration, step and spec, and cover their tensors once."""
     import torch.distributed.checkpoint as dcp
@@ -158,7 +157,7 @@ def _collect(parts: list[Path], prefix: str = "") -> _Joined:
         if any(m[1][key] != first[key] for m in metas):
             raise MergeError(f"partition checkpoints disagree on {key}: "
                              f"{[str(m[0]) for m in metas]}")
-    out = _Joined(first, {}, {}, [], {})
+    out = Joined(first, {}, {}, [], {})
     for d, meta, manifest, md in metas:
         p = meta["partition"]
         for fqn, m in md.state_dict_metadata.items():
@@ -185,11 +184,11 @@ def _collect(parts: list[Path], prefix: str = "") -> _Joined:
     regions = _regions(first["spec"])
     for fqn, m in out.sdm.items():
         if not isinstance(m, BytesStorageMetadata):
-            _coverage(fqn, m, regions.get(fqn))
+            check_coverage(fqn, m, regions.get(fqn))
     return out
 
 
-def _write(out: Path, j: _Joined, info: dict[str, Any], link: bool) -> Path:
+def write_joined(out: Path, j: Joined, info: dict[str, Any], link: bool) -> Path:
     """Publish ``j`` as the loadable checkpoint ``out``: atomically (temp dir, fsync,
     rename); left as it is if it exists (another shadow published it first). Data files
     are verified against the partitions' manifests when copied; linked files are the very
@@ -236,143 +235,10 @@ def _write(out: Path, j: _Joined, info: dict[str, Any], link: bool) -> Path:
 def merge(parts: list[Path], out: Path, link: bool = True) -> Path:
     """Join partition checkpoint dirs of one iteration into the loadable checkpoint ``out``
     (see :func:`_write`)."""
-    j = _collect(parts)
+    j = collect(parts)
     f = j.first
-    return _write(out, j, {"iteration": f["iteration"], "step": f["step"],
+    return write_joined(out, j, {"iteration": f["iteration"], "step": f["step"],
                            "partitions": f["partitions"], "spec": f["spec"]}, link)
-
-
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """Dotted DCP keys as the nested dicts DCP flattens into them."""
-    out: dict[str, Any] = {}
-    for fqn, v in flat.items():
-        *path, leaf = fqn.split(".")
-        node = out
-        for k in path:
-            node = node.setdefault(k, {})
-        node[leaf] = v
-    return out
-
-
-def _load_objects(part: Path, fqns: list[str]) -> dict[str, Any]:
-    """Non-tensor entries of a partition checkpoint by their flat DCP keys (DCP flattens a
-    list as a dict of its indices, so ``optim.param_groups.0.params`` nests as dicts)."""
-    import torch.distributed.checkpoint as dcp
-
-    sd = _nest(dict.fromkeys(fqns))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(part), no_dist=True)
-    except Exception as e:  # noqa: BLE001 -- DCP's own errors: one line
-        raise MergeError(f"cannot read {', '.join(fqns[:3])} from {part}: "
-                         f"{' '.join(str(e).split())[-200:]}") from None
-    out = {}
-    for fqn in fqns:
-        node = sd
-        for k in fqn.split("."):
-            node = node[k]
-        out[fqn] = node
-    return out
-
-
-def _joined_param_groups(parts: list[Path], keys: list[str]) -> dict[str, Any]:
-    """The whole model's ``optim.param_groups.<k>.params`` from each mesh group's (names:
-    the "fqn" layout): every other setting must be the same in every group."""
-    per = [_load_objects(p, keys) for p in parts]
-    out = dict(per[0])
-    for gi, theirs in enumerate(per[1:], start=1):
-        for k in keys:
-            if k.endswith(".params"):  # a stage's TP ranks name the same parameters
-                out[k] = list(dict.fromkeys([*out[k], *theirs[k]]))
-            elif theirs[k] != out[k]:
-                raise MergeError(f"{k}: mesh group {gi} has {theirs[k]!r}, group 0 "
-                                 f"{out[k]!r}")
-    return {k: v for k, v in out.items() if k.endswith(".params")}
-
-
-def merge_groups(groups: list[list[Path]], out: Path, link: bool = True) -> Path:
-    """Join one iteration of every data-parallel group of a mesh job (its pipeline stages,
-    TP ranks) into one checkpoint of the whole model ``out``.
-
-    Each group's partitions join as :func:`merge` joins them; across groups a tensor is
-    either a copy every group stores alike (a TP-replicated norm: the first group's is
-    kept) or shards at different places that together cover it once; non-tensor entries
-    are group 0's, except ``optim.param_groups``, whose params lists are concatenated.
-    """
-    import tempfile
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-    from torch.distributed.checkpoint.storage import WriteResult
-
-    from checkmate.shadow.disk import _sha256
-    from checkmate.spec.model import ModelSpec
-
-    joined = [_collect(parts, prefix=f"group{g}-") for g, parts in enumerate(groups)]
-    first = joined[0].first
-    for g, j in enumerate(joined):
-        if j.first["iteration"] != first["iteration"] or j.first["step"] != first["step"]:
-            raise MergeError(f"mesh group {g} holds iteration {j.first['iteration']} step "
-                             f"{j.first['step']}, group 0 iteration {first['iteration']} "
-                             f"step {first['step']}")
-        if ModelSpec.from_json(j.first["spec"]).state_keys != "fqn":
-            raise MergeError(f"{groups[g][0]} is not a mesh job's checkpoint (its optimizer "
-                             "state is keyed by index): join it alone")
-    all_ = _Joined(first, {}, {}, [], {})
-    for j in joined:
-        kept: set[str] = set()
-        for fqn, m in j.sdm.items():
-            have = all_.sdm.get(fqn)
-            if have is None:
-                all_.sdm[fqn] = (m if isinstance(m, BytesStorageMetadata) else
-                                 dataclasses.replace(m, chunks=list(m.chunks)))
-                kept.add(fqn)
-            elif isinstance(m, BytesStorageMetadata) or isinstance(have, BytesStorageMetadata):
-                continue  # group 0's (param_groups: joined below)
-            elif have.size != m.size or have.properties != m.properties:
-                raise MergeError(f"{fqn}: mesh groups disagree on its global size or dtype")
-            elif sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks) == sorted(
-                    (tuple(c.offsets), tuple(c.sizes)) for c in have.chunks):
-                continue  # a copy every group holds alike
-            else:
-                have.chunks.extend(m.chunks)
-                kept.add(fqn)
-        results = [r for r in j.results if r.index.fqn in kept]
-        used = {r.storage_data.relative_path for r in results}
-        all_.results += results
-        all_.files.update({k: v for k, v in j.files.items() if k in used})
-        all_.planner.update(j.planner)
-    for fqn, m in all_.sdm.items():
-        if not isinstance(m, BytesStorageMetadata):
-            _coverage(fqn, m)
-    info = {"iteration": first["iteration"], "step": first["step"], "groups": len(groups),
-            "partitions": [j.first["partitions"] for j in joined],
-            "spec": [j.first["spec"] for j in joined]}
-    with tempfile.TemporaryDirectory(prefix="ckm-join-") as tmp:
-        keys = sorted(k for k in joined[0].sdm if k.startswith("optim.param_groups."))
-        missing = [g for g, j in enumerate(joined) if sorted(
-            k for k in j.sdm if k.startswith("optim.param_groups.")) != keys]
-        if missing:
-            raise MergeError(f"mesh group {missing[0]}'s optimizer param groups have other "
-                             "settings than group 0's")
-        pg = _joined_param_groups([parts[0] for parts in groups], keys)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(_nest(pg), storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
-        md = dcp.FileSystemReader(tmp).read_metadata()
-        all_.sdm.update(md.state_dict_metadata)
-        all_.results = [r for r in all_.results if r.index.fqn not in pg]
-        for idx, st in md.storage_data.items():
-            rel = f"joined-{st.relative_path}"
-            all_.files[rel] = (Path(tmp) / st.relative_path,
-                               _sha256(Path(tmp) / st.relative_path))
-            all_.results.append(WriteResult(index=idx, size_in_bytes=st.length,
-                                            storage_data=dataclasses.replace(
-                                                st, relative_path=rel)))
-        used = {r.storage_data.relative_path for r in all_.results}
-        all_.files = {k: v for k, v in all_.files.items() if k in used}
-        return _write(out, all_, info, link=False)
 
 
 def list_merged(root: Path) -> list[int]:
@@ -406,7 +272,7 @@ def set_latest(root: Path, iteration: int | None) -> None:
     else:
         tmp = root / f"{_TMP}latest-{os.getpid()}-{threading.get_ident()}"
         with open(tmp, "w") as f:
-            f.write(_name(iteration) + "\n")
+            f.write(iter_name(iteration) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, latest)
@@ -428,7 +294,7 @@ def publish(root: Path, partitions: int, iteration: int, keep: int) -> Path | No
     interrupted joins are removed, ``latest`` never moves back, and only the newest ``keep``
     joined checkpoints stay (``keep`` <= 0: all).
     """
-    name = _name(iteration)
+    name = iter_name(iteration)
     parts = [root / f"part{q}" / name for q in range(partitions)]
     with root_lock(root):
         if not all((d / "manifest.json").is_file() for d in parts):
@@ -450,7 +316,7 @@ def publish(root: Path, partitions: int, iteration: int, keep: int) -> Path | No
             newest = max(its[-1], cur if cur is not None else -1)
             for it in its[:-keep]:
                 if it != newest:
-                    shutil.rmtree(root / _name(it), ignore_errors=True)
+                    shutil.rmtree(root / iter_name(it), ignore_errors=True)
     return out
 
 
@@ -459,77 +325,9 @@ def drop_joins(root: Path, since: int) -> list[int]:
     ``latest`` at the newest one left; returns the iterations removed."""
     gone = [it for it in list_merged(root) if it >= since]
     for it in gone:
-        shutil.rmtree(root / _name(it), ignore_errors=True)
+        shutil.rmtree(root / iter_name(it), ignore_errors=True)
     cur = read_latest(root)
     if gone or (cur is not None and cur >= since):
         left = list_merged(root)
         set_latest(root, left[-1] if left else None)
     return gone
-
-
-def _by_group(dirs: list[Path]) -> list[list[Path]]:
-    """Partition dirs grouped by the job id their newest checkpoint's spec names (a mesh
-    job's data-parallel groups have ids of their own: checkmate.protocol.wire
-    group_job_id), in id order: group 0 first."""
-    from checkmate.shadow.disk import list_iterations
-
-    jobs: dict[int, list[Path]] = {}
-    for d in dirs:
-        its = list_iterations(d)
-        job = -1
-        if its:
-            try:
-                spec = json.loads((d / _name(its[-1]) / "ckm.json").read_text())["spec"]
-                job = int((json.loads(spec) if isinstance(spec, str) else spec)["job"])
-            except (OSError, ValueError, KeyError, TypeError):
-                pass  # verify() says what is wrong with it
-        jobs.setdefault(job, []).append(d)
-    return [jobs[j] for j in sorted(jobs)]
-
-
-def export(paths: str | Path | Iterable[str | Path], out: str | Path,
-           iteration: int | None = None,
-           on_skip: Callable[[str], None] | None = None) -> Path:
-    """Verify and join partition dirs (e.g. copied from shadows with separate disks) into one
-    loadable checkpoint ``out`` at ``iteration`` (default: the newest every partition holds,
-    that verifies and is no seed point). ``out`` must not exist or be an empty directory.
-    The dirs of a mesh job's data-parallel groups (``DIR/group*``) join into one checkpoint
-    of the whole model (:func:`merge_groups`). ``on_skip`` hears why newer iterations were
-    passed over (default: logged), only when one is exported; a failure is the one error
-    line."""
-    from checkmate.shadow.checkpoint_load import _part_dirs, verify
-    from checkmate.shadow.disk import PersistError, list_iterations
-
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MergeError(f"{out} exists and is not an empty directory")
-    dirs = _part_dirs(paths)
-    groups = _by_group(dirs)
-    common = set.intersection(*(set(list_iterations(d)) for d in dirs)) if dirs else set()
-    if iteration is not None:
-        common &= {iteration}
-    if not common:
-        what = f"iteration {iteration}" if iteration is not None else "an iteration"
-        raise MergeError(f"no partition dir set in {[str(d) for d in dirs]} holds {what} "
-                         f"in every partition")
-    skipped: list[str] = []
-    for it in sorted(common, reverse=True):
-        parts = [[d / _name(it) for d in g] for g in groups]
-        try:
-            for d in (d for g in parts for d in g):
-                verify(d)
-        except PersistError as e:
-            skipped.append(f"iteration {it} not exported: {e}")
-            continue
-        if out.exists():
-            out.rmdir()
-        try:
-            done = (merge(parts[0], out, link=False) if len(parts) == 1
-                    else merge_groups(parts, out))
-        except SeedPoint as e:
-            skipped.append(f"iteration {it} not exported: {e}")
-            continue
-        for text in skipped:  # said only beside a success; a failure is one line
-            (on_skip or log.warning)(text)
-        return done
-    raise MergeError(f"no common iteration verifies: {skipped[-1].split(': ', 1)[1]}")

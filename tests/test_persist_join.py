@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkmate.shadow import checkpoint_load, disk, merge, persist, torch_layout
+from checkmate.shadow import checkpoint_load, disk, export, merge, persist, torch_layout
 from checkmate.shadow.cli import main as shadow_main
 from checkmate.shadow.control_message import Control
 from checkmate.shadow.state import ShadowState
@@ -177,10 +177,10 @@ def test_merge_refuses_mixed_iterations_missing_partitions_and_gaps(tmp_path):
         ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
         ChunkStorageMetadata(torch.Size([2, 1]), torch.Size([2, 2]))])
     with pytest.raises(merge.MergeError, match="2 of 12 elements are in no partition"):
-        merge._coverage("model.w", gap)
+        merge.check_coverage("model.w", gap)
     gap.chunks.append(ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([3, 1])))
     with pytest.raises(merge.MergeError, match="1 in more than one"):
-        merge._coverage("model.w", gap)
+        merge.check_coverage("model.w", gap)
 
 
 def test_export_joins_separate_disks_and_skips_a_corrupt_iteration(tmp_path, capsys):
@@ -208,7 +208,7 @@ def test_export_joins_separate_disks_and_skips_a_corrupt_iteration(tmp_path, cap
     assert all(torch.equal(v, sd["model"][k]) for k, v in m.items())
 
     with pytest.raises(merge.MergeError, match="not an empty directory"):
-        merge.export(roots, out)
+        export.export(roots, out)
     assert shadow_main(["export", "--out", str(tmp_path / "e2"), "--iteration", "4",
                         str(roots[0]), str(roots[1])]) == 2
     err = capsys.readouterr().err.strip()
