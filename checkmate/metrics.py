@@ -179,6 +179,15 @@ class ShadowCollector(Collector):
         reseed = _sub(st, "reseed")
         f.counter("reseeds_total", "Live re-seeds of this shadow.", reseed.get("count"))
         f.gauge("reseed_active", "1 while a re-seed is in progress.", reseed.get("active"))
+        check = _sub(st, "state_check")
+        f.gauge("verified_iteration",
+                "Newest iteration whose committed state equals the trainers' (state check).",
+                check.get("verified_iteration"))
+        f.gauge("diverged", "1 while the committed state differs from the trainers' (a state "
+                "check failed; until the re-seed installs theirs).",
+                None if not check else bool(check.get("diverged")))
+        f.counter("state_checks_total", "State checks against the trainers' digests.",
+                  check.get("checks"))
         persist = _sub(st, "persist")
         f.counter("persist_errors_total", "Failed checkpoint writes.", persist.get("errors"))
         f.counter("persist_written_total", "Checkpoints written to disk.", persist.get("written"))

@@ -14,6 +14,7 @@ import numpy as np
 
 from checkmate.optim.grads import as_kernel_grad, widen
 from checkmate.protocol import jsonbound
+from checkmate.protocol.state_digest import valid_rows
 
 #: Largest control message accepted whatever the spec (JSON with base64 buffers).
 MAX_CONTROL = 64 << 20
@@ -60,6 +61,9 @@ class Control:
     #: The float32 factor the trainers unscaled the (scaled, fp16) gradient by before the
     #: step (torch.amp.GradScaler; None: not scaled). See ``step_gradient``.
     inv_scale: float | None = None
+    #: Per rank, its digest of its share of each partition after this step (a checked
+    #: iteration: checkmate.protocol.state_digest), or None.
+    digests: list[list[str]] | None = None
 
     def step_gradient(self, grad: np.ndarray) -> np.ndarray:
         """The gradient the optimizer steps with: ``grad`` itself, or with ``inv_scale``
@@ -132,10 +136,14 @@ def parse_control(data: bytes, iteration: int, groups: int,
         raise ValueError("control buffers and extra must be objects")
     if spec_buffers is not None:
         _check_buffers(buffers, spec_buffers)
+    digests = body.get("digests")
+    if digests is not None and not valid_rows(digests):
+        raise ValueError("control digests must be one list per rank of one 32-hex-digit "
+                         "digest per partition")
     return Control(iteration, [float(x) for x in lrs],
                    None if clip is None else float(clip), skip, buffers, extra,
                    _parse_hyper(body.get("hyper"), groups),
-                   None if inv is None else float(inv))
+                   None if inv is None else float(inv), digests)
 
 
 def _check_buffers(buffers: dict[str, Any], sizes: Mapping[str, int]) -> None:

@@ -226,6 +226,7 @@ class ShadowNode:
                                                    o.persist_every, o.persist_seconds,
                                                    o.keep)
                 self.state.after_commit = self.persister.wait_room
+                self.state.on_diverged = self.persister.drop_from
                 if self.restored_from is not None:
                     self.persister.last_iteration = self.state.latest
             self._commits_at_start = self.state.committed_count
@@ -348,6 +349,7 @@ class ShadowNode:
             "committed": st.committed_count,
             "step_seconds": round(st.step_seconds, 6),
             "error": st.last_error,
+            "state_check": st.check.status(),
             "persist": self.persister.status() if self.persister else None,
             "restored_from": self.restored_from,
             "warm_seconds": self.warm_seconds,

@@ -347,7 +347,12 @@ class Persister:
         if self.last_iteration is None or v.iteration > self.last_iteration:
             self.offer(v, seeded)
 
-    def _new_lineage(self, since: int) -> None:
+    def drop_from(self, since: int) -> None:
+        """A state check failed: this partition's checkpoints of iterations ``since`` on
+        are not the trainers' state; removed (and their joins), a queued write dropped."""
+        self._new_lineage(since, "a state check failed: not the trainers' state")
+
+    def _new_lineage(self, since: int, why: str = "") -> None:
         with self._cv:
             self._generation += 1
             self.last_iteration = None
@@ -364,17 +369,18 @@ class Persister:
             return
         self.purged = parts
         if parts or joins:
-            log.warning("persist: partition %d seeded at iteration %d: removed its "
-                        "checkpoints of iterations %s and the joins %s (a run not continued)",
-                        self.partition, since, parts, joins)
+            log.warning("persist: partition %d %s: removed its checkpoints of iterations %s "
+                        "and the joins %s (%s)", self.partition,
+                        f"from iteration {since}" if why else f"seeded at iteration {since}",
+                        parts, joins, why or "a run not continued")
 
     def offer(self, version: Any, seeded: bool = False) -> None:
         """Pin and queue ``version`` if due (under the state lock; never waits there, so
         status and fetch are answered meanwhile). An aligned version is always queued; the
         step that made it then waits in :meth:`wait_room` if the writer is behind."""
         it = version.iteration
-        if not self.due(it):
-            return
+        if not self.due(it) or not self.state.check.restorable(it):
+            return  # a failed state check: not the trainers' state, never written
         v = self.state.pin(it)
         with self._cv:
             if self.every > 0:

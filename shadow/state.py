@@ -30,6 +30,7 @@ from checkmate.shadow.assembler import Assembler
 from checkmate.shadow.control_message import Control
 from checkmate.shadow.intervals import IntervalSet
 from checkmate.shadow.osname import name_thread
+from checkmate.shadow.state_check import StateCheck
 from checkmate.spec.model import ModelSpec
 
 log = logging.getLogger("checkmate.shadow")
@@ -153,6 +154,11 @@ class ShadowState:
         self.reseed_seconds: float | None = None
         #: (iteration, wall-clock time) of recent commits: commit lag is measured from them.
         self.commit_times: deque[tuple[int, float]] = deque(maxlen=4096)
+        #: The trainers' digests checked against what was committed (shadow.state_check);
+        #: ``on_diverged(since)``: a check failed, nothing from ``since`` on is the
+        #: trainers' (the node removes those disk checkpoints).
+        self.check = StateCheck(partition)
+        self.on_diverged: Callable[[int], None] | None = None
 
     # ----- spec -------------------------------------------------------------------------
     def set_spec(self, spec: ModelSpec) -> None:
@@ -236,6 +242,7 @@ class ShadowState:
             self.versions.clear()
             self.seeded_iteration = iteration
             self.installs += 1
+            self.check.installed(iteration)
             self._commit(iteration, buffers or {}, extra or {}, lrs)
             if not self._ensure_assembler(iteration) and reset_assembler:
                 assert self.asm is not None
@@ -406,6 +413,9 @@ class ShadowState:
                               control.hyper, out=stepped)
             self.step_seconds += time.perf_counter() - t0
             self._commit(it, control.buffers, control.extra, control.lrs, stepped)
+            self.check.maybe_flip(self, self.versions[-1])
+            if control.digests is not None:
+                self.check.committed(self, control.digests)
         if self.after_commit is not None:  # outside the lock: a wait here blocks no reader
             self.after_commit()
 
@@ -441,8 +451,9 @@ class ShadowState:
 
     # ----- reading ----------------------------------------------------------------------
     def retained(self) -> list[int]:
+        """The iterations a restore may take (a failed state check withdraws some)."""
         with self.lock:
-            return [v.iteration for v in self.versions]
+            return [v.iteration for v in self.versions if self.check.restorable(v.iteration)]
 
     @property
     def latest(self) -> int | None:
@@ -452,12 +463,15 @@ class ShadowState:
     def pin(self, it: int | None = None) -> Version:
         """Pin a retained version (the newest by default); CheckmateError if not retained."""
         with self.lock:
-            for v in self.versions:
-                if it is None and v is self.versions[-1] or v.iteration == it:
+            ok = [v for v in self.versions if self.check.restorable(v.iteration)]
+            for v in ok:
+                if it is None and v is ok[-1] or v.iteration == it:
                     v.pins += 1
                     return v
-            have = [v.iteration for v in self.versions]
-            raise CheckmateError(f"iteration {it} is not retained (retained: {have})")
+            have = [v.iteration for v in ok]
+            why = (f"; after iteration {self.check.suspect_after} none is, a state check "
+                   "failed" if self.check.suspect_after is not None else "")
+            raise CheckmateError(f"iteration {it} is not retained (retained: {have}{why})")
 
     def unpin(self, v: Version) -> None:
         with self.lock:

@@ -38,6 +38,9 @@ def full_shadow_status() -> dict[str, Any]:
         "repair": {"requests": 11, "ranges": 40, "control_requests": 1, "answers": 10, "gone": 1},
         "reseed": {"count": 2, "active": True, "reason": "gone"},
         "persist": {"errors": 1, "written": 30, "last_iteration": 110},
+        "state_check": {"verified_iteration": 116, "checks": 58, "failures": 1,
+                        "diverged": "partition 3: iteration 118: the committed state differs",
+                        "restorable_until": 116},
     }
 
 
@@ -94,8 +97,13 @@ SHADOW_EXPECTED = {
     "persist_errors_total": 1,
     "persist_written_total": 30,
     "persist_last_iteration": 110,
+    "verified_iteration": 116,
+    "diverged": 1,
+    "state_checks_total": 58,
 }
 SHADOW_GAUGES = {
+    "verified_iteration",
+    "diverged",
     "committed_iteration",
     "lag_iterations",
     "reseed_active",
@@ -151,8 +159,13 @@ def test_shadow_partial_status_omits_only_missing() -> None:
     del st["repair"]
     st["reseed"] = {"count": 0}  # active missing
     st["drops"] = {"crc": None, "short": 1}
+    st["state_check"] = {"verified_iteration": None, "checks": 0, "failures": 0,
+                         "diverged": "", "restorable_until": None}  # nothing checked yet
     got = samples(render(ShadowCollector(lambda: st)))
+    assert got[key("checkmate_shadow_diverged", partition=3)] == 0.0
     assert {name for name, _ in got} == {
+        "checkmate_shadow_diverged",
+        "checkmate_shadow_state_checks_total",
         "checkmate_shadow_commits_total",
         "checkmate_shadow_datagrams_total",
         "checkmate_shadow_drops_total",

@@ -27,6 +27,7 @@ __all__ = [
     "partition_bounds",
     "partition_of",
     "partition_pieces",
+    "share_bounds",
     "split_range",
 ]
 
@@ -73,6 +74,15 @@ def partition_of(offset: int, total: int, n: int) -> int:
         raise CheckmateError(f"offset {offset} outside the flat space [0, {total})")
     # Largest i with i*total//n <= offset  <=>  i*total < (offset+1)*n.
     return ((offset + 1) * n - 1) // total
+
+
+def share_bounds(start: int, end: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s share of the partition ``[start, end)``: its ``world`` contiguous
+    pieces, in rank order, cover it once. A trainer seeds its share of every partition
+    (checkmate.train.shadow_client.seed_share) and hashes the same share for the shadow's
+    state check (checkmate.protocol.state_digest)."""
+    n = end - start
+    return start + n * rank // world, start + n * (rank + 1) // world
 
 
 def split_range(offset: int, count: int, total: int, n: int) -> list[tuple[int, int, int]]:

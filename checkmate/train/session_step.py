@@ -73,12 +73,14 @@ class _Step:
         if self.injector is not None:
             self.injector("before-control", self.iteration)
         steps = self.opt_step + (0 if skip else 1)
+        digests = self._verify() if self.verify_every and \
+            self.iteration % self.verify_every == 0 else None
         if self.gockpt is not None:
             self.gockpt.after_step(self.iteration, steps,
                                    self._control_body(lrs, coef, hyper, extra, None, skip))
         if self.layout.rank == 0 and self.layout.mode != "off":
             data = self.sender.control(self.iteration, self._control_body(
-                lrs, coef, hyper, extra, inv_scale, skip))
+                lrs, coef, hyper, extra, inv_scale, skip, digests))
             self.control_bytes = len(data)
             if self.replica_log is not None:
                 self.replica_log.add_control(self.iteration, data)
@@ -86,14 +88,24 @@ class _Step:
         self.done_iteration = self.iteration
         if self.monitor is not None:
             self.monitor.capture(self.iteration, self.opt_step)
-        if self.verify_every and self.iteration % self.verify_every == 0 \
-                and self.replicates_state:
+        return coef
+
+    def _verify(self) -> list[list[str]] | None:
+        """A checked iteration, after the step and before the control message: the ranks'
+        copies agree (checkmate.train.replica_check; a divergence ends here, before the
+        shadows commit the iteration), then the digests the shadows check their state
+        against (checkmate.train.shadow_check; None without shadows)."""
+        if self.replicates_state:
             from checkmate.train.replica_check import agree
 
             agree(self.module, self.optimizer, self.group, self.layout.world, self.iteration,
                   self.verified_iteration)
             self.verified_iteration = self.iteration
-        return coef
+        if self.layout.mode == "off":
+            return None
+        from checkmate.train.shadow_check import gathered
+
+        return gathered(self)
 
     def _before_grads_change(self) -> None:
         """Called by ``step`` before anything writes the gradients (unscale, clip): a
@@ -110,12 +122,16 @@ class _Step:
 
     def _control_body(self, lrs: list[float], coef: float | None, hyper: list[dict[str, Any]],
                       extra: dict[str, Any] | None, inv_scale: float | None = None,
-                      skip: bool = False) -> dict[str, Any]:
+                      skip: bool = False, digests: list[list[str]] | None = None
+                      ) -> dict[str, Any]:
         """This step's control message: what a shadow (or GoCkpt's process) needs to repeat
         it and to restore from it. ``inv_scale``: the float32 factor the trainers unscaled
         the replicated (scaled) gradient by; GoCkpt's process gets None (it captures the
-        gradient after the unscale). ``skip``: the step was skipped (inf/nan gradient)."""
+        gradient after the unscale). ``skip``: the step was skipped (inf/nan gradient).
+        ``digests``: every rank's digests of its share of each partition after this step,
+        which the shadows check what they commit against (checkmate.train.shadow_check)."""
         return {
+            **({"digests": digests} if digests is not None else {}),
             "iteration": self.iteration, "lrs": lrs, "clip_coef": coef, "skip": skip,
             "inv_scale": inv_scale, "hyper": hyper,
             "buffers": self.spec.encode_buffers(dict(self.module.named_buffers())),

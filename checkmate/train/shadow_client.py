@@ -384,11 +384,10 @@ def seed_share(
     every slot, so the trainers together cover every partition once. ``context``: the
     version's buffers and extra (a rewind seeds an iteration that had a control message).
     """
-    from checkmate.spec.partition import partition_bounds
+    from checkmate.spec.partition import partition_bounds, share_bounds
 
     for p, (start, end) in enumerate(partition_bounds(spec.total, spec.partitions)):
-        n = end - start
-        a, b = start + n * rank // world, start + n * (rank + 1) // world
+        a, b = share_bounds(start, end, rank, world)
         with ShadowClient(addrs[p], timeout) as c:
             c.send_spec(spec)  # idempotent: whichever rank arrives first sets it
             for s in spec.slots:

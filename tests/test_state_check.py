@@ -1,0 +1,166 @@
+"""The shadows' state check (issue 35 item 1): every ``verify_every`` iterations the trainers
+send digests of their shares of each partition's state, and a shadow whose committed state
+differs says so in one line, withdraws what it holds since the last iteration known to be
+the trainers' (memory, disk) and is re-seeded live.
+
+Unit: the digest, the control message's form, and a real ShadowState (AdamW partition, its
+Persister wired as the node wires it) stepped beside a reference one whose digests play the
+trainers'. Launch: examples/train.py, 4 trainers and 2 shadows, ``--verify-every 2``, and a
+bit flipped in one shadow's committed state (CHECKMATE_SHADOW_FLIP_AT, test only): named at
+the next check, re-seeded, and checked equal to the trainers' again; the other shadow's
+checks all pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from shadow_cluster import make_spec
+
+from checkmate.errors import CheckmateError
+from checkmate.protocol.state_digest import digest, digest_key, valid_rows
+from checkmate.shadow import disk, persist
+from checkmate.shadow.control_message import Control, parse_control
+from checkmate.spec.partition import share_bounds
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train.py"
+
+
+def test_the_digest_is_keyed_and_sees_one_bit():
+    a = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    key = digest_key(b"k" * 32)
+    d = digest(key, [a, a[:10]])
+    assert d == digest(key, [a.copy(), a[:10].copy()]) and len(d) == 32
+    assert d == digest(key, [a.astype(np.float64), a[:10]])  # hashed as the shadow holds it
+    assert d != digest(digest_key(b"j" * 32), [a, a[:10]])  # another run's key
+    assert d != digest(digest_key(None), [a, a[:10]])
+    b = a.copy()
+    b[500:501].view(np.int32)[0] ^= 1
+    assert digest(key, [b, a[:10]]) != d
+    assert valid_rows([[d, d], [d, d]])
+    for bad in ([], [[d], [d, d]], [[d.upper()]], [["0" * 31]], [[1]], {"0": [d]}):
+        assert not valid_rows(bad), bad
+
+
+def test_control_digests_are_checked_for_their_form():
+    def body(digests: object) -> bytes:
+        return json.dumps({"iteration": 3, "lrs": [0.1], "digests": digests}).encode()
+
+    good = [["ab" * 16, "cd" * 16]] * 3
+    assert parse_control(body(good), 3, 1).digests == good
+    assert parse_control(json.dumps({"iteration": 3, "lrs": [0.1]}).encode(), 3, 1
+                         ).digests is None
+    with pytest.raises(ValueError, match="control digests must be"):
+        parse_control(body([["ab" * 16], ["zz" * 16]]), 3, 1)
+
+
+class _Shadow:
+    """A real ShadowState of partition ``p``, stepping AdamW, its Persister wired."""
+
+    def __init__(self, spec, p: int, root: Path | None = None) -> None:
+        from checkmate.shadow.state import ShadowState
+
+        self.spec, self.p = spec, p
+        self.a, self.b = spec.bounds(p)
+        self.state = ShadowState(p, spec.partitions, spec.job, retain=16)
+        self.state.set_spec(spec)
+        self.state.control_key = b"c" * 32
+        self.per = None
+        if root is not None:
+            self.per = persist.Persister(root, p, self.state, every=1, keep=16)
+            self.state.on_commit = self.per.on_commit
+            self.state.on_diverged = self.per.drop_from
+        arrays = {s: np.zeros(self.b - self.a, np.float32) for s in spec.slots}
+        arrays[spec.slots[0]][:] = 0.5  # the parameters; no optimizer state before a step
+        self.state.install(0, 0, arrays)
+
+    def step(self, it: int, digests: list[list[str]] | None = None) -> None:
+        g = np.random.default_rng(it).standard_normal(self.b - self.a).astype(np.float32)
+        self.state.apply(it, g, Control(it, [0.01] * len(self.spec.groups), None, False, {},
+                                        {}, digests=digests))
+
+    def shares(self, world: int) -> list[str]:
+        """What each of ``world`` trainers would send for this partition (its newest)."""
+        v = self.state.versions[-1]
+        key = digest_key(self.state.control_key)
+        return [digest(key, [v.slots[s][a - self.a:b - self.a] for s in self.spec.slots])
+                for a, b in (share_bounds(self.a, self.b, r, world) for r in range(world))]
+
+
+def test_a_failed_check_withdraws_the_state_until_a_reseed(tmp_path, caplog):
+    spec = make_spec(partitions=2)
+    ref = _Shadow(spec, 1)  # the trainers' state of partition 1
+    got = _Shadow(spec, 1, tmp_path)
+    got.state.check.flip_at = 3  # its memory flips a bit after iteration 3
+
+    def checked(it: int) -> None:
+        ref.step(it)
+        rows = [["0" * 32, d] for d in ref.shares(3)]  # 3 ranks; partition 0 not ours
+        got.step(it, rows)
+
+    for it in (1, 2):
+        checked(it)
+    assert got.state.check.verified == 2 and got.state.retained()[-1] == 2
+    got.step(3)  # not a checked iteration: the flip is not seen yet
+    ref.step(3)
+    deadline = time.monotonic() + 30
+    while 3 not in disk.list_iterations(tmp_path / "part1"):  # the writer is behind
+        assert time.monotonic() < deadline, disk.list_iterations(tmp_path / "part1")
+        time.sleep(0.05)
+    checked(4)
+    line = [r.getMessage() for r in caplog.records if "differs from the trainers'" in
+            r.getMessage()]
+    a, b = share_bounds(*spec.bounds(1), 0, 3)  # the flipped element is the partition's first
+    assert line == [f"partition 1: iteration 4: the committed state differs from the trainers' "
+                    f"(1 of 3 ranks' shares; the first, rank 0's, elements [{a}, {b}) of emb, "
+                    "w1): nothing after iteration 2 is restorable until the trainers re-seed the "
+                    "partition, asked for now"], line
+    assert got.state.check.status()["diverged"] == line[0]
+    # withdrawn: memory, restore and disk (3 removed, 4 never written)
+    assert got.state.retained() == [0, 1, 2]
+    with pytest.raises(CheckmateError, match="after iteration 2 none is"):
+        got.state.pin(4)
+    assert disk.list_iterations(tmp_path / "part1") == [0, 1, 2]
+    checked(5)  # still different: said once
+    assert sum("differs from the trainers'" in r.getMessage() for r in caplog.records) == 1
+    # the trainers' re-seed installs their state: restorable, checked equal again
+    v = ref.state.versions[-1]
+    got.state.install(5, v.step, {s: v.slots[s].copy() for s in spec.slots})
+    assert got.state.retained() == [5] and got.state.check.status()["diverged"] == ""
+    checked(6)
+    assert got.state.check.verified == 6 and got.state.retained() == [5, 6]
+    assert any("iteration 6: the state matches the trainers' again" in r.getMessage()
+               for r in caplog.records)
+    got.per.stop()
+
+
+def test_a_flipped_bit_in_a_shadow_is_named_reseeded_and_checked_equal_again(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "4",
+         "--shadows", "2", "--progress-every", "0", "--verify-every", "2",
+         "--dir", str(tmp_path / "run"), str(EXAMPLE), "--steps", "16",
+         "--out", str(tmp_path / "out.pt")],
+        capture_output=True, text=True, timeout=400,
+        env={**os.environ, "NUMBA_NUM_THREADS": "1", "CHECKMATE_SHADOW_FLIP_AT": "1:3"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "Traceback" not in out, out[-4000:]
+    assert ("re-seeding the shadow of partition 1 while training runs (the state check of "
+            "iteration 4 failed)") in out, out[-3000:]
+    assert "the shadows hold iteration 16 " in out, out[-3000:]
+    log1 = (tmp_path / "run" / "shadow-1.log").read_text()
+    said = re.findall(r"partition 1: iteration (\d+): the committed state differs from the "
+                      r"trainers'", log1)
+    assert said == ["4"], log1[-3000:]
+    again = re.findall(r"partition 1: iteration (\d+): the state matches the trainers' again",
+                       log1)
+    assert len(again) == 1 and 4 < int(again[0]) <= 16, log1[-3000:]
+    assert "differs" not in (tmp_path / "run" / "shadow-0.log").read_text()
