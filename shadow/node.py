@@ -336,7 +336,8 @@ class ShadowNode:
             },
             "seeded_iteration": st.seeded_iteration,
             "installs": st.installs,  # seeds, disk reloads and re-seeds taken
-            "latest": st.latest,
+            # what a restore may take: a failed state check withdraws the newer versions
+            "latest": (st.retained() or [None])[-1],
             "retained": st.retained(),
             "epoch": self.receiver.epoch,
             "run": self.run,

@@ -5,8 +5,9 @@ the trainers' (memory, disk) and is re-seeded live.
 
 Unit: the digest, the control message's form, and a real ShadowState (AdamW partition, its
 Persister wired as the node wires it) stepped beside a reference one whose digests play the
-trainers'. Launch: examples/train.py, 4 trainers and 2 shadows, ``--verify-every 2``, and a
-bit flipped in one shadow's committed state (CHECKMATE_SHADOW_FLIP_AT, test only): named at
+trainers'. Launch: examples/train.py, 4 trainers and 2 shadows, ``--verify-every 2``, 150
+iterations (time for the trainers to notice the shadow's ask and re-seed it), and a bit
+flipped in one shadow's committed state (CHECKMATE_SHADOW_FLIP_AT, test only): named at
 the next check, re-seeded, and checked equal to the trainers' again; the other shadow's
 checks all pass.
 """
@@ -147,7 +148,7 @@ def test_a_flipped_bit_in_a_shadow_is_named_reseeded_and_checked_equal_again(tmp
     p = subprocess.run(
         [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "4",
          "--shadows", "2", "--progress-every", "0", "--verify-every", "2",
-         "--dir", str(tmp_path / "run"), str(EXAMPLE), "--steps", "16",
+         "--dir", str(tmp_path / "run"), str(EXAMPLE), "--steps", "150",
          "--out", str(tmp_path / "out.pt")],
         capture_output=True, text=True, timeout=400,
         env={**os.environ, "NUMBA_NUM_THREADS": "1", "CHECKMATE_SHADOW_FLIP_AT": "1:3"})
@@ -155,12 +156,12 @@ def test_a_flipped_bit_in_a_shadow_is_named_reseeded_and_checked_equal_again(tmp
     assert p.returncode == 0 and "Traceback" not in out, out[-4000:]
     assert ("re-seeding the shadow of partition 1 while training runs (the state check of "
             "iteration 4 failed)") in out, out[-3000:]
-    assert "the shadows hold iteration 16 " in out, out[-3000:]
+    assert "the shadows hold iteration 150 " in out, out[-3000:]
     log1 = (tmp_path / "run" / "shadow-1.log").read_text()
     said = re.findall(r"partition 1: iteration (\d+): the committed state differs from the "
                       r"trainers'", log1)
     assert said == ["4"], log1[-3000:]
     again = re.findall(r"partition 1: iteration (\d+): the state matches the trainers' again",
                        log1)
-    assert len(again) == 1 and 4 < int(again[0]) <= 16, log1[-3000:]
+    assert len(again) == 1 and 4 < int(again[0]) <= 150, log1[-3000:]
     assert "differs" not in (tmp_path / "run" / "shadow-0.log").read_text()

@@ -1,0 +1,172 @@
+"""`testbed bench verify`: what ``--verify-every K`` costs the trainers' iterations.
+
+One run, loopback, host mode: ``--world`` trainer processes train one stock
+``DistributedDataParallel`` model driven by ``checkmate.train.ddp_hook.DDPSession`` with two
+real ``shadow serve`` processes, and alternate, in ``--rounds`` rounds of ``--iters``
+iterations (the order swapped every round), between ``verify_every = 0`` (off) and
+``verify_every = K`` (``--every``): every K-th iteration the ranks compare a CRC32C of their
+state (replica agreement) and send the digests of their shares, which the shadows check
+their committed state against (the state check). The check's cost falls on one iteration
+in K, so each round's figure is its mean iteration time, not a median; rank 0 waits for
+the shadows after every round (not counted), so a round never pays for the one before.
+Ends with ``verify ratio: <x>``: the median over rounds of off's mean iteration time over
+the checked variant's in the same round (1.0: free; 0.99: the check costs 1%). The shadows
+run on the trainers' cores, so their share of the check shows here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from checkmate.config import cluster as cfgmod
+from checkmate.errors import CheckmateError, cli_guard
+from checkmate.testbed import lifeline
+from checkmate.testbed.bench.ddp import _start_shadows, _stop
+from checkmate.testbed.bench.rounds import verdict
+
+VARIANTS = ("off", "checked")
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checkmate.testbed.models import build
+    from checkmate.train import JobLayout, ShadowTarget
+    from checkmate.train.ddp_hook import DDPSession
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ips = args.shadows.split(",")
+    w = build(args.model, 1, args.rounds * 2 * args.iters, width=args.width)
+    layout = JobLayout(
+        job_id=7, rank=rank, world=world,
+        trainers=[(f"{args.net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
+        shadows=[ShadowTarget(p, ip, cfgmod.SHADOW_PORT) for p, ip in enumerate(ips)],
+        shadow_tcp=[(ip, cfgmod.RESTORE_PORT) for ip in ips], mode="host", seed=1)
+    ddp = DDP(w.model)
+    sess = DDPSession(ddp, w.optimizer, w.scheduler, layout, w.max_grad_norm)
+    sess.start()
+    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    it = 0
+    for rnd in range(args.rounds):
+        for kind in (VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]):
+            sess.verify_every = args.every if kind == "checked" else 0
+            dist.barrier()
+            spent = 0.0
+            for _ in range(args.iters):
+                it += 1
+                t0 = time.perf_counter()
+                sess.begin(it)
+                x, y = w.batch(rank, it)
+                w.optimizer.zero_grad()
+                w.loss(ddp(x), y).backward()
+                sess.step()
+                spent += time.perf_counter() - t0
+            times[kind].append(spent / args.iters)
+            if rank == 0:
+                sess.wait_shadows(it, 120.0)
+            dist.barrier()
+    prot = sess.finish(60.0)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({
+            "times": times, "protected": prot["protected"],
+            "params": sum(p.numel() for p in w.model.parameters())}))
+    sess.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def _failed_checks(work: Path) -> int:
+    """State checks the shadows found different (each is a line of their logs)."""
+    return sum(p.read_text(errors="replace").count("differs from the trainers'")
+               for p in work.glob("shadow*.log"))
+
+
+@cli_guard("testbed bench verify")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="testbed bench verify", description=__doc__)
+    ap.add_argument("--model", default="gpt", choices=("gpt", "cnn"))
+    ap.add_argument("--width", type=int, default=256, help="model width")
+    ap.add_argument("--world", type=int, default=2, help="trainer processes")
+    ap.add_argument("--every", type=int, default=10, help="K: a checked iteration in K")
+    ap.add_argument("--rounds", type=int, default=4, help="alternated rounds")
+    ap.add_argument("--iters", type=int, default=20, help="iterations per round and variant")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--net", help=argparse.SUPPRESS)
+    ap.add_argument("--shadows", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    if not 1 <= args.world <= 8 or args.rounds < 2 or args.width < 8 or args.every < 1:
+        raise CheckmateError("need 1 <= --world <= 8, --rounds >= 2, --width >= 8, "
+                             "--every >= 1")
+    if args.iters < args.every:
+        raise CheckmateError("--iters must be at least --every: a round must hold a check")
+    load = os.getloadavg()[0]
+    net = f"127.84.{random.randrange(1, 255)}"
+    with tempfile.TemporaryDirectory(prefix="ckm-bench-verify-") as tmp:
+        work = Path(tmp)
+        shadows, ips = _start_shadows(net, work)
+        out = work / "result.json"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        try:
+            for r in range(args.world):
+                env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(args.world),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "OMP_NUM_THREADS": "1"}
+                procs.append(lifeline.popen(
+                    [sys.executable, "-m", "checkmate.testbed.bench.verify", "--worker",
+                     "--model", args.model, "--width", str(args.width), "--rounds",
+                     str(args.rounds), "--iters", str(args.iters), "--every",
+                     str(args.every), "--net", net, "--shadows", ",".join(ips),
+                     "--out", str(out)],
+                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    start_new_session=True))
+            errs = []
+            for p in procs:
+                try:
+                    _, err = p.communicate(timeout=900)
+                except subprocess.TimeoutExpired:
+                    err = b"timed out"
+                errs.append(err.decode(errors="replace").strip().splitlines()[-1:])
+        finally:
+            _stop(procs)
+            _stop(shadows)
+        if any(p.returncode for p in procs) or not out.exists():
+            raise CheckmateError(f"benchmark workers failed: {errs}")
+        data = json.loads(out.read_text())
+        failed = _failed_checks(work)
+    t = data["times"]
+    ratios = [a / b for a, b in zip(t["off"], t["checked"], strict=True)]
+    print(f"--verify-every {args.every} against off: {args.model} width {args.width} "
+          f"({data['params']} parameters), {args.world} trainers (stock DDP + hook), 2 "
+          f"shadows, host mode, {args.rounds} alternated rounds of {args.iters} iterations "
+          f"each, load {load:.2f}")
+    print("per round, mean ms/it off / checked (ratio): " + ", ".join(
+        f"{1000 * a:.1f}/{1000 * b:.1f} ({a / b:.3f})"
+        for a, b in zip(t["off"], t["checked"], strict=True)))
+    print(f"off {1000 * statistics.median(t['off']):.1f} ms/it, checked "
+          f"{1000 * statistics.median(t['checked']):.1f} ms/it (medians of the round means); "
+          f"ratio {verdict(ratios)}; shadow checks failed: {failed}")
+    if not data["protected"] or failed:
+        raise CheckmateError("the shadows did not commit the last iteration, or a state "
+                             "check failed")
+    print(f"verify ratio: {statistics.median(ratios):.3f}")
+    return 0
