@@ -30,6 +30,7 @@ from pathlib import Path
 
 from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
+from checkmate.protocol import auth
 from checkmate.testbed import lifeline
 from checkmate.testbed.bench.ddp import _start_shadows, _stop
 from checkmate.testbed.bench.rounds import verdict
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     net = f"127.84.{random.randrange(1, 255)}"
     with tempfile.TemporaryDirectory(prefix="ckm-bench-verify-") as tmp:
         work = Path(tmp)
+        if not os.environ.get(auth.SECRET_ENV):  # a secret of this run's own, as the launcher
+            auth.create_secret(work / "job.key")
+            os.environ[auth.SECRET_ENV] = str(work / "job.key")
         shadows, ips = _start_shadows(net, work)
         out = work / "result.json"
         with socket.socket() as s:
@@ -145,12 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                     _, err = p.communicate(timeout=900)
                 except subprocess.TimeoutExpired:
                     err = b"timed out"
-                errs.append(err.decode(errors="replace").strip().splitlines()[-1:])
+                errs.append(err.decode(errors="replace").strip().splitlines()[-3:])
         finally:
             _stop(procs)
             _stop(shadows)
         if any(p.returncode for p in procs) or not out.exists():
-            raise CheckmateError(f"benchmark workers failed: {errs}")
+            codes = [p.returncode for p in procs]
+            raise CheckmateError(f"benchmark workers failed (exit {codes}): {errs}")
         data = json.loads(out.read_text())
         failed = _failed_checks(work)
     t = data["times"]
@@ -170,3 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                              "check failed")
     print(f"verify ratio: {statistics.median(ratios):.3f}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
