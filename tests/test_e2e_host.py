@@ -33,11 +33,12 @@ def _net() -> str:
     return f"127.79.{random.randrange(1, 255)}"
 
 
-@pytest.mark.parametrize("model,phase", [("gpt", "after-step"), ("cnn", "before-control")])
+@pytest.mark.parametrize("model,phase", [("cnn", "before-control")])
 def test_kill_restore_host_mode_bit_identical(tmp_path, model, phase):
     """after-step: the launcher kills all trainers once rank 0 reported iteration 7.
     before-control: rank 0 dies between its step 7 and the control message, so the shadows
-    cannot commit 7 while the other ranks finished it: exactly one iteration is repeated."""
+    cannot commit 7 while the other ranks finished it: exactly one iteration is repeated.
+    (gpt after-step, the plain case, is the correlated-failure test's trainer kill below.)"""
     net = _net()
     sc = tmp_path / "short.yaml"
     sc.write_text(f"name: short-{model}\nmodel: {model}\nsteps: 14\nseed: 3\nkill_at: 7\n"

@@ -77,6 +77,15 @@ def _watch_parent(rank: str, launcher: int | None = None) -> None:
             fd = os.pidfd_open(pid)  # readable once the process has ended
         except ProcessLookupError:
             gone()
+        except OSError:  # a kernel before 5.3: ask the process table every half second
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    gone()
+                except OSError:
+                    pass  # there, but not ours to signal
+                time.sleep(0.5)
         select.select([fd], [], [])
         gone()
 
@@ -141,8 +150,12 @@ def worker(script: str, *args: str) -> None:
 
     sys.stdout.reconfigure(line_buffering=True)  # as ``python -u`` prints: line by line
     sys.stderr.reconfigure(line_buffering=True)
-    main([script, *args], exit_on_success=False,
-         launcher=int(os.environ[envmod.LAUNCHER_PID]))
+    code = main([script, *args], exit_on_success=False,
+                launcher=int(os.environ[envmod.LAUNCHER_PID]))
+    if code:  # a failure main returns instead of ending the process (no such script)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def main(argv: list[str] | None = None, exit_on_success: bool = True,
