@@ -22,17 +22,14 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
-from checkmate.testbed import lifeline
+from checkmate.testbed.bench import _host_workers as host_workers
 
 VARIANTS = ("stock", "checkmate")
 
@@ -43,7 +40,6 @@ def _worker(args: argparse.Namespace) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from checkmate.testbed.models import build
-    from checkmate.train import JobLayout, ShadowTarget
     from checkmate.train.ddp_hook import DDPSession
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -54,11 +50,7 @@ def _worker(args: argparse.Namespace) -> int:
     plain = build(args.model, 1, steps, width=args.width)
     ours = build(args.model, 1, steps, width=args.width)
     models = {"stock": DDP(plain.model), "checkmate": DDP(ours.model)}
-    layout = JobLayout(
-        job_id=7, rank=rank, world=world,
-        trainers=[(f"{args.net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
-        shadows=[ShadowTarget(p, ip, cfgmod.SHADOW_PORT) for p, ip in enumerate(ips)],
-        shadow_tcp=[(ip, cfgmod.RESTORE_PORT) for ip in ips], mode="host", seed=1)
+    layout = host_workers.layout(args.net, ips, rank, world)
     sess = DDPSession(models["checkmate"], ours.optimizer, ours.scheduler, layout,
                       ours.max_grad_norm)
     sess.start()
@@ -105,45 +97,6 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_shadows(net: str, work: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    """Two ``shadow serve`` processes (partitions 0/2 and 1/2) on ``net``, ready to seed."""
-    ips = [f"{net}.100", f"{net}.101"]
-    procs = []
-    for p, ip in enumerate(ips):
-        log = open(work / f"shadow{p}.log", "wb")  # noqa: SIM115
-        procs.append(lifeline.popen(
-            [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition", f"{p}/2",
-             "--config", str(cfgmod.default_path()), "--bind", ip, "--no-register",
-             "--window", "64"], stdout=log, stderr=log, start_new_session=True))
-        log.close()
-    deadline = time.monotonic() + 120
-    for p, (ip, proc) in enumerate(zip(ips, procs, strict=True)):
-        while True:
-            if proc.poll() is not None:
-                tail = (work / f"shadow{p}.log").read_text(errors="replace")[-300:]
-                raise CheckmateError(f"shadow {p} exited at start: {tail.strip()}")
-            try:
-                socket.create_connection((ip, cfgmod.RESTORE_PORT), 0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise CheckmateError(f"shadow {p} did not start in 120 s") from None
-                time.sleep(0.2)
-    return procs, ips
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 @cli_guard("testbed bench ddp")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="testbed bench ddp", description=__doc__)
@@ -171,37 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     net = f"127.83.{random.randrange(1, 255)}"
     with tempfile.TemporaryDirectory(prefix="ckm-bench-ddp-") as tmp:
         work = Path(tmp)
-        shadows, ips = _start_shadows(net, work)
-        out = work / "result.json"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = []
-        try:
-            for r in range(args.world):
-                env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(args.world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1"}
-                procs.append(lifeline.popen(
-                    [sys.executable, "-m", "checkmate.testbed.bench.ddp", "--worker",
-                     "--model", args.model, "--width", str(args.width), "--rounds",
-                     str(args.rounds), "--iters", str(args.iters), "--net", net,
-                     "--shadows", ",".join(ips), "--out", str(out)],
-                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                    start_new_session=True))
-            errs = []
-            for p in procs:
-                try:
-                    _, err = p.communicate(timeout=900)
-                except subprocess.TimeoutExpired:
-                    err = b"timed out"
-                errs.append(err.decode(errors="replace").strip().splitlines()[-1:])
-        finally:
-            _stop(procs)
-            _stop(shadows)
-        if any(p.returncode for p in procs) or not out.exists():
-            raise CheckmateError(f"benchmark workers failed: {errs}")
-        data = json.loads(out.read_text())
+        data = host_workers.run(
+            "checkmate.testbed.bench.ddp", net, work, args.world,
+            ["--model", args.model, "--width", str(args.width), "--rounds", str(args.rounds),
+             "--iters", str(args.iters)])
     # The first iterations of each variant (DDP's first pass, allocator, caches) are warm-up.
     times = {k: v[args.warmup:] for k, v in data["times"].items()}
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -20,19 +20,14 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
-from checkmate.protocol import auth
-from checkmate.testbed import lifeline
-from checkmate.testbed.bench.ddp import _start_shadows, _stop
+from checkmate.testbed.bench import _host_workers as host_workers
 from checkmate.testbed.bench.rounds import verdict
 
 VARIANTS = ("off", "checked")
@@ -44,7 +39,6 @@ def _worker(args: argparse.Namespace) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from checkmate.testbed.models import build
-    from checkmate.train import JobLayout, ShadowTarget
     from checkmate.train.ddp_hook import DDPSession
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -52,11 +46,7 @@ def _worker(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ips = args.shadows.split(",")
     w = build(args.model, 1, args.rounds * 2 * args.iters, width=args.width)
-    layout = JobLayout(
-        job_id=7, rank=rank, world=world,
-        trainers=[(f"{args.net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
-        shadows=[ShadowTarget(p, ip, cfgmod.SHADOW_PORT) for p, ip in enumerate(ips)],
-        shadow_tcp=[(ip, cfgmod.RESTORE_PORT) for ip in ips], mode="host", seed=1)
+    layout = host_workers.layout(args.net, ips, rank, world)
     ddp = DDP(w.model)
     sess = DDPSession(ddp, w.optimizer, w.scheduler, layout, w.max_grad_norm)
     sess.start()
@@ -121,42 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     net = f"127.84.{random.randrange(1, 255)}"
     with tempfile.TemporaryDirectory(prefix="ckm-bench-verify-") as tmp:
         work = Path(tmp)
-        if not os.environ.get(auth.SECRET_ENV):  # a secret of this run's own, as the launcher
-            auth.create_secret(work / "job.key")
-            os.environ[auth.SECRET_ENV] = str(work / "job.key")
-        shadows, ips = _start_shadows(net, work)
-        out = work / "result.json"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = []
-        try:
-            for r in range(args.world):
-                env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(args.world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1"}
-                procs.append(lifeline.popen(
-                    [sys.executable, "-m", "checkmate.testbed.bench.verify", "--worker",
-                     "--model", args.model, "--width", str(args.width), "--rounds",
-                     str(args.rounds), "--iters", str(args.iters), "--every",
-                     str(args.every), "--net", net, "--shadows", ",".join(ips),
-                     "--out", str(out)],
-                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                    start_new_session=True))
-            errs = []
-            for p in procs:
-                try:
-                    _, err = p.communicate(timeout=900)
-                except subprocess.TimeoutExpired:
-                    err = b"timed out"
-                errs.append(err.decode(errors="replace").strip().splitlines()[-3:])
-        finally:
-            _stop(procs)
-            _stop(shadows)
-        if any(p.returncode for p in procs) or not out.exists():
-            codes = [p.returncode for p in procs]
-            raise CheckmateError(f"benchmark workers failed (exit {codes}): {errs}")
-        data = json.loads(out.read_text())
+        data = host_workers.run(
+            "checkmate.testbed.bench.verify", net, work, args.world,
+            ["--model", args.model, "--width", str(args.width), "--rounds", str(args.rounds),
+             "--iters", str(args.iters), "--every", str(args.every)])
         failed = _failed_checks(work)
     t = data["times"]
     ratios = [a / b for a, b in zip(t["off"], t["checked"], strict=True)]

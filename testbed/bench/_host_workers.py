@@ -1,0 +1,114 @@
+"""What the in-process host-mode benches share (ddp, verify; a leading underscore: not a
+bench of its own in `testbed bench`): two real ``shadow serve``
+processes on a loopback /24, trainer processes of a bench module run as ``--worker`` with
+torch's rendezvous variables, and the JobLayout those trainers use.
+
+Why one place: both benches run the same job shape -- two shadows, ``--world`` trainers
+meeting at a free local port -- and compare variants inside it; only the worker differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from checkmate.config import cluster as cfgmod
+from checkmate.errors import CheckmateError
+from checkmate.protocol import auth
+from checkmate.testbed import lifeline
+
+
+def layout(net: str, ips: list[str], rank: int, world: int) -> Any:
+    """The host-mode JobLayout of trainer ``rank`` of ``world`` with shadows at ``ips``."""
+    from checkmate.train import JobLayout, ShadowTarget
+
+    return JobLayout(
+        job_id=7, rank=rank, world=world,
+        trainers=[(f"{net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
+        shadows=[ShadowTarget(p, ip, cfgmod.SHADOW_PORT) for p, ip in enumerate(ips)],
+        shadow_tcp=[(ip, cfgmod.RESTORE_PORT) for ip in ips], mode="host", seed=1)
+
+
+def run(module: str, net: str, work: Path, world: int, worker_args: list[str]) -> dict:
+    """Start the shadows and ``world`` workers (``python -m module --worker ARGS --net
+    --shadows --out``), wait for them, stop everything, and return the JSON rank 0 wrote.
+    A job secret of the run's own is made when none is set (as the launcher does)."""
+    if not os.environ.get(auth.SECRET_ENV):
+        auth.create_secret(work / "job.key")
+        os.environ[auth.SECRET_ENV] = str(work / "job.key")
+    shadows, ips = start_shadows(net, work)
+    out = work / "result.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for r in range(world):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1"}
+            procs.append(lifeline.popen(
+                [sys.executable, "-m", module, "--worker", *worker_args, "--net", net,
+                 "--shadows", ",".join(ips), "--out", str(out)],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                start_new_session=True))
+        errs = []
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=900)
+            except subprocess.TimeoutExpired:
+                err = b"timed out"
+            errs.append(err.decode(errors="replace").strip().splitlines()[-3:])
+    finally:
+        stop(procs)
+        stop(shadows)
+    if any(p.returncode for p in procs) or not out.exists():
+        codes = [p.returncode for p in procs]
+        raise CheckmateError(f"benchmark workers failed (exit {codes}): {errs}")
+    return json.loads(out.read_text())
+
+
+def start_shadows(net: str, work: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """Two ``shadow serve`` processes (partitions 0/2 and 1/2) on ``net``, ready to seed."""
+    ips = [f"{net}.100", f"{net}.101"]
+    procs = []
+    for p, ip in enumerate(ips):
+        log = open(work / f"shadow{p}.log", "wb")  # noqa: SIM115
+        procs.append(lifeline.popen(
+            [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition", f"{p}/2",
+             "--config", str(cfgmod.default_path()), "--bind", ip, "--no-register",
+             "--window", "64"], stdout=log, stderr=log, start_new_session=True))
+        log.close()
+    deadline = time.monotonic() + 120
+    for p, (ip, proc) in enumerate(zip(ips, procs, strict=True)):
+        while True:
+            if proc.poll() is not None:
+                tail = (work / f"shadow{p}.log").read_text(errors="replace")[-300:]
+                raise CheckmateError(f"shadow {p} exited at start: {tail.strip()}")
+            try:
+                socket.create_connection((ip, cfgmod.RESTORE_PORT), 0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise CheckmateError(f"shadow {p} did not start in 120 s") from None
+                time.sleep(0.2)
+    return procs, ips
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """End processes this bench started (by their Popen), SIGKILL after 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
