@@ -24,10 +24,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from shadow_cluster import make_spec
 
 from checkmate.errors import CheckmateError
-from checkmate.protocol.state_digest import digest, digest_key, valid_rows
+from checkmate.protocol import state_digest
+from checkmate.protocol.state_digest import (
+    StreamDigest,
+    digest,
+    digest_key,
+    digest_pieces,
+    valid_rows,
+    word_count,
+)
 from checkmate.shadow import disk, persist
 from checkmate.shadow.control_message import Control, parse_control
 from checkmate.spec.partition import share_bounds
@@ -50,6 +59,57 @@ def test_the_digest_is_keyed_and_sees_one_bit():
     assert valid_rows([[d, d], [d, d]])
     for bad in ([], [[d], [d, d]], [[d.upper()]], [["0" * 31]], [[1]], {"0": [d]}):
         assert not valid_rows(bad), bad
+
+
+def test_pieces_anywhere_and_the_device_path_give_the_one_digest():
+    """The trainers hash their tensors a piece at a time where they are (a GPU's on the
+    GPU: the torch path, run here on CPU tensors), the shadows one array: every way gives
+    the same digest, a stream cut at any word, across block edges."""
+    rng = np.random.default_rng(1)
+    key = digest_key(b"k" * 32)
+    a = rng.standard_normal(3 * state_digest.BLOCK + 77).astype(np.float32)
+    whole = digest(key, [a])
+    for cuts in ([0, 1, 2050, len(a)], [0, 777, 1024, 1025, 4000, len(a)],
+                 sorted({0, len(a), *rng.integers(0, len(a), 6).tolist()})):
+        numba_way, device_way = (StreamDigest(key, 2 * len(a)) for _ in range(2))
+        for lo, hi in zip(cuts, cuts[1:], strict=False):
+            numba_way.add(2 * lo, a[lo:hi])
+            # the device path's sums, forced for a CPU tensor
+            b, sums = state_digest._device_sums(torch.from_numpy(a[lo:hi].copy()), 2 * lo,
+                                                state_digest.coefficients(key))
+            device_way.v[b:b + len(sums)] = (device_way.v[b:b + len(sums)] + sums) \
+                % state_digest.P
+        assert numba_way.hexdigest() == device_way.hexdigest() == whole, cuts
+    # bytes of any dtype (replica agreement): an odd byte count is padded, the length kept
+    odd = np.arange(5, dtype=np.uint8)
+    assert word_count(odd) == 3 and digest_pieces(b"", [odd]) != digest_pieces(b"", [odd[:4]])
+    with pytest.raises(ValueError, match="outside the stream"):
+        StreamDigest(key, 4).add(2, a[:2])
+
+
+def test_the_digest_is_what_docs_protocol_md_says():
+    """docs/protocol.md's formula, written out in plain Python from the text, against the
+    module, on a stream of three blocks and a bit."""
+    import hashlib
+    import hmac
+    import struct
+
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    assert '"checkmate state digest v2"' in text and "mod (2^31 - 2)" in text
+    p, block = 2**31 - 1, 2048
+    k = hmac.new(b"c" * 32, b"checkmate state digest v2", hashlib.sha256).digest()
+    stream = np.random.default_rng(2).standard_normal(3 * block // 2 + 5).astype(np.float32)
+    words = struct.unpack(f"<{stream.size * 2}H", stream.tobytes())
+    shake = hashlib.shake_256(b"checkmate state digest v2 coefficients" + k).digest(2 * block * 8)
+    coef = [[1 + int.from_bytes(shake[8 * (block * lane + j):8 * (block * lane + j) + 8],
+                                "little") % (p - 1) for j in range(block)] for lane in range(2)]
+    h = hashlib.blake2b(digest_size=16, key=k)
+    h.update(b"checkmate state digest v2" + struct.pack("<Q", len(words)))
+    for b in range(-(-len(words) // block)):
+        for lane in range(2):
+            v = sum(coef[lane][j] * w for j, w in enumerate(words[b * block:(b + 1) * block]))
+            h.update(struct.pack("<I", v % p))
+    assert digest(digest_key(b"c" * 32), [stream]) == h.hexdigest()
 
 
 def test_control_digests_are_checked_for_their_form():

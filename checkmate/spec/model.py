@@ -431,6 +431,22 @@ class ModelSpec:
             groups_out.append({**hyper, "params": ids})
         return model_sd, {"state": state, "param_groups": groups_out}
 
+    def slot_pieces(self, model_sd: Mapping[str, Any], optim_sd: Mapping[str, Any] | None
+                    ) -> dict[str, list[tuple[int, Any]]]:
+        """Where each slot's elements are in torch state_dicts, without copying them: per
+        slot, (flat offset, tensor) for every parameter that has the slot (a slot with no
+        state yet, before the first step, has no piece: its elements are zeros)."""
+        pieces: dict[str, list[tuple[int, Any]]] = {s: [] for s in self.slots}
+        for p in self.params:
+            pieces["param"].append((p.offset, model_sd[p.name]))
+        state = (optim_sd or {}).get("state", {})
+        for idx, name in enumerate(self.state_order()):
+            p = self.param(name)
+            for s, t in state.get(idx, {}).items():
+                if s in pieces and s != "param":
+                    pieces[s].append((p.offset, t))
+        return pieces
+
     def flat_from_state_dicts(
         self, model_sd: Mapping[str, Any], optim_sd: Mapping[str, Any] | None
     ) -> dict[str, np.ndarray]:
@@ -439,15 +455,10 @@ class ModelSpec:
         Slots without state (before the first step) are zeros.
         """
         flat = {s: np.zeros(self.total, dtype=np.float32) for s in self.slots}
-        for p in self.params:
-            t = model_sd[p.name]
-            flat["param"][p.offset:p.offset + p.numel] = _np(t).reshape(-1)
-        state = (optim_sd or {}).get("state", {})
-        for idx, name in enumerate(self.state_order()):
-            p = self.param(name)
-            for s, t in state.get(idx, {}).items():
-                if s in flat and s != "param":
-                    flat[s][p.offset:p.offset + p.numel] = _np(t).reshape(-1)
+        for s, pieces in self.slot_pieces(model_sd, optim_sd).items():
+            for offset, t in pieces:
+                a = _np(t).reshape(-1)
+                flat[s][offset:offset + a.size] = a
         return flat
 
 

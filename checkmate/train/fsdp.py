@@ -271,6 +271,10 @@ class FSDPSession(ShareSender, CheckmateSession):
                  for i, st in sorted(osd["state"].items())}
         return self.spec.flat_from_state_dicts(model_sd, {**osd, "state": state})
 
+    def _state_pieces(self) -> dict[str, list[tuple[int, Any]]]:
+        """The state check's pieces: the gathered whole tensors of ``_seed_flat``."""
+        return {s: [(0, torch.from_numpy(a))] for s, a in self._seed_flat().items()}
+
     def _tp_whole(self, v: Any) -> Any:
         """What the spec holds of ``v`` (a parameter or optimizer state, a collective for a
         DTensor): the whole tensor, or under FSDP2 + TP the TP rank's part of it."""

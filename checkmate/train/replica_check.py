@@ -5,12 +5,13 @@ rank holds the whole (group's) model and optimizer state, and after every step t
 copies are equal bit for bit. A rank whose copy differs was corrupted silently (a GPU or
 memory that flipped a bit) and would go on training a different model, and poison the
 others through its gradients. Every ``verify_every`` iterations each rank hashes its state
-(CRC32C over the bytes of every parameter and optimizer state tensor, in one fixed order)
-and the ranks all-gather the 4-byte digests over the session's gloo group; a rank that
-differs from the majority is named in one line on every rank, and the job stops with it.
-Under ``checkmate launch`` the restart resumes from the shadows at the newest iteration the
-ranks verified (the previous check, or where the attempt started): from there on the
-corrupted copy may have fed the allreduce, and so the shadows, its gradients.
+(checkmate.protocol.state_digest over the bytes of every parameter and optimizer state
+tensor, in one fixed order, where the tensors are) and the ranks all-gather 8 bytes of it
+over the session's gloo group; a rank that differs from the majority is named in one line
+on every rank, and the job stops with it. Under ``checkmate launch`` the restart resumes
+from the shadows at the newest iteration the ranks verified (the previous check, or where
+the attempt started): from there on the corrupted copy may have fed the allreduce, and so
+the shadows, its gradients.
 
 What it cannot catch: a corruption before the allreduce (a wrong gradient) reaches every
 replica and every shadow alike, so they all agree. FSDP2 ranks hold different shards: no
@@ -22,11 +23,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import crc32c
 import torch
 import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
+from checkmate.protocol.state_digest import digest_pieces
 from checkmate.train import failures
 
 
@@ -34,27 +35,22 @@ class ReplicaDivergence(CheckmateError):
     """The data-parallel copies of the state differ; the message names the ranks."""
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    local = local.detach()
-    if local.device.type != "cpu":
-        local = local.cpu()
-    return memoryview(local.contiguous().reshape(-1).view(torch.uint8).numpy())
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach()
 
 
 def state_digest(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """CRC32C of this rank's parameters and optimizer state tensors (each rank's local
-    tensors), in the module's parameter order and each state's sorted slot names."""
-    value = 0
+    """64 bits of the state digest of this rank's parameters and optimizer state tensors
+    (each rank's local tensors), in the module's parameter order and each state's sorted
+    slot names."""
     params = list(module.parameters())
+    tensors = [_local(p) for p in params]
     for p in params:
-        value = crc32c.crc32c(_bytes(p), value)
-    for p in params:
-        for slot, t in sorted(optimizer.state.get(p, {}).items()):
+        for _, t in sorted(optimizer.state.get(p, {}).items()):
             if torch.is_tensor(t):
-                value = crc32c.crc32c(slot.encode(), value)
-                value = crc32c.crc32c(_bytes(t), value)
-    return value
+                tensors.append(_local(t))
+    return int.from_bytes(bytes.fromhex(digest_pieces(b"", tensors))[:8], "little",
+                          signed=True)
 
 
 def odd_ones(digests: list[int]) -> tuple[list[int], bool]:

@@ -163,12 +163,20 @@ class _Start:
     def _seed_flat(self) -> dict[str, Any]:
         """Every slot of the whole model as flat arrays: what this rank seeds a share of
         (a tensor-parallel rank's: of its local shards)."""
+        return self.spec.flat_from_state_dicts(*self._local_state_dicts())
+
+    def _state_pieces(self) -> dict[str, list[tuple[int, Any]]]:
+        """What ``_seed_flat`` holds, as (flat offset, tensor) pieces per slot, the tensors
+        where they are (a GPU's stay on it): what the state check hashes."""
+        return self.spec.slot_pieces(*self._local_state_dicts())
+
+    def _local_state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         msd, osd = self.module.state_dict(), self.optimizer.state_dict()
         if self.tensor_parallel:
             from checkmate.train.tensor_parallel import local_optim_state, local_state
 
             msd, osd = local_state(msd), local_optim_state(osd)
-        return self.spec.flat_from_state_dicts(msd, osd)
+        return msd, osd
 
     def _start_comm(self, nonce: int) -> None:
         """The gradient path: our ring and CheckmateDDP (checkmate.train.ddp_hook replaces
