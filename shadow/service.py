@@ -272,6 +272,10 @@ class Service:
             return {"ok": True, "seeded": seeded}, b""
         if op == "holdings":
             return {"ok": True, **self.holdings()}, b""
+        if op == "check":
+            from checkmate.shadow.state_check import check_newest
+
+            return {"ok": True, **check_newest(st, _int(h, "iteration"), h.get("digests"))}, b""
         if op == "fetch":
             it = h.get("iteration")
             if not isinstance(it, int) or isinstance(it, bool):
@@ -289,7 +293,7 @@ class Service:
                      "_release": lambda: st.unpin(v)}
             return reply, [v.slots[s] for s in spec.slots]
         raise CheckmateError(f"unknown op {str(op)[:40]!r} (ops: spec, seed, status, fetch, "
-                             "holdings, peers, reseed, reseed_piece)")
+                             "holdings, check, peers, reseed, reseed_piece)")
 
     def holdings(self) -> dict[str, Any]:
         """What a resume may restore from here: iterations in memory and on disk."""

@@ -17,7 +17,8 @@ import logging
 import os
 from typing import Any
 
-from checkmate.protocol.state_digest import digest, digest_key
+from checkmate.errors import CheckmateError
+from checkmate.protocol.state_digest import digest, digest_key, valid_rows
 from checkmate.spec.partition import share_bounds
 
 log = logging.getLogger("checkmate.shadow")
@@ -133,3 +134,26 @@ def _flip_at(partition: int) -> int | None:
     if part.isdigit() and it.isdigit() and int(part) == partition:
         return int(it)
     return None
+
+
+def check_newest(state: Any, iteration: int, rows: object) -> dict[str, Any]:
+    """The ``check`` request (``finish()`` when the last iteration was not a checked one):
+    the newest committed version, ``iteration``, against the trainers' digests ``rows``,
+    as a checked control message would have it (a difference is said, withdrawn and
+    re-seeded the same way). Refused, changing nothing, for another iteration or rows of
+    another form."""
+    if not valid_rows(rows):
+        raise CheckmateError("check 'digests' must be one list per rank of one 32-digit hex "
+                             "digest per partition")
+    assert isinstance(rows, list)
+    with state.lock:
+        newest = state.versions[-1].iteration if state.versions else None
+        if newest != iteration:
+            raise CheckmateError(f"check: iteration {iteration} is not the newest committed "
+                                 f"({newest})")
+        c = state.check
+        if c.verified != iteration:
+            c.committed(state, rows)
+        return {"iteration": iteration, "verified": c.verified == iteration,
+                "diverged": c.diverged}
+

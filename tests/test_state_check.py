@@ -157,6 +157,32 @@ class _Shadow:
                 for a, b in (share_bounds(self.a, self.b, r, world) for r in range(world))]
 
 
+def test_the_check_request_checks_the_newest_version_and_refuses_changing_nothing():
+    """``finish()``'s check of a last iteration that was not a checked one: the newest
+    version against the trainers' digests; refused, with the state unchanged, for another
+    iteration or digests of another form."""
+    from checkmate.shadow.state_check import check_newest
+
+    spec = make_spec(partitions=2)
+    ref, got = _Shadow(spec, 1), _Shadow(spec, 1)
+    for it in (1, 2, 3):
+        ref.step(it)
+        got.step(it)
+    rows = [["0" * 32, d] for d in ref.shares(2)]
+    for it, bad in ((2, rows), (4, rows), (3, [["xy"]]), (3, None), (3, [[rows[0][1]], []])):
+        with pytest.raises(CheckmateError, match="check"):
+            check_newest(got.state, it, bad)
+        assert got.state.check.checks == 0 and got.state.retained() == [0, 1, 2, 3]
+    assert check_newest(got.state, 3, rows) == {"iteration": 3, "verified": True,
+                                                "diverged": ""}
+    got.state.check.flip_at = 4
+    for s in (ref, got):
+        s.step(4)
+    said = check_newest(got.state, 4, [["0" * 32, d] for d in ref.shares(2)])
+    assert not said["verified"] and "iteration 4: the committed state differs" in \
+        said["diverged"] and got.state.retained() == [0, 1, 2, 3]
+
+
 def test_a_failed_check_withdraws_the_state_until_a_reseed(tmp_path, caplog):
     spec = make_spec(partitions=2)
     ref = _Shadow(spec, 1)  # the trainers' state of partition 1
@@ -208,7 +234,7 @@ def test_a_flipped_bit_in_a_shadow_is_named_reseeded_and_checked_equal_again(tmp
     p = subprocess.run(
         [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "4",
          "--shadows", "2", "--progress-every", "0", "--verify-every", "2",
-         "--dir", str(tmp_path / "run"), str(EXAMPLE), "--steps", "150",
+         "--dir", str(tmp_path / "run"), str(EXAMPLE), "--steps", "151",
          "--out", str(tmp_path / "out.pt")],
         capture_output=True, text=True, timeout=400,
         env={**os.environ, "NUMBA_NUM_THREADS": "1", "CHECKMATE_SHADOW_FLIP_AT": "1:3"})
@@ -216,7 +242,8 @@ def test_a_flipped_bit_in_a_shadow_is_named_reseeded_and_checked_equal_again(tmp
     assert p.returncode == 0 and "Traceback" not in out, out[-4000:]
     assert ("re-seeding the shadow of partition 1 while training runs (the state check of "
             "iteration 4 failed)") in out, out[-3000:]
-    assert "the shadows hold iteration 150 " in out, out[-3000:]
+    # 151 is not a checked iteration: finish() checks it (equal, so protected)
+    assert "the shadows hold iteration 151 " in out, out[-3000:]
     log1 = (tmp_path / "run" / "shadow-1.log").read_text()
     said = re.findall(r"partition 1: iteration (\d+): the committed state differs from the "
                       r"trainers'", log1)
@@ -225,3 +252,21 @@ def test_a_flipped_bit_in_a_shadow_is_named_reseeded_and_checked_equal_again(tmp
                        log1)
     assert len(again) == 1 and 4 < int(again[0]) <= 150, log1[-3000:]
     assert "differs" not in (tmp_path / "run" / "shadow-0.log").read_text()
+
+
+def test_finish_checks_a_last_iteration_the_steps_did_not(tmp_path):
+    """9 iterations checked every 4: the shadow's bit flips after 9, which only finish()'s
+    check can see; the job ends saying the last iteration is not protected, and why."""
+    p = subprocess.run(
+        [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
+         "--shadows", "2", "--progress-every", "0", "--verify-every", "4",
+         "--dir", str(tmp_path / "run"), str(EXAMPLE), "--steps", "9"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NUMBA_NUM_THREADS": "1", "CHECKMATE_SHADOW_FLIP_AT": "1:9"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "Traceback" not in out, out[-4000:]
+    assert ("training finished at iteration 9 but it is not protected: the shadow of "
+            "partition 1") in out and "partition 1: iteration 9: the committed state differs " \
+        "from the trainers'" in out, out[-3000:]
+    assert "the shadows hold iteration 8 (per shadow: [9, 8])" in out, out[-3000:]
+

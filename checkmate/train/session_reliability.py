@@ -111,9 +111,16 @@ class _Reliability:
         ok = [True]
         if self.layout.mode == "off":
             return {**self.protection(), "protected": False}
+        last = self.done_iteration
+        # The last iteration is checked too (issue 35): by the step when K divides it, else
+        # here, with the shadows' ``check`` request (the control message went unchecked).
+        rows = self._verify() if getattr(self, "verify_every", 0) and last \
+            and last % self.verify_every else None
         if self.layout.rank == 0:
             try:
-                self.wait_shadows(self.done_iteration, timeout)
+                self.wait_shadows(last, timeout)
+                if rows is not None:
+                    self._check_shadows(last, rows)
             except CheckmateError as e:
                 ok[0] = False
                 import logging
@@ -125,6 +132,18 @@ class _Reliability:
         if self.monitor is not None:
             self.monitor.poll_once()
         return {**self.protection(), "protected": bool(ok[0])}
+
+    def _check_shadows(self, iteration: int, rows: list[list[str]]) -> None:
+        """Every shadow's state check of ``iteration`` against ``rows``; CheckmateError
+        naming the first that differs from the trainers."""
+        from checkmate.train.shadow_client import ShadowClient
+
+        for p, a in enumerate(self.layout.shadow_tcp):
+            with ShadowClient(a) as c:
+                said = c.check(iteration, rows)
+            if not said.get("verified"):
+                raise CheckmateError(f"the shadow of partition {p} ({a[0]}:{a[1]}) does not "
+                                     f"hold the trainers' state: {said.get('diverged')}")
 
     def wait_shadows(self, iteration: int, timeout: float = 30.0) -> None:
         """Block until every shadow committed ``iteration`` (for tests and clean shutdown)."""

@@ -162,6 +162,12 @@ class ShadowClient:
         reply, _ = self.request({"op": "status"})
         return reply
 
+    def check(self, iteration: int, digests: list[list[str]]) -> dict[str, Any]:
+        """The state check of the newest committed ``iteration`` against ``digests``
+        (checkmate.train.shadow_check): ``verified``, else ``diverged``'s line."""
+        reply, _ = self.request({"op": "check", "iteration": iteration, "digests": digests})
+        return reply
+
     def holdings(self) -> dict[str, Any]:
         """Iterations this shadow can serve: ``memory`` (retained) and ``disk``."""
         reply, _ = self.request({"op": "holdings"})
