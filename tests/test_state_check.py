@@ -270,3 +270,97 @@ def test_finish_checks_a_last_iteration_the_steps_did_not(tmp_path):
         "from the trainers'" in out, out[-3000:]
     assert "the shadows hold iteration 8 (per shadow: [9, 8])" in out, out[-3000:]
 
+
+def _same_crc(payload: bytes, flip_bit: int, fix_byte: int) -> bytes:
+    """``payload`` with bit ``flip_bit`` flipped and the 4 bytes from ``fix_byte`` set so
+    that its CRC32C is unchanged: what an on-path host without the secret can do (a CRC
+    is affine over GF(2), so 32 free bits absorb any change)."""
+    import crc32c
+
+    base = crc32c.crc32c(payload)
+
+    def delta(bit: int) -> int:  # the CRC's change when one bit flips
+        b = bytearray(payload)
+        b[bit // 8] ^= 1 << (bit % 8)
+        return crc32c.crc32c(bytes(b)) ^ base
+
+    basis: dict[int, tuple[int, int]] = {}  # pivot bit -> (combined delta, chosen bits)
+    for k in range(32):
+        d, chosen = delta(8 * fix_byte + k), 1 << k
+        for pivot in sorted(basis, reverse=True):
+            if d >> pivot & 1:
+                d, chosen = d ^ basis[pivot][0], chosen ^ basis[pivot][1]
+        if d:
+            basis[d.bit_length() - 1] = (d, chosen)
+    want, chosen = delta(flip_bit), 0
+    for pivot in sorted(basis, reverse=True):
+        if want >> pivot & 1:
+            want, chosen = want ^ basis[pivot][0], chosen ^ basis[pivot][1]
+    assert want == 0  # 32 consecutive bits always suffice for a CRC-32
+    b = bytearray(payload)
+    b[flip_bit // 8] ^= 1 << (flip_bit % 8)
+    for k in range(32):
+        if chosen >> k & 1:
+            b[fix_byte + k // 8] ^= 1 << (k % 8)
+    assert crc32c.crc32c(bytes(b)) == base and bytes(b) != payload
+    return bytes(b)
+
+
+def test_a_payload_swapped_in_flight_under_its_crc_is_caught_by_the_next_check():
+    """docs/security.md's residual: an on-path host swaps a gradient payload for another of
+    the same CRC32C, which the datagram's tag (over the CRC) cannot see. Real shadows on
+    loopback take it; the state check of that iteration names the partition and the
+    trainers' share it landed in, and the other partition verifies."""
+    from shadow_cluster import LRS, Cluster
+
+    from checkmate.protocol import datamac, wire
+    from checkmate.protocol.auth import load_secret
+    from checkmate.shadow.feed import control_datagrams, grad_datagrams
+
+    spec = make_spec(partitions=2)
+    key = digest_key(datamac.control_key(load_secret()))
+    world = 3
+    c = Cluster(spec)
+    try:
+        c.seed(world)
+        swapped = []
+        for it in (1, 2):
+            grad = c.rng.standard_normal(spec.total).astype(np.float32)
+            c.step_ref(it, grad)
+            ref = c.refs[it]
+            rows = []
+            for r in range(world):
+                row = []
+                for p in range(spec.partitions):
+                    a, b = share_bounds(*spec.bounds(p), r, world)
+                    row.append(digest(key, [ref[s][a:b] for s in spec.slots]))
+                rows.append(row)
+            for p in range(spec.partitions):
+                a, b = spec.bounds(p)
+                addr = ("127.0.0.1", c.nodes[p].udp_port)
+                for d in grad_datagrams(spec.job, it, p, a, grad[a:b], chunk=50):
+                    if it == 2 and p == 1 and not swapped:  # the swap, on the path
+                        h = wire.decode_header(d)
+                        body = _same_crc(d[wire.HEADER_LEN:], 8 * 4 * 3 + 20, 4 * 7)
+                        d = d[:wire.HEADER_LEN] + body
+                        assert wire.decode_header(d) == h
+                        swapped.append(h.offset)
+                    c.tx.sendto(d, addr)
+                body = json.dumps({"iteration": it, "lrs": LRS, "clip_coef": None,
+                                   "skip": False, "buffers": {"bn.mean": "A" * 16},
+                                   "extra": {}, "digests": rows}).encode()
+                for d in control_datagrams(spec.job, it, body, frag=200, partition=p):
+                    c.tx.sendto(d, addr)
+        sts = c.wait(lambda sts: all(s["state_check"]["checks"] == 2 for s in sts))
+        assert sts[0]["state_check"]["verified_iteration"] == 2, sts[0]
+        assert sts[0]["state_check"]["diverged"] == ""
+        said = sts[1]["state_check"]
+        assert said["verified_iteration"] == 1, said
+        a, b = share_bounds(*spec.bounds(1), 0, world)  # the swap is the partition's first
+        assert swapped == [spec.bounds(1)[0]] and said["diverged"].startswith(
+            f"partition 1: iteration 2: the committed state differs from the trainers' (1 of "
+            f"3 ranks' shares; the first, rank 0's, elements [{a}, {b})"), said
+        assert sts[1]["latest"] == 1  # iteration 2 is not restorable
+    finally:
+        c.close()
+
