@@ -17,6 +17,7 @@ from checkmate.shadow import torch_layout
 from checkmate.shadow.disk import (
     _ITER_PREFIX,
     FORMAT,
+    VERIFIED,
     PersistError,
     _fatal,
     _read_latest,
@@ -57,7 +58,8 @@ def verify(ckpt: Path) -> dict[str, Any]:
     """ckm.json of a checkpoint after checking every file against the manifest."""
     try:
         manifest = json.loads((ckpt / "manifest.json").read_text())
-        files = sorted(f for f in os.listdir(ckpt) if f != "manifest.json")
+        files = sorted(f for f in os.listdir(ckpt) if f not in ("manifest.json",
+                                                                  VERIFIED))
     except (OSError, ValueError) as e:
         raise PersistError(f"checkpoint {ckpt} has no readable manifest: {e}") from None
     if sorted(manifest) != files:

@@ -52,6 +52,31 @@ def part_dir(root: str | Path, partition: int) -> Path:
     return Path(root) / f"part{partition}"
 
 
+#: A checkpoint whose iteration passed the state check (shadow/state_check.py) holds this
+#: file; not in its manifest (written after the checkpoint, maybe long after).
+VERIFIED = "verified"
+
+
+def iter_dir(pdir: Path, iteration: int) -> Path:
+    return pdir / f"{_ITER_PREFIX}{iteration:012d}"
+
+
+def mark_verified(pdir: Path, iteration: int) -> bool:
+    """Mark the checkpoint of ``iteration`` verified, if it is on disk; whether it was."""
+    d = iter_dir(pdir, iteration)
+    if not (d / "manifest.json").is_file():
+        return False
+    try:
+        (d / VERIFIED).write_text(f"{iteration}\n")
+    except OSError:
+        return False  # pruned or purged meanwhile
+    return True
+
+
+def is_verified(pdir: Path, iteration: int) -> bool:
+    return (iter_dir(pdir, iteration) / VERIFIED).is_file()
+
+
 def _fatal(e: BaseException) -> bool:
     """Exceptions that must stop the process, not be counted as a failed write."""
     return isinstance(e, (KeyboardInterrupt, SystemExit))

@@ -227,6 +227,7 @@ class ShadowNode:
                                                    o.keep)
                 self.state.after_commit = self.persister.wait_room
                 self.state.on_diverged = self.persister.drop_from
+                self.state.on_verified = self.persister.verified
                 if self.restored_from is not None:
                     self.persister.last_iteration = self.state.latest
             self._commits_at_start = self.state.committed_count
@@ -296,8 +297,11 @@ class ShadowNode:
                 f"{pdir} holds partition {m['partition']}/{m['partitions']}, this shadow is "
                 f"{o.partition}/{o.partitions}")
         self.state.set_spec(ck.spec)
+        # trusted as the trainers' state only if that iteration passed the state check
+        verified = disk.is_verified(pdir, m["iteration"])
         self.state.install(m["iteration"], m["step"], ck.slots, m["buffers"], m["extra"],
-                           m["lrs"])
+                           m["lrs"], trusted=verified)
+        self.state.versions[-1].verified = verified
         self.restored_from = str(pdir)
         self.service.reloaded = m["iteration"]
         log.info("restored partition %d from %s at iteration %d", o.partition, pdir,

@@ -6,6 +6,7 @@ Layout under a root directory (one per cluster, or one per shadow host)::
         .metadata, __0_0.distcp           written by dcp.save (FileSystemWriter)
         ckm.json                          iteration, step, spec, slice bounds, buffers, extra
         manifest.json                     sha256 of every other file
+        verified                          present once the iteration passed the state check
     root/part<p>/latest                   name of the newest complete checkpoint
     root/iter-<iteration:012d>/           all partitions joined: what plain dcp.load reads
     root/latest                           name of the newest joined checkpoint
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from checkmate.errors import CheckmateError
-from checkmate.shadow import merge, torch_layout
+from checkmate.shadow import disk, merge, torch_layout
 from checkmate.shadow.checkpoint_load import _keys, newest_common
 from checkmate.shadow.disk import (
     _ITER_PREFIX,
@@ -347,6 +348,11 @@ class Persister:
         if self.last_iteration is None or v.iteration > self.last_iteration:
             self.offer(v, seeded)
 
+    def verified(self, iteration: int) -> None:
+        """The state check passed ``iteration`` (under the state's lock): mark its
+        checkpoint if written; a write still to come marks itself (``_write``)."""
+        disk.mark_verified(disk.part_dir(self.root, self.partition), iteration)
+
     def drop_from(self, since: int) -> None:
         """A state check failed: this partition's checkpoints of iterations ``since`` on
         are not the trainers' state; removed (and their joins), a queued write dropped."""
@@ -446,6 +452,8 @@ class Persister:
                 return  # re-seeded meanwhile: not written (or purged right after)
             self.last_iteration = v.iteration
             self.written += 1
+            if getattr(v, "verified", False):  # checked before this write ended
+                disk.mark_verified(done.parent, v.iteration)
             failed, self.failing = self.failing, 0
             self.error = ""
             self._logged = ""

@@ -297,12 +297,17 @@ class Service:
 
     def holdings(self) -> dict[str, Any]:
         """What a resume may restore from here: iterations in memory and on disk."""
+        from checkmate.shadow import disk as ckpt_disk
         from checkmate.shadow import persist
 
         st = self.state
         disk = persist.restorable_iterations(self.disk_dir) if self.disk_dir else []
+        verified = set(st.verified_retained())
+        if self.disk_dir:
+            verified |= {it for it in disk if ckpt_disk.is_verified(self.disk_dir, it)}
         return {"partition": st.partition, "partitions": st.partitions,
                 "has_spec": st.spec is not None, "memory": st.retained(), "disk": disk,
+                "verified": sorted(verified),
                 "reloaded": self.reloaded,
                 "latest": st.latest, "dir": str(self.disk_dir) if self.disk_dir else None}
 

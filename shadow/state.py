@@ -48,6 +48,8 @@ class Version:
     lrs: list[float] | None = None
     pins: int = 0
     evicted: bool = False
+    #: the state check found it equal to the trainers' (shadow/state_check.py)
+    verified: bool = False
 
 
 _WARM: set[tuple[str, bool]] = set()
@@ -159,6 +161,8 @@ class ShadowState:
         #: trainers' (the node removes those disk checkpoints).
         self.check = StateCheck(partition)
         self.on_diverged: Callable[[int], None] | None = None
+        #: ``on_verified(iteration)``: a check passed (the node marks its checkpoint).
+        self.on_verified: Callable[[int], None] | None = None
 
     # ----- spec -------------------------------------------------------------------------
     def set_spec(self, spec: ModelSpec) -> None:
@@ -226,9 +230,12 @@ class ShadowState:
 
     def install(self, iteration: int, step: int, arrays: dict[str, np.ndarray],
                 buffers: dict | None = None, extra: dict | None = None,
-                lrs: list[float] | None = None, reset_assembler: bool = True) -> None:
+                lrs: list[float] | None = None, reset_assembler: bool = True,
+                trusted: bool = True) -> None:
         """Make ``arrays`` the partition's state at ``iteration`` (seed, disk restore, or
-        the end of a live re-seed, where the assembler is already past ``iteration``)."""
+        the end of a live re-seed, where the assembler is already past ``iteration``).
+        ``trusted``: known to be the trainers' state (False: a checkpoint no check
+        passed, which a failed check later withdraws with what followed it)."""
         with self.lock:
             spec = self.spec
             assert spec is not None
@@ -242,7 +249,7 @@ class ShadowState:
             self.versions.clear()
             self.seeded_iteration = iteration
             self.installs += 1
-            self.check.installed(iteration)
+            self.check.installed(iteration if trusted else None)
             self._commit(iteration, buffers or {}, extra or {}, lrs)
             if not self._ensure_assembler(iteration) and reset_assembler:
                 assert self.asm is not None
@@ -454,6 +461,12 @@ class ShadowState:
         """The iterations a restore may take (a failed state check withdraws some)."""
         with self.lock:
             return [v.iteration for v in self.versions if self.check.restorable(v.iteration)]
+
+    def verified_retained(self) -> list[int]:
+        """The retained iterations a state check passed."""
+        with self.lock:
+            return [v.iteration for v in self.versions
+                    if v.verified and self.check.restorable(v.iteration)]
 
     @property
     def latest(self) -> int | None:

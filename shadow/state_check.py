@@ -44,8 +44,9 @@ class StateCheck:
         self.checks = self.failures = 0
         self.flip_at = _flip_at(partition)
 
-    def installed(self, iteration: int) -> None:
-        """A state from the trainers (or their checkpoint) became the partition's."""
+    def installed(self, iteration: int | None) -> None:
+        """A state from the trainers (or their verified checkpoint) became the partition's;
+        None: a state not known to be theirs (an unverified checkpoint)."""
         self.trusted, self.suspect_after, self.diverged = iteration, None, ""
 
     def restorable(self, iteration: int) -> bool:
@@ -93,6 +94,9 @@ class StateCheck:
                             "again", self.partition, it)
             self.verified = self.trusted = it
             self.diverged, self.recovering = "", False
+            version.verified = True
+            if state.on_verified is not None:
+                state.on_verified(it)
             return None
         self.failures += 1
         if self.suspect_after is not None:
@@ -123,7 +127,8 @@ class StateCheck:
                         self.partition, version.iteration)
 
     def status(self) -> dict[str, Any]:
-        return {"verified_iteration": self.verified, "checks": self.checks,
+        return {"verified_iteration": self.verified, "trusted_iteration": self.trusted,
+                "checks": self.checks,
                 "failures": self.failures, "diverged": self.diverged,
                 "restorable_until": self.suspect_after}
 

@@ -71,7 +71,9 @@ def test_resume_at_rewinds_the_shadows_and_they_follow_the_new_run(tmp_path, ser
     net = f"127.89.{random.randrange(1, 255)}"
     with serve_shadows([f"{net}.100", f"{net}.101"], config=False) as ips:
         shadows = [f"--shadow={ip}" for ip in ips]
-        rc, out = _run([*launch, *shadows, str(script), "10", "0.1", str(tmp_path / "a.pt")])
+        # checked every 3 iterations, and the last (10) by finish()
+        rc, out = _run([*launch, *shadows, "--verify-every", "3", str(script), "10", "0.1",
+                        str(tmp_path / "a.pt")])
         assert rc == 0, out[-3000:]
         rc, listed = _run([sys.executable, "-m", "checkmate.launch.cli", "checkpoints",
                            *shadows])
@@ -79,6 +81,9 @@ def test_resume_at_rewinds_the_shadows_and_they_follow_the_new_run(tmp_path, ser
         start = re.search(r"a resume can start at: ([0-9,-]+) \(newest 10;", listed)
         assert start and start[1] == "7-10", listed  # the last 4 retained, 8 among them
         assert f"partition 1 ({ips[1]}:{cfgmod.RESTORE_PORT}) memory " in listed, listed
+        assert listed.count(", verified 9-10") == 2, listed
+        assert "verified in every partition: 9-10 (newest 10: the shadows' state equalled " \
+            "the trainers' there)" in listed, listed
 
         rc, out = _run([*launch, *shadows, "--resume-at", "8", str(script), "12", "0.05",
                         str(tmp_path / "b.pt")])

@@ -203,6 +203,9 @@ def test_a_failed_check_withdraws_the_state_until_a_reseed(tmp_path, caplog):
     while 3 not in disk.list_iterations(tmp_path / "part1"):  # the writer is behind
         assert time.monotonic() < deadline, disk.list_iterations(tmp_path / "part1")
         time.sleep(0.05)
+    # the checked iterations' checkpoints are marked verified, the unchecked one is not
+    assert [disk.is_verified(tmp_path / "part1", it) for it in (1, 2, 3)] == \
+        [True, True, False]
     checked(4)
     line = [r.getMessage() for r in caplog.records if "differs from the trainers'" in
             r.getMessage()]
@@ -363,4 +366,32 @@ def test_a_payload_swapped_in_flight_under_its_crc_is_caught_by_the_next_check()
         assert sts[1]["latest"] == 1  # iteration 2 is not restorable
     finally:
         c.close()
+
+
+def test_a_shadow_reloaded_from_disk_trusts_only_a_verified_checkpoint(tmp_path):
+    """A restarted shadow that reloads its newest checkpoint takes it as the trainers'
+    state only if that iteration passed the state check; the holdings say which are."""
+    from shadow_cluster import Cluster
+
+    from checkmate.train.shadow_client import ShadowClient
+
+    spec = make_spec(partitions=1)
+    ref, src = _Shadow(spec, 0), _Shadow(spec, 0, tmp_path)
+    ref.step(1)
+    src.step(1, [[d] for d in ref.shares(1)])
+    src.step(2)  # unchecked
+    src.per.stop()
+    pdir = tmp_path / "part0"
+    assert disk.list_iterations(pdir) == [0, 1, 2] and disk.is_verified(pdir, 1)
+    for newest, trusted in ((2, None), (1, 1)):
+        if newest == 1:
+            persist.purge(tmp_path, 0, 2)
+        c = Cluster(spec, dir=str(tmp_path), persist_every=1)
+        try:
+            with ShadowClient(c.addrs[0]) as cl:
+                st, held = cl.status(), cl.holdings()
+            assert st["state_check"]["trusted_iteration"] == trusted, st["state_check"]
+            assert held["verified"] == [1] and held["memory"] == [newest], held
+        finally:
+            c.close()
 

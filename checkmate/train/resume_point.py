@@ -46,6 +46,8 @@ class Holding:
     reloaded: int | None = None
     #: a mesh job's data-parallel group (checkmate.train.mesh_restore); None: the only one
     group: int | None = None
+    #: of memory and disk, the iterations that passed the state check (``--verify-every``)
+    verified: list[int] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -59,8 +61,9 @@ class Holding:
     def describe(self) -> str:
         if self.error:
             return f"{self.where} cannot be reached: {self.error}"
+        checked = f", verified {spans(self.verified)}" if self.verified else ""
         return (f"{self.where} memory {spans(self.memory) or 'none'}, "
-                f"disk {spans(self.disk) or 'none'}")
+                f"disk {spans(self.disk) or 'none'}{checked}")
 
 
 @dataclass
@@ -100,6 +103,7 @@ def ask(addrs: Sequence[Addr], timeout: float = 10.0) -> list[Holding]:
                 raise CheckmateError(f"it serves partition {reply.get('partition')}, not {p}")
             h.memory = sorted(int(i) for i in reply.get("memory") or [])
             h.disk = sorted(int(i) for i in reply.get("disk") or [])
+            h.verified = sorted(int(i) for i in reply.get("verified") or [])
             r = reply.get("reloaded")
             h.reloaded = r if isinstance(r, int) and not isinstance(r, bool) else None
         except (CheckmateError, OSError) as e:
