@@ -42,6 +42,7 @@ class StateCheck:
         self.diverged = ""  # the failed check's line, until the state is installed anew
         self.recovering = False  # a check failed and none has passed since
         self.checks = self.failures = 0
+        self.first_failed: int | None = None  # the iteration the last divergence was found
         self.flip_at = _flip_at(partition)
 
     def installed(self, iteration: int | None) -> None:
@@ -99,6 +100,8 @@ class StateCheck:
                 state.on_verified(it)
             return None
         self.failures += 1
+        if self.first_failed is None or self.suspect_after is None:
+            self.first_failed = it  # where this divergence was found
         if self.suspect_after is not None:
             return None  # said when it began; the re-seed is asked for
         self.suspect_after = -1 if self.trusted is None else self.trusted
@@ -128,7 +131,7 @@ class StateCheck:
 
     def status(self) -> dict[str, Any]:
         return {"verified_iteration": self.verified, "trusted_iteration": self.trusted,
-                "checks": self.checks,
+                "checks": self.checks, "found_at": self.first_failed,
                 "failures": self.failures, "diverged": self.diverged,
                 "restorable_until": self.suspect_after}
 

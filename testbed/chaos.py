@@ -74,6 +74,11 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # Every shadow restarted empty while 2 busy processes per core load the machine: the
     # registrations must converge (one epoch each) and the re-seeds finish.
     out["shadows-restart-under-load"] = {"every_shadow": {"disk": False}, "cpu_load": 4}
+    # A bit of one shadow's committed state flips (silent data corruption in its memory):
+    # the trainers' state digests every 5 iterations must find it at the first check after
+    # it, the partition be re-seeded live and equal to the trainers' again (issue 35).
+    out["shadow-bit-flip"] = {"shadow_flip": {"partition": "R", "at": "E"}, "verify_every": 5,
+                              "steps": short}
     out["trainer-kill-after-step"] = {"kill_at": "random", "steps": short}
     out["trainer-kill-before-control"] = {"kill_at": "random", "kill_phase": "before-control",
                                           "steps": short}
@@ -109,7 +114,7 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
 
 
 RANDOM = {"multinode-kill-node", "multinode-shrink", "attack-conn-flood-s0",
-          "shadow-restart-empty", "shadow-restart-disk",
+          "shadow-restart-empty", "shadow-restart-disk", "shadow-bit-flip",
           "shadow-and-trainers-kill", "all-shadows-restart-disk", "shadows-restart-under-load",
           "trainer-kill-after-step",
           "trainer-kill-before-control", "controller-restart"}
@@ -237,6 +242,12 @@ def draw(name: str, body: dict[str, Any], steps: int, seed: int, partitions: int
     if every is not None:  # every partition's shadow, at one drawn early iteration
         at = rng.randint(max(1, steps // 10), steps // 3)
         body["shadow_kills"] = [{**every, "partition": p, "at": at} for p in range(partitions)]
+    if "shadow_flip" in body:
+        f = body["shadow_flip"]
+        body["shadow_flip"] = {"partition": rng.randrange(partitions)
+                               if f["partition"] == "R" else f["partition"],
+                               "at": rng.randint(max(1, steps // 10), steps // 3)
+                               if f["at"] == "E" else f["at"]}
     after = body.pop("kill_after_shadow", None)
     if after is not None:
         body["kill_at"] = min(body["shadow_kills"][0]["at"] + after, steps - 1)

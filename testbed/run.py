@@ -77,6 +77,26 @@ def _inject(run: Run) -> None:
         run.at_iteration(a.at, attack.start)
 
 
+def _check_flip(sc: Scenario, statuses: list[dict[str, Any]]) -> list[str]:
+    """The flipped bit was found by the first state check at or after it, the partition
+    re-seeded, and its state equal to the trainers' again by the end."""
+    p, at = sc.shadow_flip or (0, 0)
+    k = sc.verify_every
+    st = next((s.get("state_check") or {} for s in statuses if s.get("partition") == p), {})
+    found = st.get("found_at")
+    if not found:
+        return [f"chaos: the bit flipped in partition {p}'s state after iteration {at} was "
+                f"not found (state check: {st})"]
+    out = []
+    if k and not at <= found < at + k:
+        out.append(f"chaos: the flip after iteration {at} was found at {found}, not by the "
+                   f"first check (every {k})")
+    if st.get("diverged"):
+        out.append(f"chaos: partition {p} still differs from the trainers at the end: "
+                   f"{st['diverged']}")
+    return out
+
+
 def _stop_attacks(run: Run) -> list[dict[str, Any]]:
     """Stop the run's attacks; what each did, its problems added to the run's."""
     out = []
@@ -204,6 +224,10 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
             sent = stream_attacks.stop(attackers)
             problems += check_run(run)
             run.result.shadow_status = run.shadow_statuses() if sc.gockpt is None else []
+            if label == "chaos" and sc.shadow_flip is not None:
+                problems += _check_flip(sc, run.result.shadow_status)
+                report["state_checks"] = [s.get("state_check") for s in
+                                          run.result.shadow_status]
             if attackers:
                 more, report["stream_attacks"] = stream_attacks.check(run, sent)
                 problems += more

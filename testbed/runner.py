@@ -96,6 +96,11 @@ class Run:
         # One kernel thread per shadow: on a small testbed machine the shadows share the
         # trainers' cores (results do not depend on the thread count).
         env = {"NUMBA_NUM_THREADS": "1"}
+        flip = self.sc.shadow_flip
+        if self.label == "chaos" and flip is not None and flip[0] == h.partition:
+            from checkmate.shadow.state_check import FLIP_AT
+
+            env[FLIP_AT] = f"{flip[0]}:{flip[1]}"
         try:
             return self.cl.popen(h.name, self._shadow_argv(h, disk), env, stdout=log,
                                  stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -204,6 +209,7 @@ class Run:
                          "port": cfgmod.SHADOW_PORT} for h in cfg.shadows],
             "shadow_tcp": [[cl.ip[h.name], cfgmod.RESTORE_PORT] for h in cfg.shadows],
             "finish_timeout": self.sc.finish_timeout,
+            "verify_every": self.sc.verify_every,
             "controller": ([cfg.switch.ip, cfgmod.CONTROLLER_PORT] if cl.mode == "switch"
                            else None),
         }

@@ -93,11 +93,14 @@ class Scenario:
     attacks: list[Attack] = field(default_factory=list)
     cpu_load: int = 0  # busy processes running beside the chaos run
     stream_attacks: list[str] = field(default_factory=list)
+    verify_every: int = 0  # the trainers' --verify-every (replica agreement, state check)
+    shadow_flip: tuple[int, int] | None = None  # (partition, iteration): a flipped bit
 
     @property
     def chaos(self) -> bool:
         return bool(self.faults or self.shadow_kills or self.controller_restart_at
-                    or self.disk_limit or self.attacks or self.stream_attacks)
+                    or self.disk_limit or self.attacks or self.stream_attacks
+                    or self.shadow_flip)
 
 
 def scenario_names() -> list[str]:
@@ -107,7 +110,8 @@ def scenario_names() -> list[str]:
 def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> Scenario:
     """A scenario from its YAML mapping (checkmate.testbed.scenario_schema); one
     CheckmateError line naming what is wrong. ``random`` iterations are drawn from ``rng``
-    in a fixed order: kill_at, each shadow kill, the controller restart, each attack."""
+    in a fixed order: kill_at, each shadow kill, the controller restart, each attack, the
+    shadow flip."""
     from pydantic import ValidationError
 
     from checkmate.schema import first_error
@@ -138,7 +142,9 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
                     [Fault(f.port, f.drop, f.corrupt, f.start, f.until) for f in doc.faults],
                     kills, doc.persist_every, doc.keep, ctl, float(doc.finish_timeout), disk,
                     None if doc.gockpt is None else (doc.gockpt.every, doc.gockpt.steps),
-                    attacks, doc.cpu_load, list(doc.stream_attacks))
+                    attacks, doc.cpu_load, list(doc.stream_attacks), doc.verify_every,
+                    None if doc.shadow_flip is None else
+                    (doc.shadow_flip.partition, draw(doc.shadow_flip.at)))
 
 
 def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:

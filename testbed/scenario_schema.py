@@ -78,6 +78,14 @@ class ShadowKillDoc(_Strict):
     restart: Flag = True
 
 
+class ShadowFlipDoc(_Strict):
+    """A bit of ``partition``'s committed state flipped after iteration ``at`` (the
+    shadow's CHECKMATE_SHADOW_FLIP_AT): the fault the state check (verify_every) finds."""
+
+    partition: NonNeg
+    at: Iteration
+
+
 class AttackDoc(_Strict):
     """An attack from host ``source`` on host ``target`` from iteration ``at`` to the end
     of the run (checkmate.testbed.attacks)."""
@@ -123,6 +131,8 @@ class ScenarioDoc(_Strict):
     attacks: list[AttackDoc] = Field(default_factory=list)
     cpu_load: Annotated[int, _int_in(0, 64)] = 0
     stream_attacks: list[Annotated[str, _one_of(STREAM_ATTACKS)]] = Field(default_factory=list)
+    verify_every: NonNeg = 0
+    shadow_flip: ShadowFlipDoc | None = None
 
     @model_validator(mode="before")
     @classmethod

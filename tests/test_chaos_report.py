@@ -71,6 +71,28 @@ def test_every_case_draws_a_valid_scenario():
     assert sc.cpu_load == 4 and not any(k.disk for k in sc.shadow_kills)
 
 
+def test_the_shadow_flip_case_draws_its_flip_and_fails_unless_the_first_check_finds_it():
+    import random
+
+    from checkmate.testbed.chaos import cases, draw
+    from checkmate.testbed.run import _check_flip
+
+    sc = draw("shadow-bit-flip", cases(300)["shadow-bit-flip"], 300, 0, 2, random.Random(5))
+    p, at = sc.shadow_flip
+    assert p in (0, 1) and 1 <= at <= sc.steps // 3 and sc.verify_every == 5 and sc.chaos
+    found = -(-at // 5) * 5  # the first checked iteration at or after the flip
+
+    def status(**check: object) -> list[dict]:
+        return [{"partition": q, "state_check": check if q == p else {"found_at": None}}
+                for q in (0, 1)]
+
+    assert _check_flip(sc, status(found_at=found, diverged="")) == []
+    assert "was not found" in _check_flip(sc, status(found_at=None, diverged=""))[0]
+    assert "not by the first check" in _check_flip(sc, status(found_at=found + 5,
+                                                              diverged=""))[0]
+    assert "still differs" in _check_flip(sc, status(found_at=found, diverged="x"))[0]
+
+
 def test_multinode_verdict_reads_the_final_state_not_a_restore_beside_it(tmp_path):
     """rank 0 writes ``<host>.pt`` at the end and, after a restore, ``<host>.restored.
     <attempt>.<pid>.pt``; the bit-identity verdict must read the first (a glob for

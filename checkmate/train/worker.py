@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                     int(job.get("ckpt_every", 1)))
     sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout, w.max_grad_norm)
     sess.injector = _injector(os.environ.get(FAIL_AT_ENV))
+    sess.verify_every = int(job.get("verify_every", 0))
     t0 = time.perf_counter()
     start = sess.start(resume=args.resume)
+    sess.verified_iteration = start
     point = getattr(sess, "resume_point", None)
     _emit(event="started", rank=rank, iteration=start, resumed=args.resume,
           seconds=time.perf_counter() - t0,
