@@ -55,6 +55,7 @@ from checkmate.launch.options import (
     rdzv_addr,
 )
 from checkmate.protocol.auth import SECRET_ENV
+from checkmate.train import check_schedule
 from checkmate.train import env as envmod
 from checkmate.train.shadow_client import parse_addr
 
@@ -115,7 +116,7 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
         envmod.SEED: str(args.seed), envmod.PROGRESS_EVERY: str(args.progress_every),
         envmod.RESUME: "1" if args.resume or args.resume_at is not None else "0",
         envmod.GROUPS: str(args.pp * args.tp),
-        envmod.VERIFY_EVERY: str(args.verify_every),
+        envmod.VERIFY_EVERY: check_schedule.describe(args.verify_every),
         "PYTHONUNBUFFERED": "1",
     })
     for name in (envmod.TRAINERS, envmod.LOCAL_TRAINERS, envmod.RDZV_STORE,
@@ -383,10 +384,14 @@ def launch(argv: list[str]) -> int:
                   f"{newest_common(gockpt_dir(args), args.nproc_per_node)} (under "
                   f"{gockpt_dir(args)})", flush=True)
         if tcp:
-            latest = shadows_latest(tcp)
-            print(f"{PROG}: done; the shadows hold iteration "
-                  f"{min(latest) if None not in latest else None} "
-                  f"(per shadow: {latest})", flush=True)
+            latest, verified = shadows_latest(tcp)
+            held = min(latest) if None not in latest else None
+            checked = min(verified) if None not in verified else None
+            said = ("; their state equals the trainers' there (checked)" if checked == held
+                    and held is not None else f"; checked against the trainers' up to "
+                    f"iteration {checked}" if checked is not None else "")
+            print(f"{PROG}: done; the shadows hold iteration {held} (per shadow: {latest})"
+                  f"{said}", flush=True)
         succeeded = True
         return 0
     finally:

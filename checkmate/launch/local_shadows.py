@@ -241,13 +241,18 @@ def check_shadows(addrs: list[Addr]) -> int:
     return jobs.pop() if jobs else 0
 
 
-def shadows_latest(addrs: list[Addr]) -> list[int | None]:
-    """Each shadow's newest committed iteration (None: unreachable or empty)."""
-    out: list[int | None] = []
+def shadows_latest(addrs: list[Addr]) -> tuple[list[int | None], list[int | None]]:
+    """Each shadow's newest committed iteration and newest iteration a state check passed
+    (None: unreachable, empty, or never checked)."""
+    latest: list[int | None] = []
+    verified: list[int | None] = []
     for a in addrs:
         try:
             with ShadowClient(a, 5.0) as c:
-                out.append(c.status().get("latest"))
+                st = c.status()
+            latest.append(st.get("latest"))
+            verified.append((st.get("state_check") or {}).get("verified_iteration"))
         except (CheckmateError, OSError):
-            out.append(None)
-    return out
+            latest.append(None)
+            verified.append(None)
+    return latest, verified

@@ -16,6 +16,7 @@ from typing import Any
 from checkmate.errors import CheckmateError
 from checkmate.launch.local_shadows import MAX_SHADOWS, MAX_TRAINERS
 from checkmate.launch.placement import DEVICES, place
+from checkmate.train import check_schedule
 from checkmate.train import env as envmod
 
 PROG = "checkmate launch"
@@ -40,6 +41,16 @@ def _count(lo: int, hi: int) -> Any:
             raise argparse.ArgumentTypeError(f"expected an integer {lo}..{hi}, got {s!r}")
         return int(s)
     return parse
+
+
+def _verify_every(s: str) -> int:
+    try:
+        k = check_schedule.parse(s)
+    except CheckmateError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if k > 2**31:
+        raise argparse.ArgumentTypeError(f"expected at most {2**31} iterations, got {s!r}")
+    return k
 
 
 def parser(gpus: int) -> argparse.ArgumentParser:
@@ -122,10 +133,14 @@ def parser(gpus: int) -> argparse.ArgumentParser:
                    help="the first attempt resumes at ITERATION (held by every partition, "
                         "in memory or on disk; `checkmate checkpoints` lists them) and the "
                         "shadows drop what they hold after it: a rewind")
-    p.add_argument("--verify-every", type=_count(0, 2**31), default=0, metavar="K",
-                   help="every K iterations the data-parallel ranks compare a digest of their "
-                        "model and optimizer state; a rank that differs from the others is "
-                        "named and the job restarts from the shadows (default 0: never)")
+    p.add_argument("--verify-every", type=_verify_every, default=check_schedule.AUTO,
+                   metavar="K|auto",
+                   help="every K iterations (and at the end) the data-parallel ranks compare "
+                        "a digest of their model and optimizer state and every shadow checks "
+                        "its state against theirs; a rank that differs is named and the job "
+                        "restarts from the shadows, a shadow that differs is re-seeded (0: "
+                        "never; default auto: K chosen by measurement so the checks cost "
+                        "under 1%%)")
     p.add_argument("--fixed-world", action="store_true",
                    help="refuse to resume the job on another number of ranks than it ran on "
                         "(default: allowed, announced in one line on every rank)")

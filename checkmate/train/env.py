@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from checkmate.config import cluster as config
 from checkmate.errors import CheckmateError
+from checkmate.train import check_schedule
 from checkmate.train.replicate import ShadowTarget
 
 #: ckm job id (default 1).
@@ -58,7 +59,9 @@ RESUME_AT = "CHECKMATE_RESUME_AT"
 #: optimizer step, before the control message, in the launcher's first attempt only.
 KILL_AT = "CHECKMATE_KILL_AT"
 #: ``K``: every K iterations the data-parallel ranks compare a digest of their state
-#: (checkmate.train.replica_check; ``checkmate launch --verify-every``). 0: never.
+#: (checkmate.train.replica_check) and the shadows check theirs against it
+#: (``checkmate launch --verify-every``). 0: never; ``auto`` (unset): K chosen by
+#: measurement (checkmate.train.check_schedule).
 VERIFY_EVERY = "CHECKMATE_VERIFY_EVERY"
 #: Test only: ``RANK:ITERATION`` makes that rank flip one bit of its first parameter after
 #: that iteration's optimizer step, in the launcher's first attempt only (a silent data
@@ -210,7 +213,7 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         controller=controller, stall_timeout=float(stall) if stall else None,
         groups=_groups(env, len(tcp)),
         resume_at=_int(env, RESUME_AT) if env.get(RESUME_AT) else None,
-        verify_every=_int(env, VERIFY_EVERY, 0), flip_at=flip_at)
+        verify_every=check_schedule.parse(env.get(VERIFY_EVERY, "auto")), flip_at=flip_at)
 
 
 def _rank_iteration(env: Mapping[str, str], name: str) -> tuple[int, int] | None:

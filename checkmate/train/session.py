@@ -109,8 +109,11 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
     resume_at: int | None = None
     #: The model holds tensor-parallel DTensors: the session replicates their local shards.
     tensor_parallel = False
-    #: Every ``verify_every`` iterations the data-parallel ranks compare their state
-    #: (checkmate.train.replica_check); 0: never. ``verified_iteration``: the newest they
+    #: Every ``verify_every`` iterations (and at ``finish()``) the data-parallel ranks
+    #: compare their state (checkmate.train.replica_check) and the shadows check theirs
+    #: (checkmate.train.shadow_check); 0: never, check_schedule.AUTO: K by measurement
+    #: (from_env's default, unless CHECKMATE_VERIFY_EVERY says otherwise).
+    #: ``verified_iteration``: the newest they
     #: agreed on, or the iteration they started from (None: no check).
     verify_every = 0
     verified_iteration: int | None = None

@@ -114,8 +114,8 @@ class _Reliability:
         last = self.done_iteration
         # The last iteration is checked too (issue 35): by the step when K divides it, else
         # here, with the shadows' ``check`` request (the control message went unchecked).
-        rows = self._verify() if getattr(self, "verify_every", 0) and last \
-            and last % self.verify_every else None
+        schedule = self._check_schedule()
+        rows = self._verify() if schedule is not None and schedule.last != last else None
         if self.layout.rank == 0:
             try:
                 self.wait_shadows(last, timeout)

@@ -9,12 +9,14 @@ gradient).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
+from checkmate.train.check_schedule import CheckSchedule
 from checkmate.train.ddp import CheckmateDDP
 from checkmate.train.world import mesh_of as world_mesh
 
@@ -73,8 +75,9 @@ class _Step:
         if self.injector is not None:
             self.injector("before-control", self.iteration)
         steps = self.opt_step + (0 if skip else 1)
-        digests = self._verify() if self.verify_every and \
-            self.iteration % self.verify_every == 0 else None
+        schedule = self._check_schedule()
+        digests = self._verify() if schedule is not None and schedule.due(self.iteration) \
+            else None
         if self.gockpt is not None:
             self.gockpt.after_step(self.iteration, steps,
                                    self._control_body(lrs, coef, hyper, extra, None, skip))
@@ -94,7 +97,26 @@ class _Step:
         """A checked iteration, after the step and before the control message: the ranks'
         copies agree (checkmate.train.replica_check; a divergence ends here, before the
         shadows commit the iteration), then the digests the shadows check their state
-        against (checkmate.train.shadow_check; None without shadows)."""
+        against (checkmate.train.shadow_check; None without shadows). Its time goes to the
+        check schedule (checkmate.train.check_schedule), which may choose the next one."""
+        t0 = time.perf_counter()
+        rows = self._check_now()  # a divergence raises on every rank: no schedule then
+        schedule = self._check_schedule()
+        if schedule is not None:
+            schedule.checked(self.iteration, time.perf_counter() - t0, self.group)
+        return rows
+
+    def _check_schedule(self) -> CheckSchedule | None:
+        """The session's check schedule (None: ``verify_every`` 0), begun at the iteration
+        the session trains on from."""
+        if not self.verify_every:
+            return None
+        s = getattr(self, "_schedule", None)
+        if s is None or s.every != self.verify_every:
+            s = self._schedule = CheckSchedule(self.verify_every, self.done_iteration)
+        return s
+
+    def _check_now(self) -> list[list[str]] | None:
         if self.replicates_state:
             from checkmate.train.replica_check import agree
 

@@ -4,11 +4,13 @@ One run, loopback, host mode: ``--world`` trainer processes train one stock
 ``DistributedDataParallel`` model driven by ``checkmate.train.ddp_hook.DDPSession`` with two
 real ``shadow serve`` processes, and alternate, in ``--rounds`` rounds of ``--iters``
 iterations (the order swapped every round), between ``verify_every = 0`` (off) and
-``verify_every = K`` (``--every``): every K-th iteration the ranks compare a CRC32C of their
-state (replica agreement) and send the digests of their shares, which the shadows check
-their committed state against (the state check). The check's cost falls on one iteration
-in K, so each round's figure is its mean iteration time, not a median; rank 0 waits for
-the shadows after every round (not counted), so a round never pays for the one before.
+``verify_every = K`` (``--every``; ``auto``: K chosen by measurement, the launcher's
+default, its schedule kept across the rounds): every K-th iteration the ranks compare a
+digest of their state (replica agreement) and send the digests of their shares, which the
+shadows check their committed state against (the state check). The check's cost falls on
+one iteration in K, so each round's figure is its mean iteration time, not a median; rank
+0 waits for the shadows after every round (not counted), so a round never pays for the one
+before.
 Ends with ``verify ratio: <x>``: the median over rounds of off's mean iteration time over
 the checked variant's in the same round (1.0: free; 0.99: the check costs 1%). The shadows
 run on the trainers' cores, so their share of the check shows here too.
@@ -29,6 +31,7 @@ from pathlib import Path
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.testbed.bench import _host_workers as host_workers
 from checkmate.testbed.bench.rounds import verdict
+from checkmate.train import check_schedule
 
 VARIANTS = ("off", "checked")
 
@@ -74,6 +77,7 @@ def _worker(args: argparse.Namespace) -> int:
     if rank == 0:
         Path(args.out).write_text(json.dumps({
             "times": times, "protected": prot["protected"],
+            "checks": sess._schedule.count, "k": sess._schedule.k,
             "params": sum(p.numel() for p in w.model.parameters())}))
     sess.close()
     dist.destroy_process_group()
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="gpt", choices=("gpt", "cnn"))
     ap.add_argument("--width", type=int, default=256, help="model width")
     ap.add_argument("--world", type=int, default=2, help="trainer processes")
-    ap.add_argument("--every", type=int, default=10, help="K: a checked iteration in K")
+    ap.add_argument("--every", type=check_schedule.parse, default=10,
+                    help="K: a checked iteration in K, or auto")
     ap.add_argument("--rounds", type=int, default=4, help="alternated rounds")
     ap.add_argument("--iters", type=int, default=20, help="iterations per round and variant")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -102,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
-    if not 1 <= args.world <= 8 or args.rounds < 2 or args.width < 8 or args.every < 1:
+    if not 1 <= args.world <= 8 or args.rounds < 2 or args.width < 8 or args.every == 0:
         raise CheckmateError("need 1 <= --world <= 8, --rounds >= 2, --width >= 8, "
-                             "--every >= 1")
+                             "--every >= 1 or auto")
     if args.iters < args.every:
         raise CheckmateError("--iters must be at least --every: a round must hold a check")
     load = os.getloadavg()[0]
@@ -114,20 +119,21 @@ def main(argv: list[str] | None = None) -> int:
         data = host_workers.run(
             "checkmate.testbed.bench.verify", net, work, args.world,
             ["--model", args.model, "--width", str(args.width), "--rounds", str(args.rounds),
-             "--iters", str(args.iters), "--every", str(args.every)])
+             "--iters", str(args.iters), "--every", check_schedule.describe(args.every)])
         failed = _failed_checks(work)
     t = data["times"]
     ratios = [a / b for a, b in zip(t["off"], t["checked"], strict=True)]
-    print(f"--verify-every {args.every} against off: {args.model} width {args.width} "
-          f"({data['params']} parameters), {args.world} trainers (stock DDP + hook), 2 "
-          f"shadows, host mode, {args.rounds} alternated rounds of {args.iters} iterations "
-          f"each, load {load:.2f}")
+    print(f"--verify-every {check_schedule.describe(args.every)} against off: {args.model} "
+          f"width {args.width} ({data['params']} parameters), {args.world} trainers (stock "
+          f"DDP + hook), 2 shadows, host mode, {args.rounds} alternated rounds of "
+          f"{args.iters} iterations each, load {load:.2f}")
     print("per round, mean ms/it off / checked (ratio): " + ", ".join(
         f"{1000 * a:.1f}/{1000 * b:.1f} ({a / b:.3f})"
         for a, b in zip(t["off"], t["checked"], strict=True)))
     print(f"off {1000 * statistics.median(t['off']):.1f} ms/it, checked "
           f"{1000 * statistics.median(t['checked']):.1f} ms/it (medians of the round means); "
-          f"ratio {verdict(ratios)}; shadow checks failed: {failed}")
+          f"ratio {verdict(ratios)}; {data['checks']} checks, the last K {data['k']}; shadow "
+          f"checks failed: {failed}")
     if not data["protected"] or failed:
         raise CheckmateError("the shadows did not commit the last iteration, or a state "
                              "check failed")
