@@ -198,11 +198,12 @@ def test_launch_restarts_a_killed_hsdp_trainer_bit_identical(tmp_path):
     rank, at = random.randrange(world), random.randrange(3, STEPS)
     why = f"rank {rank} killed at iteration {at}"
 
-    def launch(name: str, env: dict[str, str] | None = None) -> tuple[str, dict]:
+    def launch(name: str, env: dict[str, str] | None = None, *args: str) -> tuple[str, dict]:
         out = tmp_path / f"{name}.pt"
         p = subprocess.run(
             [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node",
-             str(world), "--shadows", "2", "--max-restarts", "1", str(EXAMPLE), "--steps",
+             str(world), "--shadows", "2", "--max-restarts", "1", *args, str(EXAMPLE),
+             "--steps",
              str(STEPS + 2), "--out", str(out), "--hsdp", str(hsdp)],
             capture_output=True, text=True,
             timeout=400, env={**os.environ, "NUMBA_NUM_THREADS": "1", **(env or {})})
@@ -220,6 +221,21 @@ def test_launch_restarts_a_killed_hsdp_trainer_bit_identical(tmp_path):
     assert_state_equal(got["model"], ref["model"], f"model ({why})")
     assert_optim_equal(got["optimizer"], ref["optimizer"], f"optimizer ({why})")
     assert got["scheduler"] == ref["scheduler"], why
+    # A bit of one rank's shard flips (silent data corruption): its replica holds the same
+    # shard, so the check of every 2 iterations names the pair, and the restart rewinds to
+    # the newest verified iteration: bit-identical again (issue 35, HSDP's replicas).
+    rank, at = random.randrange(world), random.randrange(1, 5)
+    found = -(-at // 2) * 2
+    why = f"a bit of rank {rank}'s shard flipped after iteration {at}"
+    pair = sorted({rank, (rank + hsdp) % world})  # replicate-major: same dp_shard coordinate
+    flipped, got = launch("flipped", {"CHECKMATE_FLIP_AT": f"{rank}:{at}"}, "--verify-every",
+                          "2")
+    assert (f"iteration {found}: the model and optimizer state shards of data-parallel "
+            f"rank(s) {pair[0]}, {pair[1]} differ from each other (HSDP") in flipped, \
+        (why, flipped[-3000:])
+    assert "restarting the worker group" in flipped and "Traceback" not in flipped, why
+    assert_state_equal(got["model"], ref["model"], f"model ({why})")
+    assert_optim_equal(got["optimizer"], ref["optimizer"], f"optimizer ({why})")
 
 
 @pytest.mark.parametrize("world,partitions", [(2, 2), (3, 2), (4, 3), (7, 1)])

@@ -288,9 +288,16 @@ class FSDPSession(ShareSender, CheckmateSession):
 
     #: Every restored tensor becomes this rank's shard (CheckmateSession.local_state_dicts).
     places_state = True
-    #: Ranks hold different shards: no copies for replica_check to compare (HSDP's
-    #: replicas would be: not yet).
+    #: Ranks hold different shards: the whole state has no copies (HSDP's shards do:
+    #: _replica_columns).
     replicates_state = False
+
+    def _replica_columns(self) -> list[list[int]] | None:
+        """HSDP: the replicas of each shard (ranks are replicate-major); plain FSDP2: none."""
+        if self.replicas < 2:
+            return None
+        return [[r * self.shard_world + s for r in range(self.replicas)]
+                for s in range(self.shard_world)]
 
     def _place_like(self, full: torch.Tensor, p: DTensor) -> DTensor:
         """This rank's rows of the whole tensor ``full``, placed as ``p`` is."""

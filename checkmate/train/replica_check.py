@@ -13,9 +13,12 @@ from the shadows at the newest iteration the ranks verified (the previous check,
 the attempt started): from there on the corrupted copy may have fed the allreduce, and so
 the shadows, its gradients.
 
+Under HSDP the copies are the replicas of each shard: the ranks of one dp_shard coordinate
+across dp_replicate (``columns``), each column compared on its own; plain FSDP2's ranks hold
+different shards, so there is nothing to compare.
+
 What it cannot catch: a corruption before the allreduce (a wrong gradient) reaches every
-replica and every shadow alike, so they all agree. FSDP2 ranks hold different shards: no
-copies to compare (HSDP's replicas would be; not yet).
+replica and every shadow alike, so they all agree.
 """
 
 from __future__ import annotations
@@ -63,14 +66,23 @@ def odd_ones(digests: list[int]) -> tuple[list[int], bool]:
 
 
 def agree(module: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any,
-          world: int, iteration: int, verified: int | None = None) -> None:
-    """Every rank of ``group``: compare this iteration's state digests; ReplicaDivergence,
-    the same line on every rank, when a rank differs, after recording that the launcher's
-    next attempt resumes at ``verified`` (the newest iteration the ranks agreed on)."""
+          world: int, iteration: int, verified: int | None = None,
+          columns: list[list[int]] | None = None) -> None:
+    """Every rank of ``group``: compare this iteration's state digests within each of
+    ``columns`` (the ranks that hold the same state; default: all); ReplicaDivergence, the
+    same line on every rank, when a rank differs, after recording that the launcher's next
+    attempt resumes at ``verified`` (the newest iteration the ranks agreed on)."""
     mine = torch.tensor([state_digest(module, optimizer)], dtype=torch.int64)
     every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    bad, majority = odd_ones([int(t[0]) for t in every])
+    digests = [int(t[0]) for t in every]
+    cols = columns if columns is not None else [list(range(world))]
+    bad: list[int] = []
+    majority = True
+    for col in cols:
+        odd, held = odd_ones([digests[r] for r in col])
+        bad += [col[i] for i in odd]
+        majority = majority and held
     if not bad:
         return
     then = "stopping: a restart resumes from the shadows"
@@ -78,8 +90,15 @@ def agree(module: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any,
         failures.record_rewind(verified)
         then = (f"{then} at iteration {verified}, the newest the ranks verified" if verified
                 else "stopping: a restart begins the job again, as no iteration was verified")
+    who = ", ".join(str(r) for r in sorted(bad))
+    if len(cols) > 1:  # HSDP: each shard's replicas
+        theirs = "their replicas' shards"
+        raise ReplicaDivergence(
+            f"iteration {iteration}: the model and optimizer state shards of data-parallel "
+            f"rank(s) {who} differ from {theirs if majority else 'each other'} "
+            f"(HSDP: the ranks of one dp_shard coordinate hold the same shard; silent data "
+            f"corruption, or a step that is not deterministic); {then}")
     if majority:
-        who = ", ".join(str(r) for r in bad)
         raise ReplicaDivergence(
             f"iteration {iteration}: the model and optimizer state of data-parallel rank(s) "
             f"{who} differ from the other {world - len(bad)} ranks' (silent data corruption "

@@ -116,12 +116,17 @@ class _Step:
             s = self._schedule = CheckSchedule(self.verify_every, self.done_iteration)
         return s
 
+    def _replica_columns(self) -> list[list[int]] | None:
+        """The sets of data-parallel ranks that hold the same state (None: none do)."""
+        return [list(range(self.layout.world))] if self.replicates_state else None
+
     def _check_now(self) -> list[list[str]] | None:
-        if self.replicates_state:
+        columns = self._replica_columns()
+        if columns is not None:
             from checkmate.train.replica_check import agree
 
             agree(self.module, self.optimizer, self.group, self.layout.world, self.iteration,
-                  self.verified_iteration)
+                  self.verified_iteration, columns)
             self.verified_iteration = self.iteration
         if self.layout.mode == "off":
             return None
