@@ -444,17 +444,28 @@ class ShadowState:
                 np.copyto(arrays[s], _slot(self.opt, s))
         v = Version(it, int(self.opt.step_count), arrays, buffers, extra, lrs)
         self.versions.append(v)
-        while len(self.versions) > self.retain:
-            old = self.versions.popleft()
-            old.evicted = True
-            if old.pins == 0:
-                self._free.append(old.slots)
+        self._evict()
         self.committed_count += 1
         self.commit_times.append((it, time.time()))
         if self.asm is not None:
             self.asm.committed = it
         if self.on_commit is not None:
             self.on_commit(v)
+
+    def _evict(self) -> None:
+        """Keep the newest ``retain`` versions, and beside them the newest one a state check
+        verified: the iteration a rewind after the trainers' replicas diverge resumes at
+        (checkmate.train.replica_check), however many iterations a check spans."""
+        while True:
+            n = len(self.versions)
+            kept = n > 1 and self.versions[0].iteration == self.check.verified
+            if n <= self.retain + kept:
+                return
+            old = self.versions[1 if kept else 0]
+            self.versions.remove(old)
+            old.evicted = True
+            if old.pins == 0:
+                self._free.append(old.slots)
 
     # ----- reading ----------------------------------------------------------------------
     def retained(self) -> list[int]:

@@ -79,6 +79,12 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # it, the partition be re-seeded live and equal to the trainers' again (issue 35).
     out["shadow-bit-flip"] = {"shadow_flip": {"partition": "R", "at": "E"}, "verify_every": 5,
                               "steps": short}
+    # A bit of one trainer's parameters flips (silent data corruption on a GPU): replica
+    # agreement every 5 iterations must name that rank at the first check after it, and the
+    # job rewind to the check before (the corrupted copy fed the shadows since) and end
+    # bit-identical (issue 35).
+    out["trainer-bit-flip"] = {"trainer_flip": {"rank": "R", "at": "E"}, "verify_every": 5,
+                               "steps": short}
     out["trainer-kill-after-step"] = {"kill_at": "random", "steps": short}
     out["trainer-kill-before-control"] = {"kill_at": "random", "kill_phase": "before-control",
                                           "steps": short}
@@ -114,7 +120,7 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
 
 
 RANDOM = {"multinode-kill-node", "multinode-shrink", "attack-conn-flood-s0",
-          "shadow-restart-empty", "shadow-restart-disk", "shadow-bit-flip",
+          "shadow-restart-empty", "shadow-restart-disk", "shadow-bit-flip", "trainer-bit-flip",
           "shadow-and-trainers-kill", "all-shadows-restart-disk", "shadows-restart-under-load",
           "trainer-kill-after-step",
           "trainer-kill-before-control", "controller-restart"}
@@ -228,7 +234,7 @@ def write_report(path: Path, block: str) -> None:
 
 
 def draw(name: str, body: dict[str, Any], steps: int, seed: int, partitions: int,
-         rng: random.Random) -> Any:
+         rng: random.Random, trainers: int = 2) -> Any:
     """The case's scenario with its random partition ("R"), early iteration ("E"),
     ``every_shadow`` (one kill per partition at one early iteration) and
     ``kill_after_shadow`` resolved (draws from ``rng`` in a fixed order)."""
@@ -248,6 +254,12 @@ def draw(name: str, body: dict[str, Any], steps: int, seed: int, partitions: int
                                if f["partition"] == "R" else f["partition"],
                                "at": rng.randint(max(1, steps // 10), steps // 3)
                                if f["at"] == "E" else f["at"]}
+    if "trainer_flip" in body:
+        f = body["trainer_flip"]
+        body["trainer_flip"] = {"rank": rng.randrange(trainers)
+                                if f["rank"] == "R" else f["rank"],
+                                "at": rng.randint(max(1, steps // 10), steps // 3)
+                                if f["at"] == "E" else f["at"]}
     after = body.pop("kill_after_shadow", None)
     if after is not None:
         body["kill_at"] = min(body["shadow_kills"][0]["at"] + after, steps - 1)
@@ -325,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             for rep_i in range(args.repeat if name in RANDOM else 1):
                 multi = bool(known[name].get("multinode"))
                 sc = None if multi else draw(name, known[name], args.steps, args.seed,
-                                             cfg.num_partitions, rng)
+                                             cfg.num_partitions, rng, len(cfg.trainers))
                 t0 = time.perf_counter()
                 if sc is not None and sc.steps not in refs:
                     ref_dir = workdir / f"reference-{sc.steps}"

@@ -97,6 +97,26 @@ def _check_flip(sc: Scenario, statuses: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _check_trainer_flip(sc: Scenario, diverged: dict[str, Any] | None) -> list[str]:
+    """The flipped rank was named by the first check at or after the flip, and the job
+    rewound to the check before (or began again); bit-identity is checked after."""
+    rank, at = sc.trainer_flip or (0, 0)
+    k = sc.verify_every
+    if diverged is None:
+        return [f"chaos: the bit flipped on rank {rank} after iteration {at} was not found"]
+    found, back = diverged.get("iteration"), diverged.get("rewind")
+    out = []
+    if not (isinstance(found, int) and k and at <= found < at + k):
+        out.append(f"chaos: the flip after iteration {at} was found at {found}, not by the "
+                   f"first check (every {k})")
+    elif back != max(found - k, 0):
+        out.append(f"chaos: the job rewound to {back}, not to the check before {found}")
+    if f"rank(s) {rank} differ" not in (diverged.get("line") or ""):
+        out.append(f"chaos: the divergence line does not name rank {rank}: "
+                   f"{diverged.get('line')}")
+    return out
+
+
 def _stop_attacks(run: Run) -> list[dict[str, Any]]:
     """Stop the run's attacks; what each did, its problems added to the run's."""
     out = []
@@ -221,9 +241,15 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
             if outcome == "killed":
                 run.start_trainers(resume=True)
                 run.follow(None)
+            elif outcome == "diverged":  # a rank's copy differed: rewind to the verified one
+                run.start_trainers(resume=False, resume_at=run.result.diverged["rewind"])
+                run.follow(None)
             sent = stream_attacks.stop(attackers)
             problems += check_run(run)
             run.result.shadow_status = run.shadow_statuses() if sc.gockpt is None else []
+            if label == "chaos" and sc.trainer_flip is not None:
+                problems += _check_trainer_flip(sc, run.result.diverged)
+                report["diverged"] = run.result.diverged
             if label == "chaos" and sc.shadow_flip is not None:
                 problems += _check_flip(sc, run.result.shadow_status)
                 report["state_checks"] = [s.get("state_check") for s in

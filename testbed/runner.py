@@ -51,6 +51,8 @@ class RunResult:
     protected: bool | None = None
     shadow_status: list[dict] = field(default_factory=list)
     gockpt_iteration: int | None = None  # newest GoCkpt checkpoint (GoCkpt scenarios)
+    #: replica agreement stopped the job: {"at", "rewind", "line"} (rank 0's words)
+    diverged: dict | None = None
 
 
 class Run:
@@ -218,9 +220,11 @@ class Run:
         path.write_text(json.dumps(job, indent=1))
         return path
 
-    def start_trainers(self, resume: bool, fail_at: int | None = None) -> None:
+    def start_trainers(self, resume: bool, fail_at: int | None = None,
+                       resume_at: int | None = None) -> None:
         """Start every rank; ``fail_at``: rank 0 kills itself before that iteration's
-        control message (checkmate.train.worker's failure injector)."""
+        control message (checkmate.train.worker's failure injector); ``resume_at``: a
+        rewind to that iteration (0: start anew), after a divergence."""
         cfg, cl = self.cl.cfg, self.cl
         job = self.job_file()
         master = cl.ip[cfg.trainers[0].name]
@@ -235,9 +239,17 @@ class Run:
                 from checkmate.train.worker import FAIL_AT_ENV
 
                 env[FAIL_AT_ENV] = f"{fail_at}:before-control"
+            flip = self.sc.trainer_flip
+            if (self.label == "chaos" and flip is not None and flip[0] == h.rank
+                    and not resume and resume_at is None):
+                from checkmate.train.env import FLIP_AT
+
+                env[FLIP_AT] = f"{flip[0]}:{flip[1]}"
             argv = [sys.executable, "-m", "checkmate.train.worker", "--job", str(job)]
             if resume:
                 argv.append("--resume")
+            if resume_at is not None:
+                argv += ["--resume-at", str(resume_at)]
             err = open(self.dir / f"trainer-{h.name}{'-resumed' if resume else ''}.log",
                        "ab")  # noqa: SIM115
             p = cl.popen(h.name, argv, env, stdout=subprocess.PIPE, stderr=err,
@@ -282,7 +294,8 @@ class Run:
             subprocess.run(["umount", str(self.mounts.pop())], capture_output=True)
 
     # -- following -----------------------------------------------------------------------
-    def _killed(self, at: int, max_done: int, pids: set[int]) -> str:
+    def _killed(self, at: int, max_done: int, pids: set[int], outcome: str = "killed"
+                ) -> str:
         self.kill_trainers()
         # Drain what the pipes still held: steps finished before the kill.
         time.sleep(0.3)
@@ -290,9 +303,10 @@ class Run:
             e = self.events.get_nowait()
             if e.get("event") == "iter" and e.get("pid") in pids:
                 max_done = max(max_done, e["iteration"])
-        self.result.killed_at = at
+        if outcome == "killed":
+            self.result.killed_at = at
         self.result.max_done_before_kill = max_done
-        return "killed"
+        return outcome
 
     def follow(self, kill_at: int | None, timeout: float = 600,
                fail_at: int | None = None) -> str:
@@ -340,6 +354,9 @@ class Run:
                                           "reseeds": ev.get("reseeds", 0)})
                 if ev["rank"] == 0:
                     self.result.protected = ev.get("protected")
+            elif kind == "diverged" and ev["rank"] == 0:  # every rank stops with it
+                self.result.diverged = {k: ev.get(k) for k in ("iteration", "rewind", "line")}
+                return self._killed(ev["iteration"], max_done, pids, "diverged")
             elif kind == "exit":
                 exited.add(ev["rank"])
                 if fail_at is not None and ev["rank"] == 0 and 0 not in done:

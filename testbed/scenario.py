@@ -95,12 +95,13 @@ class Scenario:
     stream_attacks: list[str] = field(default_factory=list)
     verify_every: int = 0  # the trainers' --verify-every (replica agreement, state check)
     shadow_flip: tuple[int, int] | None = None  # (partition, iteration): a flipped bit
+    trainer_flip: tuple[int, int] | None = None  # (rank, iteration): a flipped bit
 
     @property
     def chaos(self) -> bool:
         return bool(self.faults or self.shadow_kills or self.controller_restart_at
                     or self.disk_limit or self.attacks or self.stream_attacks
-                    or self.shadow_flip)
+                    or self.shadow_flip or self.trainer_flip)
 
 
 def scenario_names() -> list[str]:
@@ -111,7 +112,7 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
     """A scenario from its YAML mapping (checkmate.testbed.scenario_schema); one
     CheckmateError line naming what is wrong. ``random`` iterations are drawn from ``rng``
     in a fixed order: kill_at, each shadow kill, the controller restart, each attack, the
-    shadow flip."""
+    shadow flip, the trainer flip."""
     from pydantic import ValidationError
 
     from checkmate.schema import first_error
@@ -144,7 +145,9 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
                     None if doc.gockpt is None else (doc.gockpt.every, doc.gockpt.steps),
                     attacks, doc.cpu_load, list(doc.stream_attacks), doc.verify_every,
                     None if doc.shadow_flip is None else
-                    (doc.shadow_flip.partition, draw(doc.shadow_flip.at)))
+                    (doc.shadow_flip.partition, draw(doc.shadow_flip.at)),
+                    None if doc.trainer_flip is None else
+                    (doc.trainer_flip.rank, draw(doc.trainer_flip.at)))
 
 
 def load_scenario(ref: str, rng: random.Random | None = None) -> Scenario:

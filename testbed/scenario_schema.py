@@ -86,6 +86,14 @@ class ShadowFlipDoc(_Strict):
     at: Iteration
 
 
+class TrainerFlipDoc(_Strict):
+    """A bit of trainer ``rank``'s first parameter flipped after iteration ``at`` (the
+    worker's CHECKMATE_FLIP_AT): the fault replica agreement (verify_every) finds."""
+
+    rank: NonNeg
+    at: Iteration
+
+
 class AttackDoc(_Strict):
     """An attack from host ``source`` on host ``target`` from iteration ``at`` to the end
     of the run (checkmate.testbed.attacks)."""
@@ -133,6 +141,7 @@ class ScenarioDoc(_Strict):
     stream_attacks: list[Annotated[str, _one_of(STREAM_ATTACKS)]] = Field(default_factory=list)
     verify_every: NonNeg = 0
     shadow_flip: ShadowFlipDoc | None = None
+    trainer_flip: TrainerFlipDoc | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -93,6 +93,26 @@ def test_the_shadow_flip_case_draws_its_flip_and_fails_unless_the_first_check_fi
     assert "still differs" in _check_flip(sc, status(found_at=found, diverged="x"))[0]
 
 
+def test_the_trainer_flip_case_wants_the_flipped_rank_named_and_a_rewind_to_the_check_before():
+    import random
+
+    from checkmate.testbed.chaos import cases, draw
+    from checkmate.testbed.run import _check_trainer_flip
+
+    sc = draw("trainer-bit-flip", cases(300)["trainer-bit-flip"], 300, 0, 2,
+              random.Random(6), trainers=4)
+    rank, at = sc.trainer_flip
+    assert 0 <= rank < 4 and 1 <= at <= sc.steps // 3 and sc.verify_every == 5 and sc.chaos
+    found = -(-at // 5) * 5
+    line = f"iteration {found}: ... data-parallel rank(s) {rank} differ from the other 3"
+    ok = {"iteration": found, "rewind": max(found - 5, 0), "line": line}
+    assert _check_trainer_flip(sc, ok) == []
+    assert "was not found" in _check_trainer_flip(sc, None)[0]
+    assert "not by the first check" in _check_trainer_flip(sc, {**ok, "iteration": found + 5})[0]
+    assert "rewound to" in _check_trainer_flip(sc, {**ok, "rewind": found})[0]
+    assert "does not name rank" in _check_trainer_flip(sc, {**ok, "line": "rank(s) 9 differ"})[0]
+
+
 def test_multinode_verdict_reads_the_final_state_not_a_restore_beside_it(tmp_path):
     """rank 0 writes ``<host>.pt`` at the end and, after a restore, ``<host>.restored.
     <attempt>.<pid>.pt``; the bit-identity verdict must read the first (a glob for

@@ -127,12 +127,12 @@ def test_control_digests_are_checked_for_their_form():
 class _Shadow:
     """A real ShadowState of partition ``p``, stepping AdamW, its Persister wired."""
 
-    def __init__(self, spec, p: int, root: Path | None = None) -> None:
+    def __init__(self, spec, p: int, root: Path | None = None, retain: int = 16) -> None:
         from checkmate.shadow.state import ShadowState
 
         self.spec, self.p = spec, p
         self.a, self.b = spec.bounds(p)
-        self.state = ShadowState(p, spec.partitions, spec.job, retain=16)
+        self.state = ShadowState(p, spec.partitions, spec.job, retain=retain)
         self.state.set_spec(spec)
         self.state.control_key = b"c" * 32
         self.per = None
@@ -181,6 +181,21 @@ def test_the_check_request_checks_the_newest_version_and_refuses_changing_nothin
     said = check_newest(got.state, 4, [["0" * 32, d] for d in ref.shares(2)])
     assert not said["verified"] and "iteration 4: the committed state differs" in \
         said["diverged"] and got.state.retained() == [0, 1, 2, 3]
+
+
+def test_the_newest_verified_version_outlives_the_window():
+    """A rewind after the trainers' replicas diverge resumes at the newest verified
+    iteration, which may be more than the window old: the shadow keeps it beside the
+    window until a newer one is verified."""
+    spec = make_spec(partitions=2)
+    ref, got = _Shadow(spec, 1), _Shadow(spec, 1, retain=3)
+    for it in range(1, 10):
+        ref.step(it)
+        got.step(it, [["0" * 32, d] for d in ref.shares(2)] if it in (2, 8) else None)
+        if it == 7:
+            assert got.state.retained() == [2, 5, 6, 7]
+    assert got.state.check.verified == 8 and got.state.retained() == [7, 8, 9]
+    assert got.state.verified_retained() == [8]
 
 
 def test_a_failed_check_withdraws_the_state_until_a_reseed(tmp_path, caplog):

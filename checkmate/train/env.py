@@ -190,7 +190,7 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         if len(udp) != len(tcp):
             raise CheckmateError(f"{SHADOWS_UDP} lists {len(udp)} addresses, {SHADOWS} "
                                  f"{len(tcp)}")
-    kill_at, flip_at = _rank_iteration(env, KILL_AT), _rank_iteration(env, FLIP_AT)
+    kill_at, flip_at = rank_iteration(env, KILL_AT), rank_iteration(env, FLIP_AT)
     device = env.get(DEVICE) or "cpu"
     if device not in ENV_DEVICES:
         raise CheckmateError(f"environment variable {DEVICE} must be one of "
@@ -216,7 +216,7 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         verify_every=check_schedule.parse(env.get(VERIFY_EVERY, "auto")), flip_at=flip_at)
 
 
-def _rank_iteration(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
+def rank_iteration(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
     """A test-only ``RANK:ITERATION`` variable (KILL_AT, FLIP_AT), or None when unset."""
     v = env.get(name)
     if not v:

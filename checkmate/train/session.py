@@ -55,7 +55,7 @@ from checkmate.train.session_step import _Step, rng_seed
 __all__ = ["RUN_ENV", "CheckmateSession", "draw_run", "rng_seed"]
 
 
-def _flip_hook(iteration: int, module: torch.nn.Module) -> Any:
+def flip_hook(iteration: int, module: torch.nn.Module) -> Any:
     """Test-only silent data corruption (CHECKMATE_FLIP_AT): after ``iteration``'s optimizer
     step, flip a bit of this rank's first parameter element (its local tensor): mantissa bit
     20, an eighth of the element's value, so that it reaches every rank's state through the
@@ -270,7 +270,7 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
         sess.progress_every = job.progress_every
         first = not job.restart_count  # test faults: the first attempt only
         sess.injector = _hooks(
-            _flip_hook(job.flip_at[1], model) if first and job.flip_at is not None
+            flip_hook(job.flip_at[1], model) if first and job.flip_at is not None
             and job.flip_at[0] == job.rank else None,
             _kill_hook(job.kill_at[1]) if first and job.kill_at is not None
             and job.kill_at[0] == job.rank else None)

@@ -22,9 +22,11 @@ import torch.distributed as dist
 
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.train.baselines import Baseline
+from checkmate.train.env import FLIP_AT, rank_iteration
 from checkmate.train.layout import JobLayout
+from checkmate.train.replica_check import ReplicaDivergence
 from checkmate.train.replicate import ShadowTarget
-from checkmate.train.session import CheckmateSession
+from checkmate.train.session import CheckmateSession, flip_hook
 
 #: Failure injector for scenarios: "ITERATION:PHASE" makes this trainer SIGKILL itself at that
 #: point of that iteration (phase "before-control": after the optimizer step, before the
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m checkmate.train.worker")
     ap.add_argument("--job", required=True, help="job description (JSON)")
     ap.add_argument("--resume", action="store_true", help="restore from the shadows first")
+    ap.add_argument("--resume-at", type=int, default=None, metavar="ITERATION",
+                    help="restore that iteration, rewinding the shadows (0: start anew)")
     args = ap.parse_args(argv)
     try:
         job = json.loads(Path(args.job).read_text())
@@ -110,9 +114,16 @@ def main(argv: list[str] | None = None) -> int:
                     int(job.get("ckpt_every", 1)))
     sess = CheckmateSession(w.model, w.optimizer, w.scheduler, layout, w.max_grad_norm)
     sess.injector = _injector(os.environ.get(FAIL_AT_ENV))
+    flip = rank_iteration(os.environ, FLIP_AT)
+    if flip is not None and flip[0] == rank and not args.resume and args.resume_at is None:
+        sess.injector = flip_hook(flip[1], w.model)  # a silent corruption (test only)
     sess.verify_every = int(job.get("verify_every", 0))
+    resume = args.resume
+    if args.resume_at is not None:  # a rewind: after a divergence, to a verified iteration
+        resume = args.resume_at > 0
+        sess.resume_at = args.resume_at or None
     t0 = time.perf_counter()
-    start = sess.start(resume=args.resume)
+    start = sess.start(resume=resume)
     sess.verified_iteration = start
     point = getattr(sess, "resume_point", None)
     _emit(event="started", rank=rank, iteration=start, resumed=args.resume,
@@ -128,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
             loss = w.loss(sess.model(x), y)
         loss.backward()
         ckpt.before_step()
-        sess.step(extra={"data": {"iteration": it}})
+        try:
+            sess.step(extra={"data": {"iteration": it}})
+        except ReplicaDivergence as e:  # said on every rank; the runner rewinds the job
+            _emit(event="diverged", rank=rank, iteration=it, rewind=sess.verified_iteration,
+                  line=str(e))
+            return 4
         ckpt.save(it, w.model, w.optimizer)
         _emit(event="iter", rank=rank, iteration=it, loss=round(float(loss.detach()), 5),
               t=time.time())
