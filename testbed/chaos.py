@@ -108,7 +108,8 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # Hostile datagrams and messages at the shadows while the job trains
     # (checkmate.testbed.stream_attacks); each must end bit-exact and protected, its
     # datagrams counted as dropped, no receive thread lost.
-    for a in ("forged-control", "deep-json", "replay-other-run"):
+    for a in ("forged-control", "deep-json", "other-partition", "refused-peers",
+              "replay-other-run"):
         out[f"attack-{a}"] = {"stream_attacks": [a]}
     # A node lost (testbed/multinode.py): one `checkmate launch` per node on its own
     # cluster (testbed/multinode.yaml), a spare replacing it or the job shrinking.

@@ -17,7 +17,8 @@ from checkmate.schema import one_of as _one_of
 
 KILL_PHASES = ("after-step", "before-control")
 #: Hostile datagrams at the shadows during the chaos run (checkmate.testbed.stream_attacks).
-STREAM_ATTACKS = ("forged-control", "deep-json", "replay-other-run")
+STREAM_ATTACKS = ("forged-control", "deep-json", "other-partition", "refused-peers",
+                  "replay-other-run")
 Random = Literal["random"]
 
 

@@ -1,7 +1,8 @@
 """Hostile datagrams and messages at a testbed's shadows, for the chaos suite's attack cases
 (issue 23; the switch- and service-level attacks are checkmate.testbed.attacks).
 
-    python -m checkmate.testbed.stream_attacks forged-control|deep-json|replay|capture
+    python -m checkmate.testbed.stream_attacks forged-control|deep-json|other-partition|
+        refused-peers|replay|capture
         --config CFG --out FILE [--capture FILE ...] [--steps N] [--ifname IF]
 
 Run inside a host's namespace (the chaos run starts it with the cluster's ``popen``) until
@@ -17,6 +18,16 @@ it sends it makes as an attacker could:
 - ``deep-json``: a holder of the secret (trusted, but its bad input must not kill a thread):
   every 0.2 s, for the iterations 2..4 ahead of each shadow's newest commit, a ~2 KB
   control message of deeply nested JSON with a valid MAC and fragment tags of the run.
+- ``other-partition``: a holder of the secret (an insider, issue 35): every 0.2 s, for the
+  iterations 1..3 ahead of each shadow's newest commit, a well-formed control message with
+  a valid MAC of the run but addressed to another partition, with learning rate 9.0. A
+  shadow that took it would commit with that rate and differ from its trainers from then
+  on; it must drop it (counted under ``partition``) before using any of its fields.
+- ``refused-peers``: a holder of the secret, over each shadow's authenticated TCP service:
+  every 0.3 s a ``peers`` request that must be refused (a bad run id, then an empty owner
+  range, with the real run id). Before issue 35 a refused one still reset
+  the shadow's run keys and it dropped the whole real run; each must be refused and
+  counted (``tcp_refused``), and the run end bit-exact and protected.
 - ``capture`` (in a shadow's namespace): record every ckm datagram that reaches the shadow
   (AF_PACKET on ``--ifname``) to ``--out``, length-prefixed: a capture of one run.
 - ``replay``: once every shadow was seeded by the current run, send what ``--capture``
@@ -44,7 +55,8 @@ from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.protocol import wire
 
-KINDS = ("forged-control", "deep-json", "replay", "capture")
+KINDS = ("forged-control", "deep-json", "other-partition", "refused-peers", "replay",
+         "capture")
 _REC = struct.Struct("!I")
 
 
@@ -54,6 +66,7 @@ class _Attack:
         self.cfg = cfgmod.load(args.config)
         self.stop = threading.Event()
         self.sent = 0
+        self.accepted = 0  # requests a shadow should have refused and took
         self.sessions: dict[int, dict[str, Any]] = {}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 
@@ -128,6 +141,48 @@ class _Attack:
                                                partition=p, secret=secret, run=st["run"]):
                         self.send(p, d)
 
+    def other_partition(self) -> None:
+        from checkmate.protocol import auth
+        from checkmate.shadow.feed import control_datagrams
+
+        secret = auth.load_secret()
+        parts = len(self.cfg.shadows)
+        while not self.stop.wait(0.2):
+            self.refresh()
+            for p, st in self.statuses().items():
+                latest = st.get("latest")
+                if latest is None or not st.get("run") or parts < 2:
+                    continue
+                other = (p + 1) % parts
+                for it in range(latest + 1, latest + 4):
+                    body = json.dumps({"iteration": it, "lrs": [9.0] * 8, "clip_coef": None,
+                                       "skip": False, "buffers": {}, "extra": {}}).encode()
+                    for d in control_datagrams(self.cfg.job_id, it, body, frag=1400,
+                                               partition=other, secret=secret,
+                                               run=st["run"]):
+                        self.send(p, d)
+
+    def refused_peers(self) -> None:
+        from checkmate.train.shadow_client import ShadowClient
+
+        bad_run = {"op": "peers", "run": "not-a-run-id", "owners": []}
+        while not self.stop.wait(0.3):
+            for h in self.cfg.shadows:
+                try:
+                    with ShadowClient((h.ip, cfgmod.RESTORE_PORT), 2.0) as c:
+                        run = c.status().get("run") or "0" * 32
+                        for req in (bad_run, {"op": "peers", "run": run,
+                                              "trainers": [["10.0.0.1", 47000]],
+                                              "owners": [[5, 3, 0]]}):
+                            try:
+                                c.request(req)
+                            except CheckmateError:
+                                self.sent += 1  # refused, as it must be
+                            else:
+                                self.accepted += 1
+                except (CheckmateError, OSError):
+                    continue
+
     def capture(self) -> None:
         port = cfgmod.SHADOW_PORT
         s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
@@ -199,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         getattr(a, args.kind.replace("-", "_"))()
     finally:
         Path(args.out).write_text(json.dumps({"kind": args.kind, "sent": a.sent,
+                                              "accepted": a.accepted,
                                               "seconds": round(time.monotonic() - t0, 1),
                                               "pid": os.getpid()}))
     return 0
@@ -251,7 +307,10 @@ def stop(procs: list[tuple[str, Any, Path]]) -> dict[str, int]:
             p.kill()
             p.wait()
         try:
-            sent[kind] = int(json.loads(stats.read_text())["sent"])
+            said = json.loads(stats.read_text())
+            sent[kind] = int(said["sent"])
+            if said.get("accepted"):  # what a shadow should have refused and took
+                sent[f"{kind} accepted"] = int(said["accepted"])
         except (OSError, ValueError, KeyError):
             sent[kind] = 0
     return sent
@@ -291,9 +350,13 @@ def check(run: Any, sent: dict[str, int]) -> tuple[list[str], dict[str, Any]]:
     problems = []
     sts = run.result.shadow_status
     drops = {k: sum(int(st.get("drops", {}).get(k, 0)) for st in sts)
-             for k in ("mac", "control_invalid", "control_range", "control_expired")}
+             for k in ("mac", "control_invalid", "control_range", "control_expired",
+                       "partition", "tcp_refused")}
     for kind, n in sent.items():
-        if not n:
+        if kind.endswith(" accepted"):
+            problems.append(f"attack {kind[:-9]}: {n} request(s) a shadow should have "
+                            "refused were taken")
+        elif not n:
             problems.append(f"attack {kind} sent nothing")
     forged = sum(n for k, n in sent.items() if k in ("forged-control", "replay-other-run"))
     if forged and drops["mac"] < forged // 2:
@@ -301,6 +364,12 @@ def check(run: Any, sent: dict[str, int]) -> tuple[list[str], dict[str, Any]]:
                         "counted as mac drops")
     if sent.get("deep-json") and not drops["control_invalid"]:
         problems.append("deep-json: no control message was refused (control_invalid 0)")
+    if sent.get("refused-peers") and drops["tcp_refused"] < sent["refused-peers"]:
+        problems.append(f"refused-peers: {sent['refused-peers']} refusals, only "
+                        f"{drops['tcp_refused']} counted (tcp_refused)")
+    if sent.get("other-partition") and not drops["partition"]:
+        problems.append("other-partition: no control message for another partition was "
+                        "dropped (partition 0)")
     for st in sts:
         rx = st.get("receiver") or {}
         if not rx.get("alive") or rx.get("restarts"):
