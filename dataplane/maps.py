@@ -15,7 +15,7 @@ PORT_FIELDS = ("rx", "tx", "replicated", "dropped", "corrupted", "malformed", "n
                "spoofed", "bad_src_mac", "bad_src_ip")
 PORT_STATS = struct.Struct("<" + "Q" * len(PORT_FIELDS))
 #: struct fault: drop and corrupt probabilities scaled to 2**32
-FAULT = struct.Struct("<QQ")
+FAULT = struct.Struct("<QQQ")
 #: struct port_bind: the MAC and IPv4 address (network order) every frame entering a port
 #: must come from
 PORT_BIND = struct.Struct("<6sH4s")

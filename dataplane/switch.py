@@ -53,7 +53,7 @@ NETNS_DIR = Path("/run/netns")
 #: struct fault_win: from/until iteration (inclusive, 0 = unbounded), per-setting seed
 FAULT_WIN = struct.Struct("<QQQ")
 #: struct fault_state, in this order; written by the BPF program only
-FAULT_STATE_FIELDS = ("last_iteration", "seed", "frag_dropped", "frag_corrupted")
+FAULT_STATE_FIELDS = ("last_iteration", "seed", "frag_dropped", "frag_corrupted", "swapped")
 FAULT_STATE = struct.Struct("<" + "Q" * len(FAULT_STATE_FIELDS))
 #: every pinned map of the switch: name -> (key size, value size)
 MAP_LAYOUT = {
@@ -366,7 +366,8 @@ class KernelSwitch:
     def counters(self) -> dict:
         """{"ports": {ifname: {rx, tx, replicated, ..., spoofed, bad_src_mac, bad_src_ip,
         frag_dropped, frag_corrupted}},
-        "faults": {ifname: {drop, corrupt, from_iteration, until_iteration, last_iteration}},
+        "faults": {ifname: {drop, corrupt, swap, swapped, from_iteration, until_iteration,
+        last_iteration}},
         "entries": [{job_id, src_ip, dst_ip, partition, shadow_ifname, ingress_ifname,
         packets, bytes}], "dscp": {ifname: {dscp: well-formed ckm datagrams that entered}}}
 
@@ -393,11 +394,12 @@ class KernelSwitch:
                               else (0,) * len(FAULT_STATE_FIELDS), strict=True))
                 out["ports"][name].update({k: st[k] for k in FRAG_COUNTERS})
                 f = fm.lookup(key)
-                d, c = maps.FAULT.unpack(f) if f else (0, 0)
+                d, c, sw = maps.FAULT.unpack(f) if f else (0, 0, 0)
                 raw = wm.lookup(key)
                 lo, hi, seed = FAULT_WIN.unpack(raw) if raw else (0, 0, 0)
                 last = st["last_iteration"] if st["seed"] == seed else 0  # stale: not seen yet
                 out["faults"][name] = {"drop": d / 2**32, "corrupt": c / 2**32,
+                                       "swap": sw / 2**32, "swapped": st["swapped"],
                                        "from_iteration": lo, "until_iteration": hi,
                                        "last_iteration": last}
         names = {v: k for k, v in ports.items()}
@@ -424,8 +426,11 @@ class KernelSwitch:
         return out
 
     def set_fault(self, ifname: str, drop: float = 0.0, corrupt: float = 0.0,
-                  from_iteration: int = 0, until_iteration: int = 0) -> None:
-        """Drop / corrupt probabilities for ckm traffic leaving the switch through ``ifname``,
+                  from_iteration: int = 0, until_iteration: int = 0, swap: float = 0.0
+                  ) -> None:
+        """Drop / corrupt / swap probabilities for ckm traffic leaving the switch through
+        ``ifname`` (swap: a gradient's payload rewritten keeping its CRC32C, the on-path
+        attack the state check must find),
         limited to ckm iterations ``from_iteration .. until_iteration`` (inclusive; 0 leaves
         that end open), so a scenario can say "drop 5% on port X from iteration 10 to 20".
 
@@ -435,6 +440,7 @@ class KernelSwitch:
         latest iteration that left the port since this call (0 before any)."""
         _check_prob("drop", drop)
         _check_prob("corrupt", corrupt)
+        _check_prob("swap", swap)
         _check_window(from_iteration, until_iteration)
         ports = self._port_ifindexes()
         if ifname not in ports:
@@ -447,4 +453,5 @@ class KernelSwitch:
         seed = int.from_bytes(os.urandom(8), "little") or 1
         with self._map("ckm_fault_win") as wm, self._map("ckm_fault") as fm:
             wm.update(key, FAULT_WIN.pack(from_iteration, until_iteration, seed))
-            fm.update(key, maps.FAULT.pack(maps.prob_scaled(drop), maps.prob_scaled(corrupt)))
+            fm.update(key, maps.FAULT.pack(maps.prob_scaled(drop), maps.prob_scaled(corrupt),
+                                           maps.prob_scaled(swap)))

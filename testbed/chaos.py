@@ -85,6 +85,12 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     # bit-identical (issue 35).
     out["trainer-bit-flip"] = {"trainer_flip": {"rank": "R", "at": "E"}, "verify_every": 5,
                                "steps": short}
+    # Every gradient copy to s1 of one iteration rewritten on the path keeping its CRC32C
+    # (the switch's swap knob: what docs/security.md says the tags cannot see): the state
+    # check must find it at the first check after, and s1 be re-seeded.
+    out["payload-swap-s1"] = {"faults": [{"port": "s1", "swap": 1.0, "from": short // 5,
+                                          "until": short // 5}],
+                              "verify_every": 5, "steps": short}
     out["trainer-kill-after-step"] = {"kill_at": "random", "steps": short}
     out["trainer-kill-before-control"] = {"kill_at": "random", "kill_phase": "before-control",
                                           "steps": short}

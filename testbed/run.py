@@ -57,7 +57,7 @@ def _inject(run: Run) -> None:
         for f in sc.faults:
             cl.cfg.host(f.port)  # ConfigError names an unknown host
             sw.set_fault(cl.cfg.switch_ifname(f.port), f.drop, f.corrupt,
-                         from_iteration=f.start, until_iteration=f.until)
+                         from_iteration=f.start, until_iteration=f.until, swap=f.swap)
     for k in sc.shadow_kills:
         run.at_iteration(k.at, lambda k=k: run.kill_restart_shadow(k.partition, k.disk,
                                                                    k.restart))
@@ -77,19 +77,32 @@ def _inject(run: Run) -> None:
         run.at_iteration(a.at, attack.start)
 
 
-def _check_flip(sc: Scenario, statuses: list[dict[str, Any]]) -> list[str]:
-    """The flipped bit was found by the first state check at or after it, the partition
-    re-seeded, and its state equal to the trainers' again by the end."""
-    p, at = sc.shadow_flip or (0, 0)
+def _state_faults(sc: Scenario, cl: Cluster) -> list[tuple[int, int]]:
+    """(partition, iteration) of each fault the shadows' state check must find: a bit
+    flipped in a shadow's state, gradients swapped under their CRC32C on a shadow's port."""
+    out = [sc.shadow_flip] if sc.shadow_flip is not None else []
+    for f in sc.faults:
+        if f.swap:
+            part = cl.cfg.host(f.port).partition
+            if part is not None:
+                out.append((part, max(f.start, 1)))
+    return out
+
+
+def _check_flip(sc: Scenario, statuses: list[dict[str, Any]], p: int, at: int
+                ) -> list[str]:
+    """The fault of partition ``p`` at iteration ``at`` (a flipped bit, swapped
+    gradients) was found by the first state check at or after it, the partition re-seeded,
+    and its state equal to the trainers' again by the end."""
     k = sc.verify_every
     st = next((s.get("state_check") or {} for s in statuses if s.get("partition") == p), {})
     found = st.get("found_at")
     if not found:
-        return [f"chaos: the bit flipped in partition {p}'s state after iteration {at} was "
-                f"not found (state check: {st})"]
+        return [f"chaos: the fault in partition {p}'s state at iteration {at} was not found "
+                f"(state check: {st})"]
     out = []
     if k and not at <= found < at + k:
-        out.append(f"chaos: the flip after iteration {at} was found at {found}, not by the "
+        out.append(f"chaos: the fault at iteration {at} was found at {found}, not by the "
                    f"first check (every {k})")
     if st.get("diverged"):
         out.append(f"chaos: partition {p} still differs from the trainers at the end: "
@@ -250,8 +263,10 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
             if label == "chaos" and sc.trainer_flip is not None:
                 problems += _check_trainer_flip(sc, run.result.diverged)
                 report["diverged"] = run.result.diverged
-            if label == "chaos" and sc.shadow_flip is not None:
-                problems += _check_flip(sc, run.result.shadow_status)
+            found = _state_faults(sc, cl)
+            if label == "chaos" and found:
+                problems += [p for part, at in found
+                             for p in _check_flip(sc, run.result.shadow_status, part, at)]
                 report["state_checks"] = [s.get("state_check") for s in
                                           run.result.shadow_status]
             if attackers:

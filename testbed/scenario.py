@@ -49,6 +49,7 @@ class Fault:
     corrupt: float = 0.0
     start: int = 0  # 0: from the first iteration
     until: int = 0  # 0: to the end
+    swap: float = 0.0  # gradients rewritten under their CRC32C (the on-path swap)
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
     disk = None if doc.disk_limit is None else (doc.disk_limit.partition, doc.disk_limit.kib)
     return Scenario(doc.name or where, doc.model, doc.steps, doc.seed, kill, doc.description,
                     doc.kill_phase,
-                    [Fault(f.port, f.drop, f.corrupt, f.start, f.until) for f in doc.faults],
+                    [Fault(f.port, f.drop, f.corrupt, f.start, f.until, f.swap)
+                     for f in doc.faults],
                     kills, doc.persist_every, doc.keep, ctl, float(doc.finish_timeout), disk,
                     None if doc.gockpt is None else (doc.gockpt.every, doc.gockpt.steps),
                     attacks, doc.cpu_load, list(doc.stream_attacks), doc.verify_every,

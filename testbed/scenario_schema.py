@@ -62,6 +62,7 @@ class FaultDoc(_Strict):
     port: Annotated[str, BeforeValidator(_port)] = Field(None, validate_default=True)
     drop: Prob = 0.0
     corrupt: Prob = 0.0
+    swap: Prob = 0.0
     start: NonNeg = Field(0, alias="from")
     until: NonNeg = 0
 

@@ -86,11 +86,11 @@ def test_the_shadow_flip_case_draws_its_flip_and_fails_unless_the_first_check_fi
         return [{"partition": q, "state_check": check if q == p else {"found_at": None}}
                 for q in (0, 1)]
 
-    assert _check_flip(sc, status(found_at=found, diverged="")) == []
-    assert "was not found" in _check_flip(sc, status(found_at=None, diverged=""))[0]
+    assert _check_flip(sc, status(found_at=found, diverged=""), p, at) == []
+    assert "was not found" in _check_flip(sc, status(found_at=None, diverged=""), p, at)[0]
     assert "not by the first check" in _check_flip(sc, status(found_at=found + 5,
-                                                              diverged=""))[0]
-    assert "still differs" in _check_flip(sc, status(found_at=found, diverged="x"))[0]
+                                                              diverged=""), p, at)[0]
+    assert "still differs" in _check_flip(sc, status(found_at=found, diverged="x"), p, at)[0]
 
 
 def test_the_trainer_flip_case_wants_the_flipped_rank_named_and_a_rewind_to_the_check_before():

@@ -359,6 +359,51 @@ def test_faults_on_the_shadow_port_hit_only_copies(net):
     assert len(copies) == 20 and not any(_crc_ok(d) for d in copies)
 
 
+def test_the_swap_pattern_keeps_any_crc32c_and_is_the_programs():
+    """The swap knob's 6 bytes are a multiple of CRC32C's generator polynomial: XOR-ed into
+    any payload at any offset, the CRC32C stays (and so the datagram's tag)."""
+    from pathlib import Path
+
+    import crc32c
+
+    src = (Path(__file__).resolve().parents[1] / "dataplane" / "bpf" / "ckm_switch.c"
+           ).read_text()
+    pattern = bytes([0xf1, 0x76, 0xec, 0x05, 0x01, 0x00])
+    assert "{0xf1, 0x76, 0xec, 0x05, 0x01, 0x00}" in src
+    rng = random.Random(4)
+    for _ in range(200):
+        m = bytearray(rng.randbytes(rng.randrange(6, 9000)))
+        at = rng.randrange(len(m) - 5)
+        before = crc32c.crc32c(bytes(m))
+        for i, b in enumerate(pattern):
+            m[at + i] ^= b
+        assert crc32c.crc32c(bytes(m)) == before
+
+
+def test_swap_knob_rewrites_copies_under_their_crc_and_spares_control(net):
+    """On the shadow's port: every gradient copy arrives changed yet passing its CRC32C (the
+    on-path swap the state check must find); control datagrams and the originals pass
+    untouched."""
+    cfg, sw, rx, tx = net
+    sw.add_replication(entry(cfg, "t0", "t1", 0))
+    sw.set_fault("tap-s0", swap=1.0)
+    sent = [datagram(cfg, i, flags=wire.Flags.REPLICATE, n=8) for i in range(20)]
+    got = _burst(cfg, tx, rx["t1"], 20, replicate=True)
+    assert sorted(got) == sorted(sent)  # the originals intact
+    copies = received(rx["s0"])
+    assert len(copies) == 20 and all(_crc_ok(d) for d in copies)
+    payloads = {d[wire.HEADER_LEN:] for d in sent}
+    assert not any(d[wire.HEADER_LEN:] in payloads for d in copies)  # every one rewritten
+    assert sorted(wire.decode_header(d).offset for d in copies) == [8 * i for i in range(20)]
+    assert sw.counters()["faults"]["tap-s0"]["swapped"] == 20
+    ctl = wire.encode(wire.Header(flags=wire.Flags.REPLICATE | wire.Flags.CONTROL,
+                                  job_id=cfg.job_id, epoch=1, token=2, iteration=3,
+                                  count=32, dtype=wire.DType.BYTES), bytes(32))
+    tx.sendto(ctl, (cfg.host("t1").ip, cfg.host("t1").port))
+    (copy,) = received(rx["s0"])
+    assert _crc_ok(copy) and copy[wire.HEADER_LEN:] == bytes(32)
+
+
 def _send_big(cfg, tx, rx_sock, data: list[bytes], per_round: int = 16) -> list[bytes]:
     """Send to t1 in rounds whose reassembled datagrams fit the receive buffer."""
     t1 = cfg.host("t1")

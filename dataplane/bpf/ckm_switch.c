@@ -97,6 +97,7 @@ struct port_bind {
 struct fault {
 	__u64 drop;       /* probability * 2^32; compared with bpf_get_prandom_u32() */
 	__u64 corrupt;
+	__u64 swap;       /* a gradient's payload rewritten under its CRC32C (see swap()) */
 };
 
 /* Which iterations a port's knobs hit; written by the control plane with every knob. */
@@ -114,6 +115,7 @@ struct fault_state {
 	__u64 seed;           /* fault_win.seed that last_iter belongs to */
 	__u64 frag_dropped;   /* the IPv4 fragments among ckm_ports.dropped */
 	__u64 frag_corrupted; /* fragmented datagrams among ckm_ports.corrupted */
+	__u64 swapped;        /* gradient datagrams whose payload swap() rewrote */
 };
 
 struct sw_cfg {
@@ -526,6 +528,53 @@ static __always_inline int corrupt(struct __sk_buff *skb, struct pkt *p, int fra
 	return bpf_skb_store_bytes(skb, start, &nw, 2, STORE_F);
 }
 
+/* The on-path attack docs/security.md names: a gradient's payload changed so that its
+ * CRC32C, and with it the datagram's tag, still match. The CRC is linear over GF(2), so
+ * XOR-ing any multiple of its generator polynomial leaves it as it was; these 6 bytes (3
+ * words) are one, found by solving the CRC's linear map (tests/test_dataplane.py checks
+ * it against crc32c and this file). Only REPLICATE datagrams without
+ * CONTROL, with at least 6 payload bytes in this frame, are rewritten (a control message has
+ * its own MAC over every byte); the UDP checksum is fixed word by word. */
+#define SWAP_WORDS 3
+static __always_inline int swap(struct __sk_buff *skb, struct pkt *p, int frag)
+{
+	const __u8 pattern[2 * SWAP_WORDS] = {0xf1, 0x76, 0xec, 0x05, 0x01, 0x00};
+	__u32 end, start = p->ckm_off, words;
+	__u8 flags;
+	int i;
+
+	if (frag) {
+		end = p->ip_off + bpf_ntohs(p->ip.tot_len);
+		if (end > skb->len)
+			end = skb->len;
+	} else {
+		if (p->udp_len < sizeof(struct udphdr))
+			return -1;
+		end = p->udp_off + p->udp_len;
+	}
+	if (bpf_skb_load_bytes(skb, start + 3, &flags, 1) < 0)
+		return -1;
+	if (!(flags & CKM_F_REPLICATE) || (flags & CKM_F_CONTROL))
+		return -1;
+	start += CKM_HEADER_LEN;
+	if (end < start + 2 * SWAP_WORDS)
+		return -1;
+	words = (end - start) / 2;
+	start += 2 * (bpf_get_prandom_u32() % (words - SWAP_WORDS + 1));
+	for (i = 0; i < SWAP_WORDS; i++) {
+		__be16 w, nw;
+
+		if (bpf_skb_load_bytes(skb, start + 2 * i, &w, 2) < 0)
+			return -1;
+		__builtin_memcpy(&nw, &pattern[2 * i], 2);
+		nw ^= w;
+		bpf_l4_csum_replace(skb, p->udp_off + 6, w, nw, CSUM_UDP(2));
+		if (bpf_skb_store_bytes(skb, start + 2 * i, &nw, 2, STORE_F) < 0)
+			return -1;
+	}
+	return 0;
+}
+
 /* 0 (no bound) or from_iter <= it <= until_iter. */
 static __always_inline int in_window(const struct fault_win *w, __u64 it)
 {
@@ -592,6 +641,8 @@ static __always_inline int apply_faults(struct __sk_buff *skb, __u32 ifindex,
 		if (frag && st)
 			count(&st->frag_corrupted);
 	}
+	if (f->swap && draw_corrupt < f->swap && first && swap(skb, &p, frag) == 0 && st)
+		count(&st->swapped);
 	return TC_ACT_OK;
 }
 
@@ -605,7 +656,8 @@ int ckm_egress(struct __sk_buff *skb)
 	if (!ps)
 		return TC_ACT_OK;
 	f = bpf_map_lookup_elem(&ckm_fault, &ifindex);
-	if (f && (f->drop || f->corrupt) && apply_faults(skb, ifindex, ps, f) == TC_ACT_SHOT)
+	if (f && (f->drop || f->corrupt || f->swap) &&
+	    apply_faults(skb, ifindex, ps, f) == TC_ACT_SHOT)
 		return TC_ACT_SHOT;
 	count(&ps->tx);
 	return TC_ACT_OK;
