@@ -37,7 +37,8 @@ def _status_server(sock: socket.socket, seen: dict) -> None:
             if select.select([conn], [], [], 0)[0]:
                 seen["overlaps"] += 1
             send_frame(conn, {"ok": True, "latest": 5, "seeded": True, "peers": True,
-                              "reseed": {}}, b"")
+                              "reseed": {}, "state_check": {"verified_iteration": 4,
+                                                            "diverged": ""}}, b"")
 
 
 def test_concurrent_polls_never_share_a_connection():
@@ -58,3 +59,5 @@ def test_concurrent_polls_never_share_a_connection():
     assert seen["requests"] == 4
     assert seen["overlaps"] == 0
     assert mon.views[0].reachable and mon.views[0].latest == 5
+    got = mon.protection()
+    assert got["verified"] == 4 and got["shadows"][0]["diverged"] == ""

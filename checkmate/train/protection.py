@@ -60,6 +60,9 @@ class ShadowView:
     """The last status seen of one shadow."""
 
     latest: int | None = None
+    #: the newest iteration its state check passed, and a divergence it found ("" none)
+    verified: int | None = None
+    diverged: str = ""
     seeded: bool = False
     reachable: bool = False
     wanted: str = ""
@@ -159,6 +162,9 @@ class ProtectionMonitor:
                 v.reachable, v.error = True, ""
                 v.last_ok, v.done_at = time.monotonic(), self.sess.done_iteration
                 v.latest, v.seeded = st.get("latest"), bool(st.get("seeded"))
+                check = st.get("state_check") or {}
+                v.verified, v.diverged = check.get("verified_iteration"), \
+                    str(check.get("diverged") or "")
                 v.wanted, v.active = str(rs.get("wanted") or ""), bool(rs.get("active"))
                 v.peers, v.reseeds = bool(st.get("peers")), int(rs.get("count") or 0)
             try:
@@ -276,9 +282,11 @@ class ProtectionMonitor:
                               "lag": self.lag(p), "reachable": v.reachable and up,
                               "up": up, "silent_seconds": round(now - v.last_ok, 3),
                               "reseeding": v.active or p in self.reseeding,
-                              "wanted": v.wanted, "error": v.error}
+                              "wanted": v.wanted, "error": v.error,
+                              "verified": v.verified, "diverged": v.diverged}
             why = self._why_unprotected(now)
             latests = [s["latest"] for s in shadows.values()]
+            checked = [s["verified"] for s in shadows.values()]
             since = self.unprotected_since
             if why and since is None:  # lost since the last poll: say so before the poller
                 since = (self._consistent or 0) + 1
@@ -287,4 +295,5 @@ class ProtectionMonitor:
                                       else None),
                 "protected_now": not why, "unprotected_since": since if why else None,
                 "unprotected_why": why, "protection_lost": self.lost,
+                "verified": min(checked) if checked and None not in checked else None,
                 "shadows": shadows, "reseeds": self.reseeds_started}
