@@ -87,6 +87,21 @@ def test_pieces_anywhere_and_the_device_path_give_the_one_digest():
         StreamDigest(key, 4).add(2, a[:2])
 
 
+def test_threads_cut_a_large_piece_at_block_edges_and_change_nothing(monkeypatch):
+    key = digest_key(b"k" * 32)
+    a = np.random.default_rng(3).standard_normal(3 * state_digest._PARALLEL_WORDS // 2 + 7
+                                                 ).astype(np.float32)
+    monkeypatch.setattr(state_digest, "THREADS", 3)
+    state_digest._pool.cache_clear()
+    got = StreamDigest(key, 2 * len(a) + 5)
+    got.add(5, a)  # starts mid-block
+    monkeypatch.setattr(state_digest, "THREADS", 1)
+    one = StreamDigest(key, 2 * len(a) + 5)
+    one.add(5, a)
+    state_digest._pool.cache_clear()
+    assert (got.v == one.v).all() and got.hexdigest() == one.hexdigest()
+
+
 def test_the_digest_is_what_docs_protocol_md_says():
     """docs/protocol.md's formula, written out in plain Python from the text, against the
     module, on a stream of three blocks and a bit."""

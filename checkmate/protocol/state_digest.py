@@ -35,9 +35,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import os
 import re
 import struct
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -59,6 +61,10 @@ BLOCK = 2048
 LANES = 2
 #: Device work is done this many blocks at a time (bounds its int64 temporaries: 64 MiB).
 _DEVICE_ROWS = 4096
+#: A CPU piece of at least this many words is hashed by several threads (the kernel runs
+#: without the GIL; whole blocks each, so no two write one block sum).
+_PARALLEL_WORDS = 1 << 22
+THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 def digest_key(control_key: bytes | None) -> bytes:
@@ -99,6 +105,11 @@ def _add_words(u: np.ndarray, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         v[b, 0] = (v[b, 0] + s0 % P) % P
         v[b, 1] = (v[b, 1] + s1 % P) % P
         i += m
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(THREADS, thread_name_prefix="ckm-digest")
 
 
 def _words(a: np.ndarray) -> np.ndarray:
@@ -156,7 +167,17 @@ class StreamDigest:
             return
         if hasattr(data, "detach"):
             data = data.detach().numpy()
-        _add_words(_words(data), pos, self.k, self.v)
+        u = _words(data)
+        if u.size < _PARALLEL_WORDS or THREADS < 2:
+            _add_words(u, pos, self.k, self.v)
+            return
+        # cut at block edges of the stream: each thread's words fill blocks of their own
+        per = -(-u.size // THREADS // BLOCK) * BLOCK
+        first = (BLOCK - pos % BLOCK) % BLOCK
+        cuts = [0] + [min(u.size, first + i * per) for i in range(THREADS)] + [u.size]
+        spans = sorted({(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if a < b})
+        list(_pool().map(lambda s: _add_words(u[s[0]:s[1]], pos + s[0], self.k, self.v),
+                         spans))
 
     def hexdigest(self) -> str:
         h = hashlib.blake2b(digest_size=DIGEST_BYTES, key=self.key)
