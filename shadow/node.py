@@ -19,11 +19,12 @@ from checkmate.errors import CheckmateError
 from checkmate.protocol import auth, datamac
 from checkmate.shadow import checkpoint_load, disk, ingest, persist
 from checkmate.shadow.assembler import Assembler
+from checkmate.shadow.kernels import warm_up_kernels
 from checkmate.shadow.receiver import Receiver, open_socket
 from checkmate.shadow.register import register
 from checkmate.shadow.repair import RepairRequester, parse_peers
 from checkmate.shadow.service import Service
-from checkmate.shadow.state import ShadowState, Version, warm_up_kernels
+from checkmate.shadow.state import ShadowState, Version
 
 log = logging.getLogger("checkmate.shadow")
 

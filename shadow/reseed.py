@@ -64,7 +64,7 @@ class Reseed:
     def add_piece(self, iteration: int, step: int, offset: int, count: int,
                   arrays: dict[str, np.ndarray]) -> None:
         """Take the state of [offset, offset+count) at ``iteration`` and roll it forward."""
-        from checkmate.shadow.state import make_optimizer
+        from checkmate.shadow.kernels import make_optimizer
 
         if iteration < self.t0:
             raise CheckmateError(f"re-seed piece of iteration {iteration} predates the "

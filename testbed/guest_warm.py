@@ -28,8 +28,8 @@ import numpy as np
 from checkmate.errors import CheckmateError
 from checkmate.protocol import auth
 from checkmate.shadow import ingest
+from checkmate.shadow.kernels import make_optimizer
 from checkmate.shadow.node import NodeOptions, ShadowNode
-from checkmate.shadow.state import make_optimizer
 from checkmate.testbed.verbs_checks import JOB, LRS, Pair, _spec
 from checkmate.train.shadow_client import ShadowClient, seed_share, wait_ready
 

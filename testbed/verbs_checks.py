@@ -26,8 +26,8 @@ import numpy as np
 
 from checkmate.protocol import auth
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
+from checkmate.shadow.kernels import make_optimizer
 from checkmate.shadow.node import NodeOptions, ShadowNode
-from checkmate.shadow.state import make_optimizer
 from checkmate.shadow.verbs import VerbsSender
 from checkmate.spec.model import ModelSpec
 from checkmate.train.shadow_client import ShadowClient, fetch_all, seed_share, wait_ready

@@ -17,8 +17,8 @@ import torch
 
 from checkmate.protocol import wire
 from checkmate.shadow.feed import control_body, control_datagrams, grad_datagrams
+from checkmate.shadow.kernels import make_optimizer
 from checkmate.shadow.node import NodeOptions, ShadowNode
-from checkmate.shadow.state import make_optimizer
 from checkmate.spec.model import ModelSpec
 from checkmate.train.shadow_client import ShadowClient, seed_share
 

@@ -74,7 +74,7 @@ def test_nccl_plugin_through_kernel_switch_shadows_bit_identical(nccl_plugin, tm
     """profiler off: tagging by the schedule model; callback: by profiler events (the
     harness plays NCCL's profiler core, the plugin asks through the profiler callback)."""
     from checkmate.shadow.feed import control_body, control_datagrams
-    from checkmate.shadow.state import make_optimizer
+    from checkmate.shadow.kernels import make_optimizer
     from checkmate.spec.model import ModelSpec
     from checkmate.testbed.netsock import call_in_netns, udp_socket_in
     from checkmate.testbed.topology import Testbed

@@ -16,7 +16,8 @@ from checkmate.errors import CheckmateError
 from checkmate.protocol import repair, wire
 from checkmate.shadow.assembler import REPAIR_DELAY, Assembler
 from checkmate.shadow.feed import control_body
-from checkmate.shadow.state import ShadowState, make_optimizer
+from checkmate.shadow.kernels import make_optimizer
+from checkmate.shadow.state import ShadowState
 from checkmate.spec.model import ModelSpec
 from checkmate.train.repair import RepairServer, TokenBucket
 from checkmate.train.replica_log import ReplicaLog

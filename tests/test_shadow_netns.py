@@ -149,7 +149,7 @@ def test_shadow_in_namespace_registers_and_steps(controller, tmp_path):
             time.sleep(0.05)
         assert st["latest"] == 1 and st["drops"]["token"] > 0, st
 
-        from checkmate.shadow.state import make_optimizer
+        from checkmate.shadow.kernels import make_optimizer
 
         ref = make_optimizer(spec, 0, spec.total)
         ref.load({"param": p0, **{s: np.zeros(spec.total, np.float32)

@@ -145,7 +145,7 @@ def main(conn: Connection, root: str, rank: int, spec_json: Any, keep: int, thre
     with open(lock_path(root, rank), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            from checkmate.shadow.state import warm_up
+            from checkmate.shadow.kernels import warm_up
             from checkmate.spec.model import ModelSpec
 
             warm_up(ModelSpec.from_json(spec_json))  # compile before the first window

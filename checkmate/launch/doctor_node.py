@@ -125,8 +125,8 @@ def check_secret(path: str | None = None) -> Check:
 _KERNEL_PROBE = """
 import json, sys, time
 t = time.perf_counter()
-from checkmate.shadow import ingest, state
-ingest.warm(); state.warm_up_kernels()
+from checkmate.shadow import ingest, kernels
+ingest.warm(); kernels.warm_up_kernels()
 from numba.core.dispatcher import Dispatcher
 hits = misses = 0
 path = None
