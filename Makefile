@@ -37,7 +37,7 @@ bpf: $(STAMP)
 # The shadow's compiled kernels (ingest checks, optimizer steps) into Numba's on-disk cache,
 # so no shadow of the job or the tests waits for the compiler (10-30 s on a cold cache).
 kernels: $(STAMP)
-	$(PY) -c "from checkmate.shadow import ingest, state; ingest.warm(); state.warm_up_kernels()"
+	$(PY) -c "from checkmate.shadow import ingest, kernels; ingest.warm(); kernels.warm_up_kernels()"
 
 # The NCCL net plugin (build/nccl/libnccl-net-ckm.so; docs/nccl_plugin.md): gcc only.
 nccl: .apt-stamp
