@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="print the switch's tables and counters")
     s.add_argument("--switch", required=True)
     s.add_argument("--json", action="store_true")
+    s.add_argument("--secret-file", default=None,
+                   help="the job secret's file, to ask the handshake service for its "
+                        "counters (default: $CHECKMATE_SECRET_FILE)")
     common(s)
     v = sub.add_parser("serve", help="run the shadow handshake service until SIGTERM")
     v.add_argument("--bind", default=None, help="address to listen on (default switch.ip)")
@@ -171,13 +174,34 @@ def status(args: argparse.Namespace) -> int:
     regs = _store(args, cfg).for_config(cfg)
     st["sessions"] = {str(p): {"host": r.host, "epoch": r.epoch, "ip": r.ip, "port": r.port}
                       for p, r in sorted(regs.items())}
+    st["handshake"] = _service_counters(cfg, args.secret_file)
     if args.json:
         print(json.dumps(st, indent=1, sort_keys=True))
         return 0
     _print_status(st)
     print("sessions: " + (", ".join(f"partition {p}: {d['host']} epoch {d['epoch']}"
                                      for p, d in st["sessions"].items()) or "none"))
+    hs = st["handshake"]
+    print("handshake service: " + (", ".join(f"{k} {v}" for k, v in
+                                             sorted(hs["counters"].items())) or "nothing counted")
+          if hs["running"] else f"handshake service: not asked ({hs['error']})")
     return 0
+
+
+def _service_counters(cfg: config.ClusterConfig, secret_file: str | None) -> dict:
+    """The running handshake service's counters, asked over its authenticated request
+    (`{"running": False, "error"}` when it does not answer or there is no secret)."""
+    from checkmate.protocol import auth
+    from checkmate.train.layout import controller_request
+
+    try:
+        secret = auth.load_secret(secret_file)
+        body = controller_request((cfg.switch.ip, config.CONTROLLER_PORT), cfg.job_id,
+                                  {"op": "counters"}, timeout=1.0, tries=2, secret=secret)
+    except (CheckmateError, OSError) as e:
+        return {"running": False, "error": " ".join(str(e).split())}
+    counters = body.get("counters")
+    return {"running": True, "counters": counters if isinstance(counters, dict) else {}}
 
 
 def serve(args: argparse.Namespace) -> int:

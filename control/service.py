@@ -9,8 +9,9 @@ session (larger epoch, fresh token) -- unless it repeats the current registratio
 so the partition's copies go to the registering shadow stamped with that session
 (through the same plan/driver path as `control deploy`, so only changed entries are
 written), stores it, and answers ``registered``. ``session`` answers the current
-registrations. Bad requests get a NACK with a reason; datagrams that are not handshake
-requests are dropped and counted.
+registrations. ``counters`` answers what the service counted (requests by op, refusals,
+drops), which `control status` shows. Bad requests get a NACK with a reason; datagrams that
+are not handshake requests are dropped and counted.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class HandshakeService:
                 out = self._session()
             elif op == "attempt":
                 out = self._attempt(body)
+            elif op == "counters":  # what was refused and dropped, for `control status`
+                out = {"op": "counters", "job": self.cfg.job_id, "counters": dict(self.stats)}
             else:
                 raise CheckmateError(f"unknown op {op!r}")
         except CheckmateError as e:

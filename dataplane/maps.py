@@ -14,7 +14,7 @@ REPL_VAL = struct.Struct("<II6s2s4sIIIQQ")
 PORT_FIELDS = ("rx", "tx", "replicated", "dropped", "corrupted", "malformed", "no_entry",
                "spoofed", "bad_src_mac", "bad_src_ip")
 PORT_STATS = struct.Struct("<" + "Q" * len(PORT_FIELDS))
-#: struct fault: drop and corrupt probabilities scaled to 2**32
+#: struct fault: drop, corrupt and swap probabilities scaled to 2**32
 FAULT = struct.Struct("<QQQ")
 #: struct port_bind: the MAC and IPv4 address (network order) every frame entering a port
 #: must come from

@@ -97,6 +97,7 @@ def test_cli_deploy_and_status(testbed, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("=> tbp-s") == 8 and "tbp-t0:" in r.stdout
     assert r.stdout.count(" spoofed=0") == 6  # every port's anti-spoofing counter
+    assert "handshake service: not asked (" in r.stdout  # none runs in this test
     r = control("status", "--switch", "sw0", "--json")
     st = json.loads(r.stdout)
     assert len(st["replication"]) == 8 and set(st["counters"]["ports"]) == {

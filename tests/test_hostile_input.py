@@ -155,3 +155,9 @@ def test_the_handshake_logic_survives_garbage_and_forged_requests(tmp_path):
                   if k in ("malformed", "unexpected_reply", "unauthenticated", "refused"))
     assert counted == sent and svc.store.max_epoch == 0 and NoSwitch.writes == 0
     assert svc.stats.get("register", 0) == 0
+    # and a holder of the secret can read the counts (`control status` shows them)
+    rep = handshake.parse(svc.handle(handshake.request(key, 7, N + 1, {"op": "counters"},
+                                                       1)[0], "10.77.0.101"))
+    assert rep.mac != handshake.NO_MAC and rep.body["op"] == "counters"
+    assert sum(rep.body["counters"].get(k, 0) for k in ("malformed", "unexpected_reply",
+                                                        "unauthenticated", "refused")) == sent

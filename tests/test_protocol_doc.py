@@ -88,6 +88,12 @@ def test_datagram_examples(name):
     else:
         payload_in = repair.encode_ranges([tuple(r) for r in ex["ranges"]])
         assert repair.decode_ranges(payload) == [tuple(r) for r in ex["ranges"]]
+        # every repair request is tagged as a gradient is, over its own fields
+        key = datamac.data_key(bytes.fromhex(ex["secret"]))
+        tag = datamac.data_tag(key, h.job_id, h.flags, h.iteration, h.offset, h.count,
+                               h.partition, h.dtype, wire.crc(payload_in))
+        assert (h.fec_index, h.fec_k, h.fec_m, h.fec_group) == tag
+        assert int(ex["tag56"], 16) == (tag[0] << 48) | (tag[1] << 40) | (tag[2] << 32) | tag[3]
     assert bytes(payload) == payload_in
     assert wire.encode(wire.Header(**ex["header"]), payload_in) == data
 
