@@ -537,8 +537,8 @@ def test_fault_window_hits_only_its_iterations(net):
     cfg, sw, rx, tx = net
     sw.set_fault("tap-t1", drop=1.0, from_iteration=5, until_iteration=7)
     faults = sw.counters()["faults"]["tap-t1"]
-    assert faults == {"drop": 1.0, "corrupt": 0.0, "from_iteration": 5, "until_iteration": 7,
-                      "last_iteration": 0}
+    assert faults == {"drop": 1.0, "corrupt": 0.0, "swap": 0.0, "swapped": 0,
+                      "from_iteration": 5, "until_iteration": 7, "last_iteration": 0}
     ack = ack_datagram(cfg, 999)
     assert _send_big(cfg, tx, rx["t1"], [ack]) == [ack]
     before = sw.counters()
