@@ -229,7 +229,7 @@ def test_launch_restarts_a_killed_hsdp_trainer_bit_identical(tmp_path):
     why = f"a bit of rank {rank}'s shard flipped after iteration {at}"
     pair = sorted({rank, (rank + hsdp) % world})  # replicate-major: same dp_shard coordinate
     flipped, got = launch("flipped", {"CHECKMATE_FLIP_AT": f"{rank}:{at}"}, "--verify-every",
-                          "2")
+                          "2", "--on-divergence", "restore")
     assert (f"iteration {found}: the model and optimizer state shards of data-parallel "
             f"rank(s) {pair[0]}, {pair[1]} differ from each other (HSDP") in flipped, \
         (why, flipped[-3000:])

@@ -101,7 +101,8 @@ def test_a_flipped_bit_on_one_rank_is_named_and_the_restart_is_bit_identical(tmp
     assert "differ" not in silent and "restarting" not in silent, (why, silent[-3000:])
     assert not same_state(drifted["model"], ref["model"]), why
     # with it: named at once on every rank, restarted from the shadows, bit-identical
-    checked, got = _launch(tmp_path, "checked", ["--verify-every", str(EVERY)], flip)
+    checked, got = _launch(tmp_path, "checked", ["--verify-every", str(EVERY),
+                                                 "--on-divergence", "restore"], flip)
     back = found - EVERY  # the newest verified iteration; 0: the start
     then = (f"a restart resumes from the shadows at iteration {back}, the newest the ranks "
             "verified" if back else "a restart begins the job again, as no iteration was "
@@ -116,3 +117,26 @@ def test_a_flipped_bit_on_one_rank_is_named_and_the_restart_is_bit_identical(tmp
     assert again in checked, (why, checked[-3000:])
     for part in ("model", "optimizer", "scheduler"):
         assert same_state(got[part], ref[part]), f"{part} differs ({why})"
+
+
+def test_by_default_a_divergence_stops_the_job_in_one_line_per_rank(tmp_path):
+    """``--on-divergence stop`` (the default): every rank says the line once, no attempt
+    follows, and the launcher ends non-zero saying why."""
+    rank = random.randrange(1, 4)
+    p = subprocess.run(
+        [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "4",
+         "--shadows", "2", "--max-restarts", "1", "--progress-every", "0", "--verify-every",
+         str(EVERY), str(EXAMPLE), "--steps", str(STEPS), "--out", str(tmp_path / "o.pt")],
+        capture_output=True, text=True, timeout=400,
+        env={**os.environ, "NUMBA_NUM_THREADS": "1", "CHECKMATE_FLIP_AT": f"{rank}:2"})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "Traceback" not in out, out[-3000:]
+    line = (f"iteration {EVERY}: the model and optimizer state of data-parallel rank(s) "
+            f"{rank} differ from the other 3 ranks' (silent data corruption on that rank, or "
+            "a step that is not deterministic); the job stops (--on-divergence stop; with "
+            "restore it would resume from the shadows at the start)")
+    assert out.count(line) == 5, out[-3000:]  # every rank's line, and the launcher's
+    assert "restarting the worker group" not in out, out[-3000:]
+    assert "checkmate launch: error: the job stopped after a divergence of the " \
+        "data-parallel copies: checkmate: rank" in out, out[-3000:]
+

@@ -55,7 +55,7 @@ from checkmate.launch.options import (
     rdzv_addr,
 )
 from checkmate.protocol.auth import SECRET_ENV
-from checkmate.train import check_schedule
+from checkmate.train import check_schedule, failures
 from checkmate.train import env as envmod
 from checkmate.train.shadow_client import parse_addr
 
@@ -106,7 +106,7 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
                 logdir: Path | None = None, udp: list | None = None) -> None:
     """The variables every worker inherits (checkmate.train.env, and where workers record
     why they failed: checkmate.train.failures)."""
-    from checkmate.train import failures, world
+    from checkmate.train import world
 
     if logdir is not None:
         os.environ[failures.LOG_DIR] = str(Path(logdir).resolve())
@@ -117,6 +117,7 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
         envmod.RESUME: "1" if args.resume or args.resume_at is not None else "0",
         envmod.GROUPS: str(args.pp * args.tp),
         envmod.VERIFY_EVERY: check_schedule.describe(args.verify_every),
+        envmod.ON_DIVERGENCE: args.on_divergence,
         "PYTHONUNBUFFERED": "1",
     })
     for name in (envmod.TRAINERS, envmod.LOCAL_TRAINERS, envmod.RDZV_STORE,
@@ -370,6 +371,10 @@ def launch(argv: list[str]) -> int:
         _quiet_agent()
         try:
             _run_agent(args, Path(logdir))
+            stopped = failures.stopped(logdir)
+            if stopped is not None:
+                raise CheckmateError(f"the job stopped after a divergence of the "
+                                     f"data-parallel copies: {stopped}")
         except ChildFailedError as e:
             raise CheckmateError(_failure_line(e, args.max_restarts, Path(logdir))) from None
         except RendezvousError as e:

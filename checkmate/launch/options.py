@@ -141,6 +141,10 @@ def parser(gpus: int) -> argparse.ArgumentParser:
                         "restarts from the shadows, a shadow that differs is re-seeded (0: "
                         "never; default auto: K chosen by measurement so the checks cost "
                         "under 1%%)")
+    p.add_argument("--on-divergence", choices=envmod.DIVERGENCE_ACTIONS, default="stop",
+                   help="when the data-parallel copies differ (silent data corruption): "
+                        "stop the job (default), or restore every rank from the shadows at "
+                        "the newest iteration the ranks verified and go on")
     p.add_argument("--fixed-world", action="store_true",
                    help="refuse to resume the job on another number of ranks than it ran on "
                         "(default: allowed, announced in one line on every rank)")

@@ -63,6 +63,11 @@ KILL_AT = "CHECKMATE_KILL_AT"
 #: (``checkmate launch --verify-every``). 0: never; ``auto`` (unset): K chosen by
 #: measurement (checkmate.train.check_schedule).
 VERIFY_EVERY = "CHECKMATE_VERIFY_EVERY"
+#: What a divergence of the data-parallel copies does (``checkmate launch
+#: --on-divergence``): ``stop`` (the default) ends the job; ``restore`` has the launcher's
+#: next attempt resume from the shadows at the newest verified iteration.
+ON_DIVERGENCE = "CHECKMATE_ON_DIVERGENCE"
+DIVERGENCE_ACTIONS = ("stop", "restore")
 #: Test only: ``RANK:ITERATION`` makes that rank flip one bit of its first parameter after
 #: that iteration's optimizer step, in the launcher's first attempt only (a silent data
 #: corruption for replica_check to find).
@@ -117,6 +122,7 @@ class EnvJob:
     resume_at: int | None = None
     verify_every: int = 0
     flip_at: tuple[int, int] | None = None
+    on_divergence: str = "stop"
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -213,7 +219,16 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         controller=controller, stall_timeout=float(stall) if stall else None,
         groups=_groups(env, len(tcp)),
         resume_at=_int(env, RESUME_AT) if env.get(RESUME_AT) else None,
-        verify_every=check_schedule.parse(env.get(VERIFY_EVERY, "auto")), flip_at=flip_at)
+        verify_every=check_schedule.parse(env.get(VERIFY_EVERY, "auto")), flip_at=flip_at,
+        on_divergence=_divergence(env))
+
+
+def _divergence(env: Mapping[str, str]) -> str:
+    v = env.get(ON_DIVERGENCE, "stop")
+    if v not in DIVERGENCE_ACTIONS:
+        raise CheckmateError(f"environment variable {ON_DIVERGENCE} must be stop or restore, "
+                             f"got {v!r}")
+    return v
 
 
 def rank_iteration(env: Mapping[str, str], name: str) -> tuple[int, int] | None:

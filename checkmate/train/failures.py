@@ -53,6 +53,33 @@ def record(line: str, rank: str) -> None:
         pass  # the line is on stderr anyway
 
 
+STOPPED = "stopped.txt"
+
+
+def record_stop(line: str) -> None:
+    """The job is to end, not restart (a divergence under ``--on-divergence stop``): every
+    rank writes ``line`` for the launcher, which then says it and exits non-zero (nothing
+    without a log dir: the rank's own line is all there is)."""
+    d = _dir()
+    if d is None:
+        return
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f"{STOPPED}.{os.getpid()}.tmp"
+        tmp.write_text(f"{line}\n")
+        tmp.replace(d / STOPPED)
+    except OSError:
+        pass
+
+
+def stopped(log_dir: Path | str) -> str | None:
+    """The line a rank left with ``record_stop`` under ``log_dir``, or None."""
+    try:
+        return (Path(log_dir) / "failures" / STOPPED).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def record_rewind(iteration: int) -> None:
     """Make the launcher's next attempt resume at ``iteration`` rather than at the newest
     iteration the shadows hold (the data-parallel copies diverged after it: the newer ones

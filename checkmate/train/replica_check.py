@@ -35,7 +35,10 @@ from checkmate.train import failures
 
 
 class ReplicaDivergence(CheckmateError):
-    """The data-parallel copies of the state differ; the message names the ranks."""
+    """The data-parallel copies of the state differ; the message names the ranks.
+    ``stop``: the job is to end here, not restart (``--on-divergence stop``)."""
+
+    stop = False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -67,11 +70,12 @@ def odd_ones(digests: list[int]) -> tuple[list[int], bool]:
 
 def agree(module: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any,
           world: int, iteration: int, verified: int | None = None,
-          columns: list[list[int]] | None = None) -> None:
+          columns: list[list[int]] | None = None, restore: bool = True) -> None:
     """Every rank of ``group``: compare this iteration's state digests within each of
     ``columns`` (the ranks that hold the same state; default: all); ReplicaDivergence, the
-    same line on every rank, when a rank differs, after recording that the launcher's next
-    attempt resumes at ``verified`` (the newest iteration the ranks agreed on)."""
+    same line on every rank, when a rank differs. ``restore``: after recording that the
+    launcher's next attempt resumes at ``verified`` (the newest iteration the ranks agreed
+    on); else the error says the job stops (``--on-divergence stop``)."""
     mine = torch.tensor([state_digest(module, optimizer)], dtype=torch.int64)
     every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
@@ -85,25 +89,40 @@ def agree(module: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any,
         majority = majority and held
     if not bad:
         return
-    then = "stopping: a restart resumes from the shadows"
-    if verified is not None:
-        failures.record_rewind(verified)
-        then = (f"{then} at iteration {verified}, the newest the ranks verified" if verified
-                else "stopping: a restart begins the job again, as no iteration was verified")
-    who = ", ".join(str(r) for r in sorted(bad))
-    if len(cols) > 1:  # HSDP: each shard's replicas
+    if restore:
+        then = "stopping: a restart resumes from the shadows"
+        if verified is not None:
+            failures.record_rewind(verified)
+            then = (f"{then} at iteration {verified}, the newest the ranks verified"
+                    if verified else "stopping: a restart begins the job again, as no "
+                    "iteration was verified")
+    else:
+        where = (f"iteration {verified}, the newest the ranks verified" if verified
+                 else "the start")
+        then = (f"the job stops (--on-divergence stop; with restore it would resume from "
+                f"the shadows at {where})")
+    error = _error(iteration, ", ".join(str(r) for r in sorted(bad)), world, len(bad),
+                   len(cols) > 1, majority, then)
+    error.stop = not restore
+    raise error
+
+
+def _error(iteration: int, who: str, world: int, bad: int, hsdp: bool, majority: bool,
+           then: str) -> ReplicaDivergence:
+    """The one line of a divergence: who differs, from whom, and what happens next."""
+    if hsdp:  # each shard's replicas
         theirs = "their replicas' shards"
-        raise ReplicaDivergence(
+        return ReplicaDivergence(
             f"iteration {iteration}: the model and optimizer state shards of data-parallel "
             f"rank(s) {who} differ from {theirs if majority else 'each other'} "
             f"(HSDP: the ranks of one dp_shard coordinate hold the same shard; silent data "
             f"corruption, or a step that is not deterministic); {then}")
     if majority:
-        raise ReplicaDivergence(
+        return ReplicaDivergence(
             f"iteration {iteration}: the model and optimizer state of data-parallel rank(s) "
-            f"{who} differ from the other {world - len(bad)} ranks' (silent data corruption "
+            f"{who} differ from the other {world - bad} ranks' (silent data corruption "
             f"on that rank, or a step that is not deterministic); {then}")
-    raise ReplicaDivergence(
+    return ReplicaDivergence(
         f"iteration {iteration}: the {world} data-parallel ranks' model and optimizer states "
         f"differ with no majority (silent data corruption, or a step that is not "
         f"deterministic); {then}")

@@ -176,7 +176,15 @@ def main(argv: list[str] | None = None, exit_on_success: bool = True,
         _bind(rank)
         runpy.run_path(script, run_name="__main__")
     except CheckmateError as e:
-        _exit_now(2, f"checkmate: rank {rank}: error: {e}")
+        line = f"checkmate: rank {rank}: error: {e}"
+        if not getattr(e, "stop", False):
+            _exit_now(2, line)
+        # replica_check's divergence under --on-divergence stop: said, kept for the
+        # launcher, and this worker ends without a failure, so torch's agent starts no
+        # other attempt (the launcher then exits non-zero with the line)
+        failures.record_stop(line)
+        print(line, file=sys.stderr, flush=True)
+        code = 0
     except KeyboardInterrupt:
         _exit_now(130, f"checkmate: rank {rank}: interrupted")
     except FileNotFoundError as e:

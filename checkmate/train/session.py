@@ -117,6 +117,9 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
     #: agreed on, or the iteration they started from (None: no check).
     verify_every = 0
     verified_iteration: int | None = None
+    #: A divergence of the copies: "stop" ends the job; "restore" leaves the iteration the
+    #: launcher's next attempt resumes at (checkmate.train.replica_check).
+    on_divergence = "stop"
     #: Every data-parallel rank holds the whole (group's) state, so the ranks' copies can
     #: be compared; FSDP2's ranks hold different shards (FSDPSession says False).
     replicates_state = True
@@ -275,6 +278,7 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
             _kill_hook(job.kill_at[1]) if first and job.kill_at is not None
             and job.kill_at[0] == job.rank else None)
         sess.verify_every = job.verify_every
+        sess.on_divergence = job.on_divergence
         # --resume-at: the first attempt only (later ones go on); a later attempt goes back
         # to where the last one's replicas were last verified, when they diverged after it
         at = (job.resume_at if not job.restart_count

@@ -126,7 +126,7 @@ class _Step:
             from checkmate.train.replica_check import agree
 
             agree(self.module, self.optimizer, self.group, self.layout.world, self.iteration,
-                  self.verified_iteration, columns)
+                  self.verified_iteration, columns, restore=self.on_divergence == "restore")
             self.verified_iteration = self.iteration
         if self.layout.mode == "off":
             return None

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if flip is not None and flip[0] == rank and not args.resume and args.resume_at is None:
         sess.injector = flip_hook(flip[1], w.model)  # a silent corruption (test only)
     sess.verify_every = int(job.get("verify_every", 0))
+    sess.on_divergence = "restore"  # the testbed's runner rewinds the job itself
     resume = args.resume
     if args.resume_at is not None:  # a rewind: after a divergence, to a verified iteration
         resume = args.resume_at > 0
