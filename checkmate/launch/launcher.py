@@ -319,6 +319,9 @@ def launch(argv: list[str]) -> int:
     # Without --dir the logs go to a temporary directory, kept only if the job fails.
     own_logdir = args.dir is None
     logdir = args.dir or Path(tempfile.mkdtemp(prefix="checkmate-launch-"))
+    # what an earlier launch in the same --dir left for its own attempts (failure lines,
+    # rewinds, a stop) is not this launch's
+    shutil.rmtree(Path(logdir) / "failures", ignore_errors=True)
     made_secret: Path | None = None
     succeeded = False
     if args.worker_ip:
