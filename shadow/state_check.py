@@ -19,6 +19,7 @@ from typing import Any
 
 from checkmate.errors import CheckmateError
 from checkmate.protocol.state_digest import digest, digest_key, valid_rows
+from checkmate.protocol.wire import GROUP_SHIFT
 from checkmate.spec.partition import share_bounds
 
 log = logging.getLogger("checkmate.shadow")
@@ -112,8 +113,10 @@ class StateCheck:
                                         else "")
         since = ("nothing it holds" if self.trusted is None
                  else f"nothing after iteration {self.trusted}")
+        group = (state.job >> GROUP_SHIFT) - 1  # a mesh job's group is its job id's top byte
         self.diverged = (
-            f"partition {self.partition}: iteration {it}: the committed state differs from "
+            f"{f'group {group} ' if group >= 0 else ''}partition {self.partition}: "
+            f"iteration {it}: the committed state differs from "
             f"the trainers' ({len(bad)} of {world} ranks' shares; the first, rank {r}'s, "
             f"elements [{a}, {b}) of {shown}): {since} is restorable until the trainers "
             "re-seed the partition, asked for now")

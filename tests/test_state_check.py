@@ -193,9 +193,14 @@ def test_the_check_request_checks_the_newest_version_and_refuses_changing_nothin
     got.state.check.flip_at = 4
     for s in (ref, got):
         s.step(4)
+    # as a mesh job's shadow of data-parallel group 1 (its job id's top byte): named so
+    from checkmate.protocol.wire import group_job_id
+
+    got.state.job = group_job_id(spec.job, 1, 2)
     said = check_newest(got.state, 4, [["0" * 32, d] for d in ref.shares(2)])
-    assert not said["verified"] and "iteration 4: the committed state differs" in \
-        said["diverged"] and got.state.retained() == [0, 1, 2, 3]
+    assert not said["verified"] and said["diverged"].startswith(
+        "group 1 partition 1: iteration 4: the committed state differs") and \
+        got.state.retained() == [0, 1, 2, 3]
 
 
 def test_the_newest_verified_version_outlives_the_window():
