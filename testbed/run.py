@@ -36,6 +36,7 @@ from typing import Any
 from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.extras import needs
+from checkmate.testbed import fault_verdicts as verdicts
 from checkmate.testbed.cluster import LOOPBACK_NET, MODES, Cluster
 from checkmate.testbed.comparison import check_run, compare_states, gockpt_dir, reliability_summary
 from checkmate.testbed.runner import Run
@@ -75,59 +76,6 @@ def _inject(run: Run) -> None:
         attack = Attack(run, a.kind, a.source, a.target)
         run.attacks.append(attack)
         run.at_iteration(a.at, attack.start)
-
-
-def _state_faults(sc: Scenario, cl: Cluster) -> list[tuple[int, int]]:
-    """(partition, iteration) of each fault the shadows' state check must find: a bit
-    flipped in a shadow's state, gradients swapped under their CRC32C on a shadow's port."""
-    out = [sc.shadow_flip] if sc.shadow_flip is not None else []
-    for f in sc.faults:
-        if f.swap:
-            part = cl.cfg.host(f.port).partition
-            if part is not None:
-                out.append((part, max(f.start, 1)))
-    return out
-
-
-def _check_flip(sc: Scenario, statuses: list[dict[str, Any]], p: int, at: int
-                ) -> list[str]:
-    """The fault of partition ``p`` at iteration ``at`` (a flipped bit, swapped
-    gradients) was found by the first state check at or after it, the partition re-seeded,
-    and its state equal to the trainers' again by the end."""
-    k = sc.verify_every
-    st = next((s.get("state_check") or {} for s in statuses if s.get("partition") == p), {})
-    found = st.get("found_at")
-    if not found:
-        return [f"chaos: the fault in partition {p}'s state at iteration {at} was not found "
-                f"(state check: {st})"]
-    out = []
-    if k and not at <= found < at + k:
-        out.append(f"chaos: the fault at iteration {at} was found at {found}, not by the "
-                   f"first check (every {k})")
-    if st.get("diverged"):
-        out.append(f"chaos: partition {p} still differs from the trainers at the end: "
-                   f"{st['diverged']}")
-    return out
-
-
-def _check_trainer_flip(sc: Scenario, diverged: dict[str, Any] | None) -> list[str]:
-    """The flipped rank was named by the first check at or after the flip, and the job
-    rewound to the check before (or began again); bit-identity is checked after."""
-    rank, at = sc.trainer_flip or (0, 0)
-    k = sc.verify_every
-    if diverged is None:
-        return [f"chaos: the bit flipped on rank {rank} after iteration {at} was not found"]
-    found, back = diverged.get("iteration"), diverged.get("rewind")
-    out = []
-    if not (isinstance(found, int) and k and at <= found < at + k):
-        out.append(f"chaos: the flip after iteration {at} was found at {found}, not by the "
-                   f"first check (every {k})")
-    elif back != max(found - k, 0):
-        out.append(f"chaos: the job rewound to {back}, not to the check before {found}")
-    if f"rank(s) {rank} differ" not in (diverged.get("line") or ""):
-        out.append(f"chaos: the divergence line does not name rank {rank}: "
-                   f"{diverged.get('line')}")
-    return out
 
 
 def _stop_attacks(run: Run) -> list[dict[str, Any]]:
@@ -261,12 +209,12 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
             problems += check_run(run)
             run.result.shadow_status = run.shadow_statuses() if sc.gockpt is None else []
             if label == "chaos" and sc.trainer_flip is not None:
-                problems += _check_trainer_flip(sc, run.result.diverged)
+                problems += verdicts.trainer_flip(sc, run.result.diverged)
                 report["diverged"] = run.result.diverged
-            found = _state_faults(sc, cl)
+            found = verdicts.state_faults(sc, cl)
             if label == "chaos" and found:
                 problems += [p for part, at in found
-                             for p in _check_flip(sc, run.result.shadow_status, part, at)]
+                             for p in verdicts.fault_found(sc, run.result.shadow_status, part, at)]
                 report["state_checks"] = [s.get("state_check") for s in
                                           run.result.shadow_status]
             if attackers:

@@ -75,7 +75,7 @@ def test_the_shadow_flip_case_draws_its_flip_and_fails_unless_the_first_check_fi
     import random
 
     from checkmate.testbed.chaos import cases, draw
-    from checkmate.testbed.run import _check_flip
+    from checkmate.testbed.fault_verdicts import fault_found as check_found
 
     sc = draw("shadow-bit-flip", cases(300)["shadow-bit-flip"], 300, 0, 2, random.Random(5))
     p, at = sc.shadow_flip
@@ -86,18 +86,18 @@ def test_the_shadow_flip_case_draws_its_flip_and_fails_unless_the_first_check_fi
         return [{"partition": q, "state_check": check if q == p else {"found_at": None}}
                 for q in (0, 1)]
 
-    assert _check_flip(sc, status(found_at=found, diverged=""), p, at) == []
-    assert "was not found" in _check_flip(sc, status(found_at=None, diverged=""), p, at)[0]
-    assert "not by the first check" in _check_flip(sc, status(found_at=found + 5,
+    assert check_found(sc, status(found_at=found, diverged=""), p, at) == []
+    assert "was not found" in check_found(sc, status(found_at=None, diverged=""), p, at)[0]
+    assert "not by the first check" in check_found(sc, status(found_at=found + 5,
                                                               diverged=""), p, at)[0]
-    assert "still differs" in _check_flip(sc, status(found_at=found, diverged="x"), p, at)[0]
+    assert "still differs" in check_found(sc, status(found_at=found, diverged="x"), p, at)[0]
 
 
 def test_the_trainer_flip_case_wants_the_flipped_rank_named_and_a_rewind_to_the_check_before():
     import random
 
     from checkmate.testbed.chaos import cases, draw
-    from checkmate.testbed.run import _check_trainer_flip
+    from checkmate.testbed.fault_verdicts import trainer_flip as check_trainer_flip
 
     sc = draw("trainer-bit-flip", cases(300)["trainer-bit-flip"], 300, 0, 2,
               random.Random(6), trainers=4)
@@ -106,11 +106,11 @@ def test_the_trainer_flip_case_wants_the_flipped_rank_named_and_a_rewind_to_the_
     found = -(-at // 5) * 5
     line = f"iteration {found}: ... data-parallel rank(s) {rank} differ from the other 3"
     ok = {"iteration": found, "rewind": max(found - 5, 0), "line": line}
-    assert _check_trainer_flip(sc, ok) == []
-    assert "was not found" in _check_trainer_flip(sc, None)[0]
-    assert "not by the first check" in _check_trainer_flip(sc, {**ok, "iteration": found + 5})[0]
-    assert "rewound to" in _check_trainer_flip(sc, {**ok, "rewind": found})[0]
-    assert "does not name rank" in _check_trainer_flip(sc, {**ok, "line": "rank(s) 9 differ"})[0]
+    assert check_trainer_flip(sc, ok) == []
+    assert "was not found" in check_trainer_flip(sc, None)[0]
+    assert "not by the first check" in check_trainer_flip(sc, {**ok, "iteration": found + 5})[0]
+    assert "rewound to" in check_trainer_flip(sc, {**ok, "rewind": found})[0]
+    assert "does not name rank" in check_trainer_flip(sc, {**ok, "line": "rank(s) 9 differ"})[0]
 
 
 def test_multinode_verdict_reads_the_final_state_not_a_restore_beside_it(tmp_path):
