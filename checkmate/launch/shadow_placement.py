@@ -1,0 +1,125 @@
+"""Where a job's shadows go when they run on the job's own nodes (issue 38, the rule only).
+
+Each of ``partitions`` partitions gets ``replicas`` shadows. The rule: no two replicas of a
+partition on one node, and on different failure domains (a rack, a power domain: each
+node is its own domain unless told otherwise), so the loss of any one domain leaves every
+partition a replica; and the shadows spread over the nodes as evenly as the domains allow
+(the least loaded eligible node first, ties to the node after the one chosen last, so equal
+nodes take turns). With one replica a node's loss takes the only copy of its partitions
+with the node's trainers: the job then resumes from disk; the placement says so in
+``warning``.
+
+When the membership changes (a node lost, a spare joining), ``replace`` keeps every replica
+whose node is still there and places only the missing ones (each then re-seeded from a
+live sibling), so a change moves as few shadows as it can.
+
+Not yet wired into ``checkmate launch`` (``--colocate``, ``--replicas``, ``--domain``):
+issue 38's replicas, sibling re-seed and co-location come first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from checkmate.errors import CheckmateError
+
+
+@dataclass
+class Placement:
+    """``nodes[p]``: the nodes of partition ``p``'s replicas, in replica order."""
+
+    nodes: list[list[str]]
+    domains: dict[str, str]
+    warning: str = ""
+    load: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line per partition, as the launcher would print it at start."""
+        return "\n".join(f"partition {p}: " + ", ".join(
+            f"{n} ({self.domains[n]})" if self.domains[n] != n else n for n in ns)
+            for p, ns in enumerate(self.nodes))
+
+
+def _domains(nodes: Sequence[str], domains: Mapping[str, str] | None) -> dict[str, str]:
+    if len(set(nodes)) != len(nodes) or not nodes:
+        raise CheckmateError(f"shadow placement needs distinct node names, got {list(nodes)}")
+    given = dict(domains or {})
+    unknown = sorted(set(given) - set(nodes))
+    if unknown:
+        raise CheckmateError(f"failure domains given for nodes the job does not have: "
+                             f"{', '.join(unknown)}")
+    return {n: given.get(n, n) for n in nodes}
+
+
+def _check(partitions: int, replicas: int, dom: dict[str, str]) -> None:
+    if partitions < 1 or replicas < 1:
+        raise CheckmateError(f"shadow placement needs at least 1 partition and 1 replica, got "
+                             f"{partitions} and {replicas}")
+    distinct = sorted(set(dom.values()))
+    if replicas > len(distinct):
+        what = "nodes" if all(d == n for n, d in dom.items()) else "failure domains"
+        raise CheckmateError(f"{replicas} replicas per partition need {replicas} {what}, the "
+                             f"job has {len(distinct)} ({', '.join(distinct)})")
+
+
+def _add(nodes: list[str], dom: dict[str, str], load: dict[str, int], have: list[str],
+         turn: list[int]) -> str:
+    """The node for one more replica beside ``have``: another domain, least loaded, ties to
+    the node after the last one chosen."""
+    used = {dom[n] for n in have}
+    ok = [i for i, n in enumerate(nodes) if dom[n] not in used]
+    best = min(ok, key=lambda i: (load[nodes[i]], (i - turn[0]) % len(nodes)))
+    turn[0] = (best + 1) % len(nodes)
+    load[nodes[best]] += 1
+    return nodes[best]
+
+
+def place(nodes: Sequence[str], partitions: int, replicas: int,
+          domains: Mapping[str, str] | None = None) -> Placement:
+    """Every partition's replicas on ``nodes`` (CheckmateError, one line, when the rule
+    cannot be met: more replicas than domains)."""
+    dom = _domains(nodes, domains)
+    _check(partitions, replicas, dom)
+    order = list(nodes)
+    load = dict.fromkeys(order, 0)
+    turn = [0]
+    out: list[list[str]] = []
+    for _ in range(partitions):
+        have: list[str] = []
+        for _ in range(replicas):
+            have.append(_add(order, dom, load, have, turn))
+        out.append(have)
+    return Placement(out, dom, _warning(replicas), load)
+
+
+def replace(old: Placement, nodes: Sequence[str], replicas: int,
+            domains: Mapping[str, str] | None = None) -> Placement:
+    """``old`` after the membership became ``nodes``: surviving replicas stay where they
+    are (a survivor whose domain another survivor of its partition shares is dropped), the
+    missing ones are placed by the rule."""
+    dom = _domains(nodes, domains)
+    _check(len(old.nodes), replicas, dom)
+    order = list(nodes)
+    load = dict.fromkeys(order, 0)
+    kept: list[list[str]] = []
+    for ns in old.nodes:
+        have: list[str] = []
+        for n in ns:
+            if n in dom and dom[n] not in {dom[h] for h in have} and len(have) < replicas:
+                have.append(n)
+                load[n] += 1
+        kept.append(have)
+    turn = [0]
+    for have in kept:
+        while len(have) < replicas:
+            have.append(_add(order, dom, load, have, turn))
+    return Placement(kept, dom, _warning(replicas), load)
+
+
+def _warning(replicas: int) -> str:
+    if replicas > 1:
+        return ""
+    return ("one replica per partition: a node's loss takes its partitions' only shadow with "
+            "its trainers, and the job resumes from disk (--replicas 2 keeps a copy "
+            "elsewhere)")
