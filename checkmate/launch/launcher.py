@@ -379,6 +379,10 @@ def launch(argv: list[str]) -> int:
                 raise CheckmateError(f"the job stopped after a divergence of the "
                                      f"data-parallel copies: {stopped}")
         except ChildFailedError as e:
+            stopped = failures.stopped(logdir)  # --max-restarts 0: no attempt to end clean
+            if stopped is not None:
+                raise CheckmateError(f"the job stopped after a divergence of the "
+                                     f"data-parallel copies: {stopped}") from None
             raise CheckmateError(_failure_line(e, args.max_restarts, Path(logdir))) from None
         except RendezvousError as e:
             raise CheckmateError(_rendezvous_line(args, e)) from None

@@ -72,6 +72,9 @@ def restart_line(agent_message: str, prog: str, log_dir: str | Path | None = Non
     local_workers = _local_workers() if local_workers is None else local_workers
     lines = recent_failures(log_dir, _since)
     _since = time.time()
+    if log_dir is not None and failures.stopped(log_dir) is not None:
+        return (f"{prog}: the data-parallel copies diverged and the job stops "
+                f"(--on-divergence stop): the next attempt ends without training")
     if (local_workers and len(lines) >= local_workers
             and all(any(p in ln for p in PEER_GONE) for ln in lines)):
         why = lines[0].removeprefix("checkmate: ")

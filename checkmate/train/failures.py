@@ -58,8 +58,10 @@ STOPPED = "stopped.txt"
 
 def record_stop(line: str) -> None:
     """The job is to end, not restart (a divergence under ``--on-divergence stop``): every
-    rank writes ``line`` for the launcher, which then says it and exits non-zero (nothing
-    without a log dir: the rank's own line is all there is)."""
+    rank that found it writes ``line``. The ranks still fail (a clean exit would leave the
+    ranks of other mesh groups waiting in their collectives), the next attempt's workers see
+    the file and end at once without training (``stop_recorded``), and the launcher says the
+    line and exits non-zero. Nothing without a log dir: the ranks' lines are all there is."""
     d = _dir()
     if d is None:
         return
@@ -70,6 +72,12 @@ def record_stop(line: str) -> None:
         tmp.replace(d / STOPPED)
     except OSError:
         pass
+
+
+def stop_recorded() -> bool:
+    """Whether an earlier attempt of this launch recorded a stop (``record_stop``)."""
+    d = _dir()
+    return d is not None and (d / STOPPED).is_file()
 
 
 def stopped(log_dir: Path | str) -> str | None:

@@ -172,19 +172,20 @@ def main(argv: list[str] | None = None, exit_on_success: bool = True,
     _watch_parent(rank, launcher)
     threading.excepthook = _thread_error(rank)
     agreement.say_first()
+    if failures.stop_recorded():
+        # an earlier attempt of this launch stopped on a divergence (--on-divergence stop):
+        # the failure that ended it made torch's agent start this one, which ends at once
+        # and cleanly, so no other follows and the launcher says why the job stopped
+        _finish(0, exit_now=exit_on_success)
+        return 0
     try:
         _bind(rank)
         runpy.run_path(script, run_name="__main__")
     except CheckmateError as e:
         line = f"checkmate: rank {rank}: error: {e}"
-        if not getattr(e, "stop", False):
-            _exit_now(2, line)
-        # replica_check's divergence under --on-divergence stop: said, kept for the
-        # launcher, and this worker ends without a failure, so torch's agent starts no
-        # other attempt (the launcher then exits non-zero with the line)
-        failures.record_stop(line)
-        print(line, file=sys.stderr, flush=True)
-        code = 0
+        if getattr(e, "stop", False):  # replica_check's divergence, --on-divergence stop
+            failures.record_stop(line)
+        _exit_now(2, line)
     except KeyboardInterrupt:
         _exit_now(130, f"checkmate: rank {rank}: interrupted")
     except FileNotFoundError as e:
