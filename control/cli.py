@@ -191,8 +191,8 @@ def status(args: argparse.Namespace) -> int:
 def _service_counters(cfg: config.ClusterConfig, secret_file: str | None) -> dict:
     """The running handshake service's counters, asked over its authenticated request
     (`{"running": False, "error"}` when it does not answer or there is no secret)."""
+    from checkmate.control.handshake_client import controller_request
     from checkmate.protocol import auth
-    from checkmate.train.layout import controller_request
 
     try:
         secret = auth.load_secret(secret_file)

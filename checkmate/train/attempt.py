@@ -36,7 +36,7 @@ def program(lay: Any, order: Sequence[int]) -> dict[str, Any]:
     -> rank, checkmate.train.ring_schedule; the rank order when each node's ranks are
     consecutive, as torch's agent numbers them), every shadow adopts its new session;
     returns ``{"epoch": E, "attempt": id}``."""
-    from checkmate.train.layout import controller_request
+    from checkmate.control.handshake_client import controller_request
     from checkmate.train.shadow_client import ShadowClient
 
     if lay.controller is None:
