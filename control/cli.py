@@ -104,6 +104,23 @@ def _dry_run(cfg: config.ClusterConfig, plan: plan_mod.Plan) -> None:
 
         print(f"bfrt_python port script (written to {write_script(plan)}):")
         print(bfrt_script(plan))
+        print(_packed(cfg))
+
+
+def _packed(cfg: config.ClusterConfig) -> str:
+    """What a deploy would push as the pipeline: the compiled TNA folder packed for the
+    config's P4Runtime server, or why there is none (the dry run needs no build)."""
+    import hashlib
+
+    from checkmate.control import pipeline
+
+    sw = cfg.switch
+    try:
+        blob = pipeline.device_config("tna", sw.tofino_server, list(range(sw.tofino_pipes)))
+    except CheckmateError as e:
+        return f"pipeline config: none to push yet ({e}; `make p4` builds it)"
+    return (f"pipeline config: {len(blob)} bytes packed for {sw.tofino_server} from "
+            f"{pipeline.program_dir('tna')} (sha256 {hashlib.sha256(blob).hexdigest()[:16]})")
 
 
 def deploy(args: argparse.Namespace) -> int:

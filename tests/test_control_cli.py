@@ -72,6 +72,8 @@ def test_tofino_dry_run_prints_p4runtime_entries_and_bfrt_script(tmp_path):
     assert "tm.ppg.cfg.add_with_dev_port(pipe=1, ppg_id=2, dev_port=132," in script
     # the host commands map the DSCP the sockets mark to the PFC priority
     assert "dscp-prio 24:3" in r.stdout
+    # no compiled build in this folder: the dry run says what a deploy would lack
+    assert "pipeline config: none to push yet (" in r.stdout and "make p4" in r.stdout
 
 
 def test_tofino_deploy_without_a_switch_is_one_line(tmp_path):

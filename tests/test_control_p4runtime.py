@@ -542,6 +542,21 @@ def test_tofino_pushes_the_real_compiled_build(tmp_path, monkeypatch):
     assert sw.p4info == pushed  # the binary P4Info, extern payloads and all
     assert sw.table("ckm_replicate") == TOFINO_REPLICATE
     assert len(sw.table("port_bind")) == len({h.switch_port for h in tofino_cfg("x").hosts}) + 1
+    # `control deploy --switch tofino0 --dry-run` packs the same compiler output, touching
+    # nothing: the bytes it names are the ones the switch got
+    import hashlib
+
+    r = subprocess.run([sys.executable, "-m", "checkmate.control.cli", "deploy", "--switch",
+                        "tofino0", "--dry-run"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CHECKMATE_P4_BUILD": str(tmp_path),
+                            "CHECKMATE_CONTROL_STATE": str(tmp_path / "s.json")})
+    assert r.returncode == 0, r.stderr
+    shipped = tofino_cfg("x")
+    want = pipeline.device_config("tna", shipped.switch.tofino_server,
+                                  list(range(shipped.switch.tofino_pipes)))
+    assert (f"pipeline config: {len(want)} bytes packed for {shipped.switch.tofino_server} "
+            f"from {tmp_path / 'checkmate_tna'} (sha256 "
+            f"{hashlib.sha256(want).hexdigest()[:16]})") in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.parametrize("binary", ["p4info.bin", "p4info.binpb"])
