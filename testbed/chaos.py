@@ -255,18 +255,13 @@ def draw(name: str, body: dict[str, Any], steps: int, seed: int, partitions: int
     if every is not None:  # every partition's shadow, at one drawn early iteration
         at = rng.randint(max(1, steps // 10), steps // 3)
         body["shadow_kills"] = [{**every, "partition": p, "at": at} for p in range(partitions)]
-    if "shadow_flip" in body:
-        f = body["shadow_flip"]
-        body["shadow_flip"] = {"partition": rng.randrange(partitions)
-                               if f["partition"] == "R" else f["partition"],
-                               "at": rng.randint(max(1, steps // 10), steps // 3)
-                               if f["at"] == "E" else f["at"]}
-    if "trainer_flip" in body:
-        f = body["trainer_flip"]
-        body["trainer_flip"] = {"rank": rng.randrange(trainers)
-                                if f["rank"] == "R" else f["rank"],
-                                "at": rng.randint(max(1, steps // 10), steps // 3)
-                                if f["at"] == "E" else f["at"]}
+    for key, who, count in (("shadow_flip", "partition", partitions),
+                            ("trainer_flip", "rank", trainers)):
+        f = body.get(key)
+        if f is not None:  # "R": a random partition or rank; "E": an early iteration
+            body[key] = {who: rng.randrange(count) if f[who] == "R" else f[who],
+                         "at": rng.randint(max(1, steps // 10), steps // 3)
+                         if f["at"] == "E" else f["at"]}
     after = body.pop("kill_after_shadow", None)
     if after is not None:
         body["kill_at"] = min(body["shadow_kills"][0]["at"] + after, steps - 1)

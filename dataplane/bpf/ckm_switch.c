@@ -488,6 +488,23 @@ static __always_inline __u64 frag_draw(const struct iphdr *ip, __u64 seed)
 	return mix64(x ^ ip->id);
 }
 
+/* Where the datagram's bytes in this frame end: the fragment's end for a first fragment,
+ * the UDP length's otherwise (-1 when that length is inconsistent: leave the frame alone). */
+static __always_inline int payload_end(struct __sk_buff *skb, struct pkt *p, int frag,
+				       __u32 *end)
+{
+	if (frag) {
+		*end = p->ip_off + bpf_ntohs(p->ip.tot_len);
+		if (*end > skb->len)
+			*end = skb->len;
+		return 0;
+	}
+	if (p->udp_len < sizeof(struct udphdr))
+		return -1;
+	*end = p->udp_off + p->udp_len;
+	return 0;
+}
+
 /* Flip one 16-bit word of the UDP payload (past the ckm header when there is payload, so the
  * CRC32C fails) and fix the UDP checksum, so the receiver's kernel still delivers it. For a
  * first fragment the payload ends with the fragment; the word sits at an even offset from
@@ -498,16 +515,7 @@ static __always_inline int corrupt(struct __sk_buff *skb, struct pkt *p, int fra
 	__u32 end, plen, start = p->ckm_off, words;
 	__be16 w, nw;
 
-	if (frag) {
-		end = p->ip_off + bpf_ntohs(p->ip.tot_len);
-		if (end > skb->len)
-			end = skb->len;
-	} else {
-		if (p->udp_len < sizeof(struct udphdr))
-			return -1; /* inconsistent UDP length: leave it alone */
-		end = p->udp_off + p->udp_len;
-	}
-	if (end < start)
+	if (payload_end(skb, p, frag, &end) < 0 || end < start)
 		return -1;
 	plen = end - start;
 	if (plen >= CKM_HEADER_LEN + 2) {
@@ -543,15 +551,8 @@ static __always_inline int swap(struct __sk_buff *skb, struct pkt *p, int frag)
 	__u8 flags;
 	int i;
 
-	if (frag) {
-		end = p->ip_off + bpf_ntohs(p->ip.tot_len);
-		if (end > skb->len)
-			end = skb->len;
-	} else {
-		if (p->udp_len < sizeof(struct udphdr))
-			return -1;
-		end = p->udp_off + p->udp_len;
-	}
+	if (payload_end(skb, p, frag, &end) < 0)
+		return -1;
 	if (bpf_skb_load_bytes(skb, start + 3, &flags, 1) < 0)
 		return -1;
 	if (!(flags & CKM_F_REPLICATE) || (flags & CKM_F_CONTROL))
