@@ -110,12 +110,21 @@ def serve_shadows(tmp_path: Path):
     return functools.partial(_serve_shadows, tmp_path)
 
 
+def worker_octet() -> int:
+    """A random address octet (1-254) that no other pytest-xdist worker of this run draws:
+    tests of several files share 127.81.x, and two workers' shadows on one address would
+    take each other's trainers (one job's spec refused by the other's shadow)."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    k = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    return random.choice([o for o in range(1, 255) if o % n == k % n])
+
+
 @pytest.fixture
 def loopback_shadows(tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
     """Two real ``shadow serve`` processes (partitions 0/2 and 1/2) in host mode on a random
     loopback /24 (127.81.x.100 and .101, the default ports); yields ``(net, shadow ips)``.
     Trainers of the test take other addresses of ``net`` (e.g. .10, .11)."""
-    net = f"127.81.{random.randrange(1, 255)}"
+    net = f"127.81.{worker_octet()}"
     with _serve_shadows(tmp_path, [f"{net}.100", f"{net}.101"]) as ips:
         yield net, ips
 
