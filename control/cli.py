@@ -129,7 +129,7 @@ def deploy(args: argparse.Namespace) -> int:
         raise CheckmateError(f"unknown switch {args.switch!r} (the config has "
                              f"{cfg.switch.name!r})")
     store = _store(args, cfg)
-    plan = plan_mod.build(cfg, store.for_config(cfg), store.ring)
+    plan = plan_mod.build(cfg, store.for_config(cfg), store.rings)
     if args.dry_run:
         _dry_run(cfg, plan)
         return 0

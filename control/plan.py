@@ -228,10 +228,16 @@ def ring_hops(cfg: ClusterConfig, ring: Sequence[str] | None) -> list[tuple[int,
 
 
 def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None = None,
-          ring: Sequence[str] | None = None) -> Plan:
+          rings: Sequence[Sequence[str]] | None = None) -> Plan:
     """The plan for ``cfg``; ``registrations`` (partition -> session) override shadows;
-    ``ring`` (every rank's IP, in ring order, from a launcher's rendezvous) overrides the
-    config's static ranks (see ring_hops)."""
+    ``rings`` (a launcher's rendezvous: per data-parallel group, every rank's IP in ring
+    order) override the config's static ranks (see ring_hops). A mesh job (``job.groups``
+    > 1) gets replication only from its attempt's rings: which ranks form a group is the
+    job's mesh, not the config's. Group g replicates to config partitions g*n..g*n+n-1 under
+    its own wire job id (checkmate.protocol.wire.group_job_id), its datagrams' partition
+    field the partition within the group."""
+    from checkmate.protocol.wire import group_job_id
+
     regs = dict(registrations or {})
     for p, reg in regs.items():
         if cfg.shadow_for(p) is None:
@@ -239,7 +245,9 @@ def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None =
         h = cfg.host(reg.host)
         if h.role != "shadow":
             raise CheckmateError(f"registration for partition {p} names {h.name}, a {h.role}")
-    hops = ring_hops(cfg, ring)
+    if rings is not None and len(rings) != cfg.groups:
+        raise CheckmateError(f"the config's job has {cfg.groups} data-parallel group(s) "
+                             f"(job.groups), the attempt names {len(rings)} ring(s)")
     repl: list[Replication] = []
     groups: list[McastGroup] = []
     rewrites: list[ShadowRewrite] = []
@@ -251,23 +259,26 @@ def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None =
             rid=p + 1, partition=p, shadow=host.name, smac=cfg.switch.mac, dmac=reg.mac,
             ip=reg.ip, udp_port=reg.port, epoch=reg.epoch, token=reg.token,
         ))
-    for dst_rank, src, dst in hops:
-        for shadow in cfg.shadows:
-            p = shadow.partition
-            assert p is not None
-            host, reg = _shadow_session(cfg, p, regs)
-            gid = group_id(dst_rank, p)
-            repl.append(Replication(
-                job_id=cfg.job_id, src=src.name, src_ip=src.ip,
-                ingress_port=switch_port(cfg, src), ingress_ifname=cfg.switch_ifname(src.name),
-                dst=dst.name,
-                dst_ip=dst.ip, partition=p, shadow=host.name, shadow_ip=reg.ip,
-                shadow_mac=reg.mac, shadow_port=reg.port, epoch=reg.epoch,
-                token=reg.token, group_id=gid,
-            ))
-            groups.append(McastGroup(gid, (
-                (switch_port(cfg, dst), 0), (switch_port(cfg, host), p + 1),
-            )))
+    n = cfg.group_partitions
+    for g in range(cfg.groups if n else 0):
+        if rings is None and cfg.groups > 1:
+            break  # a mesh job's groups are known from its attempt only
+        job = group_job_id(cfg.job_id, g, cfg.groups)
+        for dst_rank, src, dst in ring_hops(cfg, None if rings is None else rings[g]):
+            for p in range(g * n, (g + 1) * n):
+                host, reg = _shadow_session(cfg, p, regs)
+                gid = group_id(dst_rank, p)
+                repl.append(Replication(
+                    job_id=job, src=src.name, src_ip=src.ip,
+                    ingress_port=switch_port(cfg, src),
+                    ingress_ifname=cfg.switch_ifname(src.name), dst=dst.name,
+                    dst_ip=dst.ip, partition=p % n, shadow=host.name, shadow_ip=reg.ip,
+                    shadow_mac=reg.mac, shadow_port=reg.port, epoch=reg.epoch,
+                    token=reg.token, group_id=gid,
+                ))
+                groups.append(McastGroup(gid, (
+                    (switch_port(cfg, dst), 0), (switch_port(cfg, host), p + 1),
+                )))
     host_ports = sorted(switch_port(cfg, h) for h in cfg.hosts)
     groups.append(McastGroup(
         FLOOD_GROUP, tuple((port, 0) for port in [*host_ports, cfg.switch.cpu_port])

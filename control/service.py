@@ -51,7 +51,7 @@ class HandshakeService:
     def deploy(self, regs: dict | None = None) -> None:
         regs = self.store.for_config(self.cfg) if regs is None else regs
         try:
-            res = self.driver.apply(plan_mod.build(self.cfg, regs, self.store.ring))
+            res = self.driver.apply(plan_mod.build(self.cfg, regs, self.store.rings))
         except CheckmateError:
             self.driver.close()  # reconnect (and re-arbitrate) on the next request
             raise
@@ -120,34 +120,44 @@ class HandshakeService:
 
     def _attempt(self, body: dict) -> dict:
         """A launcher's rendezvous made a new attempt: program the switch's replication for
-        its ranks (``ranks``: every rank's ring IP, in ring order) under a new epoch for
-        every partition, before the attempt's first iteration. A hop between two ranks of
-        one host crosses no switch and gets no entry; entries of hosts that left (a lost
-        node) are withdrawn by the plan's diff. A repeat of the current attempt (a retry
-        whose reply was lost) gets its sessions again."""
-        attempt, ranks = body.get("attempt"), body.get("ranks")
+        its ranks under a new epoch for every partition, before the attempt's first
+        iteration. ``rings``: per data-parallel group (``job.groups`` of them), every rank's
+        ring IP in ring order; ``ranks``: the one ring of a group-less job. A hop between
+        two ranks of one host crosses no switch and gets no entry; entries of hosts that
+        left (a lost node) are withdrawn by the plan's diff. A repeat of the current attempt
+        (a retry whose reply was lost) gets its sessions again."""
+        attempt = body.get("attempt")
+        rings = body.get("rings", [body["ranks"]] if "ranks" in body else None)
         if not isinstance(attempt, str) or not 0 < len(attempt) <= 128:
             raise CheckmateError("bad attempt: a string of 1 to 128 characters")
-        if not isinstance(ranks, list) or not 1 <= len(ranks) <= 4096 or \
-                not all(isinstance(ip, str) for ip in ranks):
-            raise CheckmateError("bad ranks: a list of 1 to 4096 IP strings in ring order")
-        if attempt == self.store.attempt and ranks == self.store.ring:
+        if not isinstance(rings, list) or not 1 <= len(rings) <= 255 or not all(
+                isinstance(r, list) and 1 <= len(r) <= 4096 and
+                all(isinstance(ip, str) for ip in r) for r in rings):
+            raise CheckmateError("bad rings: per data-parallel group a list of 1 to 4096 IP "
+                                 "strings in ring order")
+        if len(rings) != self.cfg.groups:
+            raise CheckmateError(f"the attempt names {len(rings)} data-parallel group(s), the "
+                                 f"controller's config {self.cfg.groups} (job.groups)")
+        if attempt == self.store.attempt and rings == self.store.rings:
             regs = self.store.for_config(self.cfg)
             self.stats["attempt_repeated"] += 1
         else:
-            plan_mod.ring_hops(self.cfg, ranks)  # a bad mapping: refused before any write
+            for ring in rings:  # a bad mapping: refused before any write
+                plan_mod.ring_hops(self.cfg, ring)
             regs = self.store.attempt_sessions(self.cfg)
-            old_ring = self.store.ring
-            self.store.ring = list(ranks)
+            old_rings = self.store.rings
+            self.store.rings = rings
             try:
                 self.deploy(regs)
             except CheckmateError:
-                self.store.ring = old_ring
+                self.store.rings = old_rings
                 raise
-            self.store.commit_attempt(attempt, ranks, regs)
-            hosts = sorted({ip for ip in ranks})
-            self._log(f"attempt {attempt}: {len(ranks)} rank(s) on {len(hosts)} host(s) "
-                      f"{', '.join(hosts)}, epoch {next(iter(regs.values())).epoch}")
+            self.store.commit_attempt(attempt, rings, regs)
+            hosts = sorted({ip for r in rings for ip in r})
+            per = f" in {len(rings)} groups" if len(rings) > 1 else ""
+            self._log(f"attempt {attempt}: {sum(map(len, rings))} rank(s){per} on "
+                      f"{len(hosts)} host(s) {', '.join(hosts)}, epoch "
+                      f"{next(iter(regs.values())).epoch}")
         return {"op": "attempt", "job": self.cfg.job_id, "attempt": attempt,
                 "partitions": {str(p): {"epoch": r.epoch, "token": r.token, "ip": r.ip,
                                         "port": r.port}
@@ -157,7 +167,7 @@ class HandshakeService:
         regs = self.store.for_config(self.cfg)
         # ``expected``: how many partitions the config has, so a launcher can tell "not
         # every shadow has registered yet" from a complete answer.
-        return {"op": "session", "job": self.cfg.job_id,
+        return {"op": "session", "job": self.cfg.job_id, "groups": self.cfg.groups,
                 "expected": self.cfg.num_partitions, "partitions": {
                     str(p): {"epoch": r.epoch, "token": r.token, "ip": r.ip, "port": r.port,
                              "host": r.host}

@@ -41,10 +41,11 @@ class SessionStore:
         #: session again, never a new epoch (in memory, the newest per partition kept).
         self.by_instance: dict[tuple[int, str], Registration] = {}
         self.max_epoch = 0
-        #: The current attempt of a launcher-run job (``attempt``): its id and every rank's
-        #: ring IP in rank order; the plan's ring follows it instead of the config's ranks.
+        #: The current attempt of a launcher-run job (``attempt``): its id and, per
+        #: data-parallel group, every rank's ring IP in ring order; the plan's rings follow
+        #: it instead of the config's ranks.
         self.attempt = ""
-        self.ring: list[str] | None = None
+        self.rings: list[list[str]] | None = None
         self._load()
 
     def _load(self) -> None:
@@ -57,8 +58,8 @@ class SessionStore:
         try:
             self.max_epoch = int(data.get("max_epoch", 0))
             self.attempt = str(data.get("attempt", ""))
-            ring = data.get("ring")
-            self.ring = None if ring is None else [str(ip) for ip in ring]
+            rings = data.get("rings")
+            self.rings = None if rings is None else [[str(ip) for ip in r] for r in rings]
             for r in data.get("registrations", []):
                 reg = Registration(**r)
                 self.registrations[reg.partition] = reg
@@ -70,7 +71,7 @@ class SessionStore:
         tmp = self.path.with_suffix(".tmp")
         text = json.dumps({
             "max_epoch": self.max_epoch,
-            "attempt": self.attempt, "ring": self.ring,
+            "attempt": self.attempt, "rings": self.rings,
             "registrations": [asdict(r) for _, r in sorted(self.registrations.items())],
         }, indent=1)
         # Every epoch and token is in it: readable by the controller's user only (0600),
@@ -160,9 +161,9 @@ class SessionStore:
         return {p: replace(r, epoch=epoch, token=secrets.randbits(32) or 1)
                 for p, r in regs.items()}
 
-    def commit_attempt(self, attempt: str, ring: list[str],
+    def commit_attempt(self, attempt: str, rings: list[list[str]],
                        regs: dict[int, Registration]) -> None:
-        self.attempt, self.ring = attempt, list(ring)
+        self.attempt, self.rings = attempt, [list(r) for r in rings]
         for reg in regs.values():
             self.registrations[reg.partition] = reg
             if reg.instance:  # a late retry of the shadow's register gets this session

@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from checkmate.config import cluster as cfgmod
@@ -184,15 +185,21 @@ def _serve(args: argparse.Namespace) -> int:
     if args.epoch or args.token:
         if not args.no_register:
             raise CheckmateError("--epoch/--token only apply with --no-register")
+    # a mesh job's group (job.groups > 1): its own wire job id, partitions numbered in it,
+    # its files under DIR/group<g> as the launcher's own shadows keep them
+    job, part, parts = cfg.wire_place(index)
+    where = {} if cfg.groups == 1 else {"control_job": cfg.job_id, "control_partition": index}
+    pdir = args.dir if args.dir is None or cfg.groups == 1 else str(
+        Path(args.dir) / f"group{index // parts}")
     opts = NodeOptions(
-        partition=index, partitions=count, job=cfg.job_id, bind=args.bind, port=args.port,
+        partition=part, partitions=parts, job=job, bind=args.bind, port=args.port,
         restore_bind=args.restore_bind or args.bind, restore_port=args.restore_port,
-        dir=args.dir, persist_every=args.persist_every, persist_seconds=args.persist_seconds,
+        dir=pdir, persist_every=args.persist_every, persist_seconds=args.persist_seconds,
         keep=max(args.keep, 1), retain=max(args.retain, 1), window=max(args.window, 1),
         gap_timeout=args.gap_timeout, epoch=args.epoch, token=args.token,
         controller=controller, host=host.name if host else "", ip=host.ip if host else "",
         mac=host.mac if host else "", register_deadline=args.register_timeout,
-        **_transport(args),
+        **where, **_transport(args),
     )
     return _run_node(args, opts)
 
@@ -264,7 +271,9 @@ def _run_node(args: argparse.Namespace, opts: NodeOptions) -> int:
 
     node.receiver.on_fatal = on_fatal
     index, count = opts.partition, opts.partitions
-    print(f"shadow: partition {index}/{count} serving udp {opts.bind}:{node.udp_port} "
+    group = "" if opts.control_partition is None else \
+        f" of group {opts.control_partition // count} (job {opts.job:#x})"
+    print(f"shadow: partition {index}/{count}{group} serving udp {opts.bind}:{node.udp_port} "
           f"tcp {opts.restore_bind}:{node.tcp_port}", flush=True)
     try:
         while not stop.wait(1.0):

@@ -52,6 +52,12 @@ class NodeOptions:
     ip: str = ""
     mac: str = ""
     register_deadline: float = 30.0
+    #: What the controller knows this shadow as, when not (job, partition): a mesh job's
+    #: group (config job.groups > 1) has a wire job id of its own and numbers its
+    #: partitions from 0, while the controller keys sessions by the config's job id and
+    #: partition (checkmate.config.cluster.ClusterConfig.wire_place).
+    control_job: int | None = None
+    control_partition: int | None = None
     #: The job secret (checkmate.protocol.auth); None: read $CHECKMATE_SECRET_FILE's.
     secret: bytes | None = None
     #: "udp", or "verbs": the replica stream also arrives on a UD queue pair of RDMA
@@ -186,9 +192,10 @@ class ShadowNode:
 
         o = self.opts
         assert o.controller is not None
-        reg = query_sessions(o.controller, o.job, secret=self.secret).get(o.partition)
+        job, part = self.control_place
+        reg = query_sessions(o.controller, job, secret=self.secret).get(part)
         if reg is None or reg.get("host") != o.host or reg.get("port") != self.udp_port:
-            raise CheckmateError(f"the controller's session of partition {o.partition} is "
+            raise CheckmateError(f"the controller's session of partition {part} is "
                                  f"not this shadow's ({reg})")
         epoch, token = int(reg["epoch"]), int(reg["token"])
         if epoch > self.receiver.epoch:
@@ -196,6 +203,13 @@ class ShadowNode:
                         o.partition, epoch, self.receiver.epoch)
             self.receiver.set_session(epoch, token)
         return {"epoch": self.receiver.epoch}
+
+    @property
+    def control_place(self) -> tuple[int, int]:
+        """(job id, partition) the controller keys this shadow's session by."""
+        o = self.opts
+        return (o.job if o.control_job is None else o.control_job,
+                o.partition if o.control_partition is None else o.control_partition)
 
     def _on_progress(self, done: int) -> None:
         st = self.state
@@ -240,7 +254,7 @@ class ShadowNode:
                              name="shadow-warm", daemon=True).start()
             self.service.start()
             if o.controller is not None:
-                epoch, token = register(self.secret, o.controller, o.job, o.partition,
+                epoch, token = register(self.secret, o.controller, *self.control_place,
                                         o.host, o.ip, o.mac, self.udp_port,
                                         o.register_deadline)
                 self.receiver.set_session(epoch, token)

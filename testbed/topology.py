@@ -55,7 +55,10 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         if h.switch_port is not None:
             d["switch_port"] = h.switch_port
         hosts.append(d)
-    doc = {"job": {"id": cfg.job_id, "name": cfg.job_name}, "switch": switch,
+    job: dict[str, Any] = {"id": cfg.job_id, "name": cfg.job_name}
+    if cfg.groups > 1:
+        job["groups"] = cfg.groups
+    doc = {"job": job, "switch": switch,
            "network": {"subnet": cfg.network.subnet, "mtu": cfg.network.mtu,
                        "prefix": cfg.network.prefix},
            "hosts": hosts}

@@ -20,9 +20,11 @@ from checkmate.control.sessions import SessionStore
 from checkmate.protocol import auth, handshake, wire
 
 
-def make_service(sw: FakeSwitch, state, port: int = 0) -> HandshakeService:
+def make_service(sw: FakeSwitch, state, port: int = 0, groups: int = 1) -> HandshakeService:
+    """The service of the default config (``groups``: its job's data-parallel groups)."""
     cfg = config.load(config.default_path())
-    cfg = replace(cfg, switch=replace(cfg.switch, target="bmv2", address=sw.address))
+    cfg = replace(cfg, switch=replace(cfg.switch, target="bmv2", address=sw.address),
+                  groups=groups)
     drv = P4RuntimeDriver(cfg, "v1model", P4RuntimeClient(sw.address, timeout=2))
     return HandshakeService(cfg, drv, SessionStore(state), SECRET, bind_ip="127.0.0.1",
                             port=port, log=lambda msg: None)

@@ -43,7 +43,7 @@ def test_ring_hops_cross_hosts_only_and_need_consecutive_ranks():
         plan_mod.ring_hops(cfg, [T["t0"], T["t1"], T["t0"], T["t1"]])
     with pytest.raises(CheckmateError, match="no trainer host"):
         plan_mod.ring_hops(cfg, [T["t0"], "10.77.0.100"])
-    plan = plan_mod.build(cfg, None, two_each)
+    plan = plan_mod.build(cfg, None, [two_each])
     assert {(r.src, r.dst, r.partition) for r in plan.replication} == {
         (a, b, p) for a, b in _hops(two_each) for p in (0, 1)}
 
@@ -61,9 +61,11 @@ def _replicate(sw) -> set[tuple[int, int, int]]:
             for m, _, _ in sw.table("ckm_replicate")}
 
 
-def _attempt(svc, seq: int, attempt: str, ranks: list[str]) -> tuple[wire.Header, dict]:
-    return answer(svc.handle(req(7, seq, {"op": "attempt", "job": 7, "attempt": attempt,
-                                          "ranks": ranks})))
+def _attempt(svc, seq: int, attempt: str, ranks: list[str],
+             rings: list[list[str]] | None = None) -> tuple[wire.Header, dict]:
+    body = {"op": "attempt", "job": 7, "attempt": attempt}
+    body.update({"ranks": ranks} if rings is None else {"rings": rings})
+    return answer(svc.handle(req(7, seq, body)))
 
 
 def test_each_attempt_programs_its_hops_under_a_new_epoch(switch, tmp_path):
@@ -100,12 +102,44 @@ def test_each_attempt_programs_its_hops_under_a_new_epoch(switch, tmp_path):
         (ip(T["t2"]), ip(T["t0"]), p) for p in (0, 1)}
     # a restarted controller keeps the attempt's ring (and epochs only grow)
     svc2 = make_service(switch, state)
-    assert svc2.store.ring == [T["t0"], T["t2"]]
+    assert svc2.store.rings == [[T["t0"], T["t2"]]]
     svc2.deploy()
     assert _replicate(switch) == {(ip(T["t0"]), ip(T["t2"]), p) for p in (0, 1)} | {
         (ip(T["t2"]), ip(T["t0"]), p) for p in (0, 1)}
     _, b4 = _attempt(svc2, 24, "job:a4", [T["t1"], T["t2"]])
     assert b4["partitions"]["0"]["epoch"] > b3["partitions"]["0"]["epoch"]
+
+
+def test_a_mesh_attempt_programs_one_ring_per_group_under_its_own_job_id(switch, tmp_path):
+    """Two data-parallel groups (job.groups 2, one shadow each): group g's ring is tagged
+    under its wire job id and copied to its own shadow (config partition g, partition 0 of
+    its group on the wire); both rings cross t0 <-> t1, told apart only by the job id."""
+    svc = make_service(switch, tmp_path / "state.json", groups=2)
+    svc.deploy()
+    assert not _replicate(switch)  # which ranks form a group is the mesh's: none yet
+    _registered(svc)
+    ring = [T["t0"], T["t1"]]
+    h, body = _attempt(svc, 50, "job:m1", [], rings=[ring, ring])
+    assert h.flags & wire.Flags.ACK, body
+    got = {(dict(m)["job_id"], dict(m)["src_ip"], dict(m)["dst_ip"], dict(m)["partition"],
+            dict(a)["group"]) for m, _, a in switch.table("ckm_replicate")}
+    jobs = [wire.group_job_id(7, g, 2) for g in (0, 1)]
+    assert jobs == [7 | 1 << 24, 7 | 2 << 24]
+    assert {(j, s, d, p) for j, s, d, p, _ in got} == {
+        (jobs[g], ip(T[a]), ip(T[b]), 0) for g in (0, 1) for a, b in (("t0", "t1"),
+                                                                        ("t1", "t0"))}
+    # each entry's multicast group ends at its own group's shadow (rid = config partition+1)
+    groups = switch.group_map()
+    for g, j in enumerate(jobs):
+        for gid in {gid for jj, _, _, _, gid in got if jj == j}:
+            assert {rid for _, rid in groups[gid]} == {0, g + 1}, (g, groups[gid])
+    assert rewrite_of(switch, 1)["ip"] == ip("10.77.0.100")
+    assert rewrite_of(switch, 2)["ip"] == ip("10.77.0.101")
+    for rings, why in (([ring], "names 1 data-parallel group(s), the controller's config 2"),
+                       ([ring, [T["t0"], "10.77.0.100"]], "no trainer host")):
+        h, body = _attempt(svc, 51, "job:m2", [], rings=rings)
+        assert h.flags & wire.Flags.NACK and why in body["reason"], body
+    assert svc.store.attempt == "job:m1"
 
 
 def test_bad_attempts_are_refused_and_change_nothing(switch, tmp_path):
@@ -119,9 +153,9 @@ def test_bad_attempts_are_refused_and_change_nothing(switch, tmp_path):
     for seq, attempt, ranks, why in (
             (32, "job:b", [T["t0"], "10.77.0.100"], "no trainer host"),
             (33, "job:b", [T["t0"], T["t1"], T["t0"], T["t1"]], "not consecutive"),
-            (34, "job:b", [], "bad ranks"),
+            (34, "job:b", [], "bad rings"),
             (35, "", [T["t0"]], "bad attempt"),
-            (36, "job:b", "10.77.0.10", "bad ranks")):
+            (36, "job:b", "10.77.0.10", "bad rings")):
         h, body = _attempt(svc, seq, attempt, ranks)
         assert h.flags & wire.Flags.NACK and why in body["reason"], body
     assert _replicate(switch) == table and svc.store.attempt == "job:a1"

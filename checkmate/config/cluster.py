@@ -94,6 +94,9 @@ class ClusterConfig:
     network: Network
     hosts: tuple[Host, ...]
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: Data-parallel groups (``job.groups``): a mesh job's shadows are ``groups`` equal
+    #: sets in partition order; config partition q is partition q % n of group q // n.
+    groups: int = 1
 
     @property
     def trainers(self) -> list[Host]:
@@ -106,6 +109,19 @@ class ClusterConfig:
     @property
     def num_partitions(self) -> int:
         return len(self.shadows)
+
+    @property
+    def group_partitions(self) -> int:
+        """Partitions per data-parallel group (every group has as many)."""
+        return self.num_partitions // self.groups
+
+    def wire_place(self, partition: int) -> tuple[int, int, int]:
+        """Config partition ``partition`` as the data path sees it: (the group's wire job
+        id, its partition within the group, the group's partition count)."""
+        from checkmate.protocol.wire import group_job_id
+
+        n = self.group_partitions
+        return group_job_id(self.job_id, partition // n, self.groups), partition % n, n
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
@@ -160,7 +176,8 @@ def parse(data: Any) -> ClusterConfig:
     extra = {k: v for k in ("training", "shadow", "testbed")
              if (v := getattr(doc, k)) is not None}
     return ClusterConfig(doc.job.id, doc.job.name or f"job{doc.job.id}", switch,
-                         Network(net.subnet, net.mtu, net.prefix), hosts, extra)
+                         Network(net.subnet, net.mtu, net.prefix), hosts, extra,
+                         doc.job.groups)
 
 
 def load(path: str | Path) -> ClusterConfig:

@@ -60,6 +60,9 @@ class _Section(BaseModel):
 class JobDoc(_Section):
     id: Annotated[int, _int_in(1, 2**32 - 1)]
     name: str | None = None
+    #: Data-parallel groups of a mesh job (pipeline x tensor parallel degrees): the shadows
+    #: are that many equal sets in partition order, group g's the g-th (docs/architecture.md).
+    groups: Annotated[int, _int_in(1, 255)] = 1
 
 
 class NetworkDoc(_Section):
@@ -170,4 +173,10 @@ class ClusterDoc(BaseModel):
         if parts != list(range(len(parts))):
             raise ValueError(f"shadow partitions must be 0..{len(parts) - 1} once each, got "
                              f"{parts}")
+        if len(parts) % self.job.groups:
+            raise ValueError(f"job.groups {self.job.groups} must divide the {len(parts)} "
+                             "shadows into equal sets (one per data-parallel group)")
+        if self.job.groups > 1 and self.job.id >= 1 << 24:
+            raise ValueError(f"job.id {self.job.id}: a job of {self.job.groups} groups needs "
+                             f"an id below {1 << 24} (its groups take the top byte)")
         return self
