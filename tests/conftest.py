@@ -48,7 +48,7 @@ def pytest_configure(config: pytest.Config) -> None:
 #: live re-seed that must finish before the run ends): scripts/test.sh runs them alone,
 #: after the rest has run two files at a time, so that their timing is what one job on
 #: the machine sees.
-SERIAL_FILES = ("test_e2e_host.py", "test_e2e_switch.py")
+SERIAL_FILES = ("test_e2e_host.py", "test_e2e_switch.py", "test_mesh_switch.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -311,7 +311,7 @@ def test_launch_with_running_shadows_and_resume(tmp_path, capsys, serve_shadows)
         assert launch_main(["launch", "--nproc-per-node", "2", "--shadow", ips[1],
                             "--shadow", ips[0], str(EXAMPLE)]) == 2
         err = capsys.readouterr().err
-        assert "serves partition 1/2, --shadow number 1 must serve 0/2" in err, err
+        assert "serves partition 1/2, shadow number 1 must serve 0/2" in err, err
         base = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
                 "--shadow", ips[0], "--shadow", f"{ips[1]}:{cfgmod.RESTORE_PORT}",
                 "--progress-every", "4"]

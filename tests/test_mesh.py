@@ -207,15 +207,6 @@ def test_a_mesh_the_launcher_did_not_size_the_shadows_for_is_one_line(tmp_path):
            "for 1: launch with --pp/--tp giving 2 groups" in out, out[-3000:]
 
 
-def test_pipeline_groups_in_switch_mode_are_refused_until_the_controller_programs_them():
-    p = subprocess.run([sys.executable, "-m", "checkmate.launch.cli", "launch",
-                        "--nproc-per-node", "4", "--pp", "2", "--mode", "switch",
-                        "--controller", "127.0.0.1:9", str(PP)],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert "--pp/--tp with --mode switch" in p.stderr
-
-
 @pytest.fixture(scope="module")
 def clean_tp(tmp_path_factory):
     """Every rank's final state (local shards) after STEPS iterations without Checkmate."""

@@ -221,6 +221,21 @@ def shadows_from_controller(args: argparse.Namespace, job_id: int,
     return tcp, udp
 
 
+def check_groups(args: argparse.Namespace, job_id: int, groups: int) -> None:
+    """The controller's config must cut its shadows into as many data-parallel groups
+    (``job.groups``) as this launch has (--pp x --tp): each group's ring is programmed to
+    its own set of shadows."""
+    from checkmate.control.handshake_client import controller_request
+
+    body = controller_request(controller_addr(args), job_id, {"op": "session"}, 5.0, 5)
+    told = body.get("groups", 1)
+    if told != groups:
+        raise CheckmateError(
+            f"the controller's config has {told} data-parallel group(s) (job.groups), this "
+            f"launch {groups} (--pp {args.pp} --tp {args.tp}): set job.groups to "
+            f"{groups} and give each group its shadows")
+
+
 def launch_config(args: argparse.Namespace, logdir: Path) -> Any:
     """torch's LaunchConfig for this node: torchrun --standalone, or one node of a job
     whose nodes meet at --rdzv-endpoint (torchrun's flags, torchrun's meanings)."""
@@ -312,9 +327,6 @@ def launch(argv: list[str]) -> int:
     if count % groups:
         raise CheckmateError(f"--shadow names {count} shadows for {groups} data-parallel "
                              f"groups (--pp {args.pp} --tp {args.tp}): give each group as many")
-    if groups > 1 and args.mode == "switch":
-        raise CheckmateError("--pp/--tp with --mode switch: the controller does not yet "
-                             "program a ring per data-parallel group; use --mode host")
     running = bool(args.shadow or args.controller)
     # Without --dir the logs go to a temporary directory, kept only if the job fails.
     own_logdir = args.dir is None
@@ -341,12 +353,13 @@ def launch(argv: list[str]) -> int:
         if args.controller and count:
             job_id = args.job_id or 1
             tcp, udp = shadows_from_controller(args, job_id)
-            check_shadows(tcp)
+            check_groups(args, job_id, groups)
+            check_shadows(tcp, groups)
             print(f"{PROG}: {len(tcp)} shadow(s) registered with the controller "
                   f"{args.controller}: {', '.join(f'{h}:{p}' for h, p in tcp)}", flush=True)
         elif args.shadow:
             tcp = [parse_addr(a) for a in args.shadow]
-            job_id = args.job_id or check_shadows(tcp) or 1
+            job_id = args.job_id or check_shadows(tcp, groups) or 1
             print(f"{PROG}: {count} running shadow(s): "
                   f"{', '.join(f'{h}:{p}' for h, p in tcp)}", flush=True)
         elif count:

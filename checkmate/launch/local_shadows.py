@@ -211,23 +211,35 @@ def _last_line(path: Path) -> str:
     return lines[-1] if lines else "no output"
 
 
-def check_shadows(addrs: list[Addr]) -> int:
-    """Shadows started elsewhere (``--shadow``): each must answer, serve its partition of
-    ``len(addrs)`` and have its kernels compiled (waited for, as for local shadows);
-    returns the job id they serve (0: none yet, learned from the seed)."""
+def check_shadows(addrs: list[Addr], groups: int = 1) -> int:
+    """Shadows started elsewhere (``--shadow``, or registered with the controller): each
+    must answer, serve its partition (of ``len(addrs)``; a mesh job's ``groups`` equal sets
+    each number theirs from 0) and have its kernels compiled (waited for, as for local
+    shadows); returns the job id they serve (0: none yet, learned from the seed)."""
+    from checkmate.protocol.wire import GROUP_SHIFT
+
     jobs = set()
-    for p, a in enumerate(addrs):
+    n = len(addrs) // groups
+    for q, a in enumerate(addrs):
         try:
             with ShadowClient(a, 10.0) as c:
                 st = c.status()
         except (CheckmateError, OSError) as e:
             raise CheckmateError(f"shadow {a[0]}:{a[1]} does not answer: {e}") from None
-        if st.get("partition") != p or st.get("partitions") != len(addrs):
+        p = q % n
+        if st.get("partition") != p or st.get("partitions") != n:
+            group = f" of group {q // n}" if groups > 1 else ""
             raise CheckmateError(
                 f"shadow {a[0]}:{a[1]} serves partition {st.get('partition')}/"
-                f"{st.get('partitions')}, --shadow number {p + 1} must serve {p}/{len(addrs)}")
+                f"{st.get('partitions')}, shadow number {q + 1} must serve {p}/{n}{group}")
         if st.get("job"):
-            jobs.add(int(st["job"]))
+            job = int(st["job"])
+            if groups > 1:  # a group's wire id: the job's own, its group + 1 on top
+                if job >> GROUP_SHIFT != q // n + 1:
+                    raise CheckmateError(f"shadow {a[0]}:{a[1]} serves job {job:#x}, not "
+                                         f"one of group {q // n}")
+                job &= (1 << GROUP_SHIFT) - 1
+            jobs.add(job)
     if len(jobs) > 1:
         raise CheckmateError(f"the shadows serve different jobs: {sorted(jobs)}")
     # Started just before the launcher (a fresh install), they may still be compiling.

@@ -269,7 +269,9 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
         sess.mesh = mg
         sess.__init__(model, optimizer, scheduler, lay, max_grad_norm, group, scaler=scaler)
         # switch mode under the launcher: each attempt has the controller program its ring
+        # (a mesh job's rank 0: every group's, whose shadows are all in the job's list)
         sess.announce_attempt = lay.mode == "switch"
+        sess.job_shadow_tcp = tuple(job.shadow_tcp)
         sess.progress_every = job.progress_every
         first = not job.restart_count  # test faults: the first attempt only
         sess.injector = _hooks(

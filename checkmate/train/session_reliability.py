@@ -89,8 +89,8 @@ class _Reliability:
         return out
 
     def _refresh_sessions(self) -> None:
-        lay = self.layout
-        regs = query_sessions(lay.controller, lay.job_id)
+        place = self.control_place()
+        regs = place.mine(query_sessions(self.layout.controller, place.job))
         self.sender.update_sessions({p: (int(v["epoch"]), int(v["token"]))
                                      for p, v in regs.items()})
 

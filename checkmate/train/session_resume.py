@@ -69,6 +69,20 @@ class _Resume:
             raise CheckmateError(answer[0])
         return bool(answer[0])
 
+    def control_place(self) -> Any:
+        """How the controller knows this session's shadows
+        (checkmate.train.attempt.ControlPlace): a mesh job's group by the job's own id and
+        the config's partition numbers, every group's shadows beside it."""
+        from checkmate.protocol.wire import GROUP_SHIFT
+        from checkmate.train.attempt import ControlPlace
+
+        lay = self.layout
+        if self.mesh is None or self.mesh.count == 1:
+            return ControlPlace.of_layout(lay)
+        return ControlPlace(lay.job_id & ((1 << GROUP_SHIFT) - 1), self.mesh.index,
+                            self.mesh.count, len(lay.shadow_tcp),
+                            tuple(getattr(self, "job_shadow_tcp", lay.shadow_tcp)))
+
     def _job_place(self) -> tuple[int, int]:
         """(rank, world) of this trainer in the whole job: a mesh job's decisions are the
         job's, not one group's."""

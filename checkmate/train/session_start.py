@@ -80,8 +80,11 @@ class _Start:
             from checkmate.train.attempt import announce
             from checkmate.train.ring_schedule import RingSchedule
 
-            # the switch copies this attempt's ring hops, under a new epoch (iteration 0 waits)
-            announce(lay, RingSchedule.build(lay.world, self.node_of).order)
+            # the switch copies this attempt's ring hops, under a new epoch (iteration 0
+            # waits); a mesh job's groups are programmed together, by the job's rank 0
+            order = RingSchedule.build(lay.world, self.node_of).order
+            announce(lay, self.control_place(), [lay.trainers[r][0] for r in order],
+                     *self._job_place(), group=self.mesh.world if self.mesh else None)
         if lay.mode == "switch" and lay.controller is not None:
             self._refresh_sessions()
             self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
