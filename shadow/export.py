@@ -109,7 +109,8 @@ def merge_groups(groups: list[list[Path]], out: Path, link: bool = True) -> Path
             raise MergeError(f"{groups[g][0]} is not a mesh job's checkpoint (its optimizer "
                              "state is keyed by index): join it alone")
     all_ = Joined(first, {}, {}, [], {})
-    for j in joined:
+    owner: dict[str, int] = {}  # fqn -> the group whose chunks of it are kept
+    for g, j in enumerate(joined):
         kept: set[str] = set()
         for fqn, m in j.sdm.items():
             have = all_.sdm.get(fqn)
@@ -117,13 +118,17 @@ def merge_groups(groups: list[list[Path]], out: Path, link: bool = True) -> Path
                 all_.sdm[fqn] = (m if isinstance(m, BytesStorageMetadata) else
                                  dataclasses.replace(m, chunks=list(m.chunks)))
                 kept.add(fqn)
+                owner[fqn] = g
             elif isinstance(m, BytesStorageMetadata) or isinstance(have, BytesStorageMetadata):
                 continue  # group 0's (param_groups: joined below)
             elif have.size != m.size or have.properties != m.properties:
                 raise MergeError(f"{fqn}: mesh groups disagree on its global size or dtype")
             elif sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks) == sorted(
                     (tuple(c.offsets), tuple(c.sizes)) for c in have.chunks):
-                continue  # a copy every group holds alike
+                # a copy every group holds alike (a TP-replicated norm), or one name in two
+                # stages (a parameter tied across stages): kept once, so it must be equal
+                _same_copy(fqn, joined[owner[fqn]], owner[fqn], j, g)
+                continue
             else:
                 have.chunks.extend(m.chunks)
                 kept.add(fqn)
@@ -162,6 +167,42 @@ def merge_groups(groups: list[list[Path]], out: Path, link: bool = True) -> Path
         used = {r.storage_data.relative_path for r in all_.results}
         all_.files = {k: v for k, v in all_.files.items() if k in used}
         return write_joined(out, all_, info, link=False)
+
+
+def _chunks_of(j: Joined, fqn: str) -> dict[tuple[int, ...], Any]:
+    """``fqn``'s chunks in group ``j``'s files, by offset: each as the tensor DCP's reader
+    would load (a torch.save'd tensor at the item's offset and length in its file)."""
+    import io
+
+    import torch
+
+    out = {}
+    for r in j.results:
+        if r.index.fqn != fqn:
+            continue
+        info = r.storage_data
+        if info.transform_descriptors:
+            raise MergeError(f"{fqn}: its data is stored transformed "
+                             f"({info.transform_descriptors}); cannot compare copies")
+        with open(j.files[info.relative_path][0], "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        out[tuple(r.index.offset)] = torch.load(io.BytesIO(raw), map_location="cpu",
+                                                weights_only=True)
+    return out
+
+
+def _same_copy(fqn: str, a: Joined, ga: int, b: Joined, gb: int) -> None:
+    """Two groups store ``fqn`` alike in place: their values must be equal too, or the
+    joined checkpoint would silently hold one group's (one line naming both)."""
+    import torch
+
+    mine, theirs = _chunks_of(a, fqn), _chunks_of(b, fqn)
+    if mine.keys() != theirs.keys() or not all(
+            torch.equal(mine[k], theirs[k]) for k in mine):
+        raise MergeError(f"{fqn}: mesh groups {ga} and {gb} hold different values of it (a "
+                         "parameter tied across two stages whose copies were not kept equal?)"
+                         ": not joined")
 
 
 def _by_group(dirs: list[Path]) -> list[list[Path]]:

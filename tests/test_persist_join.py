@@ -352,3 +352,34 @@ def test_a_write_in_flight_when_the_shadow_is_reseeded_is_discarded(tmp_path, mo
     finally:
         gate.set()
         sh.close()
+
+
+def _dcp_group(d: Path, tensors: dict[str, torch.Tensor]) -> merge.Joined:
+    """A group's files as merge_groups sees them: real DCP files written by ``dcp.save``."""
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(d), no_dist=True)
+    md = dcp.FileSystemReader(d).read_metadata()
+    results = [WriteResult(index=idx, size_in_bytes=info.length, storage_data=info)
+               for idx, info in md.storage_data.items()]
+    files = {info.relative_path: (d / info.relative_path, "") for info in
+             md.storage_data.values()}
+    return merge.Joined({}, dict(md.state_dict_metadata), {}, results, files)
+
+
+def test_groups_that_store_one_name_in_place_must_hold_equal_values(tmp_path):
+    """A copy every mesh group stores alike (a TP-replicated norm) is kept once when joined;
+    two groups holding different values under one name (a parameter tied across two stages
+    whose copies drifted) are refused in one line instead of keeping one silently."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    g0 = _dcp_group(tmp_path / "g0", {"emb.weight": w, "other": torch.ones(2)})
+    g1 = _dcp_group(tmp_path / "g1", {"emb.weight": w.clone()})
+    export._same_copy("emb.weight", g0, 0, g1, 1)  # equal: nothing said
+    drift = w.clone()
+    drift[2, 3] = torch.nextafter(drift[2, 3], torch.tensor(100.0))  # one ulp
+    g2 = _dcp_group(tmp_path / "g2", {"emb.weight": drift})
+    with pytest.raises(merge.MergeError, match=r"^emb.weight: mesh groups 0 and 2 hold "
+                       r"different values of it \(a parameter tied across two stages"):
+        export._same_copy("emb.weight", g0, 0, g2, 2)
