@@ -164,6 +164,7 @@ def test_docs_scale_shows_what_plan_prints_now(capsys):
 
 
 def test_a_mesh_job_is_sized_per_data_parallel_group(capsys):
+    from checkmate.control import plan as plan_mod
     from checkmate.launch import scale
     from checkmate.launch.plan import main
 
@@ -182,6 +183,12 @@ def test_a_mesh_job_is_sized_per_data_parallel_group(capsys):
     assert "its ring: 8 ranks on 4 node(s), crossing the switch on 4 hop(s)" in out
     # the job's entries are the groups' together: 8 x (4 hops x 11 partitions)
     assert "the whole job (64 GPUs on 8 node(s)): ckm_replicate entries 352 of" in out
+    # one controller numbers every group's shadows as the job's partitions: 8 x 11 = 88
+    # replication ids; a group's multicast ids follow the group before it (11 per group)
+    assert "one controller programs every group (config job.groups: 8; its 88 shadows are " \
+           "the job's partitions, 11 per group" in out
+    top = plan_mod.group_id(3, 10) + 7 * 11  # destination node 3, the last partition
+    assert f"group ids 4096..{top}, replication ids 1..88" in out
     with pytest.raises(CheckmateError, match="not a multiple of --tp 4 x --pp 2"):
         main(["--mtbf", "3h", "--step-time", "1.5", "--params", "7B", "--gpus", "60",
               "--tp", "4", "--pp", "2"])

@@ -161,25 +161,35 @@ def group_nodes(gpus: int, per_node: int, tp: int, pp: int) -> list[int]:
 
 def describe_mesh(s: Scale, gpus: int, per_node: int, tp: int, pp: int) -> list[str]:
     """The lines ``checkmate plan --tp/--pp`` prints: one group's figures (``s``, every group
-    alike), then the job's, each group on the switch as a job of its own (its wire job id,
-    checkmate.protocol.wire.group_job_id)."""
+    alike), then the job's. One controller programs every group (control/plan.py, config
+    ``job.groups``): the groups' shadows are one job's partitions (group g's the g-th
+    set), so group and replication ids are numbered over all of them, while each group's
+    datagrams carry its own wire job id (checkmate.protocol.wire.group_job_id)."""
     g = tp * pp
     nodes = math.ceil(gpus / per_node)
     t = s.table_sizes
+    parts = g * s.partitions
+    if not s.encodable or parts > 256:
+        ids = "EXCEEDS control/plan.py's id encoding (destination < 240, partition < 256)"
+    elif s.highest_group is None:
+        ids = f"the flood group only, replication ids 1..{parts}"
+    else:
+        ids = (f"group ids {GROUP_BASE}..{s.highest_group + (g - 1) * s.partitions}, "
+               f"replication ids 1..{parts}")
     return [
         f"mesh: TP {tp} x PP {pp} = {g} data-parallel groups of {s.gpus} ranks, each with "
-        f"its own {s.partitions} shadow(s) ({g * s.partitions} in all); one group:",
+        f"its own {s.partitions} shadow(s) ({parts} in all); one group:",
         f"  its ring: {s.gpus} ranks on {s.nodes} node(s), crossing the switch on "
         f"{s.network_hops} hop(s)",
         *("  " + line for line in describe(s)[1:4]),
         f"the whole job ({gpus} GPUs on {nodes} node(s)): ckm_replicate entries "
         f"{g * s.entries} of {t['ckm_replicate']}; multicast groups "
         f"{g * (s.groups - 1) + 1} of {MGID_SPACE - GROUP_BASE}; shadow_rewrite entries "
-        f"{g * s.rewrites} of {t['shadow_rewrite']}; switch ports {nodes + g * s.partitions}"
+        f"{parts} of {t['shadow_rewrite']}; switch ports {nodes + parts}"
         f" of {SWITCH_PORTS}" + (" (EXCEEDS: several switches)"
-                                 if nodes + g * s.partitions > SWITCH_PORTS else "")
+                                 if nodes + parts > SWITCH_PORTS else "")
         + f"; {g * s.writes_per_rendezvous} controller writes per rendezvous",
-        f"each group is a job of its own on the switch (its own wire job id): {g} jobs' "
-        "group and replication id ranges, which are not allocated per job yet (one switch "
-        "carries one job today; switch mode refuses mesh jobs: docs/scale.md)",
+        f"one controller programs every group (config job.groups: {g}; its {parts} shadows "
+        f"are the job's partitions, {s.partitions} per group, each group's copies under "
+        f"its own wire job id): {ids}",
     ]
