@@ -252,6 +252,10 @@ def test_shadows_reachable_authenticated_in_order(serve_shadows, tmp_path, monke
         swapped = net.check_shadows(addrs[::-1])
         assert swapped[0].status == FAIL and "give --shadow in partition order" in \
             swapped[0].detail
+        # a controller whose config cuts them into 2 groups: each group's one shadow is 0/1
+        cut = net.check_shadows(addrs, groups=2)
+        assert [c.status for c in cut] == [FAIL, FAIL]
+        assert "must serve 0/1 of group 1" in cut[1].detail, cut[1]
         monkeypatch.setenv(auth.SECRET_ENV, str(auth.create_secret(tmp_path / "other.key")))
         wrong = net.check_shadows(addrs)
         assert [c.status for c in wrong] == [FAIL, FAIL]
@@ -267,18 +271,19 @@ def test_controller_answers_with_its_shadows_or_fails(service, tmp_path, monkeyp
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.sendto(req(7, 51, reg_body(1, "s1"), 1), addr)
         time.sleep(0.5)
-        half, found = net.check_controller(addr, 7)
+        half, found, _ = net.check_controller(addr, 7)
         assert half.status == WARN and "partition(s) [0]" in half.detail and found == []
         s.sendto(req(7, 52, reg_body(0, "s0"), 0), addr)
         time.sleep(0.5)
-    full, found = net.check_controller(addr, 7)
+    full, found, groups = net.check_controller(addr, 7)
     assert full.status == PASS and found == [("10.77.0.100", 47100), ("10.77.0.101", 47100)]
+    assert groups == 1  # the default config's job is one data-parallel group
     monkeypatch.setenv(auth.SECRET_ENV, str(auth.create_secret(tmp_path / "other.key")))
-    refused, _ = net.check_controller(addr, 7, timeout=1.0)
+    refused, _, _ = net.check_controller(addr, 7, timeout=1.0)
     assert refused.status == FAIL and "not authenticated" in refused.detail, refused
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as quiet:  # bound, never answers
         quiet.bind(("127.0.0.1", 0))
-        silent, _ = net.check_controller(quiet.getsockname(), 7, timeout=1.0)
+        silent, _, _ = net.check_controller(quiet.getsockname(), 7, timeout=1.0)
     assert silent.status == FAIL and "did not answer" in silent.detail, silent
 
 

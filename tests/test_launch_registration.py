@@ -62,20 +62,22 @@ def test_the_session_answer_says_how_many_partitions_the_config_has(service):
 
     addr = service.sock.getsockname()
     _register_later(addr, 1, 0.0).join()
-    regs, expected = query_registrations(addr, 7, timeout=2.0, tries=2)
-    assert expected == 2 and sorted(regs) == [1]
+    regs, expected, groups = query_registrations(addr, 7, timeout=2.0, tries=2)
+    assert expected == 2 and sorted(regs) == [1] and groups == 1
     assert query_sessions(addr, 7, timeout=2.0, tries=2) == regs
 
 
 def test_a_launch_with_other_groups_than_the_controllers_config_is_one_line(service):
     """``--pp``/``--tp`` in switch mode: the controller's config must cut its shadows into
     as many data-parallel groups (job.groups); the default config has one."""
-    from checkmate.launch.launcher import check_groups
-
+    addr = service.sock.getsockname()
+    for p in (0, 1):
+        _register_later(addr, p, 0.0).join()
     args = _args(service)
     args.pp, args.tp = 2, 1
-    check_groups(args, 7, 1)  # the same: nothing said
+    tcp, _ = shadows_from_controller(args, 7, wait=5, groups=1)  # the same: nothing said
+    assert len(tcp) == 2
     with pytest.raises(CheckmateError, match=r"^the controller's config has 1 data-parallel "
                        r"group\(s\) \(job.groups\), this launch 2 \(--pp 2 --tp 1\): set "
                        r"job.groups to 2 and give each group its shadows$"):
-        check_groups(args, 7, 2)
+        shadows_from_controller(args, 7, wait=5, groups=2)

@@ -81,16 +81,17 @@ def _checks(args: argparse.Namespace) -> Iterator[Callable[[], Check | list[Chec
     yield lambda: node.check_optimizer(device)
     yield node.check_nccl_plugin
     shadows = [parse_addr(a) for a in args.shadow]
+    groups = [1]  # the controller's config says how many data-parallel groups
     if args.controller:
         controller = parse_addr(args.controller, _controller_port())
 
         def controller_check() -> list[Check]:
-            c, found = net.check_controller(controller, args.job_id)
+            c, found, groups[0] = net.check_controller(controller, args.job_id)
             shadows.extend(found)
             return [c]
 
         yield controller_check
-    yield lambda: net.check_shadows(shadows) if shadows else Check(
+    yield lambda: net.check_shadows(shadows, groups=groups[0]) if shadows else Check(
         WARN, "shadows", "none given: pass the job's --shadow ADDR ... or --controller ADDR "
         "to check them")
     yield net.check_buffers

@@ -24,13 +24,16 @@ def _addr(a: Addr) -> str:
     return f"{a[0]}:{a[1]}"
 
 
-def check_shadows(addrs: list[Addr], timeout: float = 5.0) -> list[Check]:
+def check_shadows(addrs: list[Addr], timeout: float = 5.0, groups: int = 1) -> list[Check]:
     """Each shadow answers on its TCP service, both sides prove the job secret
-    (checkmate.train.shadow_client's hello), and it serves partition p of len(addrs)."""
+    (checkmate.train.shadow_client's hello), and it serves partition p of len(addrs) (a
+    mesh job's ``groups`` equal sets each number theirs from 0)."""
     from checkmate.train.shadow_client import ShadowClient
 
     out = []
-    for p, a in enumerate(addrs):
+    n = max(1, len(addrs) // groups)
+    for q, a in enumerate(addrs):
+        p = q % n
         name = f"shadow {_addr(a)}"
         try:  # reachable at all, before the hello that proves the secret
             socket.create_connection(a, timeout).close()
@@ -45,40 +48,43 @@ def check_shadows(addrs: list[Addr], timeout: float = 5.0) -> list[Check]:
             out.append(Check(FAIL, name, f"{e}: give every process of the job the same "
                              "CHECKMATE_SECRET_FILE as the shadow"))
             continue
-        if st.get("partition") != p or st.get("partitions") != len(addrs):
+        group = f" of group {q // n}" if groups > 1 else ""
+        if st.get("partition") != p or st.get("partitions") != n:
             out.append(Check(FAIL, name, f"serves partition {st.get('partition')}/"
-                             f"{st.get('partitions')}, but --shadow number {p + 1} must serve "
-                             f"{p}/{len(addrs)}: give --shadow in partition order"))
+                             f"{st.get('partitions')}, but shadow number {q + 1} must serve "
+                             f"{p}/{n}{group}: give --shadow in partition order"))
             continue
-        out.append(Check(PASS, name, f"answers, authenticated, partition {p}/{len(addrs)}, "
+        out.append(Check(PASS, name, f"answers, authenticated, partition {p}/{n}{group}, "
                          f"job {st.get('job') or 'not yet seeded'}"))
     return out
 
 
-def check_controller(addr: Addr, job_id: int, timeout: float = 5.0) -> tuple[Check,
-                                                                                  list[Addr]]:
+def check_controller(addr: Addr, job_id: int, timeout: float = 5.0
+                     ) -> tuple[Check, list[Addr], int]:
     """The controller answers an authenticated handshake request; with it, the shadows it
-    has registered for ``job_id`` (TCP service addresses, partition order)."""
+    has registered for ``job_id`` (TCP service addresses, partition order) and how many
+    data-parallel groups its config cuts them into."""
     from checkmate.config.cluster import RESTORE_PORT
     from checkmate.train.layout import query_registrations
 
     name = f"controller {_addr(addr)}"
     try:
-        regs, expected = query_registrations(addr, job_id, timeout=timeout)
+        regs, expected, groups = query_registrations(addr, job_id, timeout=timeout)
     except CheckmateError as e:
         hint = (f": is it running at that address, does a firewall drop UDP {addr[1]}?"
                 if "did not answer" in str(e) else "")
-        return Check(FAIL, name, f"{e}{hint}"), []
+        return Check(FAIL, name, f"{e}{hint}"), [], 1
     except OSError as e:
-        return Check(FAIL, name, f"not reachable ({e.strerror or e})"), []
+        return Check(FAIL, name, f"not reachable ({e.strerror or e})"), [], 1
     missing = sorted(set(range(expected)) - set(regs))
     if missing:
         return Check(WARN, name, f"answers, authenticated; no shadow registered yet for "
                      f"partition(s) {missing} of job {job_id} (start them; the launcher "
-                     "waits up to 120 s)"), []
-    return (Check(PASS, name, f"answers, authenticated; {expected} shadow(s) registered "
-                  f"for job {job_id}"),
-            [(regs[p]["ip"], RESTORE_PORT) for p in range(expected)])
+                     "waits up to 120 s)"), [], groups
+    per = f" ({groups} data-parallel groups)" if groups > 1 else ""
+    return (Check(PASS, name, f"answers, authenticated; {expected} shadow(s){per} "
+                  f"registered for job {job_id}"),
+            [(regs[p]["ip"], RESTORE_PORT) for p in range(expected)], groups)
 
 
 def check_buffers(want: int | None = None) -> Check:

@@ -184,20 +184,27 @@ def _failure_line(err: Any, restarts: int, logdir: Path | None = None) -> str:
             f"{', '.join(parts) or 'see the output above'}")
 
 
-def shadows_from_controller(args: argparse.Namespace, job_id: int,
-                            wait: float | None = None) -> tuple[list, list]:
+def shadows_from_controller(args: argparse.Namespace, job_id: int, wait: float | None = None,
+                            groups: int = 1) -> tuple[list, list]:
     """The shadows the controller has registered for ``job_id``: TCP service and UDP
     addresses in partition order. Shadows started beside the launcher may not have
     registered yet: it asks again every second, up to ``wait`` seconds (REGISTER_WAIT),
     for a shadow for every partition of the controller's config, saying once what it
-    waits for; then one line that names the partitions still missing."""
+    waits for; then one line that names the partitions still missing. The controller's
+    config must cut its shadows into as many data-parallel groups (``job.groups``) as this
+    launch has (--pp x --tp, ``groups``): each group's ring goes to its own set."""
     from checkmate.config.cluster import RESTORE_PORT
     from checkmate.train.layout import query_registrations
 
     wait = REGISTER_WAIT if wait is None else wait
     deadline, said = time.monotonic() + wait, False
     while True:
-        regs, expected = query_registrations(controller_addr(args), job_id, timeout=5.0)
+        regs, expected, told = query_registrations(controller_addr(args), job_id, timeout=5.0)
+        if told != groups:
+            raise CheckmateError(
+                f"the controller's config has {told} data-parallel group(s) (job.groups), "
+                f"this launch {groups} (--pp {args.pp} --tp {args.tp}): set job.groups to "
+                f"{groups} and give each group its shadows")
         missing = sorted(set(range(expected)) - set(regs))
         extra = sorted(set(regs) - set(range(expected)))
         if extra:  # a controller that contradicts itself: no layout can be trusted
@@ -219,21 +226,6 @@ def shadows_from_controller(args: argparse.Namespace, job_id: int,
     tcp = [(regs[p]["ip"], RESTORE_PORT) for p in range(len(regs))]
     udp = [(regs[p]["ip"], int(regs[p]["port"])) for p in range(len(regs))]
     return tcp, udp
-
-
-def check_groups(args: argparse.Namespace, job_id: int, groups: int) -> None:
-    """The controller's config must cut its shadows into as many data-parallel groups
-    (``job.groups``) as this launch has (--pp x --tp): each group's ring is programmed to
-    its own set of shadows."""
-    from checkmate.control.handshake_client import controller_request
-
-    body = controller_request(controller_addr(args), job_id, {"op": "session"}, 5.0, 5)
-    told = body.get("groups", 1)
-    if told != groups:
-        raise CheckmateError(
-            f"the controller's config has {told} data-parallel group(s) (job.groups), this "
-            f"launch {groups} (--pp {args.pp} --tp {args.tp}): set job.groups to "
-            f"{groups} and give each group its shadows")
 
 
 def launch_config(args: argparse.Namespace, logdir: Path) -> Any:
@@ -352,8 +344,7 @@ def launch(argv: list[str]) -> int:
             made_secret = _job_secret(running, logdir)
         if args.controller and count:
             job_id = args.job_id or 1
-            tcp, udp = shadows_from_controller(args, job_id)
-            check_groups(args, job_id, groups)
+            tcp, udp = shadows_from_controller(args, job_id, groups=groups)
             check_shadows(tcp, groups)
             print(f"{PROG}: {len(tcp)} shadow(s) registered with the controller "
                   f"{args.controller}: {', '.join(f'{h}:{p}' for h, p in tcp)}", flush=True)

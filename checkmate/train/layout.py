@@ -111,17 +111,21 @@ class JobLayout:
 
 def query_registrations(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
                         tries: int = 5, secret: bytes | None = None
-                        ) -> tuple[dict[int, dict[str, Any]], int]:
-    """The controller's current registrations, partition -> {epoch, token, ip, port}, and
-    how many partitions its config has (``expected``; a controller that does not say is
-    taken at its word: as many as are registered). An authenticated ``session`` request;
+                        ) -> tuple[dict[int, dict[str, Any]], int, int]:
+    """The controller's current registrations, partition -> {epoch, token, ip, port}; how
+    many partitions its config has (``expected``; a controller that does not say is taken
+    at its word: as many as are registered); and how many data-parallel groups they are cut
+    into (config ``job.groups``; 1 if not said). An authenticated ``session`` request;
     ``secret`` defaults to $CHECKMATE_SECRET_FILE's."""
     body = controller_request(controller, job_id, {"op": "session"}, timeout, tries, secret)
     regs = {int(p): v for p, v in body.get("partitions", {}).items()}
     expected = body.get("expected", len(regs))
     if not isinstance(expected, int) or isinstance(expected, bool) or expected < 1:
         expected = len(regs)
-    return regs, expected
+    groups = body.get("groups", 1)
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        groups = 1
+    return regs, expected, groups
 
 
 def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
