@@ -47,7 +47,8 @@ def _send(spec, nodes, it, rng, tx):
 def _session(spec, addrs):
     """The monitor's view of a CheckmateSession: the layout, the trainers' iteration, and the
     peers request (one trainer, repair off); models no training, so no re-seed starts."""
-    sess = SimpleNamespace(layout=SimpleNamespace(rank=0, world=1, shadow_tcp=addrs),
+    sess = SimpleNamespace(layout=SimpleNamespace(rank=0, world=1, shadow_tcp=addrs,
+                                                  tcp_sets=[addrs]),
                            done_iteration=0, model=None)
     sess.peers_body = lambda p: owners_body([("127.0.0.1", free_port())], [], 0)
     return sess

@@ -46,7 +46,8 @@ def test_concurrent_polls_never_share_a_connection():
     seen = {"requests": 0, "overlaps": 0}
     t = threading.Thread(target=_status_server, args=(srv, seen), daemon=True)
     t.start()
-    lay = SimpleNamespace(rank=0, world=1, shadow_tcp=[srv.getsockname()])
+    lay = SimpleNamespace(rank=0, world=1, shadow_tcp=[srv.getsockname()],
+                          tcp_sets=[[srv.getsockname()]])
     sess = SimpleNamespace(layout=lay, done_iteration=5, model=None)
     mon = ProtectionMonitor(sess, poll=60.0, lag_warn=4)  # its own thread is not started
     pollers = [threading.Thread(target=mon.poll_once) for _ in range(4)]

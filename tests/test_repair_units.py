@@ -319,3 +319,36 @@ def test_with_the_job_key_only_tagged_requests_are_answered_and_answers_are_tagg
     finally:
         srv.close()
         shadow.close()
+
+
+def test_a_replica_of_the_partition_gets_its_own_answers_and_nobody_else_does():
+    """With two replicas of partition 1, a request from the second replica's receive
+    address is answered there; one from any other address is answered to the partition's
+    first replica (the registered address), never to the asker."""
+    net = f"127.{random.randrange(100, 200)}.{random.randrange(1, 250)}"
+    socks = []
+    for last in (100, 102, 150):  # first replica, second replica, a stranger
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((f"{net}.{last}", 0))
+        s.settimeout(0.5)
+        socks.append(s)
+    first, second, stranger = socks
+    log = ReplicaLog(keep=3)
+    log.add_piece(4, 0, 500, 1, np.arange(8, dtype="<f4").tobytes())
+    mirror = ShadowTarget(1, f"{net}.102", second.getsockname()[1], 5, 6)
+    srv = RepairServer((f"{net}.10", 0), 7, log,
+                       {1: ShadowTarget(1, f"{net}.100", first.getsockname()[1], 5, 6)},
+                       mirrors={1: [mirror]})
+    try:
+        _ask(second, srv, 4, [(500, 504)])
+        h, p = wire.decode(second.recv(65536))
+        assert (h.flags, h.offset, h.count) == (repair.ANSWER, 500, 4)
+        _ask(stranger, srv, 4, [(504, 508)])
+        h, _ = wire.decode(first.recv(65536))
+        assert (h.flags, h.offset, h.count) == (repair.ANSWER, 504, 4)
+        with pytest.raises(TimeoutError):
+            stranger.recv(65536)
+    finally:
+        srv.close()
+        for s in socks:
+            s.close()

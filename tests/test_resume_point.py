@@ -212,13 +212,37 @@ def test_a_restart_resumes_only_from_a_trained_iteration_else_seeds_anew(monkeyp
         monkeypatch.setattr(resume_point, "survey", lambda addrs: list(hs))
 
     holdings(_h(0, memory=[0]), _h(1))  # died while seeding: partition 1 never seeded
-    assert session_resume._any_seeded([]) is False
+    assert session_resume._any_seeded([[]]) is False
     assert "hold no trained iteration" in capsys.readouterr().out
     holdings(_h(0), _h(1))
-    assert session_resume._any_seeded([]) is False
+    assert session_resume._any_seeded([[]]) is False
     assert "no shadow was seeded" in capsys.readouterr().out
     holdings(_h(0, memory=[0, 1]), _h(1, disk=[0]))  # a trained iteration: resume (and a
-    assert session_resume._any_seeded([]) is True    # resume that cannot is one line)
+    assert session_resume._any_seeded([[]]) is True    # resume that cannot is one line)
     holdings(_h(0, error="refused"), _h(1, error="refused"))
     with pytest.raises(CheckmateError, match="cannot ask the shadows whether to resume"):
-        session_resume._any_seeded([])
+        session_resume._any_seeded([[]])
+
+
+def test_replicas_of_a_partition_serve_what_any_of_them_holds():
+    """Two replicas per partition: a partition whose first replica is gone, or lags, is
+    served by its sibling; a partition none of whose replicas answers is an error naming
+    each."""
+    a, b = ("10.0.0.1", 1), ("10.0.0.2", 1)
+    set0 = [Holding(0, a, error="refused"), Holding(1, a, memory=[5, 6, 7])]
+    set1 = [Holding(0, b, memory=[6, 7, 8], disk=[4]), Holding(1, b, memory=[5, 6])]
+    merged = resume_point.merge_replicas([set0, set1])
+    assert [h.error for h in merged] == ["", ""]
+    assert merged[0].memory == [6, 7, 8] and merged[0].disk == [4] and merged[0].addr == b
+    assert merged[1].memory == [5, 6, 7] and merged[1].addr == a
+    point = choose(merged)
+    assert point.iteration == 7 and point.sources == ["memory", "memory"]
+    assert resume_point.replica_for([set0, set1], 0, 7) == (b, "memory")
+    assert resume_point.replica_for([set0, set1], 1, 7) == (a, "memory")
+    assert resume_point.replica_for([set0, set1], 0, 4) == (b, "disk")
+    with pytest.raises(CheckmateError, match="no replica of partition 1 holds iteration 9"):
+        resume_point.replica_for([set0, set1], 1, 9)
+    gone = resume_point.merge_replicas([[Holding(0, a, error="refused")],
+                                        [Holding(0, b, error="timed out")]])
+    assert gone[0].error == "replica 0 (10.0.0.1:1): refused; replica 1 (10.0.0.2:1): " \
+                            "timed out"

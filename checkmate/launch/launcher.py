@@ -116,6 +116,7 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
         envmod.SEED: str(args.seed), envmod.PROGRESS_EVERY: str(args.progress_every),
         envmod.RESUME: "1" if args.resume or args.resume_at is not None else "0",
         envmod.GROUPS: str(args.pp * args.tp),
+        envmod.REPLICAS: str(args.replicas),
         envmod.VERIFY_EVERY: check_schedule.describe(args.verify_every),
         envmod.ON_DIVERGENCE: args.on_divergence,
         "PYTHONUNBUFFERED": "1",
@@ -228,6 +229,17 @@ def shadows_from_controller(args: argparse.Namespace, job_id: int, wait: float |
     return tcp, udp
 
 
+def _best_replica(per_shadow: list[int | None], replicas: int) -> list[int | None]:
+    """Per partition the newest of its replicas' values (``per_shadow``: whole sets one
+    after the other); None where no replica has one."""
+    n = len(per_shadow) // replicas
+    out: list[int | None] = []
+    for p in range(n):
+        got = [x for x in per_shadow[p::n] if x is not None]
+        out.append(max(got) if got else None)
+    return out
+
+
 def launch_config(args: argparse.Namespace, logdir: Path) -> Any:
     """torch's LaunchConfig for this node: torchrun --standalone, or one node of a job
     whose nodes meet at --rdzv-endpoint (torchrun's flags, torchrun's meanings)."""
@@ -315,7 +327,8 @@ def launch(argv: list[str]) -> int:
 
     groups = args.pp * args.tp  # data-parallel groups, each with its own shadows
     count = 0 if args.mode in ("off", "gockpt") else (len(args.shadow)
-                                                      or (args.shadows or 2) * groups)
+                                                      or (args.shadows or 2) * groups
+                                                      * args.replicas)
     if count % groups:
         raise CheckmateError(f"--shadow names {count} shadows for {groups} data-parallel "
                              f"groups (--pp {args.pp} --tp {args.tp}): give each group as many")
@@ -356,9 +369,12 @@ def launch(argv: list[str]) -> int:
         elif count:
             local = LocalShadows(net, count, logdir,
                                  args.dir / "checkpoints" if args.persist_every else None,
-                                 args.persist_every, groups)
+                                 args.persist_every, groups, args.replicas)
             kept = ", kept if the job fails" if own_logdir else ""
             per = f" ({count // groups} per data-parallel group)" if groups > 1 else ""
+            if args.replicas > 1:
+                per = (f" ({args.replicas} replicas of each of {count // args.replicas} "
+                       "partitions)")
             print(f"{PROG}: starting {count} shadow(s){per} on {net}.100+ (logs: {logdir}"
                   f"{kept})", flush=True)
             local.start()
@@ -401,6 +417,9 @@ def launch(argv: list[str]) -> int:
                   f"{gockpt_dir(args)})", flush=True)
         if tcp:
             latest, verified = shadows_latest(tcp)
+            if args.replicas > 1:  # per partition its best replica (a dead one holds None)
+                latest, verified = _best_replica(latest, args.replicas), \
+                    _best_replica(verified, args.replicas)
             held = min(latest) if None not in latest else None
             checked = min(verified) if None not in verified else None
             said = ("; their state equals the trainers' there (checked)" if checked == held

@@ -105,8 +105,11 @@ class LocalShadows:
     (each set is partitions 0.. of its group, persisting under a folder of its own)."""
 
     def __init__(self, net: str, count: int, logdir: Path, persist_dir: Path | None = None,
-                 persist_every: int = 0, groups: int = 1) -> None:
+                 persist_every: int = 0, groups: int = 1, replicas: int = 1) -> None:
         self.net, self.count, self.logdir, self.groups = net, count, logdir, groups
+        #: ``count`` is ``replicas`` whole sets, one after the other (replica k of every
+        #: partition: the k-th; it persists under ``replica<k>`` beside the first's files)
+        self.replicas = replicas
         self.persist_dir, self.persist_every = persist_dir, persist_every
         self.procs: list[subprocess.Popen] = []
 
@@ -122,15 +125,17 @@ class LocalShadows:
         """Start every shadow and wait until each is ready: it answers on its TCP port and
         its kernels are compiled (a cold Numba cache: one progress line on ``out``)."""
         self.logdir.mkdir(parents=True, exist_ok=True)
-        per = self.count // self.groups
+        whole = self.count // self.replicas  # one replica of every partition
+        per = whole // self.groups
         for p, (ip, _) in enumerate(self.tcp):
+            k, q = divmod(p, whole)
             argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
-                    f"{p % per}/{per}", "--bind", ip, "--no-register",
+                    f"{q % per}/{per}", "--bind", ip, "--no-register",
                     "--window", str(SHADOW_WINDOW)]
             if self.persist_dir is not None:
                 pdir = (self.persist_dir if self.groups == 1
-                        else self.persist_dir / f"group{p // per}")
-                argv += ["--dir", str(pdir)]
+                        else self.persist_dir / f"group{q // per}")
+                argv += ["--dir", str(pdir / f"replica{k}" if k else pdir)]
                 if self.persist_every:
                     argv += ["--persist-every", str(self.persist_every)]
             with open(self.log(p), "ab") as log:

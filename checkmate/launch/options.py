@@ -76,6 +76,10 @@ def parser(gpus: int) -> argparse.ArgumentParser:
                    help="use a running shadow (TCP service address, default port 47100; "
                         "UDP on 47001 of the same host), once per partition, in order "
                         "(a mesh job: group 0's partitions, then group 1's, ...)")
+    p.add_argument("--replicas", type=_count(1, 3), default=1, metavar="r",
+                   help="shadows per partition, started here (default 1): the trainers send "
+                        "each its copies, and a partition stays protected while one of its "
+                        "replicas is current")
     p.add_argument("--pp", type=_count(1, 256), default=1, metavar="P",
                    help="the script's pipeline-parallel degree (its DeviceMesh's pp "
                         "dimension): shadows are per data-parallel group, P x T groups")
@@ -252,6 +256,11 @@ def check(args: argparse.Namespace) -> None:
         if not (every.isdigit() and steps.isdigit() and 1 <= int(steps) <= int(every)):
             raise CheckmateError(f"--gockpt must be EVERY,STEPS with 1 <= STEPS <= EVERY, got "
                                  f"{args.gockpt!r}")
+    if args.replicas > 1 and (args.shadow or args.controller or args.mode != "host"
+                              or args.pp * args.tp > 1):
+        raise CheckmateError("--replicas applies to the shadows started here in host mode, "
+                             "for a data-parallel job (not yet with --shadow, --controller, "
+                             "--mode switch or --pp/--tp)")
     if args.persist_every and args.dir is None:
         raise CheckmateError("--persist-every writes under --dir: give --dir")
     if args.persist_every and args.shadow:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from checkmate.config import cluster as config
 from checkmate.errors import CheckmateError
@@ -82,6 +82,10 @@ DEVICE = "CHECKMATE_DEVICE"
 #: shadows in CHECKMATE_SHADOWS are that many equal sets, group g's the g-th
 #: (CheckmateSession.from_env(..., mesh=...)). Default 1.
 GROUPS = "CHECKMATE_GROUPS"
+#: Shadows per partition (``checkmate launch --replicas r``): CHECKMATE_SHADOWS is that many
+#: whole sets, one after the other (each cut into the groups as above), set 0 the first
+#: replica of every partition. Default 1.
+REPLICAS = "CHECKMATE_REPLICAS"
 #: Set by torch's elastic agent: how many times the worker group was restarted.
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
@@ -123,6 +127,10 @@ class EnvJob:
     verify_every: int = 0
     flip_at: tuple[int, int] | None = None
     on_divergence: str = "stop"
+    #: the further replicas of every partition (``REPLICAS`` - 1 whole sets, each numbered
+    #: from partition 0 as ``shadows``/``shadow_tcp``, which hold the first)
+    replica_shadows: list[list[ShadowTarget]] = field(default_factory=list)
+    replica_tcp: list[list[tuple[str, int]]] = field(default_factory=list)
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -207,17 +215,25 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
     if stall and not stall.isdigit():
         raise CheckmateError(f"environment variable {STALL_TIMEOUT} must be whole seconds, "
                              f"got {stall!r}")
+    replicas = _int(env, REPLICAS, 1)
+    if replicas < 1 or len(tcp) % replicas:
+        raise CheckmateError(f"environment variable {REPLICAS} must divide the {len(tcp)} "
+                             f"shadows of {SHADOWS} into whole sets, got {replicas}")
+    n = len(tcp) // replicas
+    sets = [([ShadowTarget(p, h, port) for p, (h, port) in enumerate(udp[k * n:(k + 1) * n])],
+             tcp[k * n:(k + 1) * n]) for k in range(replicas)]
     resume = env.get(RESUME, "0")
     if resume not in ("0", "1"):
         raise CheckmateError(f"environment variable {RESUME} must be 0 or 1, got {resume!r}")
     return EnvJob(
         job_id=_int(env, JOB_ID, 1), mode=mode, rank=rank, world=world, trainers=trainers,
-        shadow_tcp=tcp, shadows=[ShadowTarget(p, h, port) for p, (h, port) in enumerate(udp)],
+        shadow_tcp=sets[0][1], shadows=sets[0][0],
+        replica_shadows=[s[0] for s in sets[1:]], replica_tcp=[s[1] for s in sets[1:]],
         seed=_int(env, SEED, 0), progress_every=_int(env, PROGRESS_EVERY, 0),
         restart_count=_int(env, RESTART_COUNT, 0), resume=resume == "1", kill_at=kill_at,
         gockpt=gockpt, device=device, local_trainer=local_trainer, rdzv_store=store,
         controller=controller, stall_timeout=float(stall) if stall else None,
-        groups=_groups(env, len(tcp)),
+        groups=_groups(env, n),
         resume_at=_int(env, RESUME_AT) if env.get(RESUME_AT) else None,
         verify_every=check_schedule.parse(env.get(VERIFY_EVERY, "auto")), flip_at=flip_at,
         on_divergence=_divergence(env))

@@ -307,7 +307,7 @@ class FSDPSession(ShareSender, CheckmateSession):
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())
 
-    def new_reseed(self, partition: int, reason: str) -> Any:
+    def new_reseed(self, partition: int, reason: str, addr: Any = None) -> Any:
         if partition not in self._refused_reseed:
             self._refused_reseed.add(partition)
             log.warning("checkmate: the shadow of partition %d needs a re-seed (%s), which an "

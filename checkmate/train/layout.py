@@ -81,6 +81,16 @@ class JobLayout:
     node_of: list[int] | None = None
     #: seconds a ring operation may stall before it fails (a peer is gone)
     stall_timeout: float = 60.0
+    #: the further replicas of every partition (host mode): whole sets beside ``shadows``
+    #: and ``shadow_tcp`` (the first), each numbered from partition 0; every copy and
+    #: control message goes to each, and a partition is protected while one is current
+    replica_shadows: list[list[ShadowTarget]] = field(default_factory=list)
+    replica_tcp: list[list[tuple[str, int]]] = field(default_factory=list)
+
+    @property
+    def tcp_sets(self) -> list[list[tuple[str, int]]]:
+        """Every replica set's TCP service addresses, the first set first."""
+        return [self.shadow_tcp, *self.replica_tcp]
 
     def repair_addr(self, rank: int) -> tuple[str, int]:
         """Where ``rank`` answers repair requests: its ring IP, at ``repair_port`` shifted
@@ -107,6 +117,16 @@ class JobLayout:
         if len(self.shadows) != len(self.shadow_tcp) or (not self.shadows
                                                          and self.mode != "off"):
             raise CheckmateError("need one UDP and one TCP address per shadow partition")
+        if len(self.replica_shadows) != len(self.replica_tcp) or any(
+                len(u) != len(self.shadows) or len(t) != len(self.shadows)
+                for u, t in zip(self.replica_shadows, self.replica_tcp, strict=True)):
+            raise CheckmateError("each replica set needs one UDP and one TCP address per "
+                                 "shadow partition")
+        if self.replica_tcp and self.verbs_device:
+            raise CheckmateError("replicas of a partition are fed over UDP only, not verbs")
+        if self.replica_tcp and self.mode != "host":
+            raise CheckmateError(f"replicas of a partition are fed in host mode only (the "
+                                 f"trainers send each its copies), not mode {self.mode!r}")
 
 
 def query_registrations(controller: tuple[str, int], job_id: int, timeout: float = 2.0,

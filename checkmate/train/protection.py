@@ -83,7 +83,10 @@ class ProtectionMonitor:
         self.sess = sess
         lay = sess.layout
         self.rank, self.world = lay.rank, lay.world
-        self.addrs: list[Addr] = list(lay.shadow_tcp)
+        #: one slot per shadow: slot k * parts + p is replica k of partition p (one replica:
+        #: slot p is partition p's shadow)
+        self.parts, self.replicas = len(lay.shadow_tcp), len(lay.tcp_sets)
+        self.addrs: list[Addr] = [a for addrs in lay.tcp_sets for a in addrs]
         self.poll, self.lag_warn, self.liveness = poll, lag_warn, liveness
         # Every shadow answered at start (the session seeded or restored them).
         now = time.monotonic()
@@ -92,9 +95,11 @@ class ProtectionMonitor:
         self.unprotected_since: int | None = None
         self._consistent: int | None = None  # the last newest_consistent while protected
         self.lost = 0  # times protection was lost
-        self.reseeding: dict[int, Any] = {}  # partition -> ReseedSender
+        self.reseeding: dict[int, Any] = {}  # slot -> ReseedSender
         self._offered: dict[int, float] = {}
         self.reseeds_started = 0
+        #: partitions down to their last current replica (rank 0 has said so once)
+        self._last_one: set[int] = set()
         self._clients = [ShadowClient(a, timeout=min(STATUS_TIMEOUT, liveness / 2))
                          for a in self.addrs]
         self._stop = threading.Event()
@@ -136,9 +141,9 @@ class ProtectionMonitor:
         answering without state and not being re-seeded. A restarted shadow's re-seed then
         starts within FAST_POLL of its service answering, not at the next regular poll."""
         with self._lock:
-            return [p for p, v in enumerate(self.views)
+            return [i for i, v in enumerate(self.views)
                     if not v.reachable or (not v.seeded and not v.active
-                                           and p not in self.reseeding)]
+                                           and i not in self.reseeding)]
 
     def poll_once(self) -> None:
         with self._polling:
@@ -146,10 +151,10 @@ class ProtectionMonitor:
 
     def _poll(self, only: list[int] | None = None) -> None:
         done = self.sess.done_iteration
-        for p, c in enumerate(self._clients):
-            if only is not None and p not in only:
+        for i, c in enumerate(self._clients):  # every slot: each replica of each partition
+            if only is not None and i not in only:
                 continue
-            v = self.views[p]
+            v = self.views[i]
             try:
                 st = c.request({"op": "status", "progress": done})[0]
             except CheckmateError as e:
@@ -168,43 +173,70 @@ class ProtectionMonitor:
                 v.wanted, v.active = str(rs.get("wanted") or ""), bool(rs.get("active"))
                 v.peers, v.reseeds = bool(st.get("peers")), int(rs.get("count") or 0)
             try:
-                self._act(p, v, done)
+                self._act(i, v, done)
             except CheckmateError as e:
                 v.error = str(e)
             self._liveness()
 
     # ------------------------------------------------------------------ liveness
-    def down(self, p: int, now: float | None = None) -> bool:
-        """No answer from shadow ``p`` for ``liveness`` seconds (dead, unreachable, silent)."""
+    def down(self, i: int, now: float | None = None) -> bool:
+        """No answer from the shadow of slot ``i`` for ``liveness`` seconds (dead,
+        unreachable, silent)."""
         now = time.monotonic() if now is None else now
-        return now - self.views[p].last_ok > self.liveness
+        return now - self.views[i].last_ok > self.liveness
+
+    def _where(self, i: int) -> str:
+        p, k = i % self.parts, i // self.parts
+        rep = f" replica {k}" if self.replicas > 1 else ""
+        return f"shadow of partition {p}{rep} ({self.addrs[i][0]}:{self.addrs[i][1]})"
+
+    def _problem(self, i: int, now: float) -> str:
+        """Why slot ``i`` does not hold the newest iterations ("" when it does)."""
+        v, since = self.views[i], self.unprotected_since
+        if self.down(i, now):
+            return (f"{self._where(i)} has not answered for {now - v.last_ok:.1f}s"
+                    + (f" ({v.error})" if v.error else ""))
+        if not v.seeded or v.active or v.wanted or i in self.reseeding:
+            return (f"{self._where(i)} holds no current state (re-seed "
+                    f"{'running' if v.active or i in self.reseeding else 'needed'})")
+        if since is not None and (v.latest is None or v.latest < since):
+            return f"{self._where(i)} holds iteration {v.latest}, not yet {since}"
+        return ""
+
+    def _slots(self, p: int) -> range:
+        return range(p, self.parts * self.replicas, self.parts)
+
+    def current(self, p: int, now: float | None = None) -> list[int]:
+        """The slots of partition ``p`` whose shadow holds the newest iterations."""
+        now = time.monotonic() if now is None else now
+        return [i for i in self._slots(p) if not self._problem(i, now)]
 
     def _why_unprotected(self, now: float) -> list[str]:
-        """Why the newest iterations are not being checkpointed ([] when they are). While
-        protection is lost it returns only once every shadow holds an iteration at or after
-        the first uncovered one (a shadow back from disk holds an older one until it is
-        re-seeded or catches up)."""
-        since = self.unprotected_since
+        """Why the newest iterations are not being checkpointed ([] when they are): the
+        partitions none of whose replicas is current, each replica's reason. While
+        protection is lost it returns only once some replica of every partition holds an
+        iteration at or after the first uncovered one (a shadow back from disk holds an
+        older one until it is re-seeded or catches up)."""
         out = []
-        for p, v in enumerate(self.views):
-            where = f"shadow of partition {p} ({self.addrs[p][0]}:{self.addrs[p][1]})"
-            if self.down(p, now):
-                out.append(f"{where} has not answered for {now - v.last_ok:.1f}s"
-                           + (f" ({v.error})" if v.error else ""))
-            elif not v.seeded or v.active or v.wanted or p in self.reseeding:
-                out.append(f"{where} holds no current state (re-seed "
-                           f"{'running' if v.active or p in self.reseeding else 'needed'})")
-            elif since is not None and (v.latest is None or v.latest < since):
-                out.append(f"{where} holds iteration {v.latest}, not yet {since}")
+        for p in range(self.parts):
+            probs = [self._problem(i, now) for i in self._slots(p)]
+            if all(probs):
+                out += probs
         return out
 
+    def _newest(self, p: int, now: float) -> int | None:
+        """The newest iteration a current replica of partition ``p`` committed."""
+        got = [self.views[i].latest for i in self.current(p, now)]
+        return max((x for x in got if x is not None), default=None) if got else None
+
     def _liveness(self) -> None:
-        """Track loss and return of protection; rank 0 prints one line for each."""
+        """Track loss and return of protection; rank 0 prints one line for each, and one
+        when a partition is down to its last current replica (and when it is not)."""
         now = time.monotonic()
         with self._lock:
             why = self._why_unprotected(now)
             if not why:
-                latests = [v.latest for v in self.views]
+                latests = [self._newest(p, now) for p in range(self.parts)]
                 self._consistent = min(latests) if None not in latests else None
             if why and self.unprotected_since is None:
                 self.unprotected_since = (self._consistent or 0) + 1
@@ -216,6 +248,16 @@ class ProtectionMonitor:
                 self.unprotected_since, lost = None, None
             else:
                 lost = back = None
+            thin, thick = [], []
+            if self.replicas > 1:
+                for p in range(self.parts):
+                    n = len(self.current(p, now))
+                    if n == 1 and p not in self._last_one:
+                        self._last_one.add(p)
+                        thin.append(p)
+                    elif n > 1 and p in self._last_one:
+                        self._last_one.discard(p)
+                        thick.append((p, n))
         if self.rank != 0:
             return
         if lost is not None:
@@ -223,36 +265,43 @@ class ProtectionMonitor:
         if back is not None:
             log.warning("checkmate: protected again: every shadow answers and holds iteration "
                         "%s or newer (unprotected from iteration %d)", back[1], back[0])
+        for p in thin:
+            log.warning("checkmate: partition %d is down to its last current replica of %d: "
+                        "%s", p, self.replicas, "; ".join(
+                            x for x in (self._problem(i, now) for i in self._slots(p)) if x))
+        for p, n in thick:
+            log.warning("checkmate: partition %d has %d current replicas again", p, n)
 
-    def _act(self, p: int, v: ShadowView, done: int) -> None:
+    def _act(self, i: int, v: ShadowView, done: int) -> None:
         sess = self.sess
+        p = i % self.parts
         if self.rank == 0 and not v.peers:
-            self._clients[p].request(sess.peers_body(p))
-        mine = p % self.world == self.rank
-        cur = self.reseeding.get(p)
+            self._clients[i].request(sess.peers_body(p))
+        mine = i % self.world == self.rank
+        cur = self.reseeding.get(i)
         if cur is not None and cur.finished:
-            del self.reseeding[p]
+            del self.reseeding[i]
             cur = None
         need = (not v.seeded and not v.active) or bool(v.wanted)
         if mine and need and cur is None and sess.model is not None:
-            if time.monotonic() - self._offered.get(p, -1e9) >= RESEED_RETRY or v.wanted:
+            if time.monotonic() - self._offered.get(i, -1e9) >= RESEED_RETRY or v.wanted:
                 reason = v.wanted or "shadow restarted without state"
-                self._offered[p] = time.monotonic()
-                self.reseeding[p] = sess.new_reseed(p, reason)
+                self._offered[i] = time.monotonic()
+                self.reseeding[i] = sess.new_reseed(p, reason, self.addrs[i])
                 self.reseeds_started += 1
-                log.warning("checkmate: re-seeding the shadow of partition %d while training "
-                            "runs (%s)", p, reason)
+                log.warning("checkmate: re-seeding the %s while training runs (%s)",
+                            self._where(i).split(" (")[0], reason)
         if self.rank == 0:
-            lag = self.lag(p, done)
+            lag = self.lag(i, done)
             if lag is not None and lag > self.lag_warn and not v.warned:
                 v.warned = True
-                log.warning("checkmate: shadow of partition %d lags %d iterations (committed "
-                            "%s, trainers at %d)%s", p, lag, v.latest, done,
+                log.warning("checkmate: %s lags %d iterations (committed %s, trainers at "
+                            "%d)%s", self._where(i).split(" (")[0], lag, v.latest, done,
                             f": {v.wanted}" if v.wanted else "")
             elif v.warned and lag is not None and lag <= self.lag_warn:
                 v.warned = False
-                log.warning("checkmate: shadow of partition %d caught up (committed %s)", p,
-                            v.latest)
+                log.warning("checkmate: %s caught up (committed %s)",
+                            self._where(i).split(" (")[0], v.latest)
 
     # ------------------------------------------------------------------ training thread
     def capture(self, iteration: int, step: int) -> None:
@@ -262,28 +311,41 @@ class ProtectionMonitor:
                 r.capture(iteration, step)
 
     # ------------------------------------------------------------------ reading
-    def lag(self, p: int, done: int | None = None) -> int | None:
-        """Iterations shadow ``p`` was behind when it last answered (the trainers' iteration
-        then minus its newest commit); None while it is down. ``done`` is ignored: the lag is
-        measured at the answer, not against a later iteration."""
-        v = self.views[p]
-        if not v.reachable or self.down(p):
+    def lag(self, i: int, done: int | None = None) -> int | None:
+        """Iterations the shadow of slot ``i`` was behind when it last answered (the
+        trainers' iteration then minus its newest commit); None while it is down. ``done``
+        is ignored: the lag is measured at the answer, not against a later iteration."""
+        v = self.views[i]
+        if not v.reachable or self.down(i):
             return None
         return v.done_at - (v.latest if v.latest is not None and v.seeded else 0)
 
+    def _view(self, i: int, now: float) -> dict[str, Any]:
+        v = self.views[i]
+        up = not self.down(i, now)
+        return {"latest": v.latest if v.seeded and up else None,
+                "lag": self.lag(i), "reachable": v.reachable and up,
+                "up": up, "silent_seconds": round(now - v.last_ok, 3),
+                "reseeding": v.active or i in self.reseeding,
+                "wanted": v.wanted, "error": v.error,
+                "verified": v.verified, "diverged": v.diverged}
+
     def protection(self) -> dict[str, Any]:
+        """Per partition its shadow's view (with several replicas: its newest current
+        replica's, every replica's under ``replicas`` and how many are ``current``)."""
         done = self.sess.done_iteration
         now = time.monotonic()
         with self._lock:
             shadows = {}
-            for p, v in enumerate(self.views):
-                up = not self.down(p, now)
-                shadows[p] = {"latest": v.latest if v.seeded and up else None,
-                              "lag": self.lag(p), "reachable": v.reachable and up,
-                              "up": up, "silent_seconds": round(now - v.last_ok, 3),
-                              "reseeding": v.active or p in self.reseeding,
-                              "wanted": v.wanted, "error": v.error,
-                              "verified": v.verified, "diverged": v.diverged}
+            for p in range(self.parts):
+                cur = self.current(p, now)
+                views = [self._view(i, now) for i in self._slots(p)]
+                if self.replicas == 1:
+                    shadows[p] = views[0]
+                    continue
+                best = max(cur, key=lambda i: self.views[i].latest or 0, default=p)
+                shadows[p] = {**self._view(best, now), "current": len(cur),
+                              "replicas": views}
             why = self._why_unprotected(now)
             latests = [s["latest"] for s in shadows.values()]
             checked = [s["verified"] for s in shadows.values()]

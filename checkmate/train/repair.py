@@ -57,12 +57,15 @@ class RepairServer:
 
     def __init__(self, bind: tuple[str, int], job_id: int, log_: ReplicaLog,
                  targets: dict[int, ShadowTarget], rate: float = REPAIR_RATE,
-                 burst: float = REPAIR_BURST, data_key: tuple[int, int] | None = None) -> None:
+                 burst: float = REPAIR_BURST, data_key: tuple[int, int] | None = None,
+                 mirrors: dict[int, list[ShadowTarget]] | None = None) -> None:
         self.job_id = job_id
         #: checkmate.protocol.datamac key: answers carry the tag a shadow checks, like any copy.
         self.data_key = data_key
         self.log = log_
         self.targets = targets
+        #: a partition's further replicas: a request from one of them is answered to it
+        self.mirrors = mirrors or {}
         self.bucket = TokenBucket(rate, burst)
         self.stats: Counter = Counter()
         from checkmate.control.pfc import mark_ckm
@@ -103,7 +106,7 @@ class RepairServer:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                data = self.sock.recv(65536)
+                data, src = self.sock.recvfrom(65536)
             except OSError:
                 if self._stop.is_set():
                     return
@@ -111,13 +114,14 @@ class RepairServer:
             if self._stop.is_set():
                 return
             try:
-                self.handle(data)
+                self.handle(data, src)
             except Exception as e:  # noqa: BLE001 - one bad request must not end the service
                 self.stats["drop_error"] += 1
                 log.warning("repair request failed: %s", e)
 
-    def handle(self, data: bytes) -> None:
-        """Validate one request and answer it."""
+    def handle(self, data: bytes, src: tuple[str, int] | None = None) -> None:
+        """Validate one request and answer it: to the partition's shadow, or to the replica
+        of it that asked (``src``, its receive address); never to any other address."""
         try:
             h, payload = wire.decode(data)
         except wire.WireError:
@@ -145,6 +149,10 @@ class RepairServer:
             return
         self.stats["requests"] += 1
         addr = (t.ip, t.port)
+        for m in self.mirrors.get(h.partition, ()):
+            if src == (m.ip, m.port):
+                addr = src
+                break
         if not self.log.holds(h.iteration):
             if h.iteration > self.log.newest:
                 self.stats["future"] += 1  # not sent yet: the shadow asked early

@@ -42,7 +42,8 @@ class ShadowSender:
     """One unbound UDP socket for everything a trainer sends to shadows directly."""
 
     def __init__(self, job_id: int, targets: Sequence[ShadowTarget],
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None,
+                 mirrors: Sequence[Sequence[ShadowTarget]] = ()) -> None:
         self.job_id = job_id
         #: checkmate.protocol.datamac keys of the job secret (None: untagged, only for tests of
         #: what a shadow does with such datagrams).
@@ -54,6 +55,12 @@ class ShadowSender:
         self.control_key: bytes | None = None
         self.set_run("")
         self.targets = {t.partition: t for t in targets}
+        #: partition -> its further replicas (whole sets beside ``targets``): each gets
+        #: every datagram its partition's first replica gets (host mode)
+        self.mirrors: dict[int, list[ShadowTarget]] = {}
+        for rset in mirrors:
+            for t in rset:
+                self.mirrors.setdefault(t.partition, []).append(t)
         self.sock = mark_ckm(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
         self._seq = 0
         self._lock = threading.Lock()
@@ -120,13 +127,14 @@ class ShadowSender:
         t = self.targets.get(partition)
         if t is None:
             return
-        self.copy_bytes += len(payload)
         v = self.verbs.get(partition)
         step = len(payload) if v is None else (v.slot_bytes - wire.HEADER_LEN) // 4 * 4
-        for a in range(0, len(payload), max(step, 4)):  # UD: one piece per message
-            piece = payload[a:a + step]
-            self._send(t, _F.REPLICATE, iteration, offset + a // 4, len(piece) // 4, bucket,
-                       wire.DType.FLOAT32, piece)
+        for to in (t, *self.mirrors.get(partition, ())):
+            self.copy_bytes += len(payload)
+            for a in range(0, len(payload), max(step, 4)):  # UD: one piece per message
+                piece = payload[a:a + step]
+                self._send(to, _F.REPLICATE, iteration, offset + a // 4, len(piece) // 4,
+                           bucket, wire.DType.FLOAT32, piece)
 
     def control(self, iteration: int, body: dict[str, Any]) -> bytes:
         """Send the control message of ``iteration`` to every shadow; returns its bytes
@@ -141,7 +149,7 @@ class ShadowSender:
                 f"the control message of iteration {iteration} is {len(data)} bytes, more "
                 f"than the {self.control_limit} the shadows take for this model (keep the "
                 "step's extra state, e.g. the data position, under 1 MiB)")
-        for t in self.targets.values():
+        for t in [*self.targets.values(), *(m for ms in self.mirrors.values() for m in ms)]:
             v = self.verbs.get(t.partition)
             size = CONTROL_FRAGMENT if v is None else v.slot_bytes - wire.HEADER_LEN
             for off in range(0, max(len(data), 1), size):

@@ -160,6 +160,40 @@ def check_resume(addrs: list[tuple[str, int]], spec: Any,
     return resume_point.choose(check_holdings(addrs, spec, wait), at)
 
 
+def check_replica_holdings(sets: list[list[tuple[str, int]]], spec: Any,
+                           wait: float | None = None) -> tuple[list[list[Any]], list[Any]]:
+    """:func:`check_holdings` for partitions with several replicas (``sets``: every
+    replica set's addresses): each replica's holdings, and per partition what any of its
+    replicas holds (resume_point.merge_replicas). Only a partition none of whose replicas
+    answers is waited for; the replicas that answer are checked and settled."""
+    from checkmate.spec.model import difference
+
+    wait = resume_point.RESUME_WAIT if wait is None else wait
+    deadline, told = time.monotonic() + wait, False
+    while True:
+        per_set = [resume_point.ask(addrs) for addrs in sets]
+        merged = resume_point.merge_replicas(per_set)
+        down = [h for h in merged if h.error]
+        if not down or time.monotonic() >= deadline:
+            break
+        if not told:
+            resume_point.say_line(f"checkmate: resume waits up to {wait:.0f}s for "
+                                  + "; ".join(h.describe() for h in down))
+            told = True
+        time.sleep(0.5)
+    resume_point.choose(merged)  # nothing at all: fail first
+    live = [h.addr for hs in per_set for h in hs if not h.error]
+    for a in live:
+        with ShadowClient(a) as c:
+            why = difference(c.get_spec(), spec)
+        if why is not None:
+            raise CheckmateError(f"resume: {why} (resume with the model and optimizer the "
+                                 "job started with, or start it anew with resume=False)")
+    settle(live)
+    per_set = [resume_point.ask(addrs) for addrs in sets]
+    return per_set, resume_point.merge_replicas(per_set)
+
+
 def restore_session(sess: Any) -> int:
     """Restore ``sess`` (a CheckmateSession) in place; returns the restored iteration.
 
@@ -174,10 +208,25 @@ def restore_session(sess: Any) -> int:
 
     at = getattr(sess, "resume_at", None)
 
+    sets = sess.layout.tcp_sets
+
     def compute() -> dict[str, Any]:
-        found = check_resume(addrs, sess.spec, at=at)
-        resume_point.say_line(found.line)
-        return {"iteration": found.iteration, "sources": found.sources, "line": found.line}
+        if len(sets) == 1:
+            found = check_resume(addrs, sess.spec, at=at)
+            resume_point.say_line(found.line)
+            return {"iteration": found.iteration, "sources": found.sources,
+                    "line": found.line}
+        # several replicas per partition: each partition read from one that holds it
+        per_set, merged = check_replica_holdings(sets, sess.spec)
+        found = resume_point.choose(merged, at)
+        picks = [resume_point.replica_for(per_set, p, found.iteration)
+                 for p in range(len(merged))]
+        used = [next(k for k, s in enumerate(sets) if s[p] == tuple(a))
+                for p, (a, _) in enumerate(picks)]
+        line = f"{found.line} (read from replica per partition: {' '.join(map(str, used))})"
+        resume_point.say_line(line)
+        return {"iteration": found.iteration, "sources": [s for _, s in picks],
+                "line": line, "addrs": [list(a) for a, _ in picks]}
 
     mesh = getattr(sess, "mesh", None)
     if mesh is None:
@@ -188,6 +237,8 @@ def restore_session(sess: Any) -> int:
 
         got = mesh_restore.agree(sess, addrs)
     point = ResumePoint(int(got["iteration"]), list(got["sources"]), str(got["line"]))
+    if got.get("addrs"):
+        addrs = [(str(h), int(port)) for h, port in got["addrs"]]
     r = restore_point(addrs, sess.spec, point.iteration, sources=point.sources)
     from checkmate.train import world
 
@@ -230,14 +281,17 @@ def rewind_shadows(sess: Any, iteration: int, step: int, extra: dict[str, Any]) 
     from checkmate.train.shadow_client import seed_share
 
     lay = sess.layout
-    before = _installs(lay.shadow_tcp) if lay.rank == 0 else []
+    every = [a for addrs in lay.tcp_sets for a in addrs]  # each replica of each partition
+    before = _installs(every) if lay.rank == 0 else []
     dist.barrier(group=sess.group)  # counted before any rank's share can complete a seed
     context = {"buffers": sess.spec.encode_buffers(dict(sess.module.named_buffers())),
                "extra": extra}
-    seed_share(lay.shadow_tcp, sess.spec, sess._seed_flat(), lay.rank, lay.world,
-               iteration=iteration, step=step, context=context)
+    flat = sess._seed_flat()
+    for addrs in lay.tcp_sets:
+        seed_share(addrs, sess.spec, flat, lay.rank, lay.world, iteration=iteration,
+                   step=step, context=context)
     if lay.rank == 0:
-        _wait_installed(lay.shadow_tcp, iteration, before)
+        _wait_installed(every, iteration, before)
         resume_point.say_line(f"checkmate: rewound the shadows to iteration {iteration}: "
                               "what they held after it is dropped, in memory and on disk")
 

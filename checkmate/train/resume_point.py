@@ -192,6 +192,43 @@ def choose_groups(per_group: Sequence[Sequence[Holding]], at: int | None = None
     return point, out
 
 
+def merge_replicas(per_set: Sequence[Sequence[Holding]]) -> list[Holding]:
+    """Per partition, what any of its replicas can serve (``per_set``: :func:`ask` of each
+    replica set): the union of their iterations; an error only when no replica answered.
+    The address is the replica with the newest iteration in memory (:func:`replica_for`
+    picks the one to read a given iteration from)."""
+    out = []
+    for p, reps in enumerate(zip(*per_set, strict=True)):
+        live = [h for h in reps if not h.error]
+        if not live:
+            out.append(replace(reps[0], error="; ".join(
+                f"replica {k} ({h.addr[0]}:{h.addr[1]}): {h.error}"
+                for k, h in enumerate(reps))))
+            continue
+        best = max(live, key=lambda h: (max(h.memory, default=-1), max(h.disk, default=-1)))
+        out.append(replace(best, partition=p,
+                           memory=sorted(set().union(*(h.memory for h in live))),
+                           disk=sorted(set().union(*(h.disk for h in live))),
+                           verified=sorted(set().union(*(h.verified for h in live))),
+                           reloaded=None))
+    return out
+
+
+def replica_for(per_set: Sequence[Sequence[Holding]], partition: int, iteration: int
+                ) -> tuple[Addr, str]:
+    """The replica of ``partition`` to read ``iteration`` from, and whether from its
+    ``memory`` or ``disk``: one that holds it in memory first."""
+    reps = [hs[partition] for hs in per_set if not hs[partition].error]
+    for h in reps:
+        if iteration in h.memory:
+            return h.addr, "memory"
+    for h in reps:
+        if iteration in h.disk:
+            return h.addr, "disk"
+    raise CheckmateError(f"resume: no replica of partition {partition} holds iteration "
+                         f"{iteration}")
+
+
 def find(addrs: Sequence[Addr], wait: float = RESUME_WAIT,
          say: Callable[[str], None] = say_line) -> ResumePoint:
     """:func:`survey` then :func:`choose`."""

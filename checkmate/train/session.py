@@ -172,7 +172,8 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
 
             self.secret = auth.load_secret()
             self.data_key = datamac.data_key(self.secret)
-        self.sender = ShadowSender(layout.job_id, layout.shadows, self.secret)
+        self.sender = ShadowSender(layout.job_id, layout.shadows, self.secret,
+                                   mirrors=layout.replica_shadows)
         from checkmate.shadow.control_message import control_limit
 
         self.sender.control_limit = control_limit(self.spec)
@@ -256,7 +257,8 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
             group = session_group.join_group(job)
             where = {"job_id": job.job_id, "rank": job.rank, "world": job.world,
                      "trainers": session_group.ring_addrs(job, group),
-                     "shadows": job.shadows, "shadow_tcp": job.shadow_tcp}
+                     "shadows": job.shadows, "shadow_tcp": job.shadow_tcp,
+                     "replica_shadows": job.replica_shadows, "replica_tcp": job.replica_tcp}
         else:
             mg = session_group.mesh_group(mesh, job.rank)
             group = mg.dp

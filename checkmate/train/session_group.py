@@ -195,6 +195,9 @@ def group_layout(job: Any, mg: MeshGroup) -> dict[str, Any]:
             f"the DeviceMesh has {place.groups} data-parallel groups "
             f"({' x '.join(place.other_dims)}), the launcher started shadows for "
             f"{job.groups}: launch with --pp/--tp giving {place.groups} groups")
+    if job.replica_tcp:
+        raise CheckmateError("several replicas per partition are not yet supported for a "
+                             "mesh job's groups: one shadow set (CHECKMATE_REPLICAS=1)")
     n = len(job.shadow_tcp) // place.groups if job.shadow_tcp else 0
     mine = slice(place.group * n, (place.group + 1) * n)
     udp = job.shadows[mine]

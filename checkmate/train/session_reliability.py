@@ -34,13 +34,21 @@ class _Reliability:
             self.replica_log = ReplicaLog(lay.repair_keep)
             self.repair = RepairServer(lay.repair_addr(lay.rank),
                                        lay.job_id, self.replica_log, self.sender.targets,
-                                       lay.repair_rate, data_key=self.data_key)
+                                       lay.repair_rate, data_key=self.data_key,
+                                       mirrors=self.sender.mirrors)
         if lay.rank == 0:
             from checkmate.train.shadow_client import ShadowClient
 
-            for p, a in enumerate(lay.shadow_tcp):
-                with ShadowClient(a) as c:
-                    c.request(self.peers_body(p))
+            for addrs in lay.tcp_sets:
+                for p, a in enumerate(addrs):
+                    try:
+                        with ShadowClient(a) as c:
+                            c.request(self.peers_body(p))
+                    except (CheckmateError, OSError):
+                        if len(lay.tcp_sets) == 1:
+                            raise
+                        # a replica that is down: the monitor tells it once it answers
+
         self.monitor = ProtectionMonitor(self, lay.monitor_poll, lay.lag_warn).start()
         from checkmate.metrics_port import port_from_env
 
@@ -61,10 +69,12 @@ class _Reliability:
                                                     self.node_of)
                            if lay.repair else [], 0, self.run)
 
-    def new_reseed(self, partition: int, reason: str) -> ReseedSender:
-        """A live re-seed of ``partition`` (the protection monitor starts it)."""
+    def new_reseed(self, partition: int, reason: str,
+                   addr: tuple[str, int] | None = None) -> ReseedSender:
+        """A live re-seed of ``partition``'s shadow at ``addr`` (default: its first
+        replica); the protection monitor starts it."""
         return ReseedSender(self.spec, dict(self.module.named_parameters()), self.optimizer,
-                            partition, self.layout.shadow_tcp[partition],
+                            partition, addr or self.layout.shadow_tcp[partition],
                             self.layout.reseed_slices, reason)
 
     def _on_reduced(self, iteration: int, bucket: int, offset: int, partition: int,
@@ -135,29 +145,61 @@ class _Reliability:
 
     def _check_shadows(self, iteration: int, rows: list[list[str]]) -> None:
         """Every shadow's state check of ``iteration`` against ``rows``; CheckmateError
-        naming the first that differs from the trainers."""
+        naming the first that differs from the trainers. With several replicas of a
+        partition, one that cannot be reached is passed over while another of them passes;
+        every one that answers must hold the trainers' state."""
         from checkmate.train.shadow_client import ShadowClient
 
-        for p, a in enumerate(self.layout.shadow_tcp):
-            with ShadowClient(a) as c:
-                said = c.check(iteration, rows)
-            if not said.get("verified"):
-                raise CheckmateError(f"the shadow of partition {p} ({a[0]}:{a[1]}) does not "
-                                     f"hold the trainers' state: {said.get('diverged')}")
+        sets = self.layout.tcp_sets
+        for p in range(len(self.layout.shadow_tcp)):
+            passed, gone = 0, ""
+            for k, addrs in enumerate(sets):
+                a = addrs[p]
+                rep = f" replica {k}" if len(sets) > 1 else ""
+                try:
+                    with ShadowClient(a) as c:
+                        said = c.check(iteration, rows)
+                except (CheckmateError, OSError) as e:
+                    if len(sets) == 1:
+                        raise
+                    gone = f"the shadow of partition {p}{rep} ({a[0]}:{a[1]}): {e}"
+                    continue
+                if not said.get("verified"):
+                    raise CheckmateError(f"the shadow of partition {p}{rep} ({a[0]}:{a[1]}) "
+                                         f"does not hold the trainers' state: "
+                                         f"{said.get('diverged')}")
+                passed += 1
+            if not passed:
+                raise CheckmateError(f"no replica of partition {p} could be checked: {gone}")
 
     def wait_shadows(self, iteration: int, timeout: float = 30.0) -> None:
-        """Block until every shadow committed ``iteration`` (for tests and clean shutdown)."""
+        """Block until every partition committed ``iteration`` in one of its replicas (for
+        tests and clean shutdown)."""
         from checkmate.train.shadow_client import ShadowClient
 
         deadline = time.monotonic() + timeout
-        for p, a in enumerate(self.layout.shadow_tcp):
-            with ShadowClient(a) as c:
-                while (latest := c.status().get("latest") or 0) < iteration:
-                    if time.monotonic() > deadline:
-                        raise CheckmateError(f"the shadow of partition {p} ({a[0]}:{a[1]}) "
-                                             f"committed up to iteration {latest}, not "
-                                             f"{iteration}")
-                    time.sleep(0.02)
+        sets = self.layout.tcp_sets
+        for p in range(len(self.layout.shadow_tcp)):
+            latest: dict[int, Any] = {}
+            while True:
+                for k, addrs in enumerate(sets):
+                    try:
+                        with ShadowClient(addrs[p], 2.0) as c:
+                            latest[k] = c.status().get("latest") or 0
+                    except (CheckmateError, OSError) as e:
+                        if len(sets) == 1:
+                            raise
+                        latest[k] = f"unreachable ({e})"
+                if any(isinstance(x, int) and x >= iteration for x in latest.values()):
+                    break
+                if time.monotonic() > deadline:
+                    a = sets[0][p]
+                    held = (f"committed up to iteration {latest[0]}" if len(sets) == 1 else
+                            "replicas hold " + ", ".join(f"{k}: {x}" for k, x in
+                                                         sorted(latest.items())))
+                    raise CheckmateError(f"the shadow of partition {p} ({a[0]}:{a[1]}) "
+                                         f"{held}, not {iteration}")
+                time.sleep(0.02)
 
     def report(self, loss: float | torch.Tensor | None = None) -> None:
         """Progress for the console: on rank 0, every ``progress_every`` iterations
@@ -178,14 +220,21 @@ class _Reliability:
             # Asked now on connections of its own (the monitor thread owns its clients).
             from checkmate.train.shadow_client import ShadowClient
 
-            latest: list[int | None] = []
-            for a in self.layout.shadow_tcp:
-                try:
-                    with ShadowClient(a, 2.0) as c:
-                        latest.append(c.status().get("latest"))
-                except (CheckmateError, OSError):
-                    latest.append(None)
+            sets = self.layout.tcp_sets
+            per: list[list[int]] = [[] for _ in self.layout.shadow_tcp]
+            for addrs in sets:
+                for p, a in enumerate(addrs):
+                    try:
+                        with ShadowClient(a, 2.0) as c:
+                            got = c.status().get("latest")
+                    except (CheckmateError, OSError):
+                        continue
+                    if got is not None:
+                        per[p].append(int(got))
+            latest = [max(x) if x else None for x in per]
             held = min(latest) if None not in latest else None
             lags = " ".join("?" if x is None else str(it - x) for x in latest)
             text += f" | shadows hold iteration {held} (lag per shadow: {lags})"
+            if len(sets) > 1:  # how many replicas of each partition answered with state
+                text += f" (replicas answering: {' '.join(str(len(x)) for x in per)})"
         print(text, flush=True)

@@ -48,7 +48,7 @@ class _Resume:
             sets = [job.shadow_tcp[g * per:(g + 1) * per] for g in range(self.mesh.count)]
             return bool(agreement.decide(agreement.attempt_store(), "resume",
                                          *self._job_place(),
-                                         lambda: any(_any_seeded(a) for a in sets)))
+                                         lambda: any(_any_seeded([a]) for a in sets)))
         answer: list[Any] = [True]
         if self.layout.rank == 0 and gk is not None:
             from checkmate.gockpt.trainer import wait_idle
@@ -61,7 +61,7 @@ class _Resume:
                       "starting fresh", flush=True)
         elif self.layout.rank == 0:
             try:
-                answer[0] = _any_seeded(self.layout.shadow_tcp)
+                answer[0] = _any_seeded(self.layout.tcp_sets)
             except CheckmateError as e:
                 answer[0] = str(e)
         dist.broadcast_object_list(answer, group=self.group, group_src=0)
@@ -154,9 +154,10 @@ class _Resume:
         return it
 
 
-def _any_seeded(addrs: list[tuple[str, int]]) -> bool:
-    """Whether any shadow holds a trained iteration (memory or disk) to resume from;
-    restarting shadows are waited for. CheckmateError when none can be asked.
+def _any_seeded(sets: list[list[tuple[str, int]]]) -> bool:
+    """Whether any shadow (of any replica set in ``sets``) holds a trained iteration
+    (memory or disk) to resume from; restarting shadows are waited for (with several
+    replicas only when none answers). CheckmateError when none can be asked.
 
     Shadows that hold the initial state at most (iteration 0: the previous attempt died
     while seeding, perhaps with some partitions seeded and others not) are seeded anew:
@@ -164,7 +165,11 @@ def _any_seeded(addrs: list[tuple[str, int]]) -> bool:
     partitions that were never seeded."""
     from checkmate.train import resume_point
 
-    hs = resume_point.survey(addrs)
+    hs = [h for addrs in sets[1:] for h in resume_point.ask(addrs)]
+    if not hs or all(h.error for h in hs):  # no replica answers: wait for the first set
+        hs = resume_point.survey(sets[0]) + hs
+    else:
+        hs = resume_point.ask(sets[0]) + hs
     if all(h.error for h in hs):
         raise CheckmateError("cannot ask the shadows whether to resume: "
                              + "; ".join(h.describe() for h in hs))

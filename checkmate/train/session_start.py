@@ -109,11 +109,13 @@ class _Start:
 
             # Shadows started beside a torchrun (not by `checkmate launch`, which waits for
             # them) may still compile their kernels: a seed sent now would time out.
-            wait_ready(lay.shadow_tcp, on_wait=self._say_compiling if lay.rank == 0 else None,
+            every = [a for addrs in lay.tcp_sets for a in addrs]  # each replica alike
+            wait_ready(every, on_wait=self._say_compiling if lay.rank == 0 else None,
                        silent_timeout=SILENT_SHADOW)
             flat = self._seed_flat()
-            seed_share(lay.shadow_tcp, self.spec, flat, lay.rank, lay.world)
-            wait_seeded(lay.shadow_tcp, timeout=seed_timeout)
+            for addrs in lay.tcp_sets:
+                seed_share(addrs, self.spec, flat, lay.rank, lay.world)
+            wait_seeded(every, timeout=seed_timeout)
             self.iteration = 0
         self.done_iteration = self.iteration
         if lay.verbs_device:
