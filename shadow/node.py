@@ -24,6 +24,7 @@ from checkmate.shadow.receiver import Receiver, open_socket
 from checkmate.shadow.register import register
 from checkmate.shadow.repair import RepairRequester, parse_peers
 from checkmate.shadow.service import Service
+from checkmate.shadow.sibling import SiblingReseed
 from checkmate.shadow.state import ShadowState, Version
 
 log = logging.getLogger("checkmate.shadow")
@@ -74,6 +75,7 @@ class ShadowNode:
         self.drops: Counter = Counter()
         self.state = ShadowState(opts.partition, opts.partitions, opts.job, opts.retain,
                                  opts.window, opts.gap_timeout, self._on_commit)
+        self.sibling = SiblingReseed(self.state, self.secret)
         self.state.drops = self.drops
         #: The trainers' run (checkmate.protocol.datamac.run_secret) whose keys this shadow
         #: checks with: "" (the job secret's own keys) until a ``peers`` request names one.
@@ -89,7 +91,8 @@ class ShadowNode:
                                    self._on_peers, self._on_progress,
                                    disk.part_dir(opts.dir, opts.partition)
                                    if opts.dir else None,
-                                   self._on_session if opts.controller else None)
+                                   self._on_session if opts.controller else None,
+                                   self._on_adopt)
         except Exception:
             self.sock.close()
             raise
@@ -203,6 +206,11 @@ class ShadowNode:
                         o.partition, epoch, self.receiver.epoch)
             self.receiver.set_session(epoch, token)
         return {"epoch": self.receiver.epoch}
+
+    def _on_adopt(self, source: tuple[str, int]) -> bool:
+        """A trainer saw this shadow empty while a sibling replica is current: take the
+        partition's state from it (shadow.sibling), in the background."""
+        return self.sibling.start(source)
 
     @property
     def control_place(self) -> tuple[int, int]:
@@ -347,7 +355,8 @@ class ShadowNode:
             "repair": self.receiver.repair_status(),
             "reseed": {
                 "wanted": (asm.reseed_wanted if asm else "") if st.reseed is None else "",
-                "active": st.reseed is not None,
+                "active": st.reseed is not None or self.sibling.source is not None,
+                "sibling": self.sibling.status(),
                 "count": st.reseeds_done,
                 "reason": st.reseed_reason,
                 "seconds": st.reseed_seconds,

@@ -58,8 +58,11 @@ class Service:
                  on_peers: Callable[[dict[str, Any]], None] | None = None,
                  on_progress: Callable[[int], None] | None = None,
                  disk_dir: Path | None = None,
-                 on_session: Callable[[], dict[str, Any]] | None = None) -> None:
+                 on_session: Callable[[], dict[str, Any]] | None = None,
+                 on_adopt: Callable[[tuple[str, int]], bool] | None = None) -> None:
         self.state = state
+        #: ``adopt``: take this partition's state from a sibling replica (shadow.sibling)
+        self.on_adopt = on_adopt
         #: ``session``: a launcher's new attempt was programmed under a new epoch; the
         #: shadow asks the controller itself (checkmate.shadow.node._on_session).
         self.on_session = on_session
@@ -223,6 +226,15 @@ class Service:
             if self.on_session is None:
                 raise CheckmateError("this shadow has no controller session (--no-register)")
             return {"ok": True, **self.on_session()}, b""
+        if op == "adopt":
+            src = h.get("from")
+            if not (isinstance(src, list) and len(src) == 2 and isinstance(src[0], str)
+                    and isinstance(src[1], int) and not isinstance(src[1], bool)
+                    and 0 < src[1] < 65536):
+                raise CheckmateError("adopt needs 'from': [IP, PORT] of a sibling replica")
+            if self.on_adopt is None:
+                raise CheckmateError("this shadow takes no sibling re-seed")
+            return {"ok": True, "started": self.on_adopt((src[0], src[1]))}, b""
         if op == "reseed":
             # Every field is checked before anything changes: a refused reseed leaves the
             # shadow as it was (its spec included).

@@ -1,11 +1,13 @@
 """Two shadows per partition (``checkmate launch --replicas 2``, issue 38's first part).
 
 Everything is real: the launcher's local shadows (four processes: two replicas of each of
-two partitions), two trainers of examples/train_elastic.py. The first replica of partition
-0 is SIGKILLed while training runs: the job stays protected by its sibling (one line says
-the partition is down to its last replica); then a trainer SIGKILLs itself, the launcher
-restarts the group, and the restore reads partition 0 from the surviving replica. The run
-ends bit-identical to one without shadows or failures.
+two partitions), two trainers of examples/train_elastic.py. (1) The first replica of
+partition 0 is SIGKILLed while training runs: the job stays protected by its sibling (one
+line says the partition is down to its last replica); then a trainer SIGKILLs itself, the
+launcher restarts the group, and the restore reads partition 0 from the surviving replica.
+The run ends bit-identical to one without shadows or failures. (2) A replica is SIGKILLed
+and started again empty: it takes its state from its sibling (the trainers send no re-seed)
+and is current, and checked against the trainers, at the end.
 """
 
 from __future__ import annotations
@@ -71,6 +73,77 @@ def test_the_environment_cuts_the_shadow_list_into_replica_sets():
         envmod.read({**base, envmod.REPLICAS: "4"})
 
 
+def _shadow_pids(launcher: int, ip: str) -> list[int]:
+    """The launcher's shadow processes bound to ``ip`` (processes this test started)."""
+    out = []
+    for pid in descendants(launcher):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"checkmate.shadow.cli" in cmd and ip.encode() in cmd:
+            out.append(pid)
+    return out
+
+
+def _at_iteration(log: Path, proc: subprocess.Popen, it: int) -> str | None:
+    """Wait until the launcher's output shows iteration ``it``; the shadows' /24."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = log.read_text(errors="replace")
+        net = re.search(r"shadow\(s\) .*on (127\.\d+\.\d+)\.100\+", text)
+        if net and f"checkmate: iteration {it} loss" in text:
+            return net.group(1)
+        time.sleep(0.05)
+    return None
+
+
+@pytest.mark.slow
+def test_a_replica_restarted_empty_takes_its_state_from_its_sibling(tmp_path):
+    steps = 24
+    env = {**os.environ, "NUMBA_NUM_THREADS": "1"}
+    log = tmp_path / "launch.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [*LAUNCH, "--shadows", "2", "--replicas", "2", "--progress-every", "1",
+             str(SCRIPT), "--steps", str(steps), "--sleep", "0.2"],
+            stdout=f, stderr=subprocess.STDOUT, env=env)
+    again: list[subprocess.Popen] = []
+    try:
+        net = _at_iteration(log, proc, 4)
+        assert net is not None, log.read_text()[-3000:]
+        ip = f"{net}.103"  # replica 1 of partition 1
+        for pid in _shadow_pids(proc.pid, ip):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        with open(tmp_path / "restarted.log", "wb") as f:
+            again.append(subprocess.Popen(
+                [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition", "1/2",
+                 "--bind", ip, "--no-register"], stdout=f, stderr=subprocess.STDOUT,
+                env=env))
+        proc.wait(300)
+        from checkmate.train.shadow_client import ShadowClient
+
+        with ShadowClient((ip, 47100), 10) as c:
+            st = c.status()
+    finally:
+        for p in (proc, *again):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(30)
+    out = log.read_text(errors="replace")
+    assert proc.returncode == 0, out[-5000:]
+    assert "Traceback" not in out, out[-5000:]
+    assert "re-seeding the shadow of partition 1 replica 1 from its sibling replica 0 (the " \
+           "trainers send nothing)" in out, out[-5000:]
+    assert "while training runs" not in out, out[-5000:]  # no re-seed from the trainers
+    assert st["reseed"]["sibling"]["count"] == 1, st["reseed"]
+    assert st["latest"] == steps and st["installs"] == 1, st
+    # finish() checked every replica that answers, the restarted one included
+    assert f"the shadows hold iteration {steps} " in out and "(checked)" in out, out[-2000:]
+    assert (st["state_check"] or {}).get("verified_iteration") == steps, st["state_check"]
+
+
 @pytest.mark.slow
 def test_a_lost_replica_leaves_the_job_protected_and_a_restart_reads_its_sibling(tmp_path):
     steps = 20
@@ -91,22 +164,11 @@ def test_a_lost_replica_leaves_the_job_protected_and_a_restart_reads_its_sibling
     def kill_first_replica() -> None:
         """At iteration 4: SIGKILL the first replica of partition 0 (a process this test
         started, through its launcher), found by its bind address."""
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            text = log.read_text(errors="replace")
-            net = re.search(r"shadow\(s\) .*on (127\.\d+\.\d+)\.100\+", text)
-            if net and "checkmate: iteration 4 loss" in text:
-                for pid in descendants(proc.pid):
-                    try:
-                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                    except OSError:
-                        continue
-                    if b"checkmate.shadow.cli" in cmd and \
-                            f"{net.group(1)}.100".encode() in cmd:
-                        os.kill(pid, signal.SIGKILL)
-                        killed.append(pid)
-                return
-            time.sleep(0.05)
+        net = _at_iteration(log, proc, 4)
+        if net is not None:
+            for pid in _shadow_pids(proc.pid, f"{net}.100"):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
 
     killer = threading.Thread(target=kill_first_replica, daemon=True)
     killer.start()

@@ -98,6 +98,7 @@ class ProtectionMonitor:
         self.reseeding: dict[int, Any] = {}  # slot -> ReseedSender
         self._offered: dict[int, float] = {}
         self.reseeds_started = 0
+        self.sibling_reseeds = 0  # of those, taken from a sibling replica
         #: partitions down to their last current replica (rank 0 has said so once)
         self._last_one: set[int] = set()
         self._clients = [ShadowClient(a, timeout=min(STATUS_TIMEOUT, liveness / 2))
@@ -203,6 +204,31 @@ class ProtectionMonitor:
             return f"{self._where(i)} holds iteration {v.latest}, not yet {since}"
         return ""
 
+    def _reseed(self, i: int, v: ShadowView) -> None:
+        """Give slot ``i``'s shadow a state while training runs: from a current sibling
+        replica when it is empty and has one (shadow.sibling: the trainers send nothing),
+        else live from the trainers."""
+        p, what = i % self.parts, self._where(i).split(" (")[0]
+        sibling = self._sibling(i) if not v.seeded and not v.wanted else None
+        if sibling is not None:
+            got = self._clients[i].request({"op": "adopt",
+                                            "from": list(self.addrs[sibling])})[0]
+            if got.get("started"):
+                self.sibling_reseeds += 1
+                log.warning("checkmate: re-seeding the %s from its sibling replica %d (the "
+                            "trainers send nothing)", what, sibling // self.parts)
+            return
+        reason = v.wanted or "shadow restarted without state"
+        self.reseeding[i] = self.sess.new_reseed(p, reason, self.addrs[i])
+        self.reseeds_started += 1
+        alone = " from the trainers (no current sibling replica)" if self.replicas > 1 else ""
+        log.warning("checkmate: re-seeding the %s%s while training runs (%s)", what, alone,
+                    reason)
+
+    def _sibling(self, i: int) -> int | None:
+        """A current replica of slot ``i``'s partition other than ``i`` (None: none)."""
+        return next((j for j in self.current(i % self.parts) if j != i), None)
+
     def _slots(self, p: int) -> range:
         return range(p, self.parts * self.replicas, self.parts)
 
@@ -283,14 +309,10 @@ class ProtectionMonitor:
             del self.reseeding[i]
             cur = None
         need = (not v.seeded and not v.active) or bool(v.wanted)
-        if mine and need and cur is None and sess.model is not None:
-            if time.monotonic() - self._offered.get(i, -1e9) >= RESEED_RETRY or v.wanted:
-                reason = v.wanted or "shadow restarted without state"
-                self._offered[i] = time.monotonic()
-                self.reseeding[i] = sess.new_reseed(p, reason, self.addrs[i])
-                self.reseeds_started += 1
-                log.warning("checkmate: re-seeding the %s while training runs (%s)",
-                            self._where(i).split(" (")[0], reason)
+        if mine and need and cur is None and sess.model is not None and (
+                v.wanted or time.monotonic() - self._offered.get(i, -1e9) >= RESEED_RETRY):
+            self._offered[i] = time.monotonic()
+            self._reseed(i, v)
         if self.rank == 0:
             lag = self.lag(i, done)
             if lag is not None and lag > self.lag_warn and not v.warned:
@@ -358,4 +380,5 @@ class ProtectionMonitor:
                 "protected_now": not why, "unprotected_since": since if why else None,
                 "unprotected_why": why, "protection_lost": self.lost,
                 "verified": min(checked) if checked and None not in checked else None,
-                "shadows": shadows, "reseeds": self.reseeds_started}
+                "shadows": shadows, "reseeds": self.reseeds_started,
+                **({"sibling_reseeds": self.sibling_reseeds} if self.replicas > 1 else {})}
