@@ -193,3 +193,11 @@ def test_a_lost_replica_leaves_the_job_protected_and_a_restart_reads_its_sibling
     got, want = torch.load(tmp_path / "got.pt"), torch.load(tmp_path / "ref.pt")
     _same(want["model"], got["model"], "model")
     _same(want["optimizer"], got["optimizer"], "optimizer")
+
+
+def test_the_replicas_bench_refuses_a_bad_command_line_in_one_line(capsys):
+    from checkmate.testbed.bench import replicas
+
+    assert replicas.main(["--rounds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "need 1 <= --world <= 8, --rounds >= 2" in err and "Traceback" not in err, err

@@ -24,26 +24,35 @@ from checkmate.protocol import auth
 from checkmate.testbed import lifeline
 
 
-def layout(net: str, ips: list[str], rank: int, world: int) -> Any:
-    """The host-mode JobLayout of trainer ``rank`` of ``world`` with shadows at ``ips``."""
+def layout(net: str, ips: list[str], rank: int, world: int, replicas: int = 1) -> Any:
+    """The host-mode JobLayout of trainer ``rank`` of ``world`` with shadows at ``ips``
+    (``replicas`` whole sets of them, one after the other)."""
     from checkmate.train import JobLayout, ShadowTarget
 
+    n = len(ips) // replicas
+    sets = [ips[k * n:(k + 1) * n] for k in range(replicas)]
     return JobLayout(
         job_id=7, rank=rank, world=world,
         trainers=[(f"{net}.{10 + r}", cfgmod.TRAINER_PORT) for r in range(world)],
-        shadows=[ShadowTarget(p, ip, cfgmod.SHADOW_PORT) for p, ip in enumerate(ips)],
-        shadow_tcp=[(ip, cfgmod.RESTORE_PORT) for ip in ips], mode="host", seed=1)
+        shadows=[ShadowTarget(p, ip, cfgmod.SHADOW_PORT) for p, ip in enumerate(sets[0])],
+        shadow_tcp=[(ip, cfgmod.RESTORE_PORT) for ip in sets[0]], mode="host", seed=1,
+        replica_shadows=[[ShadowTarget(p, ip, cfgmod.SHADOW_PORT) for p, ip in enumerate(s)]
+                         for s in sets[1:]],
+        replica_tcp=[[(ip, cfgmod.RESTORE_PORT) for ip in s] for s in sets[1:]])
 
 
-def run(module: str, net: str, work: Path, world: int, worker_args: list[str]) -> dict:
-    """Start the shadows and ``world`` workers (``python -m module --worker ARGS --net
-    --shadows --out``), wait for them, stop everything, and return the JSON rank 0 wrote.
-    A job secret of the run's own is made when none is set (as the launcher does)."""
+def run(module: str, net: str, work: Path, world: int, worker_args: list[str],
+        replicas: int = 1) -> dict:
+    """Start the shadows (``replicas`` of each partition) and ``world`` workers (``python -m
+    module --worker ARGS --net --shadows --out``), wait for them, stop everything, and
+    return the JSON rank 0 wrote. A job secret of the run's own is made when none is set
+    (as the launcher does)."""
     if not os.environ.get(auth.SECRET_ENV):
         auth.create_secret(work / "job.key")
         os.environ[auth.SECRET_ENV] = str(work / "job.key")
-    shadows, ips = start_shadows(net, work)
+    shadows, ips = start_shadows(net, work, replicas)
     out = work / "result.json"
+    out.unlink(missing_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -74,12 +83,15 @@ def run(module: str, net: str, work: Path, world: int, worker_args: list[str]) -
     return json.loads(out.read_text())
 
 
-def start_shadows(net: str, work: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    """Two ``shadow serve`` processes (partitions 0/2 and 1/2) on ``net``, ready to seed."""
-    ips = [f"{net}.100", f"{net}.101"]
+def start_shadows(net: str, work: Path, replicas: int = 1
+                  ) -> tuple[list[subprocess.Popen], list[str]]:
+    """Two ``shadow serve`` processes (partitions 0/2 and 1/2) per replica on ``net``,
+    ready to seed: replica k of partition p at .100 + 2k + p."""
+    ips = [f"{net}.{100 + i}" for i in range(2 * replicas)]
     procs = []
-    for p, ip in enumerate(ips):
-        log = open(work / f"shadow{p}.log", "wb")  # noqa: SIM115
+    for i, ip in enumerate(ips):
+        p = i % 2
+        log = open(work / f"shadow{i}.log", "wb")  # noqa: SIM115
         procs.append(lifeline.popen(
             [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition", f"{p}/2",
              "--config", str(cfgmod.default_path()), "--bind", ip, "--no-register",
@@ -90,7 +102,7 @@ def start_shadows(net: str, work: Path) -> tuple[list[subprocess.Popen], list[st
         while True:
             if proc.poll() is not None:
                 tail = (work / f"shadow{p}.log").read_text(errors="replace")[-300:]
-                raise CheckmateError(f"shadow {p} exited at start: {tail.strip()}")
+                raise CheckmateError(f"shadow {ip} exited at start: {tail.strip()}")
             try:
                 socket.create_connection((ip, cfgmod.RESTORE_PORT), 0.5).close()
                 break
