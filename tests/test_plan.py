@@ -134,6 +134,29 @@ def test_scale_figures_follow_from_the_inputs(gpus, per_node, capsys):
     assert f"one switch with disjoint group and rid ranges: {fit} " in jobs
 
 
+def test_replicas_count_in_the_switch_state_ports_and_copies(capsys):
+    """Two shadows per partition, worked by hand for 64 GPUs on 8 nodes (5 partitions): the
+    entries stay one per (hop, partition); every multicast group gains a member per replica
+    (3 instead of 2), each shadow has a port and a rewrite of its own, and the switch copies
+    every byte twice."""
+    from checkmate.launch.plan import main
+
+    args = ["--mtbf", "3h", "--step-time", "1.5", "--params", "7B", "--grad-dtype",
+            "bfloat16", "--gpus", "64"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    assert main([*args, "--replicas", "2"]) == 0
+    two = capsys.readouterr().out
+    assert "5 shadow(s) x 2 replicas = 10 shadow processes" in two
+    assert "ckm_replicate entries 40 of 4096" in one and "ckm_replicate entries 40 of" in two
+    assert "multicast groups 41 of 61440" in two and "120 replicas" in two  # 40 x 3
+    assert "80 replicas" in one  # 40 x 2
+    assert "shadow_rewrite entries 10 of" in two and "ports 18 of 64" in two  # 8 + 10
+    assert "controller per rendezvous: 170 writes" in two  # 2 x 40 + 2 x 40 + 10
+    copies = [float(t.split("the switch copies ")[1].split(" GB/s")[0]) for t in (one, two)]
+    assert abs(copies[1] - 2 * copies[0]) < 0.002, copies  # each printed to 3 decimals
+
+
 def test_scale_needs_params_and_sane_counts():
     r = _cli("--mtbf", "3h", "--step-time", "1.5", "--checkmate-cost", "5ms", "--gpus", "64")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(

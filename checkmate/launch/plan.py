@@ -198,6 +198,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="tensor-parallel degree: shadows are sized per data-parallel group "
                          "(TP x PP groups, each 1/(TP x PP) of the model; docs/scale.md)")
     ap.add_argument("--pp", type=_count, default=1, help="pipeline-parallel degree")
+    ap.add_argument("--replicas", type=_count, default=1,
+                    help="shadows per partition (issue 38): switch state, ports and copies "
+                         "count every replica (default 1)")
     return ap
 
 
@@ -255,6 +258,11 @@ def main(argv: list[str]) -> int:
                   f"{a.shadow_step_rate / 1e9:g} G params/s per shadow"
                   + (f", capacity {a.shadow_capacity / 1e6:g} M params/s"
                      if a.shadow_capacity is not None else "") + " (given)")
+        if a.replicas > 1:
+            print(f"replicas: {a.replicas} shadows per partition, {sz.shadows * a.replicas} "
+                  f"shadow processes ({sz.memory_bytes * a.replicas / 2**30:.1f} GiB per "
+                  "partition in all); host mode: the trainers send each copy "
+                  f"{a.replicas} times; switch mode: one more multicast member per replica")
     if a.gpus is not None:
         if a.params is None:
             raise CheckmateError("--gpus needs --params (the shadows set the partitions)")
@@ -263,11 +271,11 @@ def main(argv: list[str]) -> int:
         if groups > 1:
             nodes = scale.group_nodes(a.gpus, a.gpus_per_node, a.tp, a.pp)
             one = scale.scale(len(nodes), a.gpus_per_node, sz, a.step_time, gb, a.params,
-                              node_of=nodes)
+                              node_of=nodes, replicas=a.replicas)
             lines = scale.describe_mesh(one, a.gpus, a.gpus_per_node, a.tp, a.pp)
         else:
             lines = scale.describe(scale.scale(a.gpus, a.gpus_per_node, sz, a.step_time, gb,
-                                               a.params))
+                                               a.params, replicas=a.replicas))
         for line in lines:
             print(line)
     return 0

@@ -72,6 +72,9 @@ class Scale:
     writes_per_rendezvous: int
     shadow_bytes_per_s: float  # gradient into each shadow
     table_sizes: dict[str, int]
+    #: shadows per partition (issue 38): each one more member of every multicast group of
+    #: its partition and one more rewrite; the switch copies each byte once per replica
+    per_partition: int = 1
 
     @property
     def jobs_per_switch(self) -> int:
@@ -85,10 +88,11 @@ class Scale:
 
 
 def scale(gpus: int, per_node: int, sizing: Sizing, step_s: float, grad_bytes: int,
-          params: int, node_of: list[int] | None = None) -> Scale:
+          params: int, node_of: list[int] | None = None, replicas: int = 1) -> Scale:
     """The figures of a job of ``gpus`` ranks, ``per_node`` per node (the last node may hold
-    fewer), with ``sizing.shadows`` partitions; ``node_of``: each rank's node when it is not
-    rank // per_node (one data-parallel group of a mesh job: :func:`group_nodes`)."""
+    fewer), with ``sizing.shadows`` partitions of ``replicas`` shadows each; ``node_of``:
+    each rank's node when it is not rank // per_node (one data-parallel group of a mesh
+    job: :func:`group_nodes`)."""
     if gpus < 1 or per_node < 1:
         raise CheckmateError(f"need --gpus >= 1 and --gpus-per-node >= 1, got {gpus} and "
                              f"{per_node}")
@@ -106,10 +110,11 @@ def scale(gpus: int, per_node: int, sizing: Sizing, step_s: float, grad_bytes: i
         highest, encodable = None, False
     groups = len(dests) * p + 1
     sizes = p4_table_sizes()
-    writes = 2 * entries + 2 * (groups - 1) + p  # withdraw + install, re-stamp rewrites
-    return Scale(gpus, per_node, nodes, p, len(hops), entries, groups, 2 * (groups - 1),
-                 highest, encodable, p, nodes + p, writes,
-                 sizing.partition_params * grad_bytes / step_s, sizes)
+    r = replicas
+    writes = 2 * entries + 2 * (groups - 1) + p * r  # withdraw + install, re-stamp rewrites
+    return Scale(gpus, per_node, nodes, p, len(hops), entries, groups,
+                 (1 + r) * (groups - 1), highest, encodable, p * r, nodes + p * r, writes,
+                 sizing.partition_params * grad_bytes / step_s, sizes, r)
 
 
 def describe(s: Scale) -> list[str]:
@@ -123,12 +128,14 @@ def describe(s: Scale) -> list[str]:
     enc = ("EXCEEDS control/plan.py's id encoding (destination < 240, partition < 256)"
            if not s.encodable else "the flood group only" if s.highest_group is None
            else f"ids {GROUP_BASE}..{s.highest_group}")
-    total = s.shadow_bytes_per_s * s.partitions / 1e9
+    total = s.shadow_bytes_per_s * s.partitions * s.per_partition / 1e9
     who = (f"the switch copies {total:.3f} GB/s in all" if s.network_hops
            else f"the trainers send {total:.3f} GB/s in all")
+    reps = (f" x {s.per_partition} replicas = {s.partitions * s.per_partition} shadow "
+            "processes" if s.per_partition > 1 else "")
     lines = [
         f"job: {s.gpus} GPUs, {s.per_node} per node = {s.nodes} node(s), {s.partitions} "
-        f"shadow(s); the ring crosses the switch on {s.network_hops} hop(s)"
+        f"shadow(s){reps}; the ring crosses the switch on {s.network_hops} hop(s)"
         + ("" if s.network_hops else " (one node: the trainers send the copies)"),
         f"into each shadow: {s.shadow_bytes_per_s / 1e9:.3f} GB/s of gradient "
         f"({gbps:.1f} Gb/s, {gbps / PORT_GBPS:.0%} of a {PORT_GBPS} Gb/s port); {who}",
