@@ -378,6 +378,7 @@ def launch(argv: list[str]) -> int:
             print(f"{PROG}: starting {count} shadow(s){per} on {net}.100+ (logs: {logdir}"
                   f"{kept})", flush=True)
             local.start()
+            local.supervise(args.shadow_restarts)  # one that exits is started again
             tcp, job_id = local.tcp, args.job_id or 1
         else:
             tcp, job_id = [], args.job_id or 1

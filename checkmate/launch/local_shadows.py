@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import TextIO
 
@@ -48,6 +49,11 @@ SHADOW_WINDOW = 64
 START_TIMEOUT = READY_TIMEOUT
 #: Seconds of waiting after which the launcher says the shadows compile their kernels.
 SAY_AFTER = 3.0  # loading them from the cache takes under a second
+#: Times one shadow is started again after it exited while the job ran (a shadow that
+#: keeps dying is left down, said once: the job says it is unprotected).
+RESTARTS = 5
+#: Seconds between two looks at whether the shadows still run.
+SUPERVISE_EVERY = 0.25
 
 
 def _bindable(ip: str, port: int, kind: int) -> bool:
@@ -112,6 +118,11 @@ class LocalShadows:
         self.replicas = replicas
         self.persist_dir, self.persist_every = persist_dir, persist_every
         self.procs: list[subprocess.Popen] = []
+        self.argvs: list[list[str]] = []
+        self.restarts: list[int] = []
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.max_restarts = RESTARTS
 
     @property
     def tcp(self) -> list[Addr]:
@@ -138,10 +149,9 @@ class LocalShadows:
                 argv += ["--dir", str(pdir / f"replica{k}" if k else pdir)]
                 if self.persist_every:
                     argv += ["--persist-every", str(self.persist_every)]
-            with open(self.log(p), "ab") as log:
-                self.procs.append(subprocess.Popen(
-                    argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=_die_with_parent))
+            self.argvs.append(argv)
+            self.restarts.append(0)
+            self.procs.append(self._spawn(p))
         progress = Progress(out if out is not None else sys.stdout)
         try:
             waited = wait_ready(self.tcp, START_TIMEOUT, on_wait=progress,
@@ -156,6 +166,54 @@ class LocalShadows:
         progress.end(True, waited)
         return self
 
+    def _spawn(self, i: int) -> subprocess.Popen:
+        with open(self.log(i), "ab") as log:
+            return subprocess.Popen(self.argvs[i], stdout=log, stderr=log,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
+
+    def name(self, i: int) -> str:
+        """Shadow ``i`` as a line names it: its address, partition (group, replica)."""
+        whole = self.count // self.replicas
+        per = whole // self.groups
+        k, q = divmod(i, whole)
+        group = f" of group {q // per}" if self.groups > 1 else ""
+        rep = f" replica {k}" if self.replicas > 1 else ""
+        return f"shadow {self.tcp[i][0]} (partition {q % per}{group}{rep})"
+
+    def supervise(self, restarts: int = RESTARTS, out: TextIO | None = None) -> None:
+        """While the job runs, start again every shadow that exits (up to ``restarts`` times
+        each), one line each time: it comes back empty (or from its checkpoints with
+        ``--persist-every``), and the trainers bring it current again: from a sibling
+        replica where one is current (shadow.sibling), else by a live re-seed."""
+        self.max_restarts = restarts
+        self._watcher = threading.Thread(target=self._watch, args=(out or sys.stdout,),
+                                         name="ckm-shadows", daemon=True)
+        self._watcher.start()
+
+    def _watch(self, out: TextIO) -> None:
+        while not self._stopping.wait(SUPERVISE_EVERY):
+            for i, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is None or self._stopping.is_set():
+                    continue
+                why = (f"signal {signal.Signals(-code).name}" if code < 0
+                       and -code in signal.valid_signals() else f"exit code {code}")
+                if self.restarts[i] >= self.max_restarts:
+                    if self.restarts[i] == self.max_restarts:
+                        self.restarts[i] += 1
+                        out.write(f"checkmate launch: {self.name(i)} exited ({why}) after "
+                                  f"{self.max_restarts} restart(s) (--shadow-restarts): left "
+                                  f"down (log: {self.log(i)})\n")
+                        out.flush()
+                    continue
+                self.restarts[i] += 1
+                last = _last_line(self.log(i))
+                self.procs[i] = self._spawn(i)
+                out.write(f"checkmate launch: {self.name(i)} exited ({why}; {last}): started "
+                          "it again\n")
+                out.flush()
+
     def _check_alive(self) -> None:
         for p, proc in enumerate(self.procs):
             if proc.poll() is not None:
@@ -164,6 +222,9 @@ class LocalShadows:
 
     def stop(self) -> None:
         """SIGTERM every shadow this object started, by PID; SIGKILL what outlives 10 s."""
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join(5)
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()

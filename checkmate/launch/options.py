@@ -80,6 +80,10 @@ def parser(gpus: int) -> argparse.ArgumentParser:
                    help="shadows per partition, started here (default 1): the trainers send "
                         "each its copies, and a partition stays protected while one of its "
                         "replicas is current")
+    p.add_argument("--shadow-restarts", type=_count(0, 100), default=5, metavar="N",
+                   help="start a shadow started here again when it exits while the job "
+                        "runs, up to N times each (default 5; 0: never): the trainers bring "
+                        "it current, from a sibling replica or by a live re-seed")
     p.add_argument("--pp", type=_count(1, 256), default=1, metavar="P",
                    help="the script's pipeline-parallel degree (its DeviceMesh's pp "
                         "dimension): shadows are per data-parallel group, P x T groups")
