@@ -261,6 +261,12 @@ class TrainerCollector(Collector):
             "1 while the shadow is being re-seeded.",
             [(lab, v.get("reseeding")) for lab, v in per],
         )
+        f.gauges(
+            "shadow_current_replicas",
+            "Replicas of the partition holding the newest iterations (several per partition: "
+            "checkmate launch --replicas; protected while at least 1).",
+            [(lab, v.get("current")) for lab, v in per],
+        )
         repair = _sub(st, "repair")
         f.counter("repair_requests_total", "Repair requests received.", repair.get("requests"))
         f.counter(

@@ -220,6 +220,19 @@ def test_trainer_full_protection_every_metric() -> None:
     assert got == want
 
 
+def test_trainer_reports_current_replicas_per_partition() -> None:
+    """With several replicas per partition, protection() says how many are current."""
+    prot = {**full_protection(), "shadows": {
+        0: {**full_protection()["shadows"][0], "current": 2},
+        1: {**full_protection()["shadows"]["1"], "current": 1}}}
+    got = samples(render(TrainerCollector(lambda: prot, rank=0)))
+    t = "checkmate_trainer_shadow_current_replicas"
+    assert got[key(t, rank=0, partition=0)] == 2.0 and got[key(t, rank=0, partition=1)] == 1.0
+    # one shadow per partition: no such metric (protection() has no "current")
+    assert not any(k[0] == t for k in samples(render(TrainerCollector(full_protection,
+                                                                       rank=0))))
+
+
 def test_trainer_types() -> None:
     kinds = types(render(TrainerCollector(full_protection, rank=0)))
     t = "checkmate_trainer_"

@@ -208,9 +208,9 @@ class LocalShadows:
                         out.flush()
                     continue
                 self.restarts[i] += 1
-                last = _last_line(self.log(i))
+                last = f"; {_last_line(self.log(i))}" if code > 0 else ""  # its own words
                 self.procs[i] = self._spawn(i)
-                out.write(f"checkmate launch: {self.name(i)} exited ({why}; {last}): started "
+                out.write(f"checkmate launch: {self.name(i)} exited ({why}{last}): started "
                           "it again\n")
                 out.flush()
 

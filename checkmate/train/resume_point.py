@@ -206,11 +206,15 @@ def merge_replicas(per_set: Sequence[Sequence[Holding]]) -> list[Holding]:
                 for k, h in enumerate(reps))))
             continue
         best = max(live, key=lambda h: (max(h.memory, default=-1), max(h.disk, default=-1)))
+        # an iteration reloaded from disk at start by every replica holding it in memory
+        rel = {h.reloaded for h in live if h.reloaded is not None}
+        reloaded = next((r for r in sorted(rel) if all(
+            h.reloaded == r for h in live if r in h.memory)), None)
         out.append(replace(best, partition=p,
                            memory=sorted(set().union(*(h.memory for h in live))),
                            disk=sorted(set().union(*(h.disk for h in live))),
                            verified=sorted(set().union(*(h.verified for h in live))),
-                           reloaded=None))
+                           reloaded=reloaded))
     return out
 
 
