@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import alive, children
+from fakes import alive, children, same_state
 
 from checkmate.config import cluster as cfgmod
 from checkmate.launch.cli import main as launch_main
@@ -51,21 +51,6 @@ def _launch(tmp_path: Path, name: str, steps: int, env: dict[str, str] | None = 
     return p, torch.load(out, weights_only=False)
 
 
-def _assert_same(a: object, b: object, where: str = "") -> None:
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}/{i}")
-    else:
-        assert a == b, where
-
-
 def _shadows_gone(output: str) -> None:
     """The launcher's shadows (it prints their /24) no longer answer: stopped at exit."""
     net = re.search(r"shadow\(s\) on (127\.\d+\.\d+)\.100\+", output).group(1)
@@ -91,9 +76,8 @@ def test_launch_restarts_a_killed_trainer_bit_identical(tmp_path):
     assert re.search(r"checkmate: iteration 12 loss \d+\.\d+ \| shadows hold iteration",
                      killed.stdout), killed.stdout
     assert f"the shadows hold iteration {steps} " in killed.stdout, killed.stdout
-    _assert_same(ref["model"], got["model"], f"model ({why})")
-    _assert_same(ref["optimizer"], got["optimizer"], f"optimizer ({why})")
-    _assert_same(ref["scheduler"], got["scheduler"], f"scheduler ({why})")
+    for part in ("model", "optimizer", "scheduler"):
+        assert same_state(ref[part], got[part]), f"{part} ({why})"
     assert ref["scheduler"]["last_epoch"] == steps
     for p in (clean, killed):
         _shadows_gone(p.stdout)

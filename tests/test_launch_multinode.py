@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from fakes import same_state
 
 from checkmate.errors import CheckmateError
 from checkmate.launch import cli, launcher, options
@@ -329,21 +330,6 @@ class _Reference:
                 self.proc.wait()
 
 
-def _equal(a: object, b: object, where: str = "") -> None:
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal(x, y, f"{where}/{i}")
-    else:
-        assert a == b, where
-
-
 @pytest.mark.slow
 def test_lost_node_is_replaced_by_a_spare_and_the_job_ends_bit_identical(
         tmp_path, serve_shadows):
@@ -374,8 +360,8 @@ def test_lost_node_is_replaced_by_a_spare_and_the_job_ends_bit_identical(
         assert "a trainer on another node went silent (a lost node" in text, text[-3000:]
         got = torch.load(tmp_path / ("a.pt" if (tmp_path / "a.pt").exists() else "spare.pt"))
         ref = reference.result()
-        _equal(ref["model"], got["model"], "model")
-        _equal(ref["optimizer"], got["optimizer"], "optimizer")
+        assert same_state(ref["model"], got["model"]), "model"
+        assert same_state(ref["optimizer"], got["optimizer"]), "optimizer"
         assert got["world"] == 2
     finally:
         reference.stop()
@@ -412,8 +398,9 @@ def test_job_shrinks_to_two_nodes_from_the_shadows_checkpoint(tmp_path, serve_sh
     full = load_full_state(ckpt, iteration=r["iteration"])
     model_sd, optim_sd = full.spec.state_dicts(
         full.slots, full.step, full.spec.decode_buffers(full.buffers), full.lrs)
-    _equal(dict(model_sd), dict(r["model"]), "restored model vs the shadows' checkpoint")
-    _equal(optim_sd["state"], r["optimizer"]["state"], "restored optimizer state")
+    assert same_state(dict(model_sd), dict(r["model"])), \
+        "restored model vs the shadows' checkpoint"
+    assert same_state(optim_sd["state"], r["optimizer"]["state"]), "restored optimizer state"
     final = torch.load(next(p for p in (tmp_path / "a.pt", tmp_path / "b.pt") if p.exists()))
     assert final["world"] == 2  # and it trained on to the last step (the run exited 0)
     assert not torch.equal(final["model"]["0.weight"], r["model"]["0.weight"])

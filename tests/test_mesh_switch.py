@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes import same_state
 
 from checkmate.config import cluster as cfgmod
 
@@ -80,21 +81,6 @@ def _reference(tmp: Path) -> list[dict]:
                        env={**os.environ, "NUMBA_NUM_THREADS": "1"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     return [torch.load(tmp / f"ref.{r}") for r in range(4)]
-
-
-def _equal(a: object, b: object, where: str) -> None:
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal(x, y, f"{where}/{i}")
-    else:
-        assert a == b, where
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +148,7 @@ def _same_as(reference: list[dict], tmp: Path) -> None:
     for r in range(4):
         mine = torch.load(tmp / f"state.{r}")
         for part in ("model", "optimizer", "scheduler"):
-            _equal(reference[r][part], mine[part], f"rank {r} {part}")
+            assert same_state(reference[r][part], mine[part]), f"rank {r} {part}"
 
 
 def test_each_group_is_copied_to_its_own_shadows_every_element_once(tmp_path, reference):

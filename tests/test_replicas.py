@@ -17,12 +17,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from fakes import same_state
 
 from checkmate.errors import CheckmateError
 from checkmate.testbed.multinode import descendants
@@ -42,21 +42,6 @@ def reference(tmp_path_factory) -> dict:
                        text=True, timeout=300, env={**os.environ, "NUMBA_NUM_THREADS": "1"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     return torch.load(out)
-
-
-def _same(a: object, b: object, where: str = "") -> None:
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{where}/{i}")
-    else:
-        assert a == b, where
 
 
 def test_replicas_need_shadows_started_here_for_a_data_parallel_job(capsys):
@@ -110,23 +95,24 @@ def _at_iteration(log: Path, proc: subprocess.Popen, it: int) -> str | None:
     return None
 
 
-@pytest.mark.slow
-def test_a_replica_restarted_empty_takes_its_state_from_its_sibling(tmp_path):
-    """The launcher starts a replica that exited again (empty); the trainers point it at
-    its current sibling, whose newest version it installs; at the end it is current and
-    passes the state check."""
-    steps = 24
+def _run_killing(tmp: Path, args: list[str], at: int, shadows: list[int],
+                 kill_at: str | None = None) -> str:
+    """``checkmate launch ARGS`` of the script with two replicas per partition; at
+    iteration ``at`` SIGKILL its shadows whose bind address ends in each of ``shadows``
+    (processes this test started, through the launcher); ``kill_at``: a trainer's
+    CHECKMATE_KILL_AT. The launcher must end well, without a traceback: its output."""
+    log = tmp / "launch.log"
     env = {**os.environ, "NUMBA_NUM_THREADS": "1"}
-    log = tmp_path / "launch.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(
-            [*LAUNCH, "--shadows", "2", "--replicas", "2", "--progress-every", "1",
-             "--dir", str(tmp_path / "run"), str(SCRIPT), "--steps", str(steps), "--sleep",
-             "0.2"], stdout=f, stderr=subprocess.STDOUT, env=env)
+            [*LAUNCH, "--shadows", "2", "--replicas", "2", "--progress-every", "1", "--dir",
+             str(tmp / "run"), *args], stdout=f, stderr=subprocess.STDOUT,
+            env=env if kill_at is None else {**env, "CHECKMATE_KILL_AT": kill_at})
+    killed: list[int] = []
     try:
-        net = _at_iteration(log, proc, 4)
+        net = _at_iteration(log, proc, at)
         assert net is not None, log.read_text()[-3000:]
-        killed = _shadow_pids(proc.pid, f"{net}.103")  # replica 1 of partition 1
+        killed = [pid for last in shadows for pid in _shadow_pids(proc.pid, f"{net}.{last}")]
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
         proc.wait(300)
@@ -135,8 +121,19 @@ def test_a_replica_restarted_empty_takes_its_state_from_its_sibling(tmp_path):
             proc.terminate()
             proc.wait(30)
     out = log.read_text(errors="replace")
-    assert proc.returncode == 0 and killed, out[-5000:]
+    assert proc.returncode == 0 and len(killed) == len(shadows), out[-5000:]
     assert "Traceback" not in out, out[-5000:]
+    return out
+
+
+@pytest.mark.slow
+def test_a_replica_restarted_empty_takes_its_state_from_its_sibling(tmp_path):
+    """The launcher starts a replica that exited again (empty); the trainers point it at
+    its current sibling, whose newest version it installs; at the end it is current and
+    passes the state check."""
+    steps = 24
+    out = _run_killing(tmp_path, [str(SCRIPT), "--steps", str(steps), "--sleep", "0.2"], 4,
+                       [103])  # replica 1 of partition 1
     assert re.search(r"shadow 127\.\d+\.\d+\.103 \(partition 1 replica 1\) exited \(signal "
                      r"SIGKILL\): started it again", out), out[-5000:]
     assert "re-seeding the shadow of partition 1 replica 1 from its sibling replica 0 (the " \
@@ -153,54 +150,24 @@ def test_a_replica_restarted_empty_takes_its_state_from_its_sibling(tmp_path):
 @pytest.mark.slow
 def test_a_lost_replica_leaves_the_job_protected_and_a_restart_reads_its_sibling(
         tmp_path, reference):
-    steps = STEPS
-    env = {**os.environ, "NUMBA_NUM_THREADS": "1"}
-    log = tmp_path / "launch.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [*LAUNCH, "--shadows", "2", "--replicas", "2", "--max-restarts", "1",
-             "--shadow-restarts", "0", "--progress-every", "1", "--dir",
-             str(tmp_path / "run"), str(SCRIPT), "--steps",
-             str(steps), "--sleep", "0.25", "--out", str(tmp_path / "got.pt")],
-            stdout=f, stderr=subprocess.STDOUT, env={**env, "CHECKMATE_KILL_AT": "1:15"})
-    killed: list[int] = []
-
-    def kill_first_replica() -> None:
-        """At iteration 3: SIGKILL the first replica of partition 0 (a process this test
-        started, through its launcher), found by its bind address; the trainer dies at 15,
-        well after the trainers see the replica down (2 s without an answer)."""
-        net = _at_iteration(log, proc, 3)
-        if net is not None:
-            for pid in _shadow_pids(proc.pid, f"{net}.100"):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-
-    killer = threading.Thread(target=kill_first_replica, daemon=True)
-    killer.start()
-    try:
-        proc.wait(300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    killer.join(5)
-    out = log.read_text(errors="replace")
-    assert proc.returncode == 0, out[-5000:]
-    assert killed, out[-3000:]
-    assert "Traceback" not in out, out[-5000:]
+    """The first replica of partition 0 killed at iteration 3 and left down; a trainer dies
+    at 15, well after the trainers see the replica down (2 s without an answer)."""
+    out = _run_killing(tmp_path, ["--max-restarts", "1", "--shadow-restarts", "0",
+                                  str(SCRIPT), "--steps", str(STEPS), "--sleep", "0.25",
+                                  "--out", str(tmp_path / "got.pt")], 3, [100], "1:15")
     assert "starting 4 shadow(s) (2 replicas of each of 2 partitions)" in out, out[-3000:]
     assert re.search(r"shadow 127\.\d+\.\d+\.100 \(partition 0 replica 0\) exited \(signal "
-                     r"SIGKILL\) "
-                     r"after 0 restart\(s\) \(--shadow-restarts\): left down", out), out[-5000:]
+                     r"SIGKILL\) after 0 restart\(s\) \(--shadow-restarts\): left down", out), \
+        out[-5000:]
     assert "partition 0 is down to its last current replica of 2" in out, out[-5000:]
     assert "UNPROTECTED" not in out, out[-5000:]
     m = re.search(r"read from replica per partition: (\d) (\d)", out)
     assert m and m.groups() == ("1", "0"), out[-5000:]  # partition 0 from its sibling
     assert "resumed from the shadows at iteration" in out, out[-5000:]
-    assert f"the shadows hold iteration {steps} " in out and "(checked)" in out, out[-2000:]
-    got, want = torch.load(tmp_path / "got.pt"), reference
-    _same(want["model"], got["model"], "model")
-    _same(want["optimizer"], got["optimizer"], "optimizer")
+    assert f"the shadows hold iteration {STEPS} " in out and "(checked)" in out, out[-2000:]
+    got = torch.load(tmp_path / "got.pt")
+    assert same_state(reference["model"], got["model"]), "model"
+    assert same_state(reference["optimizer"], got["optimizer"]), "optimizer"
 
 
 def test_the_replicas_bench_refuses_a_bad_command_line_in_one_line(capsys):
@@ -218,31 +185,9 @@ def test_both_replicas_and_a_trainer_lost_resume_from_their_checkpoints(tmp_path
     failure): the launcher starts the two shadows again from their checkpoints, the
     restart resumes where partition 0's disk allows, says so, and the run ends
     bit-identical."""
-    steps = STEPS
-    env = {**os.environ, "NUMBA_NUM_THREADS": "1"}
-    log = tmp_path / "launch.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [*LAUNCH, "--shadows", "2", "--replicas", "2", "--max-restarts", "1",
-             "--persist-every", "1", "--progress-every", "1", "--dir", str(tmp_path / "run"),
-             str(SCRIPT), "--steps", str(steps), "--sleep", "0.25", "--out",
-             str(tmp_path / "got.pt")],
-            stdout=f, stderr=subprocess.STDOUT, env={**env, "CHECKMATE_KILL_AT": "0:10"})
-    try:
-        net = _at_iteration(log, proc, 9)
-        assert net is not None, log.read_text()[-3000:]
-        killed = [pid for ip in (f"{net}.100", f"{net}.102")
-                  for pid in _shadow_pids(proc.pid, ip)]
-        for pid in killed:
-            os.kill(pid, signal.SIGKILL)
-        proc.wait(300)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(30)
-    out = log.read_text(errors="replace")
-    assert proc.returncode == 0 and len(killed) == 2, out[-5000:]
-    assert "Traceback" not in out, out[-5000:]
+    out = _run_killing(tmp_path, ["--max-restarts", "1", "--persist-every", "1", str(SCRIPT),
+                                  "--steps", str(STEPS), "--sleep", "0.25", "--out",
+                                  str(tmp_path / "got.pt")], 9, [100, 102], "0:10")
     assert out.count("(partition 0 replica ") >= 2 and "started it again" in out, out[-5000:]
     # partition 0's shadows came back from their checkpoints, and the restart resumed
     for k in (0, 2):  # replica 0 and replica 1 of partition 0
@@ -250,6 +195,6 @@ def test_both_replicas_and_a_trainer_lost_resume_from_their_checkpoints(tmp_path
         assert "restored partition 0 from" in shadow_log, shadow_log[-2000:]
     assert "checkmate: resuming at iteration" in out, out[-5000:]
     assert "resumed from the shadows at iteration" in out, out[-5000:]
-    got, want = torch.load(tmp_path / "got.pt"), reference
-    _same(want["model"], got["model"], "model")
-    _same(want["optimizer"], got["optimizer"], "optimizer")
+    got = torch.load(tmp_path / "got.pt")
+    assert same_state(reference["model"], got["model"]), "model"
+    assert same_state(reference["optimizer"], got["optimizer"]), "optimizer"

@@ -139,18 +139,24 @@ def check_holdings(addrs: list[tuple[str, int]], spec: Any,
     every shadow holds state of a job whose spec equals ``spec`` (this trainer's model and
     optimizer) and waiting until they stop committing; CheckmateError with one line naming
     the first difference, or what is missing when there is nothing."""
-    from checkmate.spec.model import difference
-
     wait = resume_point.RESUME_WAIT if wait is None else wait
     resume_point.choose(resume_point.survey(addrs, wait))  # nothing at all: fail first
+    _same_spec(addrs, spec)
+    settle(addrs)
+    return resume_point.ask(addrs)
+
+
+def _same_spec(addrs: list[tuple[str, int]], spec: Any) -> None:
+    """Every shadow at ``addrs`` holds state of a job whose spec equals ``spec`` (this
+    trainer's model and optimizer); one CheckmateError line naming the first difference."""
+    from checkmate.spec.model import difference
+
     for a in addrs:
         with ShadowClient(a) as c:
             why = difference(c.get_spec(), spec)
         if why is not None:
             raise CheckmateError(f"resume: {why} (resume with the model and optimizer the "
                                  "job started with, or start it anew with resume=False)")
-    settle(addrs)
-    return resume_point.ask(addrs)
 
 
 def check_resume(addrs: list[tuple[str, int]], spec: Any,
@@ -166,8 +172,6 @@ def check_replica_holdings(sets: list[list[tuple[str, int]]], spec: Any,
     replica set's addresses): each replica's holdings, and per partition what any of its
     replicas holds (resume_point.merge_replicas). Only a partition none of whose replicas
     answers is waited for; the replicas that answer are checked and settled."""
-    from checkmate.spec.model import difference
-
     wait = resume_point.RESUME_WAIT if wait is None else wait
     deadline, told = time.monotonic() + wait, False
     while True:
@@ -183,12 +187,7 @@ def check_replica_holdings(sets: list[list[tuple[str, int]]], spec: Any,
         time.sleep(0.5)
     resume_point.choose(merged)  # nothing at all: fail first
     live = [h.addr for hs in per_set for h in hs if not h.error]
-    for a in live:
-        with ShadowClient(a) as c:
-            why = difference(c.get_spec(), spec)
-        if why is not None:
-            raise CheckmateError(f"resume: {why} (resume with the model and optimizer the "
-                                 "job started with, or start it anew with resume=False)")
+    _same_spec(live, spec)
     settle(live)
     per_set = [resume_point.ask(addrs) for addrs in sets]
     return per_set, resume_point.merge_replicas(per_set)
