@@ -9,6 +9,7 @@ meeting at a free local port -- and compare variants inside it; only the worker 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -22,6 +23,21 @@ from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError
 from checkmate.protocol import auth
 from checkmate.testbed import lifeline
+
+
+def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """The options every host-mode bench takes (the job's shape) and the hidden ones its
+    workers are started with; a bench adds its own."""
+    ap = argparse.ArgumentParser(prog=f"testbed bench {name}", description=doc)
+    ap.add_argument("--model", default="gpt", choices=("gpt", "cnn"))
+    ap.add_argument("--width", type=int, default=256, help="model width")
+    ap.add_argument("--world", type=int, default=2, help="trainer processes")
+    ap.add_argument("--rounds", type=int, default=4, help="alternated rounds (medians)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--net", help=argparse.SUPPRESS)
+    ap.add_argument("--shadows", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    return ap
 
 
 def layout(net: str, ips: list[str], rank: int, world: int, replicas: int = 1) -> Any:

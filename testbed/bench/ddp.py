@@ -99,19 +99,11 @@ def _worker(args: argparse.Namespace) -> int:
 
 @cli_guard("testbed bench ddp")
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="testbed bench ddp", description=__doc__)
-    ap.add_argument("--model", default="gpt", choices=("gpt", "cnn"))
-    ap.add_argument("--width", type=int, default=256, help="model width")
-    ap.add_argument("--world", type=int, default=2, help="trainer processes")
-    ap.add_argument("--rounds", type=int, default=4, help="alternated rounds (medians)")
+    ap = host_workers.parser("ddp", __doc__)
     ap.add_argument("--iters", type=int, default=8, help="iterations per round")
     ap.add_argument("--warmup", type=int, default=1,
                     help="first iterations of each variant left out of the medians")
     ap.add_argument("--json", metavar="OUT", help="write the per-iteration times here")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--net", help=argparse.SUPPRESS)
-    ap.add_argument("--shadows", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)

@@ -70,18 +70,10 @@ def _worker(args: argparse.Namespace) -> int:
 
 @cli_guard("testbed bench replicas")
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="testbed bench replicas", description=__doc__)
-    ap.add_argument("--model", default="gpt", choices=("gpt", "cnn"))
-    ap.add_argument("--width", type=int, default=256, help="model width")
-    ap.add_argument("--world", type=int, default=2, help="trainer processes")
-    ap.add_argument("--rounds", type=int, default=4, help="alternated rounds")
+    ap = host_workers.parser("replicas", __doc__)
     ap.add_argument("--iters", type=int, default=30, help="timed iterations per run")
     ap.add_argument("--warmup", type=int, default=5, help="untimed iterations per run")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--net", help=argparse.SUPPRESS)
-    ap.add_argument("--shadows", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)

@@ -92,18 +92,10 @@ def _failed_checks(work: Path) -> int:
 
 @cli_guard("testbed bench verify")
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="testbed bench verify", description=__doc__)
-    ap.add_argument("--model", default="gpt", choices=("gpt", "cnn"))
-    ap.add_argument("--width", type=int, default=256, help="model width")
-    ap.add_argument("--world", type=int, default=2, help="trainer processes")
+    ap = host_workers.parser("verify", __doc__)
     ap.add_argument("--every", type=check_schedule.parse, default=10,
                     help="K: a checked iteration in K, or auto")
-    ap.add_argument("--rounds", type=int, default=4, help="alternated rounds")
     ap.add_argument("--iters", type=int, default=20, help="iterations per round and variant")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--net", help=argparse.SUPPRESS)
-    ap.add_argument("--shadows", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
