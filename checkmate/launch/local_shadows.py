@@ -136,16 +136,14 @@ class LocalShadows:
         """Start every shadow and wait until each is ready: it answers on its TCP port and
         its kernels are compiled (a cold Numba cache: one progress line on ``out``)."""
         self.logdir.mkdir(parents=True, exist_ok=True)
-        whole = self.count // self.replicas  # one replica of every partition
-        per = whole // self.groups
+        per = self.count // self.replicas // self.groups
         for p, (ip, _) in enumerate(self.tcp):
-            k, q = divmod(p, whole)
+            k, g, q = self.place(p)
             argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
-                    f"{q % per}/{per}", "--bind", ip, "--no-register",
+                    f"{q}/{per}", "--bind", ip, "--no-register",
                     "--window", str(SHADOW_WINDOW)]
             if self.persist_dir is not None:
-                pdir = (self.persist_dir if self.groups == 1
-                        else self.persist_dir / f"group{q // per}")
+                pdir = self.persist_dir if self.groups == 1 else self.persist_dir / f"group{g}"
                 argv += ["--dir", str(pdir / f"replica{k}" if k else pdir)]
                 if self.persist_every:
                     argv += ["--persist-every", str(self.persist_every)]
@@ -172,14 +170,19 @@ class LocalShadows:
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=_die_with_parent)
 
+    def place(self, i: int) -> tuple[int, int, int]:
+        """Shadow ``i``'s (replica, data-parallel group, partition in the group)."""
+        whole = self.count // self.replicas  # one replica of every partition
+        k, q = divmod(i, whole)
+        g, p = divmod(q, whole // self.groups)
+        return k, g, p
+
     def name(self, i: int) -> str:
         """Shadow ``i`` as a line names it: its address, partition (group, replica)."""
-        whole = self.count // self.replicas
-        per = whole // self.groups
-        k, q = divmod(i, whole)
-        group = f" of group {q // per}" if self.groups > 1 else ""
+        k, g, p = self.place(i)
+        group = f" of group {g}" if self.groups > 1 else ""
         rep = f" replica {k}" if self.replicas > 1 else ""
-        return f"shadow {self.tcp[i][0]} (partition {q % per}{group}{rep})"
+        return f"shadow {self.tcp[i][0]} (partition {p}{group}{rep})"
 
     def supervise(self, restarts: int = RESTARTS, out: TextIO | None = None) -> None:
         """While the job runs, start again every shadow that exits (up to ``restarts`` times

@@ -180,26 +180,38 @@ class _Reliability:
         deadline = time.monotonic() + timeout
         sets = self.layout.tcp_sets
         for p in range(len(self.layout.shadow_tcp)):
-            latest: dict[int, Any] = {}
-            while True:
-                for k, addrs in enumerate(sets):
-                    try:
-                        with ShadowClient(addrs[p], 2.0) as c:
-                            latest[k] = c.status().get("latest") or 0
-                    except (CheckmateError, OSError) as e:
-                        if len(sets) == 1:
-                            raise
-                        latest[k] = f"unreachable ({e})"
-                if any(isinstance(x, int) and x >= iteration for x in latest.values()):
-                    break
-                if time.monotonic() > deadline:
-                    a = sets[0][p]
-                    held = (f"committed up to iteration {latest[0]}" if len(sets) == 1 else
-                            "replicas hold " + ", ".join(f"{k}: {x}" for k, x in
-                                                         sorted(latest.items())))
-                    raise CheckmateError(f"the shadow of partition {p} ({a[0]}:{a[1]}) "
-                                         f"{held}, not {iteration}")
-                time.sleep(0.02)
+            # one connection per replica for the whole wait (each reconnects after a
+            # failure); a lone shadow gets the default timeout, as before replicas
+            clients = [ShadowClient(addrs[p]) if len(sets) == 1 else
+                       ShadowClient(addrs[p], 2.0) for addrs in sets]
+            try:
+                self._wait_partition(p, clients, iteration, deadline)
+            finally:
+                for c in clients:
+                    c.close()
+
+    def _wait_partition(self, p: int, clients: list[Any], iteration: int,
+                        deadline: float) -> None:
+        """Until one replica of partition ``p`` (``clients``) committed ``iteration``."""
+        latest: dict[int, Any] = {}
+        while True:
+            for k, c in enumerate(clients):
+                try:
+                    latest[k] = c.status().get("latest") or 0
+                except (CheckmateError, OSError) as e:
+                    if len(clients) == 1:
+                        raise
+                    latest[k] = f"unreachable ({e})"
+            if any(isinstance(x, int) and x >= iteration for x in latest.values()):
+                return
+            if time.monotonic() > deadline:
+                a = clients[0].addr
+                held = (f"committed up to iteration {latest[0]}" if len(clients) == 1 else
+                        "replicas hold " + ", ".join(f"{k}: {x}" for k, x in
+                                                     sorted(latest.items())))
+                raise CheckmateError(f"the shadow of partition {p} ({a[0]}:{a[1]}) {held}, "
+                                     f"not {iteration}")
+            time.sleep(0.02)
 
     def report(self, loss: float | torch.Tensor | None = None) -> None:
         """Progress for the console: on rank 0, every ``progress_every`` iterations
