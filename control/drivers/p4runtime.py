@@ -16,12 +16,9 @@ from checkmate.control.p4rt_client import P4RuntimeClient
 from checkmate.control.plan import Plan
 from checkmate.errors import CheckmateError
 
-#: Indexes of the P4 ckm_stats counter (STAT_* in p4/include/checkmate_common.p4). Every
-#: datagram on a ckm port is counted at exactly one index; "ckm" (well-formed datagrams)
-#: is the sum of the outcomes of well-formed ones.
-STAT_NAMES = ("plain", "replicated", "no_entry", "malformed", "handshake", "spoofed",
-              "parser_error")
-WELL_FORMED = ("plain", "replicated", "no_entry", "handshake", "spoofed")
+#: Kept here for readers of the P4Runtime driver; defined with the tables (p4tables).
+STAT_NAMES = p4tables.STAT_NAMES
+WELL_FORMED = p4tables.WELL_FORMED
 
 
 class P4RuntimeDriver:
@@ -125,29 +122,16 @@ class P4RuntimeDriver:
         res = ApplyResult()
         if not schema.source_checked:
             res.notes.append(p4tables.SOURCE_UNCHECKED)
-        stale = [self._entry_update(pb.Update.DELETE, s) for k, s in sorted(have.items())
-                 if k not in want]
-        res.removed += [s.label() for k, s in sorted(have.items()) if k not in want]
-        group_ups = []
-        for gid, reps in sorted(want_g.items()):
-            if gid not in have_g:
-                group_ups.append(self._group_update(pb.Update.INSERT, gid, reps))
-                res.added.append(f"multicast group {gid} {list(reps)}")
-            elif have_g[gid] != reps:
-                group_ups.append(self._group_update(pb.Update.MODIFY, gid, reps))
-                res.changed.append(f"multicast group {gid} {list(reps)}")
-        entry_ups = []
-        for k, spec in want.items():
-            if k not in have:
-                entry_ups.append(self._entry_update(pb.Update.INSERT, spec))
-                res.added.append(spec.label())
-            elif have[k] != spec:
-                entry_ups.append(self._entry_update(pb.Update.MODIFY, spec))
-                res.changed.append(spec.label())
-        stale_g = [self._group_update(pb.Update.DELETE, gid, reps)
-                   for gid, reps in sorted(have_g.items()) if gid not in want_g]
-        res.removed += [f"multicast group {gid}" for gid in sorted(have_g) if gid not in want_g]
-        for batch in (stale, group_ups, entry_ups, stale_g):
+        d = p4tables.diff(want, have, want_g, have_g)
+        res.added, res.changed, res.removed = d.labels()
+        batches = (
+            [self._entry_update(pb.Update.DELETE, s) for s in d.stale],
+            [self._group_update(pb.Update.INSERT, g, r) for g, r in d.groups_new.items()]
+            + [self._group_update(pb.Update.MODIFY, g, r) for g, r in d.groups_changed.items()],
+            [self._entry_update(pb.Update.INSERT, s) for s in d.entries_new]
+            + [self._entry_update(pb.Update.MODIFY, s) for s in d.entries_changed],
+            [self._group_update(pb.Update.DELETE, g, have_g[g]) for g in d.groups_stale])
+        for batch in batches:
             self.client.write(batch)
         return res
 
@@ -195,20 +179,12 @@ class P4RuntimeDriver:
                 entries.append({"entry": spec.label(), "packets": pk, "bytes": by})
         raw = self._indexed(p4tables.STATS_COUNTER)
         misses = {k: self._indexed(n) for k, n in p4tables.MISS_COUNTERS.items()}
-        stats: dict[str, int] = {}
         if raw is None or None in misses.values():
             notes.append("counters are Tofino externs in this build: read them in bfrt, or "
                          "compile with --p4runtime-force-std-externs")
-        if raw is not None:
-            stats = {n: raw.get(i, 0) for i, n in enumerate(STAT_NAMES)}
-            stats["ckm"] = sum(stats[n] for n in WELL_FORMED)
-        for k, m in misses.items():
-            if m is not None:
-                stats[k] = m.get(0, 0)
-        if schema.source_checked:  # frames dropped by the source check, per reason
-            src = self._indexed(p4tables.SOURCE_COUNTER)
-            if src is not None:
-                stats.update({n: src.get(i, 0) for i, n in enumerate(p4tables.SOURCE_NAMES)})
+        # frames dropped by the source check, per reason
+        src = self._indexed(p4tables.SOURCE_COUNTER) if schema.source_checked else None
+        stats = p4tables.counter_stats(raw, misses, src)
         return {"target": self.cfg.switch.target, "switch": self.cfg.switch.name,
                 "entries": entries, "groups": {g: list(r) for g, r in self.read_groups().items()},
                 "ckm_stats": stats, "notes": notes}

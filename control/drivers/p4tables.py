@@ -46,6 +46,12 @@ WRITES = {
 }
 #: Indexed counters the program keeps (checkmate_common.p4), by P4 name.
 STATS_COUNTER = "CkmIngress.ckm_stats"
+#: Indexes of the ckm_stats counter (STAT_* in p4/include/checkmate_common.p4). Every
+#: datagram on a ckm port is counted at exactly one index; "ckm" (well-formed datagrams)
+#: is the sum of the outcomes of well-formed ones.
+STAT_NAMES = ("plain", "replicated", "no_entry", "malformed", "handshake", "spoofed",
+              "parser_error")
+WELL_FORMED = ("plain", "replicated", "no_entry", "handshake", "spoofed")
 #: Frames dropped by the source check, by SRC_* index (checkmate_common.p4).
 SOURCE_COUNTER = "CkmIngress.src_check"
 SOURCE_NAMES = ("bad_src_mac", "bad_src_ip")
@@ -107,6 +113,58 @@ def entries(plan: Plan) -> list[EntrySpec]:
 
 def groups(plan: Plan) -> dict[int, tuple[tuple[int, int], ...]]:
     return {g.group_id: tuple(sorted(g.replicas)) for g in plan.groups}
+
+
+@dataclass
+class Diff:
+    """What a deploy writes, in the order that never points an entry at a missing group:
+    stale entries deleted, groups written, entries written, stale groups deleted."""
+
+    stale: list[EntrySpec]
+    groups_new: dict[int, tuple[tuple[int, int], ...]]
+    groups_changed: dict[int, tuple[tuple[int, int], ...]]
+    entries_new: list[EntrySpec]
+    entries_changed: list[EntrySpec]
+    groups_stale: list[int]
+
+    def labels(self) -> tuple[list[str], list[str], list[str]]:
+        """(added, changed, removed) lines of an ApplyResult."""
+        added = [f"multicast group {g} {list(r)}" for g, r in self.groups_new.items()]
+        added += [s.label() for s in self.entries_new]
+        changed = [f"multicast group {g} {list(r)}" for g, r in self.groups_changed.items()]
+        changed += [s.label() for s in self.entries_changed]
+        removed = [s.label() for s in self.stale]
+        removed += [f"multicast group {g}" for g in self.groups_stale]
+        return added, changed, removed
+
+
+def diff(want: dict, have: dict, want_g: dict, have_g: dict) -> Diff:
+    """The writes that turn ``have`` (entries by key, groups by id) into ``want``."""
+    return Diff(
+        stale=[s for k, s in sorted(have.items()) if k not in want],
+        groups_new={g: r for g, r in sorted(want_g.items()) if g not in have_g},
+        groups_changed={g: r for g, r in sorted(want_g.items())
+                        if g in have_g and have_g[g] != r},
+        entries_new=[s for k, s in want.items() if k not in have],
+        entries_changed=[s for k, s in want.items() if k in have and have[k] != s],
+        groups_stale=[g for g in sorted(have_g) if g not in want_g])
+
+
+def counter_stats(raw: dict[int, int] | None, misses: dict[str, dict[int, int] | None],
+                  source: dict[int, int] | None) -> dict[str, int]:
+    """The program's counters by name: ckm_stats per outcome (and "ckm", their well-formed
+    sum), the two miss counters, the source check's drops per reason; a counter the target
+    cannot read (None) is left out."""
+    stats: dict[str, int] = {}
+    if raw is not None:
+        stats = {n: raw.get(i, 0) for i, n in enumerate(STAT_NAMES)}
+        stats["ckm"] = sum(stats[n] for n in WELL_FORMED)
+    for k, m in misses.items():
+        if m is not None:
+            stats[k] = m.get(0, 0)
+    if source is not None:
+        stats.update({n: source.get(i, 0) for i, n in enumerate(SOURCE_NAMES)})
+    return stats
 
 
 def encode(value: int, bitwidth: int, what: str) -> bytes:
