@@ -67,7 +67,7 @@ class Host:
 class Switch:
     name: str
     target: str
-    address: str | None = None  # P4Runtime gRPC address for bmv2/tofino
+    address: str | None = None  # P4Runtime gRPC (bmv2/tofino) or bmv2 Thrift host:port
     device_id: int = 0
     ip: str = ""  # the switch's own address (controller service, source of shadow copies)
     mac: str = ""
@@ -77,6 +77,7 @@ class Switch:
     tofino_server: str = "stratum"  # P4Runtime server on a Tofino: stratum or sde
     tofino_pipes: int = 4
     bfrt_port: int = 50052  # the SDE's BF Runtime gRPC server
+    runtime: str = "p4runtime"  # bmv2 only: p4runtime or thrift (simple_switch)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def parse(data: Any) -> ClusterConfig:
                     device_id=sw.device_id, ip=sw_ip, mac=sw.mac or mac_for_ip(sw_ip),
                     cpu_port=sw.cpu_port, cable_m=sw.cable_m, speed_gbps=sw.speed_gbps,
                     tofino_server=sw.tofino.server, tofino_pipes=sw.tofino.pipes,
-                    bfrt_port=sw.tofino.bfrt_port)
+                    bfrt_port=sw.tofino.bfrt_port, runtime=sw.runtime)
     hosts = tuple(Host(h.name, h.role, h.ip, h.mac or mac_for_ip(h.ip), h.rank, h.partition,
                        h.switch_port) for h in doc.hosts)
     extra = {k: v for k in ("training", "shadow", "testbed")

@@ -92,6 +92,9 @@ class TofinoDoc(_Section):
 class SwitchDoc(_Section):
     name: Name
     target: Annotated[str, _one_of(TARGETS)] = "kernel"
+    #: how the controller programs a bmv2 switch: P4Runtime (simple_switch_grpc) or bmv2's
+    #: Thrift runtime (simple_switch, which the open-source toolchain builds)
+    runtime: Annotated[str, _one_of(("p4runtime", "thrift"))] = "p4runtime"
     address: str | None = None
     device_id: U32 = 0
     ip: Annotated[str, BeforeValidator(_ipv4)] | None = None

@@ -1,5 +1,5 @@
 """Per-target drivers that apply a deploy plan: kernel (BPF maps), bmv2 and Tofino
-(P4Runtime; Tofino ports through bfrt)."""
+(P4Runtime, or bmv2 Thrift for simple_switch; Tofino ports through bfrt)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ def for_switch(cfg: ClusterConfig, name: str | None = None) -> Driver:
         from checkmate.control.drivers.kernel import KernelDriver
 
         return KernelDriver(cfg)
+    if target == "bmv2" and cfg.switch.runtime == "thrift":
+        from checkmate.control.drivers.bmv2_thrift import Bmv2ThriftDriver
+
+        return Bmv2ThriftDriver(cfg)
     if target == "bmv2":
         from checkmate.control.drivers.p4runtime import P4RuntimeDriver
 
