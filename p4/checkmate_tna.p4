@@ -28,8 +28,8 @@
  * - a parser error drops the frame on Tofino unless ingress reads parser_err: it does, and
  *   counts STAT_PARSER_ERROR and forwards the frame as far as it was parsed.
  * The same source check as v1model, first in ingress: a frame whose Ethernet source (or,
- * for IPv4, source address) is not the one bound to its ingress port in port_bind is
- * dropped (drop_ctl) and counted in src_check; nothing is learned.
+ * for IPv4, source address; for ARP, sender MAC and IP) is not the one bound to its ingress
+ * port in port_bind is dropped (drop_ctl) and counted in src_check; nothing is learned.
  * The same anti-spoofing and length checks as v1model: a REPLICATE datagram is copied only
  * when it entered on the port its replication entry names (the source host's), and only
  * when its count agrees with its UDP length (CkmLengthCheck); otherwise it is forwarded
@@ -49,7 +49,8 @@ parser CkmIngressParser(packet_in pkt, out headers_t hdr, out ckm_meta_t meta,
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
-        packet_parser.apply(pkt, hdr.ethernet, hdr.vlan, hdr.ipv4, hdr.udp, hdr.ckm, meta);
+        packet_parser.apply(pkt, hdr.ethernet, hdr.vlan, hdr.arp, hdr.ipv4, hdr.udp, hdr.ckm,
+                            meta);
         transition accept;
     }
 }
@@ -180,7 +181,22 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
              * gateway takes at most 4 bytes + 12 bits of PHV input. */
             if (hdr.ethernet.src_addr[47:32] == meta.bind_mac[47:32]) {
                 if (hdr.ethernet.src_addr[31:0] == meta.bind_mac[31:0]) {
-                    if (!hdr.ipv4.isValid()) {
+                    if (hdr.arp.isValid()) {
+                        /* an ARP sender is checked as a source: its MAC, then its IP */
+                        if (hdr.arp.hw_len != 6) {
+                            source_bad = SRC_BAD_IP;
+                        } else if (hdr.arp.proto_len != 4) {
+                            source_bad = SRC_BAD_IP;
+                        } else if (hdr.arp.sender_mac[47:32] != meta.bind_mac[47:32]) {
+                            source_bad = SRC_BAD_MAC;
+                        } else if (hdr.arp.sender_mac[31:0] != meta.bind_mac[31:0]) {
+                            source_bad = SRC_BAD_MAC;
+                        } else if (hdr.arp.sender_ip == meta.bind_ip) {
+                            source_ok = true;
+                        } else {
+                            source_bad = SRC_BAD_IP;
+                        }
+                    } else if (!hdr.ipv4.isValid()) {
                         source_ok = true;
                     } else if (hdr.ipv4.src_addr == meta.bind_ip) {
                         source_ok = true;
@@ -253,6 +269,7 @@ control CkmIngressDeparser(packet_out pkt, inout headers_t hdr, in ckm_meta_t me
         pkt.emit(hdr.bridge);
         pkt.emit(hdr.ethernet);
         pkt.emit(hdr.vlan);
+        pkt.emit(hdr.arp);
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.ckm);
@@ -266,7 +283,8 @@ parser CkmEgressParser(packet_in pkt, out headers_t hdr, out ckm_meta_t meta,
     state start {
         pkt.extract(eg_intr_md);
         pkt.extract(hdr.bridge);
-        packet_parser.apply(pkt, hdr.ethernet, hdr.vlan, hdr.ipv4, hdr.udp, hdr.ckm, meta);
+        packet_parser.apply(pkt, hdr.ethernet, hdr.vlan, hdr.arp, hdr.ipv4, hdr.udp, hdr.ckm,
+                            meta);
         transition accept;
     }
 }
@@ -332,6 +350,7 @@ control CkmEgressDeparser(packet_out pkt, inout headers_t hdr, in ckm_meta_t met
         }
         pkt.emit(hdr.ethernet);
         pkt.emit(hdr.vlan);
+        pkt.emit(hdr.arp);
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.ckm);

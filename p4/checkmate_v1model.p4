@@ -8,10 +8,10 @@
  * started with --priority-queues for the ckm class to get its own queue.
  *
  * Ingress: first the source check: a frame whose Ethernet source is not the MAC bound to
- * its ingress port (port_bind, from the config; no entry: nothing is bound) or, for IPv4,
- * whose source address is not the bound address is dropped and counted in src_check, so no
- * host can use another's addresses (a MAC hijack, a forged source IP on a register or a
- * REPLICATE). Forwarding entries are the controller's only: nothing is learned.
+ * its ingress port (port_bind, from the config; no entry: nothing is bound), or, for IPv4,
+ * whose source address, or, for ARP, whose sender MAC or IP is not the bound one, is
+ * dropped and counted in src_check, so no host can use another's addresses (a MAC hijack,
+ * an ARP reply claiming another's IP, a forged source IP on a register or a REPLICATE). Forwarding entries are the controller's only: nothing is learned.
  * Then L2 forwarding by destination MAC (flood group for unknown/broadcast, counted in
  * l2_miss); ckm datagrams whose count agrees with their UDP length (CkmLengthCheck), and
  * frames marked with DSCP CKM_DSCP or PCP CKM_COS (CkmLossless), go to the ckm priority;
@@ -41,7 +41,8 @@ parser CkmParser(packet_in pkt, out headers_t hdr, inout ckm_meta_t meta,
     CkmPacketParser() packet_parser;
 
     state start {
-        packet_parser.apply(pkt, hdr.ethernet, hdr.vlan, hdr.ipv4, hdr.udp, hdr.ckm, meta);
+        packet_parser.apply(pkt, hdr.ethernet, hdr.vlan, hdr.arp, hdr.ipv4, hdr.udp, hdr.ckm,
+                            meta);
         transition accept;
     }
 }
@@ -162,7 +163,18 @@ control CkmIngress(inout headers_t hdr, inout ckm_meta_t meta,
         bit<32> source_bad = SRC_BAD_MAC;
         if (port_bind.apply().hit) {
             if (hdr.ethernet.src_addr == meta.bind_mac) {
-                if (!hdr.ipv4.isValid()) {
+                if (hdr.arp.isValid()) {
+                    /* an ARP sender is checked as a source: its MAC, then its IP */
+                    if (hdr.arp.hw_len != 6 || hdr.arp.proto_len != 4) {
+                        source_bad = SRC_BAD_IP;
+                    } else if (hdr.arp.sender_mac != meta.bind_mac) {
+                        source_bad = SRC_BAD_MAC;
+                    } else if (hdr.arp.sender_ip == meta.bind_ip) {
+                        source_ok = true;
+                    } else {
+                        source_bad = SRC_BAD_IP;
+                    }
+                } else if (!hdr.ipv4.isValid()) {
                     source_ok = true;
                 } else if (hdr.ipv4.src_addr == meta.bind_ip) {
                     source_ok = true;
@@ -283,6 +295,7 @@ control CkmDeparser(packet_out pkt, in headers_t hdr) {
     apply {
         pkt.emit(hdr.ethernet);
         pkt.emit(hdr.vlan);
+        pkt.emit(hdr.arp);
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.ckm);

@@ -597,7 +597,7 @@ def test_deparsers_emit_the_vlan_tag_in_place(arch):
     emits = re.findall(r"pkt\.emit\(hdr\.(\w+)\);", text)
     order = [h for h in emits if h != "bridge"]
     n = {"v1model": 1, "tna": 2}[arch]
-    assert order == ["ethernet", "vlan", "ipv4", "udp", "ckm"] * n
+    assert order == ["ethernet", "vlan", "arp", "ipv4", "udp", "ckm"] * n
 
 
 # -- the shared parser, run on frames ---------------------------------------------------
@@ -798,8 +798,8 @@ def test_parser_reads_nothing_uninitialized():
     assert set(re.findall(r"meta\.(\w+)\s*=", start)) == set(_meta_widths())
     for arch in ARCHS:
         calls = re.findall(r"packet_parser\.apply\(([^)]*)\);", source(arch))
-        assert calls and all(c.split(", ")[1:] == [f"hdr.{p[2]}" for p in params[:-1]]
-                             + ["meta"] for c in calls), calls
+        assert calls and all([a.strip() for a in c.split(",")][1:] == [
+            f"hdr.{p[2]}" for p in params[:-1]] + ["meta"] for c in calls), calls
 
 
 DROP = {"v1model": "drop();", "tna": "ig_dprsr_md.drop_ctl = 1;"}
@@ -810,6 +810,14 @@ DROP = {"v1model": "drop();", "tna": "ig_dprsr_md.drop_ctl = 1;"}
 MAC_CHECK = {"v1model": ["if (hdr.ethernet.src_addr == meta.bind_mac)"],
              "tna": ["if (hdr.ethernet.src_addr[47:32] == meta.bind_mac[47:32])",
                      "if (hdr.ethernet.src_addr[31:0] == meta.bind_mac[31:0])"]}
+#: The ARP sender's checks, the IP last (a sender IP is checked only with its MAC right).
+ARP_CHECK = {"v1model": ["if (hdr.arp.hw_len != 6 || hdr.arp.proto_len != 4)",
+                         "else if (hdr.arp.sender_mac != meta.bind_mac)",
+                         "else if (hdr.arp.sender_ip == meta.bind_ip)"],
+             "tna": ["if (hdr.arp.hw_len != 6)", "else if (hdr.arp.proto_len != 4)",
+                     "else if (hdr.arp.sender_mac[47:32] != meta.bind_mac[47:32])",
+                     "else if (hdr.arp.sender_mac[31:0] != meta.bind_mac[31:0])",
+                     "else if (hdr.arp.sender_ip == meta.bind_ip)"]}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -828,11 +836,20 @@ def test_every_frame_is_source_checked_first_and_dropped_when_foreign(arch):
     ip_rule = block(apply, first)
     for cond in MAC_CHECK[arch]:  # nested: every bit of the MAC compared
         ip_rule = block(ip_rule, ip_rule.index(cond))
-    assert "if (!hdr.ipv4.isValid())" in ip_rule
+    assert "else if (!hdr.ipv4.isValid())" in ip_rule
     assert "else if (hdr.ipv4.src_addr == meta.bind_ip)" in ip_rule
     assert "source_bad = SRC_BAD_IP;" in ip_rule
+    # An ARP frame's sender is a source too (the kernel switch's rule): Ethernet/IPv4
+    # lengths, every bit of the sender MAC, then the sender IP, before anything else.
+    arp = block(ip_rule, ip_rule.index("if (hdr.arp.isValid())"))
+    assert ip_rule.index("if (hdr.arp.isValid())") < ip_rule.index("else if (!hdr.ipv4.")
+    for cond in ARP_CHECK[arch]:
+        assert cond in arp, cond
+    assert arp.index(ARP_CHECK[arch][-1]) > max(arp.index(c) for c in ARP_CHECK[arch][:-1])
+    assert arp.count("source_ok = true;") == 1
+    assert arp.count("source_bad = SRC_BAD_MAC;") == len(MAC_CHECK[arch])
     assert "bool source_ok = false;" in apply and "bit<32> source_bad = SRC_BAD_MAC;" in apply
-    assert apply.count("source_ok = true;") == 2
+    assert apply.count("source_ok = true;") == 3
     fail = block(apply, apply.index("if (!source_ok)"))
     assert [ln.strip() for ln in fail.strip().splitlines()] == [
         "src_check.count(source_bad);", DROP[arch], "exit;"]

@@ -6,6 +6,7 @@
 #include "ckm_headers.p4"
 
 const bit<16> ETHERTYPE_IPV4 = 0x0800;
+const bit<16> ETHERTYPE_ARP = 0x0806;
 const bit<16> ETHERTYPE_VLAN = 0x8100;  /* 802.1Q: one tag is parsed (its PCP classifies) */
 const bit<8> IPPROTO_UDP = 17;
 /* IPv4 flags: more fragments (set on every fragment but the last). */
@@ -48,8 +49,9 @@ const bit<32> STAT_SIZE = 8;
  * config: each port's host's MAC and IPv4 address; the CPU port's is the switch's). A port
  * without a binding drops everything (SRC_BAD_MAC). Counted once per dropped frame, in the
  * apply block, before anything else looks at the frame. */
-const bit<32> SRC_BAD_MAC = 0;       /* Ethernet source is not the port's host's */
-const bit<32> SRC_BAD_IP = 1;        /* IPv4 source is not the port's host's */
+const bit<32> SRC_BAD_MAC = 0;       /* Ethernet (or ARP sender) MAC is not the port's host's */
+const bit<32> SRC_BAD_IP = 1;        /* IPv4 source (or ARP sender IP) is not the port's host's,
+                                      * or an ARP header for other than Ethernet/IPv4 */
 const bit<32> SRC_SIZE = 2;
 
 header ethernet_h {
@@ -63,6 +65,18 @@ header vlan_h {
     bit<1> dei;
     bit<12> vid;
     bit<16> ether_type;
+}
+
+/* ARP (RFC 826) up to the sender's addresses, all the source check reads; the target's
+ * addresses stay payload. */
+header arp_h {
+    bit<16> hw_type;
+    bit<16> proto_type;
+    bit<8> hw_len;
+    bit<8> proto_len;
+    bit<16> oper;
+    bit<48> sender_mac;
+    bit<32> sender_ip;
 }
 
 header ipv4_h {
@@ -99,6 +113,7 @@ struct headers_t {
     ckm_bridge_h bridge;
     ethernet_h ethernet;
     vlan_h vlan;
+    arp_h arp;
     ipv4_h ipv4;
     udp_h udp;
     ckm_h ckm;

@@ -1,4 +1,4 @@
-/* Ethernet / 802.1Q / IPv4 / UDP / ckm parsing, shared by both architectures as a sub-parser.
+/* Ethernet / 802.1Q / ARP / IPv4 / UDP / ckm parsing, shared by both architectures as a sub-parser.
  * One VLAN tag is parsed (hosts that tag ckm frames put CKM_COS in its PCP); a frame with a
  * second tag is plain traffic.
  * A datagram is parsed as ckm only when its UDP destination port lies in
@@ -17,7 +17,7 @@
 
 #include "checkmate_common.p4"
 
-parser CkmPacketParser(packet_in pkt, out ethernet_h ethernet, out vlan_h vlan,
+parser CkmPacketParser(packet_in pkt, out ethernet_h ethernet, out vlan_h vlan, out arp_h arp,
                        out ipv4_h ipv4, out udp_h udp, out ckm_h ckm, out ckm_meta_t meta) {
     state start {
         meta.ckm_port = 0;
@@ -34,6 +34,7 @@ parser CkmPacketParser(packet_in pkt, out ethernet_h ethernet, out vlan_h vlan,
         pkt.extract(ethernet);
         transition select(ethernet.ether_type) {
             ETHERTYPE_VLAN: parse_vlan;
+            ETHERTYPE_ARP: parse_arp;
             ETHERTYPE_IPV4: parse_ipv4;
             default: accept;
         }
@@ -42,9 +43,16 @@ parser CkmPacketParser(packet_in pkt, out ethernet_h ethernet, out vlan_h vlan,
     state parse_vlan {
         pkt.extract(vlan);
         transition select(vlan.ether_type) {
+            ETHERTYPE_ARP: parse_arp;
             ETHERTYPE_IPV4: parse_ipv4;
             default: accept;
         }
+    }
+
+    /* Its sender's addresses are checked against the port's binding like an IPv4 source. */
+    state parse_arp {
+        pkt.extract(arp);
+        transition accept;
     }
 
     state parse_ipv4 {
