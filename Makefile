@@ -9,9 +9,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.checkmate-installed
 APT_PKGS := clang llvm libbpf-dev bpftool iproute2 ethtool gcc
 
-.PHONY: setup run test lint bpf nccl guest kernels clean p4 p4-fixtures
+.PHONY: setup run test lint bpf nccl guest kernels mininet clean p4 p4-fixtures
 
-setup: $(STAMP) bpf nccl guest kernels
+setup: $(STAMP) bpf nccl guest kernels mininet
 
 # System packages (clang/libbpf for the BPF switch). Skipped when already present.
 .apt-stamp:
@@ -53,6 +53,13 @@ guest: $(STAMP)
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	  $(GUEST_PKGS) >/dev/null; } || echo "guest packages not installed: verbs guest tests skip"
 	@$(PY) -m checkmate.testbed.guest build || echo "no soft-RoCE guest: verbs guest tests skip"
+
+# Mininet's mnexec for the bmv2 testbed (testbed/mininet_bmv2.py): Debian's package; the
+# Python package comes with the testbed extra. Without it the bmv2 testbed tests skip.
+mininet:
+	@command -v mnexec >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	  mininet >/dev/null; } || echo "mininet not installed: the bmv2 testbed tests skip"
 
 # Both P4 programs into build/p4/ (docs/architecture.md, "P4 programs"): p4c-bm2-ss and
 # bf-p4c or p4c's Tofino driver, from PATH or the toolchain in $$P4_TOOLCHAIN

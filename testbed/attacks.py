@@ -58,15 +58,10 @@ class Attack:
         self.proc: subprocess.Popen | None = None
         self.before: dict[str, Any] = {}
 
-    def _switch(self):  # noqa: ANN202 - KernelSwitch, imported late (needs pyroute2)
-        from checkmate.dataplane.switch import KernelSwitch
-
-        return KernelSwitch(self.run.cl.cfg)
-
     def start(self) -> None:
         cfg, ip = self.run.cl.cfg, self.run.cl.ip
         if self.kind == "mac_hijack":
-            self.before = self._switch().counters()["ports"][cfg.switch_ifname(self.source)]
+            self.before = self.run.cl.testbed.source_drops(self.source)
             t, s = cfg.host(self.target), cfg.host(self.source)
             args = [cfg.host_ifname(self.source), s.mac, s.ip, t.mac, t.ip]
         else:
@@ -100,9 +95,9 @@ class Attack:
         except (IndexError, ValueError):
             return report, [f"{self.kind}: the attack process said nothing "
                             f"({err.decode(errors='replace').strip()[-200:]})"]
-        report.update(did)
         problems += (self._check_hijack(did) if self.kind == "mac_hijack"
                      else self._check_flood(did))
+        report.update(did)  # with what the switch's or target's side counted
         return report, problems
 
     def _target_threads(self) -> int | None:
@@ -115,9 +110,9 @@ class Attack:
             return None
 
     def _check_hijack(self, did: dict[str, Any]) -> list[str]:
-        cfg, sw = self.run.cl.cfg, self._switch()
+        cfg, tb = self.run.cl.cfg, self.run.cl.testbed
         port = cfg.switch_ifname(self.source)
-        after = sw.counters()["ports"][port]
+        after = tb.source_drops(self.source)
         rounds = int(did.get("rounds", 0))
         got = {k: after[k] - self.before.get(k, 0) for k in ("bad_src_mac", "bad_src_ip")}
         did.update(got)
@@ -127,7 +122,7 @@ class Attack:
         if got != {"bad_src_mac": 3 * rounds, "bad_src_ip": rounds}:
             problems.append(f"mac_hijack: {4 * rounds} frames sent from {port}, the switch "
                             f"dropped {got}")
-        where = sw.fdb().get(cfg.host(self.target).mac.lower())
+        where = tb.forwarding_port(cfg.host(self.target).mac)
         if where != cfg.switch_ifname(self.target):
             problems.append(f"mac_hijack: {self.target}'s forwarding entry is on {where}")
         return problems

@@ -38,9 +38,17 @@ class Cluster:
             from checkmate.dataplane.switch import KernelSwitch
             from checkmate.testbed.topology import Testbed
 
-            tb = Testbed(cfg, controller=True, config_path=config_path)
+            if cfg.switch.target == "bmv2":
+                from checkmate.testbed.mininet_bmv2 import Bmv2Testbed
+
+                tb = Bmv2Testbed(cfg, controller=True, config_path=config_path)
+            elif cfg.switch.target == "kernel":
+                tb = Testbed(cfg, controller=True, config_path=config_path)
+            else:
+                raise CheckmateError(f"the testbed runs a kernel or bmv2 switch, not "
+                                     f"{cfg.switch.target} (the config's switch.target)")
             tb.tied = True  # what this command starts ends with it (testbed.lifeline)
-            if not KernelSwitch(cfg).is_up():
+            if cfg.switch.target == "bmv2" or not KernelSwitch(cfg).is_up():
                 tb.tied_controller = True  # this command builds the testbed: it owns all
                 stack.enter_context(tb)
             self.testbed = tb

@@ -29,9 +29,11 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError, cli_guard
@@ -44,6 +46,7 @@ from checkmate.testbed.scenario import (
     Scenario,
     load_scenario,
 )
+from checkmate.testbed.topology import config_to_dict
 
 # ----------------------------------------------------------------------------- chaos
 
@@ -51,6 +54,9 @@ from checkmate.testbed.scenario import (
 def _inject(run: Run) -> None:
     """Set the scenario's switch faults and schedule its shadow kills / controller restart."""
     sc, cl = run.sc, run.cl
+    if sc.faults and cl.cfg.switch.target != "kernel":
+        raise CheckmateError("scenario faults are the kernel switch's knobs (tc-eBPF); "
+                             f"a {cl.cfg.switch.target} switch has none")
     if sc.faults:
         from checkmate.dataplane.switch import KernelSwitch
 
@@ -113,7 +119,7 @@ def _epochs_minted(cl: Cluster, mark: int | None) -> int | None:
 def _clear_faults(run: Run) -> dict[str, int]:
     """Turn the scenario's knobs off; returns the frames each knob dropped."""
     dropped: dict[str, int] = {}
-    if run.sc.faults and run.cl.mode == "switch":
+    if run.sc.faults and run.cl.mode == "switch" and run.cl.cfg.switch.target == "kernel":
         from checkmate.dataplane.switch import KernelSwitch
 
         sw = KernelSwitch(run.cl.cfg)
@@ -255,11 +261,8 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
             "epochs_minted": minted,
             "gockpt_checkpoint": r.gockpt_iteration, **summary,
         }
-    if cl.mode == "switch":
-        from checkmate.dataplane.switch import KernelSwitch
-
-        entries = KernelSwitch(cl.cfg).counters().get("entries", [])
-        report["switch_replicated_packets"] = sum(int(e.get("packets", 0)) for e in entries)
+    if cl.testbed is not None:
+        report["switch_replicated_packets"] = cl.testbed.replicated_packets()
     ff = finished["failure-free"].result
     if ff.losses and not ff.losses[-1] < ff.losses[0]:
         problems.append(f"loss did not fall ({ff.losses[0]} -> {ff.losses[-1]})")
@@ -367,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loopback-net", default=LOOPBACK_NET,
                     help="host mode: first three octets of the loopback addresses")
     ap.add_argument("--seed", type=int, help="seed for a random kill_at")
+    ap.add_argument("--switch", choices=("kernel", "bmv2"), default=None,
+                    help="switch mode: the config's switch (default), the tc-eBPF kernel "
+                         "switch, or bmv2 simple_switch in a mininet network")
     args = ap.parse_args(argv)
     from checkmate.testbed import multinode
 
@@ -375,6 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     sc = load_scenario(args.scenario, random.Random(args.seed))
     config_path = Path(args.config).resolve() if args.config else cfgmod.default_path()
     cfg = cfgmod.load(config_path)
+    if args.switch is not None and args.mode != "switch":
+        raise CheckmateError("--switch picks the switch of --mode switch")
+    if args.switch == "bmv2":
+        from checkmate.testbed import mininet_bmv2
+
+        cfg = mininet_bmv2.bmv2_config(cfg)
+    elif args.switch == "kernel":
+        cfg = replace(cfg, switch=replace(cfg.switch, target="kernel"))
     if len(cfg.trainers) < 2 or not cfg.shadows:
         raise CheckmateError("the config needs at least 2 trainers and 1 shadow")
     parts = args.loopback_net.split(".")
@@ -396,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
             workdir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
         else:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckm-run-")))
+        if args.switch is not None:  # every process reads the switch it asked for
+            config_path = workdir / f"cluster-{args.switch}.yaml"
+            config_path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         cl = Cluster(cfg, args.mode, config_path, args.loopback_net, stack)
         report = execute(sc, cl, workdir, progress)
     _table(report)

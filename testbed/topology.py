@@ -45,6 +45,8 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
                               "cable_m": sw.cable_m, "speed_gbps": sw.speed_gbps}
     if sw.address:
         switch["address"] = sw.address
+    if sw.runtime != "p4runtime":
+        switch["runtime"] = sw.runtime
     hosts = []
     for h in cfg.hosts:
         d: dict[str, Any] = {"name": h.name, "role": h.role, "ip": h.ip, "mac": h.mac}
@@ -297,10 +299,19 @@ class Testbed:
                     if ip != h.ip:
                         hn.neigh("replace", dst=ip, lladdr=mac, ifindex=idx,
                                  state=NUD_PERMANENT)
+        self._switch_neighbours(self.cfg.bridge_name)
+
+    def _switch_neighbours(self, ifname: str) -> None:
+        """Every host's MAC, permanent, on the switch namespace's interface that carries the
+        switch's own IP (where the controller answers from)."""
+        with needs("testbed"):
+            from pyroute2 import NetNS
+
+        cfg = self.cfg
         with NetNS(cfg.netns(cfg.switch.name), flags=0) as sw:
-            br = sw.link_lookup(ifname=cfg.bridge_name)[0]
+            idx = sw.link_lookup(ifname=ifname)[0]
             for h in cfg.hosts:
-                sw.neigh("replace", dst=h.ip, lladdr=h.mac, ifindex=br, state=NUD_PERMANENT)
+                sw.neigh("replace", dst=h.ip, lladdr=h.mac, ifindex=idx, state=NUD_PERMANENT)
 
     def _effective_config(self) -> Path:
         if self.config_path and self.config_path.exists():
@@ -404,6 +415,21 @@ class Testbed:
         state["procs"] = [p for p in state.get("procs", []) if p.get("name") != "controller"]
         self._write_state(state)
         return self._start_controller()
+
+    # -- the switch's view -----------------------------------------------------------------
+    def replicated_packets(self) -> int:
+        """Datagrams the switch copied to shadows (its replication entries' counters)."""
+        return sum(int(e.get("packets", 0)) for e in self.switch.counters().get("entries", []))
+
+    def source_drops(self, host: str) -> dict[str, int]:
+        """Frames the switch dropped at ``host``'s port for a source MAC or IP not bound to
+        it ({"bad_src_mac": n, "bad_src_ip": n})."""
+        port = self.switch.counters()["ports"][self.cfg.switch_ifname(host)]
+        return {k: int(port.get(k, 0)) for k in ("bad_src_mac", "bad_src_ip")}
+
+    def forwarding_port(self, mac: str) -> str | None:
+        """The switch port (interface name) frames to ``mac`` leave on, None if unknown."""
+        return self.switch.fdb().get(mac.lower())
 
     # -- inventory -----------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -1,7 +1,10 @@
-"""bmv2 under mininet. The end-to-end test needs mininet, p4c and bmv2, which are not
-installed on this machine (and cannot be): it skips naming what is missing. The mapping
-from config to switch ports, the switch and compiler command lines, the one build folder
-and the pipeline push (against the P4Runtime double) are checked everywhere."""
+"""bmv2 simple_switch programmed over its Thrift runtime, and the mininet testbed around it.
+
+The driver tests run a real simple_switch (the toolchain's) in a namespace the test makes,
+load the compiled v1model JSON through Thrift and program the plan; the end-to-end test
+trains through bmv2 in a mininet network, kills every trainer and restores them, and reads
+bmv2's replication and source-check counters back. Without the toolchain, mininet or root
+they skip and say what is missing. The command lines and names are checked everywhere."""
 
 from __future__ import annotations
 
@@ -9,18 +12,23 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fakes import FakeSwitch, compiled_p4info
-from google.protobuf import text_format
+import yaml
 
 from checkmate.config import cluster as config
 from checkmate.control import pipeline
 from checkmate.control import plan as plan_mod
-from checkmate.protocol import wire
+from checkmate.control.drivers import bmv2_thrift as thrift_mod
+from checkmate.control.drivers import for_switch, p4tables
+from checkmate.errors import CheckmateError
 from checkmate.testbed import mininet_bmv2 as mb
+from checkmate.testbed.topology import config_to_dict
+
+SIMPLE_SWITCH = mb.shutil.which("simple_switch") and mb.shutil.which("p4c-bm2-ss")
 
 
 @pytest.fixture
@@ -28,132 +36,255 @@ def cfg() -> config.ClusterConfig:
     return config.load(config.default_path())
 
 
-def test_links_use_the_controllers_port_numbers(cfg):
-    links = mb.links(cfg)
+def test_ports_follow_the_controllers_numbers(cfg):
     plan = plan_mod.build(cfg)
-    assert {(lk.host, lk.port) for lk in links[:-1]} == {(p.host, p.port) for p in plan.ports}
-    cpu = links[-1]
-    assert (cpu.host, cpu.port, cpu.ip, cpu.mac) == ("ctl", 64, "10.77.0.1", cfg.switch.mac)
-    # The CPU link is where the plan punts handshakes and where L2 sends the switch MAC.
-    assert plan.punt.cpu_port == cpu.port
+    ports = mb.ports(cfg)
+    assert {(n, i) for n, i in ports[:-1]} == {(p.port, cfg.switch_ifname(p.host))
+                                               for p in plan.ports}
+    # the last port is the CPU port, where the plan punts handshakes and sends the switch MAC
+    assert ports[-1] == (64, "ckm-cpu") and plan.punt.cpu_port == 64
     assert (cfg.switch.mac, 64) in {(e.mac, e.port) for e in plan.l2}
-    assert all(len(lk.intf) <= 15 for lk in links)  # Linux interface name limit
+    assert all(len(i) <= 15 for _, i in ports) and all(len(i) <= 15 for i in mb.cpu_ifnames(cfg))
 
 
-def test_switch_command_line(cfg):
-    argv = mb.switch_argv(cfg)
-    assert argv[0] == "simple_switch_grpc"
+def test_switch_command_line(cfg, tmp_path):
+    argv = mb.switch_argv(cfg, tmp_path)
+    assert argv[0] == "simple_switch"
     pairs = [argv[i + 1] for i, a in enumerate(argv) if a == "-i"]
-    assert pairs == ["1@sw0-eth1", "2@sw0-eth2", "3@sw0-eth3", "4@sw0-eth4", "5@sw0-eth5",
-                     "6@sw0-eth6", "64@sw0-eth64"]
-    assert "--priority-queues" in argv
-    # no program on the command line: it arrives over P4Runtime
+    assert pairs == ["1@ckmp-t0", "2@ckmp-t1", "3@ckmp-t2", "4@ckmp-t3", "5@ckmp-s0",
+                     "6@ckmp-s1", "64@ckm-cpu"]
+    # no program on the command line: the controller loads it, so swapping must be on
     assert "--no-p4" in argv and not any(a.endswith(".json") for a in argv)
-    assert argv[-1] == f"0.0.0.0:{mb.GRPC_PORT}"
-    assert mb.bmv2_config(cfg).switch.address == f"127.0.0.1:{mb.GRPC_PORT}"
+    assert argv[argv.index("--") + 1:] == ["--enable-swap", "--priority-queues", "8"]
+    assert argv[argv.index("--notifications-addr") + 1] == f"ipc://{tmp_path / 'bmv2.ipc'}"
+    b = mb.bmv2_config(cfg).switch
+    assert (b.target, b.runtime, b.address) == ("bmv2", "thrift", f"127.0.0.1:{mb.THRIFT_PORT}")
+    assert type(for_switch(mb.bmv2_config(cfg))).__name__ == "Bmv2ThriftDriver"
+    # the runtime survives the YAML every testbed process reads
+    back = config.parse(yaml.safe_load(yaml.safe_dump(config_to_dict(mb.bmv2_config(cfg)))))
+    assert back.switch == b
 
 
-def test_compiler_writes_where_the_driver_reads(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
-    argv = mb.compile_argv()
-    out = tmp_path / "checkmate_v1model"
-    assert argv[argv.index("-o") + 1] == str(out / "checkmate_v1model.json")
-    assert argv[argv.index("--p4runtime-files") + 1] == str(out / "p4info.txtpb")
-    src = Path(argv[-1])
-    assert src == pipeline.p4_source("v1model") and src.is_file()
-    assert (Path(argv[argv.index("-I") + 1]) / "checkmate_parser.p4").is_file()
-
-
-def test_push_pipeline_sends_p4info_and_json(cfg, tmp_path, monkeypatch):
-    """What the compiler left in the build folder reaches the switch through
-    SetForwardingPipelineConfig (against the P4Runtime double, which starts empty like
-    simple_switch_grpc --no-p4)."""
-    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path))
-    out = tmp_path / "checkmate_v1model"
-    out.mkdir()
-    info = compiled_p4info("v1model")
-    (out / "p4info.txtpb").write_text(text_format.MessageToString(info))
-    (out / "checkmate_v1model.json").write_bytes(b'{"program": "x"}')
-    sw = FakeSwitch(None)
-    try:
-        bcfg = mb.bmv2_config(cfg)
-        bcfg = replace(bcfg, switch=replace(bcfg.switch, address=sw.address))
-        mb.push_pipeline(bcfg, timeout=3)
-    finally:
-        sw.stop()
-    assert sw.pipeline_sets == 1 and sw.device_config == b'{"program": "x"}'
-    assert sw.p4info == info
+def test_the_testbed_compiles_into_the_folder_the_driver_loads_from():
+    if not SIMPLE_SWITCH:
+        pytest.skip("no bmv2 toolchain (simple_switch, p4c-bm2-ss) on PATH")
+    path = mb.compile_p4()
+    assert path == (pipeline.program_dir("v1model") / "checkmate_v1model.json").resolve()
+    assert pipeline.device_config("v1model") == path.read_bytes()
 
 
 def test_skip_reason_names_every_missing_piece(monkeypatch):
-    monkeypatch.setattr(mb.shutil, "which", lambda t: None if t == "simple_switch_grpc" else t)
+    monkeypatch.setattr(mb.shutil, "which", lambda t: None if t == "simple_switch" else t)
     monkeypatch.setattr(mb, "_have_module", lambda n: True)
-    assert mb.missing() == "simple_switch_grpc is not installed"
+    assert mb.missing() == "simple_switch is not installed"
     monkeypatch.setattr(mb.shutil, "which", lambda t: None)
     monkeypatch.setattr(mb, "_have_module", lambda n: False)
-    assert mb.missing() == ("mininet (python package), p4c-bm2-ss, simple_switch_grpc are "
-                            "not installed")
+    assert mb.missing() == ("thrift (python package), mininet (python package), mnexec, "
+                            "p4c-bm2-ss, simple_switch are not installed")
 
 
-RECEIVE = r"""
-import json, socket, sys
-from checkmate.protocol import wire
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.bind(("0.0.0.0", 47001)); s.settimeout(5)
-data, peer = s.recvfrom(65535)
-h, _ = wire.decode(data)
-print(json.dumps({"partition": h.partition, "epoch": h.epoch, "iteration": h.iteration}))
+def test_port_bitmap_puts_port_zero_last():
+    """bmv2's simple_pre_lag reads the map from the right (runtime_CLI's parse of a port
+    list, tools/runtime_CLI.py)."""
+    assert thrift_mod.port_map([0]) == "1"
+    assert thrift_mod.port_map([3]) == "1000"
+    assert thrift_mod.port_map([64]) == "1" + "0" * 64
+
+
+def test_a_thrift_address_that_is_not_host_port_is_one_line(cfg):
+    bad = replace(cfg, switch=replace(mb.bmv2_config(cfg).switch, address="localhost"))
+    with pytest.raises(CheckmateError, match="is not host:port"):
+        for_switch(bad)
+
+
+# ------------------------------------------------------------ a real simple_switch
+
+
+def _compiled() -> dict:
+    return json.loads(mb.compile_p4().read_text())
+
+
+@pytest.fixture(scope="module")
+def program():
+    if not SIMPLE_SWITCH:
+        pytest.skip("no bmv2 toolchain (simple_switch, p4c-bm2-ss) on PATH")
+    return _compiled()
+
+
+def test_the_json_schema_refuses_another_build(program):
+    thrift_mod.JsonSchema(program, "the compiled program")  # the real one passes
+    other = json.loads(json.dumps(program))
+    for a in other["actions"]:
+        if a["name"] == "CkmIngress.replicate":
+            a["runtime_data"][0]["bitwidth"] = 8
+    with pytest.raises(CheckmateError, match=r"action CkmIngress.replicate parameters "
+                                             r"\[\('group', 8\)"):
+        thrift_mod.JsonSchema(other, "switch sw0's program")
+    for p in other["pipelines"]:
+        p["tables"] = [t for t in p["tables"] if t["name"] != "CkmIngress.ckm_replicate"]
+    with pytest.raises(CheckmateError, match="lacks table.s. CkmIngress.ckm_replicate"):
+        thrift_mod.JsonSchema(other, "x")
+
+
+NS = "ckt-bmv2"
+
+
+@pytest.fixture
+def switch(program, tmp_path):
+    """simple_switch with no program in a namespace of its own; yields its config."""
+    if os.geteuid() != 0:
+        pytest.skip("a namespace for the switch needs root")
+    subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+    subprocess.run(["ip", "netns", "add", NS], check=True)
+    proc = None
+    try:
+        subprocess.run(["ip", "netns", "exec", NS, "ip", "link", "set", "lo", "up"],
+                       check=True)
+        proc = subprocess.Popen(["ip", "netns", "exec", NS, "simple_switch", "--thrift-port",
+                                 str(mb.THRIFT_PORT), "--notifications-addr",
+                                 f"ipc://{tmp_path / 'n.ipc'}", "--no-p4", "--",
+                                 "--enable-swap"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while not _answers_in(NS):
+            assert time.monotonic() < deadline, "simple_switch did not open its Thrift port"
+            time.sleep(0.1)
+        yield mb.bmv2_config(config.load(config.default_path()))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+
+
+def _answers_in(ns: str) -> bool:
+    r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c",
+                        "import socket; socket.create_connection(('127.0.0.1', 9090), 1)"],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+DEPLOY = r"""
+import json, sys
+from dataclasses import replace
+from checkmate.config import cluster as config
+from checkmate.control import plan as plan_mod
+from checkmate.control.drivers import for_switch, p4tables
+from checkmate.testbed import mininet_bmv2 as mb
+cfg = mb.bmv2_config(config.load(config.default_path()))
+reg = plan_mod.Registration(1, "s1", "10.77.0.101", "02:00:0a:4d:00:65", 47011, 9, 12345)
+out = {}
+d = for_switch(cfg)
+out["first"] = d.apply(plan_mod.build(cfg)).summary()
+out["again"] = d.apply(plan_mod.build(cfg)).summary()
+plan = plan_mod.build(cfg, {1: reg})
+res = d.apply(plan)
+out["registered"] = [res.summary(), res.changed]
+out["same"] = d.read_entries() == {e.key: e for e in p4tables.entries(plan)}
+out["groups"] = {str(k): v for k, v in d.read_groups().items()}
+out["want_groups"] = {str(k): list(v) for k, v in p4tables.groups(plan).items()}
+small = replace(cfg, hosts=tuple(h for h in cfg.hosts if h.name != "s1"))
+smaller = plan_mod.build(small)
+res = d.apply(smaller)
+out["shrunk"] = [res.summary(), res.removed]
+out["shrunk_same"] = (d.read_entries() == {e.key: e for e in p4tables.entries(smaller)}
+                      and d.read_groups() == p4tables.groups(smaller))
+st = d.status()
+out["status"] = {"entries": len(st["entries"]), "stats": st["ckm_stats"], "notes": st["notes"]}
+d.close()
+print(json.dumps(out))
 """
+
+
+def test_the_controller_programs_a_real_simple_switch_over_thrift(switch):
+    """Deploy into bmv2 with no program: the compiled JSON is loaded, every entry and group
+    written; a second deploy writes nothing; a shadow's registration changes its rewrite
+    entry only; a group the plan drops is removed with its members. What bmv2 reports back
+    is what the plan holds, and its counters read (all zero: no traffic)."""
+    r = subprocess.run(["ip", "netns", "exec", NS, sys.executable, "-c", DEPLOY],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    plan = plan_mod.build(switch)
+    n = len(p4tables.entries(plan)) + len(plan.groups)
+    assert out["first"] == f"{n} added, 0 changed, 0 removed"
+    assert out["again"] == "0 added, 0 changed, 0 removed"
+    assert out["registered"][0] == "0 added, 1 changed, 0 removed"
+    assert out["registered"][1][0].startswith("shadow_rewrite [egress_rid=0x2]")
+    assert out["same"] is True and out["groups"] == out["want_groups"]
+    # without s1: its entries and multicast groups go, and bmv2 holds the smaller plan
+    small = plan_mod.build(replace(switch, hosts=tuple(h for h in switch.hosts
+                                                       if h.name != "s1")))
+    groups_gone = len(plan.groups) - len(small.groups)
+    assert groups_gone > 0 and out["shrunk_same"] is True
+    assert sum(r.startswith("multicast group ") for r in out["shrunk"][1]) == groups_gone
+    assert any(r.startswith("l2_fwd [dst_mac=0x2000a4d0065]") for r in out["shrunk"][1])
+    assert out["status"]["entries"] == len(p4tables.entries(small))
+    assert out["status"]["stats"]["ckm"] == 0 and "bad_src_ip" in out["status"]["stats"]
+    assert out["status"]["notes"] == []  # this build has the per-port source check
+
+
+def test_status_of_a_switch_with_no_program_is_one_line(switch):
+    r = subprocess.run(["ip", "netns", "exec", NS, sys.executable, "-c",
+                        "from checkmate.config import cluster as c\n"
+                        "from checkmate.testbed import mininet_bmv2 as mb\n"
+                        "from checkmate.control.drivers import for_switch\n"
+                        "for_switch(mb.bmv2_config(c.load(c.default_path()))).status()"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        "switch sw0 has no P4 program loaded; `control deploy --switch sw0` loads and "
+        "programs it")
+
+
+# ------------------------------------------------------------ training through bmv2
+
+#: Its own prefix and subnet: the kernel testbed's tests may run beside it.
+BMV2_CLUSTER = {
+    "job": {"id": 7, "name": "bmv2"},
+    "switch": {"name": "sw0", "target": "bmv2", "runtime": "thrift",
+               "address": f"127.0.0.1:{mb.THRIFT_PORT}"},
+    "network": {"subnet": "10.78.0.0/24", "mtu": 9000, "prefix": "ckv"},
+    "hosts": [{"name": "t0", "role": "trainer", "rank": 0, "ip": "10.78.0.10"},
+              {"name": "t1", "role": "trainer", "rank": 1, "ip": "10.78.0.11"},
+              {"name": "t2", "role": "trainer", "rank": 2, "ip": "10.78.0.12"},
+              {"name": "s0", "role": "shadow", "partition": 0, "ip": "10.78.0.100"},
+              {"name": "s1", "role": "shadow", "partition": 1, "ip": "10.78.0.101"}],
+}
+SCENARIO = {"name": "bmv2-kill-restore", "model": "gpt", "steps": 12, "seed": 0,
+            "kill_at": 6,
+            "attacks": [{"kind": "mac_hijack", "from": "t2", "target": "t0", "at": 2}]}
 
 
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.skipif(mb.missing() is not None,
-                    reason=f"bmv2 topology unavailable: {mb.missing()}")
+                    reason=f"bmv2 testbed unavailable: {mb.missing()}")
 @pytest.mark.skipif(os.geteuid() != 0, reason="mininet needs root")
-def test_bmv2_replicates_to_shadow(cfg, tmp_path, monkeypatch):  # pragma: no cover - bmv2
-    import yaml
-
-    from checkmate.testbed.topology import config_to_dict
-
-    monkeypatch.setenv("CHECKMATE_P4_BUILD", str(tmp_path / "build"))  # compiler and deploy
-    bcfg = mb.bmv2_config(cfg)
-    json_path = mb.compile_p4()
-    net = mb.build_network(bcfg)
-    try:
-        mb.push_pipeline(bcfg)
-        path = tmp_path / "bmv2.yaml"
-        path.write_text(yaml.safe_dump(config_to_dict(bcfg)))
-        r = subprocess.run([sys.executable, "-m", "checkmate.control.cli", "deploy",
-                            "--switch", "sw0", "--config", str(path)],
-                           capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "CHECKMATE_CONTROL_STATE": str(tmp_path / "s")})
-        assert r.returncode == 0, r.stderr
-        rx = net.get("s0").popen([sys.executable, "-c", RECEIVE], stdout=subprocess.PIPE,
-                                 text=True)
-        dgram = wire.encode(wire.Header(flags=wire.Flags.REPLICATE, job_id=7, partition=0,
-                                        count=2, iteration=5), b"\x00" * 8)
-        net.get("t0").cmd(f"{sys.executable} -c \"import socket; socket.socket(2, 2).sendto("
-                          f"bytes.fromhex('{dgram.hex()}'), ('10.77.0.11', 47000))\"")
-        out, _ = rx.communicate(timeout=10)
-        assert json.loads(out) == {"partition": 0, "epoch": 0, "iteration": 5}
-    finally:
-        net.stop()
-    assert Path(json_path).exists()
-
-
-def test_p4_sources_ship_as_package_data():
-    """A wheel carries every P4 file (checkmate/p4/...), and without an __init__.py: a
-    top-level ``p4`` package in a clone would shadow the p4runtime wheel's ``p4``."""
-    import fnmatch
-    import tomllib
-
-    root = Path(__file__).resolve().parents[1]
-    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert tool["package-dir"]["checkmate.p4"] == "p4" and "checkmate.p4" in tool["packages"]
-    globs = tool["package-data"]["checkmate.p4"]
-    files = [p.relative_to(root / "p4").as_posix() for p in (root / "p4").rglob("*.p4")]
-    assert len(files) >= 6
-    assert all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files), files
-    assert not (root / "p4" / "__init__.py").exists()
-    assert pipeline.p4_source("tna").read_text() == (root / "p4" / "checkmate_tna.p4").read_text()
+def test_training_through_bmv2_is_killed_restored_bit_identical(tmp_path):
+    """`testbed run --switch bmv2`: three trainers and two shadows in a mininet network
+    around simple_switch; every trainer is killed at iteration 6 and restored from the
+    shadows, and ends bit-identical to a failure-free run through the same switch. bmv2
+    copied the gradients (its replication entries' counters), and a host claiming another's
+    MAC and IP from iteration 2 on had every frame dropped where it entered, counted per
+    reason by bmv2's source check."""
+    cluster, scenario = tmp_path / "cluster.yaml", tmp_path / "scenario.yaml"
+    cluster.write_text(yaml.safe_dump(BMV2_CLUSTER))
+    scenario.write_text(yaml.safe_dump(SCENARIO))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "checkmate.testbed.run", "--scenario",
+                        str(scenario), "--config", str(cluster), "--json",
+                        str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+    report = json.loads((tmp_path / "r.json").read_text()) if r.returncode == 0 else {}
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert report["ok"] and report["bit_identical"], report["problems"]
+    assert report["runs"]["chaos"]["killed_at"] == 6  # a run with an attack is a chaos run
+    assert report["runs"]["chaos"]["restored_from"] >= 5
+    assert report["switch_replicated_packets"] > 0
+    attack = report["attacks"][0]
+    assert attack["rounds"] >= 10
+    assert attack["bad_src_mac"] == 3 * attack["rounds"]
+    assert attack["bad_src_ip"] == attack["rounds"]
+    assert not Path("/run/netns/ckv-t0").exists()  # the testbed is gone
+    print(f"bmv2 kill-restore: {time.monotonic() - t0:.1f} s, "
+          f"{report['switch_replicated_packets']} datagrams copied by bmv2")
