@@ -1,4 +1,4 @@
-/* Checkmate switch for bmv2 simple_switch_grpc (v1model).
+/* Checkmate switch for bmv2 (v1model): simple_switch (Thrift runtime) or simple_switch_grpc.
  * Build, into the folder the controller and the bmv2 testbed read, from the repository root:
  *   mkdir -p build/p4/checkmate_v1model
  *   p4c-bm2-ss --arch v1model -I p4 -I p4/include \
