@@ -11,7 +11,8 @@
  * its ingress port (port_bind, from the config; no entry: nothing is bound), or, for IPv4,
  * whose source address, or, for ARP, whose sender MAC or IP is not the bound one, is
  * dropped and counted in src_check, so no host can use another's addresses (a MAC hijack,
- * an ARP reply claiming another's IP, a forged source IP on a register or a REPLICATE). Forwarding entries are the controller's only: nothing is learned.
+ * an ARP reply claiming another's IP, a forged source IP on a register or a REPLICATE).
+ * Forwarding entries are the controller's only: nothing is learned.
  * Then L2 forwarding by destination MAC (flood group for unknown/broadcast, counted in
  * l2_miss); ckm datagrams whose count agrees with their UDP length (CkmLengthCheck), and
  * frames marked with DSCP CKM_DSCP or PCP CKM_COS (CkmLossless), go to the ckm priority;
