@@ -101,6 +101,10 @@ def test_launch_restarts_a_killed_trainer_bit_identical(tmp_path):
     (["--nproc-per-node", "2", "--mode", "gockpt", "--shadows", "2", "EX"], "without shadows"),
     (["--nproc-per-node", "2", "--shadow", "nohost:x", "EX"], "bad shadow address"),
     (["--nproc-per-node", "2", "--shadow", "127.0.0.1:1", "EX"], "does not answer"),
+    (["--nproc-per-node", "2", "--shadow-cores", "4096", "EX"], "not on this machine"),
+    (["--nproc-per-node", "2", "--shadow-cores", "1-0", "EX"], "expected a CPU list"),
+    (["--nproc-per-node", "2", "--shadow-cores", "0", "--shadow", "127.0.0.1", "EX"],
+     "pins the shadows started here"),
 ])
 def test_bad_command_lines_are_one_line_errors(capsys, argv, needle):
     argv = [str(EXAMPLE) if a == "EX" else a for a in argv]
@@ -232,7 +236,8 @@ def test_launcher_stopped_or_killed_leaves_no_process(tmp_path, sig):
     with open(log, "wb") as f:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2",
-             "--shadows", "2", "--progress-every", "5", str(EXAMPLE), "--steps", "100000"],
+             "--shadows", "2", "--shadow-cores", "0", "--progress-every", "5", str(EXAMPLE),
+             "--steps", "100000"],
             stdout=f, stderr=subprocess.STDOUT,
             env={**os.environ, "TMPDIR": str(tmp_path)})  # the kept logs stay in tmp_path
     kids: list[int] = []
@@ -243,6 +248,13 @@ def test_launcher_stopped_or_killed_leaves_no_process(tmp_path, sig):
             time.sleep(0.2)
         kids = children(launcher.pid)
         assert len(kids) == 4, kids  # 2 shadows, 2 workers
+        # --shadow-cores: the shadows keep to core 0, the workers to the launcher's cores
+        shadows = [k for k in kids
+                   if b"checkmate.shadow.cli" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        assert len(shadows) == 2 and all(os.sched_getaffinity(k) == {0} for k in shadows)
+        assert all(os.sched_getaffinity(k) == os.sched_getaffinity(0)
+                   for k in set(kids) - set(shadows))
+        assert "pinned to core(s) 0" in log.read_text()
         launcher.send_signal(sig)
         rc = launcher.wait(120)
         assert rc == (130 if sig == signal.SIGINT else -signal.SIGKILL), log.read_text()

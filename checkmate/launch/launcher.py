@@ -47,6 +47,7 @@ from checkmate.launch.local_shadows import (
 from checkmate.launch.options import (
     PROG,
     controller_addr,
+    format_cores,
     gockpt_dir,
     loopback,
     multinode,
@@ -369,14 +370,17 @@ def launch(argv: list[str]) -> int:
         elif count:
             local = LocalShadows(net, count, logdir,
                                  args.dir / "checkpoints" if args.persist_every else None,
-                                 args.persist_every, groups, args.replicas)
+                                 args.persist_every, groups, args.replicas,
+                                 args.shadow_cores)
             kept = ", kept if the job fails" if own_logdir else ""
             per = f" ({count // groups} per data-parallel group)" if groups > 1 else ""
             if args.replicas > 1:
                 per = (f" ({args.replicas} replicas of each of {count // args.replicas} "
                        "partitions)")
-            print(f"{PROG}: starting {count} shadow(s){per} on {net}.100+ (logs: {logdir}"
-                  f"{kept})", flush=True)
+            pinned = ("" if args.shadow_cores is None else
+                      f", pinned to core(s) {format_cores(args.shadow_cores)}")
+            print(f"{PROG}: starting {count} shadow(s){per} on {net}.100+{pinned} (logs: "
+                  f"{logdir}{kept})", flush=True)
             local.start()
             local.supervise(args.shadow_restarts)  # one that exits is started again
             tcp, job_id = local.tcp, args.job_id or 1

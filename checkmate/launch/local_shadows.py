@@ -24,12 +24,14 @@ launcher itself is SIGKILLed.
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import signal
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -105,14 +107,28 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def _start_child(cores: frozenset[int] | None) -> Callable[[], None]:
+    """What a shadow's child runs before exec: die with the launcher, and keep to ``cores``
+    (None: the launcher's own) so that it takes only the cores left spare for it."""
+    def run() -> None:
+        _die_with_parent()
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+
+    return run
+
+
 class LocalShadows:
     """``count`` shadow processes on ``net`` (.100, .101, ...), logs under ``logdir``; a
     mesh job's ``groups`` data-parallel groups take ``count // groups`` each, in order
     (each set is partitions 0.. of its group, persisting under a folder of its own)."""
 
     def __init__(self, net: str, count: int, logdir: Path, persist_dir: Path | None = None,
-                 persist_every: int = 0, groups: int = 1, replicas: int = 1) -> None:
+                 persist_every: int = 0, groups: int = 1, replicas: int = 1,
+                 cores: frozenset[int] | None = None) -> None:
         self.net, self.count, self.logdir, self.groups = net, count, logdir, groups
+        #: the CPU cores every shadow is pinned to (``--shadow-cores``; None: not pinned)
+        self.cores = cores
         #: ``count`` is ``replicas`` whole sets, one after the other (replica k of every
         #: partition: the k-th; it persists under ``replica<k>`` beside the first's files)
         self.replicas = replicas
@@ -166,9 +182,13 @@ class LocalShadows:
 
     def _spawn(self, i: int) -> subprocess.Popen:
         with open(self.log(i), "ab") as log:
-            return subprocess.Popen(self.argvs[i], stdout=log, stderr=log,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+            try:
+                return subprocess.Popen(self.argvs[i], stdout=log, stderr=log,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_start_child(self.cores))
+            except (OSError, subprocess.SubprocessError) as e:
+                raise CheckmateError(f"cannot start {self.name(i)} on cores "
+                                     f"{sorted(self.cores or [])}: {e}") from None
 
     def place(self, i: int) -> tuple[int, int, int]:
         """Shadow ``i``'s (replica, data-parallel group, partition in the group)."""

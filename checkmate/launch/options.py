@@ -10,6 +10,7 @@ What the launcher does with them is checkmate.launch.launcher; where the workers
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,10 @@ def parser(gpus: int) -> argparse.ArgumentParser:
                    help="shadows per partition, started here (default 1): the trainers send "
                         "each its copies, and a partition stays protected while one of its "
                         "replicas is current")
+    p.add_argument("--shadow-cores", type=_cores, default=None, metavar="LIST",
+                   help="pin the shadows started here to these CPU cores (0,2-5: the "
+                        "cores the trainers leave spare on a co-located node); default: the "
+                        "launcher's own")
     p.add_argument("--shadow-restarts", type=_count(0, 100), default=5, metavar="N",
                    help="start a shadow started here again when it exits while the job "
                         "runs, up to N times each (default 5; 0: never): the trainers bring "
@@ -265,6 +270,10 @@ def check(args: argparse.Namespace) -> None:
         raise CheckmateError("--replicas applies to the shadows started here in host mode, "
                              "for a data-parallel job (not yet with --shadow, --controller, "
                              "--mode switch or --pp/--tp)")
+    if args.shadow_cores is not None and (args.shadow or args.controller
+                                          or args.mode in ("off", "gockpt")):
+        raise CheckmateError("--shadow-cores pins the shadows started here: not with "
+                             "--shadow, --controller or --mode off/gockpt")
     if args.persist_every and args.dir is None:
         raise CheckmateError("--persist-every writes under --dir: give --dir")
     if args.persist_every and args.shadow:
@@ -273,6 +282,40 @@ def check(args: argparse.Namespace) -> None:
         raise CheckmateError(f"no such script: {args.script}")
     if len(args.shadow) > MAX_SHADOWS:
         raise CheckmateError(f"at most {MAX_SHADOWS} shadows")
+
+
+def parse_cores(s: str) -> frozenset[int]:
+    """A CPU list as taskset and cpusets write it (``0,2-5``), each core online here; one
+    CheckmateError line otherwise."""
+    cores: set[int] = set()
+    for part in s.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise CheckmateError(f"expected a CPU list such as 0,2-5, got {s!r}")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    online = os.cpu_count() or 1
+    off = sorted(c for c in cores if c >= online)
+    if off:
+        raise CheckmateError(f"core(s) {off} not on this machine (cores 0-{online - 1})")
+    return frozenset(cores)
+
+
+def format_cores(cores: frozenset[int]) -> str:
+    """``0,2-5``: a core set as parse_cores reads it."""
+    out: list[list[int]] = []
+    for c in sorted(cores):
+        if out and c == out[-1][-1] + 1:
+            out[-1].append(c)
+        else:
+            out.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out)
+
+
+def _cores(s: str) -> frozenset[int]:
+    try:
+        return parse_cores(s)
+    except CheckmateError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse(argv: list[str], gpus: int) -> argparse.Namespace:

@@ -1,9 +1,9 @@
-"""What the in-process host-mode benches share (ddp, verify; a leading underscore: not a
-bench of its own in `testbed bench`): two real ``shadow serve``
-processes on a loopback /24, trainer processes of a bench module run as ``--worker`` with
+"""What the in-process host-mode benches share (ddp, verify, replicas, colocate; a leading
+underscore: not a bench of its own in `testbed bench`): two real ``shadow serve`` processes
+on a loopback /24, trainer processes of a bench module run as ``--worker`` with
 torch's rendezvous variables, and the JobLayout those trainers use.
 
-Why one place: both benches run the same job shape -- two shadows, ``--world`` trainers
+Why one place: the benches run the same job shape -- two shadows, ``--world`` trainers
 meeting at a free local port -- and compare variants inside it; only the worker differs.
 """
 
@@ -57,16 +57,22 @@ def layout(net: str, ips: list[str], rank: int, world: int, replicas: int = 1) -
         replica_tcp=[[(ip, cfgmod.RESTORE_PORT) for ip in s] for s in sets[1:]])
 
 
+def pinned(cores: str | None, argv: list[str]) -> list[str]:
+    """``argv`` run on the CPU list ``cores`` (taskset's form, ``0,2-3``); None: unpinned."""
+    return argv if cores is None else ["taskset", "-c", cores, *argv]
+
+
 def run(module: str, net: str, work: Path, world: int, worker_args: list[str],
-        replicas: int = 1) -> dict:
+        replicas: int = 1, trainer_cores: str | None = None,
+        shadow_cores: str | None = None) -> dict:
     """Start the shadows (``replicas`` of each partition) and ``world`` workers (``python -m
-    module --worker ARGS --net --shadows --out``), wait for them, stop everything, and
-    return the JSON rank 0 wrote. A job secret of the run's own is made when none is set
-    (as the launcher does)."""
+    module --worker ARGS --net --shadows --out``), each set on its CPU list when given,
+    wait for them, stop everything, and return the JSON rank 0 wrote. A job secret of the
+    run's own is made when none is set (as the launcher does)."""
     if not os.environ.get(auth.SECRET_ENV):
         auth.create_secret(work / "job.key")
         os.environ[auth.SECRET_ENV] = str(work / "job.key")
-    shadows, ips = start_shadows(net, work, replicas)
+    shadows, ips = start_shadows(net, work, replicas, shadow_cores)
     out = work / "result.json"
     out.unlink(missing_ok=True)
     with socket.socket() as s:
@@ -78,9 +84,9 @@ def run(module: str, net: str, work: Path, world: int, worker_args: list[str],
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "OMP_NUM_THREADS": "1"}
-            procs.append(lifeline.popen(
-                [sys.executable, "-m", module, "--worker", *worker_args, "--net", net,
-                 "--shadows", ",".join(ips), "--out", str(out)],
+            procs.append(lifeline.popen(pinned(trainer_cores, [
+                sys.executable, "-m", module, "--worker", *worker_args, "--net", net,
+                "--shadows", ",".join(ips), "--out", str(out)]),
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 start_new_session=True))
         errs = []
@@ -99,19 +105,20 @@ def run(module: str, net: str, work: Path, world: int, worker_args: list[str],
     return json.loads(out.read_text())
 
 
-def start_shadows(net: str, work: Path, replicas: int = 1
+def start_shadows(net: str, work: Path, replicas: int = 1, cores: str | None = None
                   ) -> tuple[list[subprocess.Popen], list[str]]:
-    """Two ``shadow serve`` processes (partitions 0/2 and 1/2) per replica on ``net``,
-    ready to seed: replica k of partition p at .100 + 2k + p."""
+    """Two ``shadow serve`` processes (partitions 0/2 and 1/2) per replica on ``net``, on
+    the CPU list ``cores`` when given, ready to seed: replica k of partition p at .100 +
+    2k + p."""
     ips = [f"{net}.{100 + i}" for i in range(2 * replicas)]
     procs = []
     for i, ip in enumerate(ips):
         p = i % 2
         log = open(work / f"shadow{i}.log", "wb")  # noqa: SIM115
-        procs.append(lifeline.popen(
-            [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition", f"{p}/2",
-             "--config", str(cfgmod.default_path()), "--bind", ip, "--no-register",
-             "--window", "64"], stdout=log, stderr=log, start_new_session=True))
+        procs.append(lifeline.popen(pinned(cores, [
+            sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition", f"{p}/2",
+            "--config", str(cfgmod.default_path()), "--bind", ip, "--no-register",
+            "--window", "64"]), stdout=log, stderr=log, start_new_session=True))
         log.close()
     deadline = time.monotonic() + 120
     for p, (ip, proc) in enumerate(zip(ips, procs, strict=True)):
