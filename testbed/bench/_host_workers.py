@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError
@@ -38,6 +38,17 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--shadows", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     return ap
+
+
+def end_worker(code: int) -> NoReturn:
+    """End a bench worker the way `checkmate launch` ends its workers
+    (checkmate.train.run_script): streams flushed, then ``os._exit``. The interpreter's own
+    teardown can abort in gloo's C++ threads ("terminate called without an active
+    exception", seen in about one run of ten with the trainers pinned to one core), which
+    fails the run after its figures were written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def layout(net: str, ips: list[str], rank: int, world: int, replicas: int = 1) -> Any:

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="OUT", help="write the per-iteration times here")
     args = ap.parse_args(argv)
     if args.worker:
-        return _worker(args)
+        host_workers.end_worker(_worker(args))
     if not 1 <= args.world <= 8 or args.rounds < 2 or args.iters < 2 or args.width < 8:
         raise CheckmateError("need 1 <= --world <= 8, --rounds >= 2, --iters >= 2, "
                              "--width >= 8")

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return _worker(args)
+        host_workers.end_worker(_worker(args))
     if not 1 <= args.world <= 8 or args.rounds < 2 or args.width < 8 or args.iters < 1 \
             or args.warmup < 0:
         raise CheckmateError("need 1 <= --world <= 8, --rounds >= 2, --width >= 8, "

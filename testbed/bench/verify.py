@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20, help="iterations per round and variant")
     args = ap.parse_args(argv)
     if args.worker:
-        return _worker(args)
+        host_workers.end_worker(_worker(args))
     if not 1 <= args.world <= 8 or args.rounds < 2 or args.width < 8 or args.every == 0:
         raise CheckmateError("need 1 <= --world <= 8, --rounds >= 2, --width >= 8, "
                              "--every >= 1 or auto")
