@@ -265,7 +265,11 @@ def build_network(cfg: config.ClusterConfig, state_dir: Path) -> Any:  # mininet
         host = net.addHost(h.name, ip=f"{h.ip}/{plen}", mac=h.mac)
         net.addLink(host, sw, port2=switch_port(cfg, h), intfName1=cfg.host_ifname(h.name),
                     intfName2=cfg.switch_ifname(h.name))
-    net.start()
+    try:
+        net.start()
+    except BaseException:
+        net.stop()  # the shells and links built so far
+        raise
     for h in net.hosts:
         intf = cfg.host_ifname(h.name)
         # complete UDP checksums on the wire (see topology.Testbed._build_links)

@@ -97,6 +97,20 @@ def test_a_thrift_address_that_is_not_host_port_is_one_line(cfg):
         for_switch(bad)
 
 
+@pytest.mark.skipif(thrift_mod.genpy_dir() is None, reason="no bmv2 Thrift clients on PATH")
+def test_a_switch_that_does_not_answer_is_one_line(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**BMV2_CLUSTER, "switch": {
+        **BMV2_CLUSTER["switch"], "address": "127.0.0.1:1"}}))
+    r = subprocess.run([sys.executable, "-m", "checkmate.control.cli", "status", "--switch",
+                        "sw0", "--config", str(cfg)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "control: error: bmv2 switch sw0 at 127.0.0.1:1: connecting failed: "
+        "TTransportException: Could not connect to any of [('127.0.0.1', 1)]"], r.stderr
+
+
 # ------------------------------------------------------------ a real simple_switch
 
 

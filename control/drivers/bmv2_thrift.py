@@ -16,6 +16,7 @@ one buffered socket, one multiplexed protocol per service). They are looked for 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -58,6 +59,10 @@ def _runtime() -> tuple[Any, Any, Any]:
         sys.path.append(str(where))
     with needs("switch"):
         import thrift  # noqa: F401  (named in the switch extra; the clients need it)
+    # thrift logs a refused connection itself, before raising what _errors turns into the
+    # one line: without a handler of the application's, Python's last-resort handler would
+    # print it as a second line
+    logging.getLogger("thrift").addHandler(logging.NullHandler())
     from bm_runtime.simple_pre_lag import SimplePreLAG
     from bm_runtime.standard import Standard, ttypes
 
