@@ -123,10 +123,17 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
 
     for name in multinode.SCENARIOS:
         out[name] = {"multinode": True}
+    # Two shadows per partition (testbed/replica_cases.py): one `checkmate launch
+    # --replicas 2` in host mode, a replica lost, or both of a partition's and a trainer.
+    from checkmate.testbed import replica_cases
+
+    for name in replica_cases.CASES:
+        out[name] = {"replicas": True}
     return out
 
 
 RANDOM = {"multinode-kill-node", "multinode-shrink", "attack-conn-flood-s0",
+          "replicas-kill-one", "replicas-kill-both-and-trainer",
           "shadow-restart-empty", "shadow-restart-disk", "shadow-bit-flip", "trainer-bit-flip",
           "shadow-and-trainers-kill", "all-shadows-restart-disk", "shadows-restart-under-load",
           "trainer-kill-after-step",
@@ -337,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         cl = Cluster(cfg, "switch", config_path, "", stack)
         for name in names:
             for rep_i in range(args.repeat if name in RANDOM else 1):
-                multi = bool(known[name].get("multinode"))
+                multi = bool(known[name].get("multinode") or known[name].get("replicas"))
                 sc = None if multi else draw(name, known[name], args.steps, args.seed,
                                              cfg.num_partitions, rng, len(cfg.trainers))
                 t0 = time.perf_counter()
@@ -357,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.perf_counter()
                 case_dir = workdir / f"{name}-{rep_i}"
                 try:
-                    if sc is None:
+                    if sc is None and known[name].get("replicas"):
+                        from checkmate.testbed import replica_cases
+
+                        rep = replica_cases.execute(name, case_dir, rng)
+                    elif sc is None:
                         rep = _multinode(name, case_dir, rng)
                     else:
                         rep = execute(sc, cl, case_dir, progress, refs[sc.steps])

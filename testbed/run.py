@@ -357,6 +357,27 @@ def _multinode(args: argparse.Namespace, multinode: Any) -> int:
     return 0 if report["ok"] else 1
 
 
+def _replica_case(args: argparse.Namespace, replica_cases: Any) -> int:
+    """A case with two shadows per partition (testbed/replica_cases.py): host mode, one
+    `checkmate launch --replicas 2` on this machine."""
+    if args.switch is not None or args.config:
+        raise CheckmateError(f"{args.scenario} runs one `checkmate launch --replicas 2` in "
+                             "host mode: no --switch or --config")
+    with ExitStack() as stack:
+        if args.workdir:  # kept
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
+            workdir = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
+        else:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckm-run-")))
+        report = replica_cases.execute(args.scenario, workdir, random.Random(args.seed))
+    print(json.dumps(report, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"{args.scenario}: {'OK' if report['ok'] else 'FAILED'}"
+          + "".join(f"\nproblem: {p}" for p in report["problems"]))
+    return 0 if report["ok"] else 1
+
+
 @cli_guard("testbed run")
 
 
@@ -378,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.scenario in multinode.SCENARIOS:
         return _multinode(args, multinode)
+    from checkmate.testbed import replica_cases
+
+    if args.scenario in replica_cases.CASES:
+        return _replica_case(args, replica_cases)
     sc = load_scenario(args.scenario, random.Random(args.seed))
     config_path = Path(args.config).resolve() if args.config else cfgmod.default_path()
     cfg = cfgmod.load(config_path)

@@ -56,6 +56,11 @@ def test_every_case_draws_a_valid_scenario():
 
                 assert name in SCENARIOS
                 continue
+            if body.get("replicas"):  # one launcher with --replicas 2: replica_cases runs it
+                from checkmate.testbed.replica_cases import CASES
+
+                assert name in CASES
+                continue
             sc = draw(name, body, steps, 0, 2, rng)
             assert sc.steps == body.get("steps", steps) <= steps, name
     sc = draw("shadow-and-trainers-kill", cases(300)["shadow-and-trainers-kill"], 300, 0, 2,

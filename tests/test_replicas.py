@@ -12,12 +12,7 @@ and is current, and checked against the trainers, at the end.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,23 +20,18 @@ import torch
 from fakes import same_state
 
 from checkmate.errors import CheckmateError
-from checkmate.testbed.multinode import descendants
+from checkmate.testbed import replica_cases
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "train_elastic.py"
-LAUNCH = [sys.executable, "-m", "checkmate.launch.cli", "launch", "--nproc-per-node", "2"]
-STEPS = 20
+SCRIPT, STEPS = replica_cases.SCRIPT, replica_cases.STEPS
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """The final state of the same job without shadows or failures."""
-    out = tmp_path_factory.mktemp("reference") / "ref.pt"
-    p = subprocess.run([*LAUNCH, "--mode", "off", "--progress-every", "0", str(SCRIPT),
-                        "--steps", str(STEPS), "--out", str(out)], capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "NUMBA_NUM_THREADS": "1"})
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    return torch.load(out)
+    try:
+        return torch.load(replica_cases.reference(tmp_path_factory.mktemp("reference")))
+    except CheckmateError as e:
+        pytest.fail(str(e))
 
 
 def test_replicas_need_shadows_started_here_for_a_data_parallel_job(capsys):
@@ -70,60 +60,14 @@ def test_the_environment_cuts_the_shadow_list_into_replica_sets():
         envmod.read({**base, envmod.REPLICAS: "4"})
 
 
-def _shadow_pids(launcher: int, ip: str) -> list[int]:
-    """The launcher's shadow processes bound to ``ip`` (processes this test started)."""
-    out = []
-    for pid in descendants(launcher):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"checkmate.shadow.cli" in cmd and ip.encode() in cmd:
-            out.append(pid)
-    return out
-
-
-def _at_iteration(log: Path, proc: subprocess.Popen, it: int) -> str | None:
-    """Wait until the launcher's output shows iteration ``it``; the shadows' /24."""
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        text = log.read_text(errors="replace")
-        net = re.search(r"shadow\(s\) .*on (127\.\d+\.\d+)\.100\+", text)
-        if net and f"checkmate: iteration {it} loss" in text:
-            return net.group(1)
-        time.sleep(0.05)
-    return None
-
-
 def _run_killing(tmp: Path, args: list[str], at: int, shadows: list[int],
                  kill_at: str | None = None) -> str:
-    """``checkmate launch ARGS`` of the script with two replicas per partition; at
-    iteration ``at`` SIGKILL its shadows whose bind address ends in each of ``shadows``
-    (processes this test started, through the launcher); ``kill_at``: a trainer's
-    CHECKMATE_KILL_AT. The launcher must end well, without a traceback: its output."""
-    log = tmp / "launch.log"
-    env = {**os.environ, "NUMBA_NUM_THREADS": "1"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [*LAUNCH, "--shadows", "2", "--replicas", "2", "--progress-every", "1", "--dir",
-             str(tmp / "run"), *args], stdout=f, stderr=subprocess.STDOUT,
-            env=env if kill_at is None else {**env, "CHECKMATE_KILL_AT": kill_at})
-    killed: list[int] = []
+    """The chaos cases' launcher run (checkmate.testbed.replica_cases.run_killing): it
+    must end well, without a traceback."""
     try:
-        net = _at_iteration(log, proc, at)
-        assert net is not None, log.read_text()[-3000:]
-        killed = [pid for last in shadows for pid in _shadow_pids(proc.pid, f"{net}.{last}")]
-        for pid in killed:
-            os.kill(pid, signal.SIGKILL)
-        proc.wait(300)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(30)
-    out = log.read_text(errors="replace")
-    assert proc.returncode == 0 and len(killed) == len(shadows), out[-5000:]
-    assert "Traceback" not in out, out[-5000:]
-    return out
+        return replica_cases.run_killing(tmp, args, at, shadows, kill_at)
+    except CheckmateError as e:
+        pytest.fail(str(e))
 
 
 @pytest.mark.slow
