@@ -175,8 +175,10 @@ class Bmv2Testbed(Testbed):
             _no_ipv6(name)
         self._static_l2()
 
-    def _switch_neighbours(self, ifname: str) -> None:
-        super()._switch_neighbours(cpu_ifnames(self.cfg)[1])
+    @property
+    def controller_ifname(self) -> str:
+        """The veth end facing bmv2's CPU port, with the switch's IP."""
+        return cpu_ifnames(self.cfg)[1]
 
     def down(self) -> None:
         """Mininet's own stop when this process built the network (it talks to its node

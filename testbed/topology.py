@@ -299,17 +299,22 @@ class Testbed:
                     if ip != h.ip:
                         hn.neigh("replace", dst=ip, lladdr=mac, ifindex=idx,
                                  state=NUD_PERMANENT)
-        self._switch_neighbours(self.cfg.bridge_name)
+        self._switch_neighbours()
 
-    def _switch_neighbours(self, ifname: str) -> None:
-        """Every host's MAC, permanent, on the switch namespace's interface that carries the
-        switch's own IP (where the controller answers from)."""
+    @property
+    def controller_ifname(self) -> str:
+        """The switch namespace's interface that carries the switch's own IP, where the
+        controller answers from: the bridge here."""
+        return self.cfg.bridge_name
+
+    def _switch_neighbours(self) -> None:
+        """Every host's MAC, permanent, on the controller's interface."""
         with needs("testbed"):
             from pyroute2 import NetNS
 
         cfg = self.cfg
         with NetNS(cfg.netns(cfg.switch.name), flags=0) as sw:
-            idx = sw.link_lookup(ifname=ifname)[0]
+            idx = sw.link_lookup(ifname=self.controller_ifname)[0]
             for h in cfg.hosts:
                 sw.neigh("replace", dst=h.ip, lladdr=h.mac, ifindex=idx, state=NUD_PERMANENT)
 
