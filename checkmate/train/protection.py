@@ -186,10 +186,14 @@ class ProtectionMonitor:
         now = time.monotonic() if now is None else now
         return now - self.views[i].last_ok > self.liveness
 
-    def _where(self, i: int) -> str:
+    def _name(self, i: int) -> str:
+        """Slot ``i`` as a line names it: "shadow of partition P[ replica K]"."""
         p, k = i % self.parts, i // self.parts
         rep = f" replica {k}" if self.replicas > 1 else ""
-        return f"shadow of partition {p}{rep} ({self.addrs[i][0]}:{self.addrs[i][1]})"
+        return f"shadow of partition {p}{rep}"
+
+    def _where(self, i: int) -> str:
+        return f"{self._name(i)} ({self.addrs[i][0]}:{self.addrs[i][1]})"
 
     def _problem(self, i: int, now: float) -> str:
         """Why slot ``i`` does not hold the newest iterations ("" when it does)."""
@@ -208,7 +212,7 @@ class ProtectionMonitor:
         """Give slot ``i``'s shadow a state while training runs: from a current sibling
         replica when it is empty and has one (shadow.sibling: the trainers send nothing),
         else live from the trainers."""
-        p, what = i % self.parts, self._where(i).split(" (")[0]
+        p, what = i % self.parts, self._name(i)
         sibling = self._sibling(i) if not v.seeded and not v.wanted else None
         if sibling is not None:
             got = self._clients[i].request({"op": "adopt",
@@ -318,12 +322,12 @@ class ProtectionMonitor:
             if lag is not None and lag > self.lag_warn and not v.warned:
                 v.warned = True
                 log.warning("checkmate: %s lags %d iterations (committed %s, trainers at "
-                            "%d)%s", self._where(i).split(" (")[0], lag, v.latest, done,
+                            "%d)%s", self._name(i), lag, v.latest, done,
                             f": {v.wanted}" if v.wanted else "")
             elif v.warned and lag is not None and lag <= self.lag_warn:
                 v.warned = False
                 log.warning("checkmate: %s caught up (committed %s)",
-                            self._where(i).split(" (")[0], v.latest)
+                            self._name(i), v.latest)
 
     # ------------------------------------------------------------------ training thread
     def capture(self, iteration: int, step: int) -> None:
