@@ -50,6 +50,9 @@ class MultiNode:
     spare: bool  # a spare node waits in the rendezvous
     steps: int = 30
     sleep: float = 0.3  # seconds per iteration, so that a kill lands mid-run
+    #: the shadows run on the nodes (`checkmate launch --colocate`, two replicas per
+    #: partition, host mode): a node's loss takes its shadows with it
+    colocate: bool = False
 
 
 SCENARIOS = {
@@ -59,6 +62,10 @@ SCENARIOS = {
     "multinode-shrink": MultiNode(
         "multinode-shrink", "3 nodes x 2 workers, one node killed, no spare: the job goes "
         "on with 2 nodes from the shadows' checkpoint", 3, 2, "2:3", False),
+    "multinode-colocate-kill-node": MultiNode(
+        "multinode-colocate-kill-node", "3 nodes x 2 workers with two replicas of each of 2 "
+        "partitions on the nodes themselves, one node killed with its shadows, a spare "
+        "replaces it: resumed from memory, bit-identical", 3, 2, "3", True, colocate=True),
 }
 
 
@@ -110,7 +117,12 @@ def _launch_argv(sc: MultiNode, cl: Any, host: str, rdzv: str, shadows: list[str
             "--rdzv-id", f"{sc.name}-{out.parent.parent.name}", "--max-restarts", "3",
             "--progress-every", "1", "--job-id", str(cl.cfg.job_id),
             "--rdzv-conf", f"last_call_timeout=5,is_host={'1' if first else '0'}"]
-    if cl.mode == "switch":
+    if sc.colocate:  # every node's launcher gets the same list; the spare is not in it
+        nodes = [h.name for h in cl.cfg.trainers][:sc.nodes]
+        argv += ["--local-addr", "127.0.0.1", "--shadows", "2", "--replicas", "2",
+                 "--colocate", ",".join(f"{n}={cl.ip[n]}" for n in nodes), "--node", host,
+                 "--worker-ip", cl.ip[host]]
+    elif cl.mode == "switch":
         argv += ["--mode", "switch", "--controller", cl.cfg.switch.ip,
                  "--worker-ip", cl.ip[host], "--local-addr", cl.ip[host]]
     else:
@@ -184,8 +196,12 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
     ckpt = run.dir / "ckpt"
     t0 = time.perf_counter()
     nodes: list[Node] = []
+    if sc.colocate and cl.mode != "host":
+        raise CheckmateError(f"{sc.name} runs in host mode (replicas are host mode only "
+                             "so far): --mode host")
     try:
-        run.start_shadows()
+        if not sc.colocate:  # else the launchers start them on the nodes
+            run.start_shadows()
         shadows = [cl.ip[h.name] for h in cfg.shadows]
         rdzv = f"{cl.ip[hosts[0]]}:{RDZV_PORT}" if cl.mode == "switch" \
             else f"127.0.0.1:{_free_port()}"
@@ -234,6 +250,13 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
         report["restored_from"] = int(m.group(1)) if m else None
         if m is None:
             problems.append("no node resumed from the shadows")
+        elif sc.colocate:  # the surviving replicas held the newest iteration in memory
+            report["repeated_iterations"] = report["killed_at"] - int(m.group(1))
+            if report["repeated_iterations"] > 1:
+                problems.append(f"{report['repeated_iterations']} iterations repeated after "
+                                "the node loss (at most the one in flight)")
+            if "from disk" in text:
+                problems.append("a partition was resumed from disk, not from a replica")
         report["epochs"] = sorted({int(e) for e in re.findall(r"under epoch (\d+)", text)})
         finals = final_states(run.dir, [n.host for n in nodes])
         if not finals:

@@ -105,6 +105,14 @@ def test_launch_restarts_a_killed_trainer_bit_identical(tmp_path):
     (["--nproc-per-node", "2", "--shadow-cores", "1-0", "EX"], "expected a CPU list"),
     (["--nproc-per-node", "2", "--shadow-cores", "0", "--shadow", "127.0.0.1", "EX"],
      "pins the shadows started here"),
+    (["--nproc-per-node", "2", "--colocate", "a=10.0.0.300", "--node", "a", "EX"],
+     "is not an IPv4 address"),
+    (["--nproc-per-node", "2", "--colocate", "a=10.0.0.1,a=10.0.0.2", "--node", "a", "EX"],
+     "with each name once"),
+    (["--nproc-per-node", "2", "--colocate", "a=10.0.0.1", "EX"], "needs --node"),
+    (["--nproc-per-node", "2", "--node", "a", "EX"], "name the nodes of --colocate"),
+    (["--nproc-per-node", "2", "--colocate", "a=10.0.0.1", "--node", "a", "--mode", "off",
+      "EX"], "places the shadows this job starts in host mode"),
 ])
 def test_bad_command_lines_are_one_line_errors(capsys, argv, needle):
     argv = [str(EXAMPLE) if a == "EX" else a for a in argv]

@@ -368,6 +368,61 @@ def test_lost_node_is_replaced_by_a_spare_and_the_job_ends_bit_identical(
 
 
 @pytest.mark.slow
+def test_a_node_lost_with_its_colocated_shadows_resumes_from_their_replicas_in_memory(
+        tmp_path, monkeypatch):
+    """Issue 38's node loss: two nodes run the job and its shadows themselves (`--shadows 2
+    --replicas 2 --colocate`: each partition has a replica on each node), a spare waits.
+    Node b is SIGKILLed with its worker and its two shadows; the restart on a and the spare
+    resumes from a's replicas in memory at the newest iteration (no checkpoint on disk
+    exists), and the job ends bit-identical to one without shadows or failure."""
+    from checkmate.protocol import auth
+
+    monkeypatch.setenv(auth.SECRET_ENV, str(auth.create_secret(tmp_path / "job.key")))
+    steps, port = 16, _free_port()
+    net = f"127.83.{os.getpid() % 250 + 1}"
+    ips = {"a": f"{net}.10", "b": f"{net}.11", "spare": f"{net}.12"}
+    colocate = f"a={ips['a']},b={ips['b']}"
+    reference = _Reference(tmp_path, steps)
+    try:
+        argv = lambda name: _launcher(  # noqa: E731
+            port, "colocate", "2", [], tmp_path / f"{name}.pt", steps, "--shadows", "2",
+            "--replicas", "2", "--colocate", colocate, "--node", name, "--worker-ip",
+            ips[name])
+        a = Node(tmp_path, "a", argv("a"))  # first: it hosts the rendezvous store
+        _store_up(a, port)
+        b = Node(tmp_path, "b", argv("b"))
+        nodes = [a, b]
+        try:
+            _reached(nodes, 4)
+            spare = Node(tmp_path, "spare", argv("spare"))
+            nodes.append(spare)
+            time.sleep(3)  # the spare waits in the rendezvous: the job is full
+            _reached(nodes, 7)
+            b.kill()  # node b is lost: its launcher, its worker and its shadows
+            text = _finish(a)
+            _finish(spare)
+        finally:
+            for n in nodes:
+                n.stop()
+        assert "partition 0: a, b\npartition 1: a, b" in text, text[:2000]
+        assert "starting 2 of them on a" in text and "spare hosts none of them" in \
+            spare.text()
+        assert re.search(r"partition \d is down to its last current replica of 2", text), \
+            text[-3000:]
+        m = re.search(r"resuming at iteration (\d+): every shadow holds it in memory", text)
+        assert m, text[-3000:]
+        lost = max(int(x) for x in re.findall(r"iteration (\d+) loss", text.split(
+            "resuming at iteration")[0]))
+        assert lost - int(m.group(1)) <= 1, (lost, m.group(1))  # at most the one in flight
+        got = torch.load(tmp_path / ("a.pt" if (tmp_path / "a.pt").exists() else "spare.pt"))
+        ref = reference.result()
+        assert same_state(ref["model"], got["model"]), "model"
+        assert same_state(ref["optimizer"], got["optimizer"]), "optimizer"
+    finally:
+        reference.stop()
+
+
+@pytest.mark.slow
 def test_job_shrinks_to_two_nodes_from_the_shadows_checkpoint(tmp_path, serve_shadows):
     from checkmate.shadow.checkpoint_load import load_full_state
 

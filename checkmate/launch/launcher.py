@@ -46,6 +46,7 @@ from checkmate.launch.local_shadows import (
 )
 from checkmate.launch.options import (
     PROG,
+    colocated,
     controller_addr,
     format_cores,
     gockpt_dir,
@@ -159,8 +160,8 @@ def _job_secret(running_shadows: bool, logdir: Path) -> Path | None:
         auth.load_secret()  # a bad file is one line now, not a failure in every worker
         return None
     if running_shadows:
-        raise CheckmateError(f"--shadow names running shadows: set {auth.SECRET_ENV} to "
-                             "the job secret they were started with")
+        raise CheckmateError(f"shadows on several machines (--shadow, --colocate) share one "
+                             f"job secret: set {auth.SECRET_ENV} to its file on every node")
     path = auth.create_secret(logdir / "job.key")
     os.environ[auth.SECRET_ENV] = str(path)
     return path
@@ -342,6 +343,22 @@ def launch(argv: list[str]) -> int:
     shutil.rmtree(Path(logdir) / "failures", ignore_errors=True)
     made_secret: Path | None = None
     succeeded = False
+    placed = None
+    if args.colocate is not None:
+        from checkmate.launch import shadow_placement
+
+        ips, domains = colocated(args)
+        spread = shadow_placement.place(list(ips), count // args.replicas, args.replicas,
+                                        domains)
+        placed = (spread, shadow_placement.slots(spread, ips))
+        if args.node in ips:
+            if args.worker_ip and args.worker_ip[0] != ips[args.node]:
+                raise CheckmateError(f"--worker-ip {args.worker_ip[0]} is not {args.node}'s "
+                                     f"address in --colocate ({ips[args.node]})")
+            args.worker_ip = [ips[args.node]]
+        elif not args.worker_ip:
+            raise CheckmateError(f"{args.node} is not in --colocate (it hosts no shadow): "
+                                 "give its --worker-ip")
     if args.worker_ip:
         net = args.worker_ip[0]
         trainers = node_worker_addrs(net, args.nproc_per_node)
@@ -354,8 +371,8 @@ def launch(argv: list[str]) -> int:
     # its own handlers while it runs).
     old_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        if count:
-            made_secret = _job_secret(running, logdir)
+        if count:  # shadows on several nodes share one secret: the one the user gives
+            made_secret = _job_secret(running or placed is not None, logdir)
         if args.controller and count:
             job_id = args.job_id or 1
             tcp, udp = shadows_from_controller(args, job_id, groups=groups)
@@ -367,6 +384,22 @@ def launch(argv: list[str]) -> int:
             job_id = args.job_id or check_shadows(tcp, groups) or 1
             print(f"{PROG}: {count} running shadow(s): "
                   f"{', '.join(f'{h}:{p}' for h, p in tcp)}", flush=True)
+        elif placed is not None:
+            spread, where = placed
+            mine = [i for i, (node, *_rest) in enumerate(where) if node == args.node]
+            print(f"{PROG}: shadows on the job's nodes ({args.replicas} replica(s) of each of "
+                  f"{count // args.replicas} partitions):\n" + spread.describe(), flush=True)
+            if spread.warning:
+                print(f"{PROG}: warning: {spread.warning}", flush=True)
+            local = LocalShadows(net, count, logdir,
+                                 args.dir / "checkpoints" if args.persist_every else None,
+                                 args.persist_every, groups, args.replicas,
+                                 args.shadow_cores, [w[1:] for w in where], mine)
+            print(f"{PROG}: starting {len(mine)} of them on {args.node} ({net})"
+                  if mine else f"{PROG}: {args.node} hosts none of them", flush=True)
+            local.start()
+            local.supervise(args.shadow_restarts)
+            tcp, udp, job_id = local.tcp, local.udp, args.job_id or 1
         elif count:
             local = LocalShadows(net, count, logdir,
                                  args.dir / "checkpoints" if args.persist_every else None,

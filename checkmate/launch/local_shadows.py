@@ -31,7 +31,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -125,7 +125,9 @@ class LocalShadows:
 
     def __init__(self, net: str, count: int, logdir: Path, persist_dir: Path | None = None,
                  persist_every: int = 0, groups: int = 1, replicas: int = 1,
-                 cores: frozenset[int] | None = None) -> None:
+                 cores: frozenset[int] | None = None,
+                 addrs: Sequence[tuple[str, int, int]] | None = None,
+                 mine: Sequence[int] | None = None) -> None:
         self.net, self.count, self.logdir, self.groups = net, count, logdir, groups
         #: the CPU cores every shadow is pinned to (``--shadow-cores``; None: not pinned)
         self.cores = cores
@@ -133,17 +135,29 @@ class LocalShadows:
         #: partition: the k-th; it persists under ``replica<k>`` beside the first's files)
         self.replicas = replicas
         self.persist_dir, self.persist_every = persist_dir, persist_every
-        self.procs: list[subprocess.Popen] = []
-        self.argvs: list[list[str]] = []
-        self.restarts: list[int] = []
+        #: every shadow's (IP, UDP port, TCP port): on ``net`` by default, one IP each; the
+        #: job's nodes' addresses when the shadows are spread over them (``--colocate``)
+        self.addrs = list(addrs) if addrs is not None else [
+            (f"{net}.{SHADOW_BASE + i}", config.SHADOW_PORT, config.RESTORE_PORT)
+            for i in range(count)]
+        #: the shadows this launcher runs (all of them unless they are spread over nodes)
+        self.mine = list(range(count)) if mine is None else list(mine)
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.argvs: dict[int, list[str]] = {}
+        self.restarts: dict[int, int] = {}
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.max_restarts = RESTARTS
 
     @property
     def tcp(self) -> list[Addr]:
-        return [(f"{self.net}.{SHADOW_BASE + p}", config.RESTORE_PORT)
-                for p in range(self.count)]
+        """Every shadow's TCP service, this launcher's and the other nodes'."""
+        return [(ip, tcp) for ip, _, tcp in self.addrs]
+
+    @property
+    def udp(self) -> list[Addr]:
+        """Every shadow's UDP address (where the trainers send its copies)."""
+        return [(ip, udp) for ip, udp, _ in self.addrs]
 
     def log(self, partition: int) -> Path:
         return self.logdir / f"shadow-{partition}.log"
@@ -153,23 +167,24 @@ class LocalShadows:
         its kernels are compiled (a cold Numba cache: one progress line on ``out``)."""
         self.logdir.mkdir(parents=True, exist_ok=True)
         per = self.count // self.replicas // self.groups
-        for p, (ip, _) in enumerate(self.tcp):
+        for p in self.mine:
+            ip, udp, tcp = self.addrs[p]
             k, g, q = self.place(p)
             argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
-                    f"{q}/{per}", "--bind", ip, "--no-register",
-                    "--window", str(SHADOW_WINDOW)]
+                    f"{q}/{per}", "--bind", ip, "--port", str(udp), "--restore-port",
+                    str(tcp), "--no-register", "--window", str(SHADOW_WINDOW)]
             if self.persist_dir is not None:
                 pdir = self.persist_dir if self.groups == 1 else self.persist_dir / f"group{g}"
                 argv += ["--dir", str(pdir / f"replica{k}" if k else pdir)]
                 if self.persist_every:
                     argv += ["--persist-every", str(self.persist_every)]
-            self.argvs.append(argv)
-            self.restarts.append(0)
-            self.procs.append(self._spawn(p))
+            self.argvs[p] = argv
+            self.restarts[p] = 0
+            self.procs[p] = self._spawn(p)
         progress = Progress(out if out is not None else sys.stdout)
         try:
-            waited = wait_ready(self.tcp, START_TIMEOUT, on_wait=progress,
-                                check=self._check_alive, poll=0.2)
+            waited = wait_ready([self.tcp[p] for p in self.mine], START_TIMEOUT,
+                                on_wait=progress, check=self._check_alive, poll=0.2)
         except ShadowError as e:
             progress.end(None, 0.0)
             raise CheckmateError(f"the shadows were not ready in {START_TIMEOUT:.0f}s: {e} "
@@ -202,7 +217,9 @@ class LocalShadows:
         k, g, p = self.place(i)
         group = f" of group {g}" if self.groups > 1 else ""
         rep = f" replica {k}" if self.replicas > 1 else ""
-        return f"shadow {self.tcp[i][0]} (partition {p}{group}{rep})"
+        ip, tcp = self.tcp[i]
+        where = ip if tcp == config.RESTORE_PORT else f"{ip}:{tcp}"
+        return f"shadow {where} (partition {p}{group}{rep})"
 
     def supervise(self, restarts: int = RESTARTS, out: TextIO | None = None) -> None:
         """While the job runs, start again every shadow that exits (up to ``restarts`` times
@@ -216,7 +233,7 @@ class LocalShadows:
 
     def _watch(self, out: TextIO) -> None:
         while not self._stopping.wait(SUPERVISE_EVERY):
-            for i, proc in enumerate(self.procs):
+            for i, proc in list(self.procs.items()):
                 code = proc.poll()
                 if code is None or self._stopping.is_set():
                     continue
@@ -238,7 +255,7 @@ class LocalShadows:
                 out.flush()
 
     def _check_alive(self) -> None:
-        for p, proc in enumerate(self.procs):
+        for p, proc in self.procs.items():
             if proc.poll() is not None:
                 raise CheckmateError(f"shadow {p} exited ({proc.returncode}): "
                                      f"{_last_line(self.log(p))} (log: {self.log(p)})")
@@ -248,10 +265,10 @@ class LocalShadows:
         self._stopping.set()
         if self._watcher is not None:
             self._watcher.join(5)
-        for proc in self.procs:
+        for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        for proc in self.procs:
+        for proc in self.procs.values():
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:

@@ -81,6 +81,17 @@ def parser(gpus: int) -> argparse.ArgumentParser:
                    help="shadows per partition, started here (default 1): the trainers send "
                         "each its copies, and a partition stays protected while one of its "
                         "replicas is current")
+    p.add_argument("--colocate", default=None, metavar="NODE=IP,...",
+                   help="run the shadows on the job's own nodes, named here with their IPs "
+                        "(every node's launcher gets the same list): each partition's "
+                        "--replicas go to different nodes (and --domain's domains), and "
+                        "this node (--node) starts its share; needs CHECKMATE_SECRET_FILE")
+    p.add_argument("--node", default=None, metavar="NAME",
+                   help="this node's name in --colocate (another name: a node, such as a "
+                        "spare, that hosts no shadow)")
+    p.add_argument("--domain", default=None, metavar="NODE=DOMAIN,...",
+                   help="failure domains (racks) of --colocate's nodes: no two replicas of "
+                        "a partition in one (default: each node its own)")
     p.add_argument("--shadow-cores", type=_cores, default=None, metavar="LIST",
                    help="pin the shadows started here to these CPU cores (0,2-5: the "
                         "cores the trainers leave spare on a co-located node); default: the "
@@ -234,9 +245,11 @@ def _check_multinode(args: argparse.Namespace) -> None:
     if args.mode == "gockpt":
         raise CheckmateError("--mode gockpt runs on one node: its checkpoints are per rank on "
                              "local disks")
-    if args.mode in ("host", "switch") and not (args.shadow or args.controller):
+    if args.mode in ("host", "switch") and not (args.shadow or args.controller
+                                                or args.colocate):
         raise CheckmateError("a job of several nodes needs shadows every node reaches: give "
-                             "--shadow HOST[:PORT] per partition or --controller HOST[:PORT]")
+                             "--shadow HOST[:PORT] per partition, --controller HOST[:PORT] "
+                             "or --colocate NODE=IP,...")
     if args.worker_ip and len(args.worker_ip) != 1:
         raise CheckmateError("--worker-ip once: this node's address (its workers take "
                              "ports of their own on it)")
@@ -270,6 +283,14 @@ def check(args: argparse.Namespace) -> None:
         raise CheckmateError("--replicas applies to the shadows started here in host mode, "
                              "for a data-parallel job (not yet with --shadow, --controller, "
                              "--mode switch or --pp/--tp)")
+    if args.colocate is not None:
+        colocated(args)  # one line for a bad list, before anything starts
+        if args.shadow or args.controller or args.mode != "host" or args.pp * args.tp > 1:
+            raise CheckmateError("--colocate places the shadows this job starts in host mode, "
+                                 "for a data-parallel job (not with --shadow, --controller, "
+                                 "--mode switch/off/gockpt or --pp/--tp)")
+    elif args.node is not None or args.domain is not None:
+        raise CheckmateError("--node and --domain name the nodes of --colocate: give it")
     if args.shadow_cores is not None and (args.shadow or args.controller
                                           or args.mode in ("off", "gockpt")):
         raise CheckmateError("--shadow-cores pins the shadows started here: not with "
@@ -327,6 +348,36 @@ def parse(argv: list[str], gpus: int) -> argparse.Namespace:
                                                         placed.gpus_used)
     check(args)
     return args
+
+
+def _pairs(text: str, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or not key or not value or key in out:
+            raise CheckmateError(f"{what} must be NAME=VALUE,... with each name once, got "
+                                 f"{text!r}")
+        out[key] = value
+    return out
+
+
+def colocated(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str] | None]:
+    """``--colocate``'s nodes (name -> IP, in order) and ``--domain``'s domains, checked:
+    every IP an IPv4 address. A ``--node`` outside the list (a spare) hosts no shadow."""
+    import ipaddress
+
+    nodes = _pairs(args.colocate, "--colocate")
+    for name, ip in nodes.items():
+        try:
+            ipaddress.IPv4Address(ip)
+        except ValueError:
+            raise CheckmateError(f"--colocate: {name}'s address {ip!r} is not an IPv4 "
+                                 "address") from None
+    if not args.node:
+        raise CheckmateError("--colocate needs --node: this node's name (one of "
+                             f"{', '.join(nodes)}, or another for a node that hosts none)")
+    domains = _pairs(args.domain, "--domain") if args.domain else None
+    return nodes, domains
 
 
 def gockpt_dir(args: argparse.Namespace) -> Path:

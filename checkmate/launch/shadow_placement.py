@@ -13,8 +13,11 @@ When the membership changes (a node lost, a spare joining), ``replace`` keeps ev
 whose node is still there and places only the missing ones (each then re-seeded from a
 live sibling), so a change moves as few shadows as it can.
 
-Not yet wired into ``checkmate launch`` (``--colocate``, ``--replicas``, ``--domain``):
-issue 38's replicas, sibling re-seed and co-location come first.
+``checkmate launch --colocate NODE=IP,... --node NAME [--domain ...]`` places a job's
+shadows by it at start (:func:`slots`: each shadow's node, address and ports), every node's
+launcher computing the same placement and starting its own share. Not yet: recomputing it
+when the membership changes (a replica lost with its node stays lost; its siblings keep
+the partition protected).
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from checkmate.config import cluster as config
 from checkmate.errors import CheckmateError
+
+#: Ports of a node's j-th shadow: UDP 47001 + 4j (odd: never a trainer's ring or repair
+#: port, 47000 + 4L and 47002 + 4L), TCP 47100 + j.
+UDP_STRIDE = 4
 
 
 @dataclass
@@ -123,3 +131,20 @@ def _warning(replicas: int) -> str:
     return ("one replica per partition: a node's loss takes its partitions' only shadow with "
             "its trainers, and the job resumes from disk (--replicas 2 keeps a copy "
             "elsewhere)")
+
+
+def slots(placement: Placement, ips: Mapping[str, str]) -> list[tuple[str, str, int, int]]:
+    """Every shadow of the job as (node, IP, UDP port, TCP port), in the launcher's order:
+    replica 0 of partitions 0..n-1, then replica 1, ... (shadow i is replica i // n of
+    partition i % n); a node's shadows take its ports in that order."""
+    n = len(placement.nodes)
+    replicas = len(placement.nodes[0]) if n else 0
+    used: dict[str, int] = {}
+    out = []
+    for i in range(n * replicas):
+        node = placement.nodes[i % n][i // n]
+        j = used.get(node, 0)
+        used[node] = j + 1
+        out.append((node, ips[node], config.SHADOW_PORT + UDP_STRIDE * j,
+                    config.RESTORE_PORT + j))
+    return out
