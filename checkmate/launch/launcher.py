@@ -318,6 +318,16 @@ def launch(argv: list[str]) -> int:
     """``checkmate launch ARGS``: run the job; 0 when it ended well, 130 when stopped by a
     signal. Bad arguments and failures raise one CheckmateError line."""
     args = parse(argv, placement.cuda_device_count())
+    if args.colocate is not None:  # the node's address is in the list: its workers' too
+        ips, _ = colocated(args)
+        if args.node in ips:
+            if args.worker_ip and args.worker_ip[0] != ips[args.node]:
+                raise CheckmateError(f"--worker-ip {args.worker_ip[0]} is not {args.node}'s "
+                                     f"address in --colocate ({ips[args.node]})")
+            args.worker_ip = [ips[args.node]]
+        elif not args.worker_ip:
+            raise CheckmateError(f"{args.node} is not in --colocate (it hosts no shadow): "
+                                 "give its --worker-ip")
     if multinode(args):  # would torch's rendezvous find this node? (before it runs)
         from checkmate.launch.hostcheck import refuse
 
@@ -351,14 +361,6 @@ def launch(argv: list[str]) -> int:
         spread = shadow_placement.place(list(ips), count // args.replicas, args.replicas,
                                         domains)
         placed = (spread, shadow_placement.slots(spread, ips))
-        if args.node in ips:
-            if args.worker_ip and args.worker_ip[0] != ips[args.node]:
-                raise CheckmateError(f"--worker-ip {args.worker_ip[0]} is not {args.node}'s "
-                                     f"address in --colocate ({ips[args.node]})")
-            args.worker_ip = [ips[args.node]]
-        elif not args.worker_ip:
-            raise CheckmateError(f"{args.node} is not in --colocate (it hosts no shadow): "
-                                 "give its --worker-ip")
     if args.worker_ip:
         net = args.worker_ip[0]
         trainers = node_worker_addrs(net, args.nproc_per_node)
