@@ -132,7 +132,8 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-RANDOM = {"multinode-kill-node", "multinode-shrink", "attack-conn-flood-s0",
+RANDOM = {"multinode-kill-node", "multinode-shrink", "multinode-colocate-kill-node",
+          "attack-conn-flood-s0",
           "replicas-kill-one", "replicas-kill-both-and-trainer",
           "shadow-restart-empty", "shadow-restart-disk", "shadow-bit-flip", "trainer-bit-flip",
           "shadow-and-trainers-kill", "all-shadows-restart-disk", "shadows-restart-under-load",
@@ -288,13 +289,15 @@ def _multinode(name: str, case_dir: Path, rng: random.Random) -> dict[str, Any]:
     """A multi-node case on its own namespace cluster (testbed/multinode.yaml), brought
     up for the case and down after it (its prefix differs from the suite's)."""
     from checkmate.testbed import multinode
-    from checkmate.testbed.cluster import Cluster
+    from checkmate.testbed.cluster import LOOPBACK_NET, Cluster
 
     case_dir.mkdir(parents=True, exist_ok=True)
     path = multinode.default_config()
-    with ExitStack() as stack:
-        cl = Cluster(cfgmod.load(path), "switch", path, "", stack)
-        rep = multinode.execute(multinode.SCENARIOS[name], cl, case_dir, None, rng)
+    sc = multinode.SCENARIOS[name]
+    with ExitStack() as stack:  # co-located replicas are host mode only so far
+        cl = Cluster(cfgmod.load(path), "host" if sc.colocate else "switch", path,
+                     LOOPBACK_NET, stack)
+        rep = multinode.execute(sc, cl, case_dir, None, rng)
     rep.setdefault("runs", {})
     return rep
 
