@@ -289,15 +289,13 @@ def _multinode(name: str, case_dir: Path, rng: random.Random) -> dict[str, Any]:
     """A multi-node case on its own namespace cluster (testbed/multinode.yaml), brought
     up for the case and down after it (its prefix differs from the suite's)."""
     from checkmate.testbed import multinode
-    from checkmate.testbed.cluster import LOOPBACK_NET, Cluster
+    from checkmate.testbed.cluster import Cluster
 
     case_dir.mkdir(parents=True, exist_ok=True)
     path = multinode.default_config()
-    sc = multinode.SCENARIOS[name]
-    with ExitStack() as stack:  # co-located replicas are host mode only so far
-        cl = Cluster(cfgmod.load(path), "host" if sc.colocate else "switch", path,
-                     LOOPBACK_NET, stack)
-        rep = multinode.execute(sc, cl, case_dir, None, rng)
+    with ExitStack() as stack:
+        cl = Cluster(cfgmod.load(path), "switch", path, "", stack)
+        rep = multinode.execute(multinode.SCENARIOS[name], cl, case_dir, None, rng)
     rep.setdefault("runs", {})
     return rep
 

@@ -118,8 +118,11 @@ def _launch_argv(sc: MultiNode, cl: Any, host: str, rdzv: str, shadows: list[str
             "--progress-every", "1", "--job-id", str(cl.cfg.job_id),
             "--rdzv-conf", f"last_call_timeout=5,is_host={'1' if first else '0'}"]
     if sc.colocate:  # every node's launcher gets the same list; the spare is not in it
+        # host mode's copies (the trainers send them), in namespaces through the switch or
+        # on loopback
         nodes = [h.name for h in cl.cfg.trainers][:sc.nodes]
-        argv += ["--local-addr", "127.0.0.1", "--shadows", "2", "--replicas", "2",
+        local = cl.ip[host] if cl.mode == "switch" else "127.0.0.1"
+        argv += ["--local-addr", local, "--shadows", "2", "--replicas", "2",
                  "--colocate", ",".join(f"{n}={cl.ip[n]}" for n in nodes), "--node", host,
                  "--worker-ip", cl.ip[host]]
     elif cl.mode == "switch":
@@ -196,9 +199,6 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
     ckpt = run.dir / "ckpt"
     t0 = time.perf_counter()
     nodes: list[Node] = []
-    if sc.colocate and cl.mode != "host":
-        raise CheckmateError(f"{sc.name} runs in host mode (replicas are host mode only "
-                             "so far): --mode host")
     try:
         if not sc.colocate:  # else the launchers start them on the nodes
             run.start_shadows()
