@@ -1,6 +1,7 @@
 """Multi-node scenarios: one ``checkmate launch`` per node, a node lost mid-run.
 
-    testbed run --scenario multinode-kill-node|multinode-shrink [--mode switch|host]
+    testbed run --scenario multinode-kill-node|multinode-shrink|multinode-colocate-kill-node
+        [--mode switch|host]
 
 Nodes are the config's trainer hosts (testbed/multinode.yaml: n0..n3 and shadows s0, s1
 around the kernel switch); each runs one launcher with ``--nproc-per-node`` workers of
@@ -16,6 +17,10 @@ job must end bit-identical to a run without shadows or failure (one node, as man
 ``checkmate launch --mode off``). multinode-shrink: 3 nodes, ``--nnodes 2:3``, no spare;
 the job continues on 2 nodes, and the state the new attempt restored must equal the
 shadows' checkpoint of that iteration on disk, and training must reach the last step.
+multinode-colocate-kill-node: as kill-node, with no shadow hosts: ``--colocate`` puts two
+replicas of each of two partitions on n0..n2 themselves (host mode: the trainers send the
+copies), so the lost node takes its shadows with it; the resume must come from the
+surviving replicas in memory, with no iteration repeated beyond the one in flight.
 """
 
 from __future__ import annotations
