@@ -133,6 +133,7 @@ def cases(steps: int) -> dict[str, dict[str, Any]]:
 
 
 RANDOM = {"multinode-kill-node", "multinode-shrink", "multinode-colocate-kill-node",
+          "multinode-colocate-kill-replica", "multinode-colocate-kill-replicas-and-node",
           "attack-conn-flood-s0",
           "replicas-kill-one", "replicas-kill-both-and-trainer",
           "shadow-restart-empty", "shadow-restart-disk", "shadow-bit-flip", "trainer-bit-flip",

@@ -1,6 +1,7 @@
 """Multi-node scenarios: one ``checkmate launch`` per node, a node lost mid-run.
 
-    testbed run --scenario multinode-kill-node|multinode-shrink|multinode-colocate-kill-node
+    testbed run --scenario multinode-kill-node|multinode-shrink|multinode-colocate-kill-node|
+        multinode-colocate-kill-replica|multinode-colocate-kill-replicas-and-node
         [--mode switch|host]
 
 Nodes are the config's trainer hosts (testbed/multinode.yaml: n0..n3 and shadows s0, s1
@@ -21,6 +22,11 @@ multinode-colocate-kill-node: as kill-node, with no shadow hosts: ``--colocate``
 replicas of each of two partitions on n0..n2 themselves (host mode: the trainers send the
 copies), so the lost node takes its shadows with it; the resume must come from the
 surviving replicas in memory, with no iteration repeated beyond the one in flight.
+multinode-colocate-kill-replica: the same nodes, no spare; one shadow process of a random
+node is SIGKILLed: its launcher starts it again, it takes its state from its sibling on
+another node, and the job never restarts. multinode-colocate-kill-replicas-and-node: the
+shadows persist every iteration; one replica of a partition is killed, then the node that
+holds its other replica: the resume comes from disk and says so.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ class MultiNode:
     #: the shadows run on the nodes (`checkmate launch --colocate`, two replicas per
     #: partition, host mode): a node's loss takes its shadows with it
     colocate: bool = False
+    #: what is killed: a whole node, or one co-located shadow process of a node
+    kill: str = "node"
 
 
 SCENARIOS = {
@@ -71,6 +79,16 @@ SCENARIOS = {
         "multinode-colocate-kill-node", "3 nodes x 2 workers with two replicas of each of 2 "
         "partitions on the nodes themselves, one node killed with its shadows, a spare "
         "replaces it: resumed from memory, bit-identical", 3, 2, "3", True, colocate=True),
+    "multinode-colocate-kill-replica": MultiNode(
+        "multinode-colocate-kill-replica", "3 nodes x 2 workers with co-located replicas, one "
+        "shadow process killed: its launcher starts it again, it re-seeds from its sibling, "
+        "training never pauses, bit-identical", 3, 2, "3", False, colocate=True,
+        kill="shadow"),
+    "multinode-colocate-kill-replicas-and-node": MultiNode(
+        "multinode-colocate-kill-replicas-and-node", "3 nodes x 2 workers with co-located "
+        "replicas persisting every iteration; a partition's replica on one node killed, then "
+        "the node holding its other replica: resumed from disk, said so, bit-identical", 3,
+        2, "3", True, colocate=True, kill="replicas-and-node"),
 }
 
 
@@ -130,6 +148,8 @@ def _launch_argv(sc: MultiNode, cl: Any, host: str, rdzv: str, shadows: list[str
         argv += ["--local-addr", local, "--shadows", "2", "--replicas", "2",
                  "--colocate", ",".join(f"{n}={cl.ip[n]}" for n in nodes), "--node", host,
                  "--worker-ip", cl.ip[host]]
+        if sc.kill == "replicas-and-node":  # every node's shadows keep their checkpoints
+            argv += ["--persist-every", "1", "--dir", str(out.parent / f"{host}-run")]
     elif cl.mode == "switch":
         argv += ["--mode", "switch", "--controller", cl.cfg.switch.ip,
                  "--worker-ip", cl.ip[host], "--local-addr", cl.ip[host]]
@@ -234,10 +254,25 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
             time.sleep(3)
         while _iterations(nodes) < kill_at:
             _alive_or_fail(nodes, deadline)
-        victim = nodes[1 + rng.randrange(sc.nodes - 1)]  # never n0: it hosts the store
-        report["killed_node"] = victim.host
-        report["killed_at"] = _iterations(nodes)
-        victim.kill()
+        if sc.kill == "shadow":  # one shadow process of any node; its launcher lives on
+            victim = nodes[rng.randrange(sc.nodes)]
+            pids = [p for p in descendants(victim.proc.pid) if b"checkmate.shadow.cli"
+                    in Path(f"/proc/{p}/cmdline").read_bytes()]
+            if not pids:
+                raise CheckmateError(f"{victim.host} runs no shadow to kill")
+            report["killed_node"] = f"a shadow of {victim.host}"
+            report["killed_at"] = _iterations(nodes)
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            victim = None
+        else:
+            victim = nodes[1 + rng.randrange(sc.nodes - 1)]  # never n0: it hosts the store
+            report["killed_node"] = victim.host
+            report["killed_at"] = _iterations(nodes)
+            if sc.kill == "replicas-and-node":  # first a replica elsewhere of a partition
+                other = _sibling_on_another_node(cl, sc, nodes, victim)  # the node holds
+                report["killed_node"] += f" and {other[0]}'s replica of partition {other[1]}"
+                os.kill(other[2], signal.SIGKILL)
+            victim.kill()
         for n in nodes:
             if n is victim:
                 continue
@@ -253,9 +288,23 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
         text = "".join(n.text() for n in nodes)
         m = re.search(r"resuming at iteration (\d+)", text)
         report["restored_from"] = int(m.group(1)) if m else None
-        if m is None:
+        if sc.kill == "shadow":  # the job never paused: the shadow came back from a sibling
+            if m is not None or "restarting the worker group" in text:
+                problems.append("the worker group restarted after a shadow's loss")
+            if "exited (signal SIGKILL): started it again" not in text:
+                problems.append("no launcher started the killed shadow again")
+            if not re.search(r"re-seeding the shadow of partition \d replica \d from its "
+                             r"sibling replica \d \(the trainers send nothing\)", text):
+                problems.append("the restarted shadow was not re-seeded from its sibling")
+            if "the shadows hold iteration" not in text or "(checked)" not in text:
+                problems.append("the shadows were not checked equal to the trainers at "
+                                "the end")
+        elif m is None:
             problems.append("no node resumed from the shadows")
-        elif sc.colocate:  # the surviving replicas held the newest iteration in memory
+        elif sc.kill == "replicas-and-node" and not re.search(
+                r"resuming at iteration \d+: .*from disk", text):
+            problems.append("the resume did not come from disk, or did not say so")
+        elif sc.colocate and sc.kill == "node":  # the surviving replicas held it in memory
             report["repeated_iterations"] = report["killed_at"] - int(m.group(1))
             if report["repeated_iterations"] > 1:
                 problems.append(f"{report['repeated_iterations']} iterations repeated after "
@@ -269,7 +318,7 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
         else:
             got = torch.load(finals[0])
             report["final_world"] = got["world"]
-            if sc.spare:
+            if sc.spare or sc.kill == "shadow":
                 ref = reference(sc, workdir)
                 diffs = compare_states(ref, got, ("model", "optimizer"))
                 report["bit_identical"] = not diffs
@@ -287,6 +336,30 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
     report["ok"] = not problems
     report["problems"] = problems
     return report
+
+
+def _sibling_on_another_node(cl: Any, sc: MultiNode, nodes: list[Node],
+                             victim: Node) -> tuple[str, int, int]:
+    """(node, partition, PID) of the shadow, on a node other than ``victim``, of a
+    partition whose other replica is on ``victim``: the placement every launcher computed
+    (checkmate.launch.shadow_placement), the process found by its TCP port among that
+    node's launcher's descendants."""
+    from checkmate.launch import shadow_placement
+
+    names = [n.host for n in nodes][:sc.nodes]
+    spread = shadow_placement.place(names, 2, 2)
+    where = shadow_placement.slots(spread, {n: cl.ip[n] for n in names})
+    for p, reps in enumerate(spread.nodes):
+        if victim.host in reps:
+            other = next(n for n in reps if n != victim.host)
+            k = reps.index(other)
+            node, _ip, _udp, tcp = where[k * len(spread.nodes) + p]
+            launcher = next(n for n in nodes if n.host == node)
+            for pid in descendants(launcher.proc.pid):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"checkmate.shadow.cli" in cmd and str(tcp).encode() in cmd:
+                    return node, p, pid
+    raise CheckmateError(f"no partition has replicas on {victim.host} and another node")
 
 
 def final_states(d: Path, hosts: list[str]) -> list[Path]:
