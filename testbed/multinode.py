@@ -230,7 +230,8 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
         shadows = [cl.ip[h.name] for h in cfg.shadows]
         rdzv = f"{cl.ip[hosts[0]]}:{RDZV_PORT}" if cl.mode == "switch" \
             else f"127.0.0.1:{_free_port()}"
-        env = {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        # a killed launcher cannot remove its own log folder: it is left in the run's
+        env = {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "TMPDIR": str(run.dir)}
 
         def start(i: int) -> Node:
             h = hosts[i]

@@ -222,11 +222,12 @@ class Node:
     def __init__(self, tmp: Path, name: str, argv: list[str]) -> None:
         self.log = tmp / f"{name}.log"
         with open(self.log, "wb") as f:
-            # a lost peer is noticed after 6 s of ring stall (the launcher's default: 15)
+            # a lost peer is noticed after 6 s of ring stall (the launcher's default: 15);
+            # a killed launcher's own log folder (it had no time to remove it) stays in tmp
             self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                          start_new_session=True,
                                          env={**os.environ, "NUMBA_NUM_THREADS": "1",
-                                              envmod.STALL_TIMEOUT: "6"})
+                                              envmod.STALL_TIMEOUT: "6", "TMPDIR": str(tmp)})
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
