@@ -344,6 +344,14 @@ def launch(argv: list[str]) -> int:
     if count % groups:
         raise CheckmateError(f"--shadow names {count} shadows for {groups} data-parallel "
                              f"groups (--pp {args.pp} --tp {args.tp}): give each group as many")
+    placed = None  # --colocate: where every shadow runs (one line when it cannot be met)
+    if args.colocate is not None:
+        from checkmate.launch import shadow_placement
+
+        ips, domains = colocated(args)
+        spread = shadow_placement.place(list(ips), count // args.replicas, args.replicas,
+                                        domains)
+        placed = (spread, shadow_placement.slots(spread, ips))
     running = bool(args.shadow or args.controller)
     # Without --dir the logs go to a temporary directory, kept only if the job fails.
     own_logdir = args.dir is None
@@ -353,14 +361,6 @@ def launch(argv: list[str]) -> int:
     shutil.rmtree(Path(logdir) / "failures", ignore_errors=True)
     made_secret: Path | None = None
     succeeded = False
-    placed = None
-    if args.colocate is not None:
-        from checkmate.launch import shadow_placement
-
-        ips, domains = colocated(args)
-        spread = shadow_placement.place(list(ips), count // args.replicas, args.replicas,
-                                        domains)
-        placed = (spread, shadow_placement.slots(spread, ips))
     if args.worker_ip:
         net = args.worker_ip[0]
         trainers = node_worker_addrs(net, args.nproc_per_node)
