@@ -28,7 +28,7 @@ from pathlib import Path
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.launch.options import format_cores, parse_cores
 from checkmate.testbed.bench import _host_workers as host_workers
-from checkmate.testbed.bench.rounds import verdict
+from checkmate.testbed.bench.rounds import iteration_lines
 
 #: The worker that trains (one job's trainers; its options are the job's shape).
 WORKER = "checkmate.testbed.bench.replicas"
@@ -73,11 +73,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(spare) or {args.trainer_cores} (shared), host mode, {args.rounds} alternated "
           f"rounds of one run each ({args.iters} timed iterations after {args.warmup}), "
           f"load {load:.2f}")
-    print("per round, mean ms/it spare / shared (ratio): " + ", ".join(
-        f"{1000 * a:.1f}/{1000 * b:.1f} ({a / b:.3f})"
-        for a, b in zip(spare_t, shared_t, strict=True)))
-    print(f"spare {1000 * statistics.median(spare_t):.1f} ms/it, shared "
-          f"{1000 * statistics.median(shared_t):.1f} ms/it (medians); ratio {verdict(ratios)}")
+    print("\n".join(iteration_lines(("spare", "shared"), spare_t, shared_t)))
     if not all(d["protected"] for v in got.values() for d in v):
         raise CheckmateError("a run's shadows did not commit its last iteration")
     print(f"colocate ratio: {statistics.median(ratios):.3f}")

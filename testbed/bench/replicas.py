@@ -27,7 +27,7 @@ from pathlib import Path
 
 from checkmate.errors import CheckmateError, cli_guard
 from checkmate.testbed.bench import _host_workers as host_workers
-from checkmate.testbed.bench.rounds import verdict
+from checkmate.testbed.bench.rounds import iteration_lines
 
 VARIANTS = {"one": 1, "two": 2}
 
@@ -100,12 +100,10 @@ def main(argv: list[str] | None = None) -> int:
           f"({got['one'][0]['params']} parameters), {args.world} trainers (own ring), 2 "
           f"partitions, host mode, {args.rounds} alternated rounds of one run each "
           f"({args.iters} timed iterations after {args.warmup}), load {load:.2f}")
-    print("per round, mean ms/it one / two (ratio): " + ", ".join(
-        f"{1000 * a:.1f}/{1000 * b:.1f} ({a / b:.3f})" for a, b in zip(one, two, strict=True)))
-    print(f"one {1000 * statistics.median(one):.1f} ms/it, two "
-          f"{1000 * statistics.median(two):.1f} ms/it (medians); ratio {verdict(ratios)}; "
-          f"copy bytes sent by rank 0 per run: one {got['one'][0]['copy_bytes']}, two "
-          f"{got['two'][0]['copy_bytes']}")
+    rounds, medians = iteration_lines(("one", "two"), one, two)
+    print(rounds)
+    print(f"{medians}; copy bytes sent by rank 0 per run: one {got['one'][0]['copy_bytes']}, "
+          f"two {got['two'][0]['copy_bytes']}")
     if not all(d["protected"] for v in got.values() for d in v):
         raise CheckmateError("a run's shadows did not commit its last iteration")
     print(f"replicas ratio: {statistics.median(ratios):.3f}")

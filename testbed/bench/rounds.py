@@ -39,3 +39,16 @@ def verdict(ratios: Sequence[float], against: float = 1.0) -> str:
     med = statistics.median(ratios)
     return f"{med:.3f} ({spread(ratios)})" + ("" if resolved(ratios, against)
                                                else " unresolved")
+
+
+def iteration_lines(names: tuple[str, str], a: Sequence[float], b: Sequence[float]
+                    ) -> tuple[str, str]:
+    """The two lines a whole-run bench prints for variants ``names`` whose per-round mean
+    iteration times (seconds) are ``a`` and ``b``: each round's pair and ratio, then the
+    medians and the ratio's verdict."""
+    x, y = names
+    rounds = ", ".join(f"{1000 * p:.1f}/{1000 * q:.1f} ({p / q:.3f})"
+                       for p, q in zip(a, b, strict=True))
+    return (f"per round, mean ms/it {x} / {y} (ratio): {rounds}",
+            f"{x} {1000 * statistics.median(a):.1f} ms/it, {y} "
+            f"{1000 * statistics.median(b):.1f} ms/it (medians); ratio {verdict(paired(a, b))}")
