@@ -112,20 +112,34 @@ class Attack:
     def _check_hijack(self, did: dict[str, Any]) -> list[str]:
         cfg, tb = self.run.cl.cfg, self.run.cl.testbed
         port = cfg.switch_ifname(self.source)
-        after = tb.source_drops(self.source)
         rounds = int(did.get("rounds", 0))
-        got = {k: after[k] - self.before.get(k, 0) for k in ("bad_src_mac", "bad_src_ip")}
+        want = {"bad_src_mac": 3 * rounds, "bad_src_ip": rounds}
+        got = self._settled_drops(want)
         did.update(got)
         problems = []
         if rounds < 10:
             problems.append(f"mac_hijack: only {rounds} rounds sent")
-        if got != {"bad_src_mac": 3 * rounds, "bad_src_ip": rounds}:
+        if got != want:
             problems.append(f"mac_hijack: {4 * rounds} frames sent from {port}, the switch "
                             f"dropped {got}")
         where = tb.forwarding_port(cfg.host(self.target).mac)
         if where != cfg.switch_ifname(self.target):
             problems.append(f"mac_hijack: {self.target}'s forwarding entry is on {where}")
         return problems
+
+    def _settled_drops(self, want: dict[str, int]) -> dict[str, int]:
+        """The switch's drop counts for the attacker's port since start(), read until they
+        equal ``want`` or stop moving: a software switch (bmv2) may still hold the last
+        frames in its queue when the attack process has exited."""
+        tb, deadline, last, still = self.run.cl.testbed, time.monotonic() + 10, None, 0.0
+        while True:
+            after = tb.source_drops(self.source)
+            got = {k: after[k] - self.before.get(k, 0) for k in want}
+            if got == want or time.monotonic() > deadline or still >= 1.0:
+                return got
+            still = still + 0.1 if got == last else 0.0
+            last = got
+            time.sleep(0.1)
 
     def _check_flood(self, did: dict[str, Any]) -> list[str]:
         problems = []
