@@ -61,10 +61,14 @@ class Replication:
     epoch: int
     token: int
     group_id: int
+    #: Which of the partition's shadows (config order) this copy goes to; a P4 target has
+    #: one table entry per key and a multicast member per replica, the kernel switch one
+    #: map entry per replica.
+    replica: int = 0
 
     @property
-    def key(self) -> tuple[int, str, str, int]:
-        return (self.job_id, self.src_ip, self.dst_ip, self.partition)
+    def key(self) -> tuple[int, str, str, int, int]:
+        return (self.job_id, self.src_ip, self.dst_ip, self.partition, self.replica)
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,8 @@ class McastGroup:
 
 @dataclass(frozen=True)
 class ShadowRewrite:
-    """Egress rewrite of the replica carrying replication id ``rid`` (= partition + 1)."""
+    """Egress rewrite of the copy carrying replication id ``rid`` (rid_for: partition + 1
+    for a partition's first shadow)."""
 
     rid: int
     partition: int
@@ -165,16 +170,26 @@ def group_id(dst_rank: int, partition: int) -> int:
     return GROUP_BASE + dst_rank * 256 + partition
 
 
-def _shadow_session(
-    cfg: ClusterConfig, partition: int, regs: Mapping[int, Registration]
-) -> tuple[Host, Registration]:
-    """The host and address copies of ``partition`` go to: the registration if any."""
-    reg = regs.get(partition)
+def rid_for(cfg: ClusterConfig, partition: int, replica: int) -> int:
+    """The replication id of the copies for ``partition``'s ``replica``-th shadow: 0 is the
+    destination's own copy, so partition + 1 for the first shadows, then one block of
+    num_partitions ids per further replica (egress_rid is 16 bits on both P4 targets)."""
+    rid = 1 + partition + replica * cfg.num_partitions
+    if rid > 0xFFFF:
+        raise CheckmateError(f"replication id {rid} of partition {partition} replica "
+                             f"{replica} exceeds 16 bits")
+    return rid
+
+
+def _shadow_session(cfg: ClusterConfig, h: Host,
+                    regs: Mapping[str, Registration]) -> Registration:
+    """The session copies for shadow ``h`` are stamped with: its registration if any, else
+    its configured address with epoch 0 (which no shadow accepts)."""
+    reg = regs.get(h.name)
     if reg is not None:
-        return cfg.host(reg.host), reg
-    h = cfg.shadow_for(partition)
-    assert h is not None
-    return h, Registration(partition, h.name, h.ip, h.mac, h.port, 0, 0)
+        return reg
+    assert h.partition is not None
+    return Registration(h.partition, h.name, h.ip, h.mac, h.port, 0, 0)
 
 
 def host_commands(cfg: ClusterConfig) -> tuple[str, ...]:
@@ -227,37 +242,40 @@ def ring_hops(cfg: ClusterConfig, ring: Sequence[str] | None) -> list[tuple[int,
     return hops
 
 
-def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None = None,
+def build(cfg: ClusterConfig, registrations: Mapping[str, Registration] | None = None,
           rings: Sequence[Sequence[str]] | None = None) -> Plan:
-    """The plan for ``cfg``; ``registrations`` (partition -> session) override shadows;
+    """The plan for ``cfg``; ``registrations`` (shadow host -> session) override shadows;
     ``rings`` (a launcher's rendezvous: per data-parallel group, every rank's IP in ring
     order) override the config's static ranks (see ring_hops). A mesh job (``job.groups``
     > 1) gets replication only from its attempt's rings: which ranks form a group is the
     job's mesh, not the config's. Group g replicates to config partitions g*n..g*n+n-1 under
     its own wire job id (checkmate.protocol.wire.group_job_id), its datagrams' partition
-    field the partition within the group."""
+    field the partition within the group. A partition with several shadows (replicas)
+    gets one copy per shadow: a multicast member and a rewrite each."""
     from checkmate.protocol.wire import group_job_id
 
     regs = dict(registrations or {})
-    for p, reg in regs.items():
-        if cfg.shadow_for(p) is None:
-            raise CheckmateError(f"registration for partition {p}, which the config lacks")
-        h = cfg.host(reg.host)
-        if h.role != "shadow":
-            raise CheckmateError(f"registration for partition {p} names {h.name}, a {h.role}")
+    for name, reg in regs.items():
+        h = cfg.host(name)
+        if h.role != "shadow" or reg.host != name or h.partition != reg.partition:
+            raise CheckmateError(f"registration of {name} for partition {reg.partition}: "
+                                 f"{name} is a {h.role}" + (
+                                     f" of partition {h.partition}" if h.role == "shadow"
+                                     else ""))
     if rings is not None and len(rings) != cfg.groups:
         raise CheckmateError(f"the config's job has {cfg.groups} data-parallel group(s) "
                              f"(job.groups), the attempt names {len(rings)} ring(s)")
     repl: list[Replication] = []
     groups: list[McastGroup] = []
     rewrites: list[ShadowRewrite] = []
-    for shadow in cfg.shadows:
-        p = shadow.partition
+    for host in cfg.shadow_hosts:
+        p = host.partition
         assert p is not None
-        host, reg = _shadow_session(cfg, p, regs)
+        reg = _shadow_session(cfg, host, regs)
         rewrites.append(ShadowRewrite(
-            rid=p + 1, partition=p, shadow=host.name, smac=cfg.switch.mac, dmac=reg.mac,
-            ip=reg.ip, udp_port=reg.port, epoch=reg.epoch, token=reg.token,
+            rid=rid_for(cfg, p, cfg.replica_index(host)), partition=p, shadow=host.name,
+            smac=cfg.switch.mac, dmac=reg.mac, ip=reg.ip, udp_port=reg.port,
+            epoch=reg.epoch, token=reg.token,
         ))
     n = cfg.group_partitions
     for g in range(cfg.groups if n else 0):
@@ -265,20 +283,22 @@ def build(cfg: ClusterConfig, registrations: Mapping[int, Registration] | None =
             break  # a mesh job's groups are known from its attempt only
         job = group_job_id(cfg.job_id, g, cfg.groups)
         for dst_rank, src, dst in ring_hops(cfg, None if rings is None else rings[g]):
+            src_port = switch_port(cfg, src)  # the source's port is named first
             for p in range(g * n, (g + 1) * n):
-                host, reg = _shadow_session(cfg, p, regs)
                 gid = group_id(dst_rank, p)
-                repl.append(Replication(
-                    job_id=job, src=src.name, src_ip=src.ip,
-                    ingress_port=switch_port(cfg, src),
-                    ingress_ifname=cfg.switch_ifname(src.name), dst=dst.name,
-                    dst_ip=dst.ip, partition=p % n, shadow=host.name, shadow_ip=reg.ip,
-                    shadow_mac=reg.mac, shadow_port=reg.port, epoch=reg.epoch,
-                    token=reg.token, group_id=gid,
-                ))
-                groups.append(McastGroup(gid, (
-                    (switch_port(cfg, dst), 0), (switch_port(cfg, host), p + 1),
-                )))
+                members = [(switch_port(cfg, dst), 0)]
+                for k, host in enumerate(cfg.shadows_for(p)):
+                    reg = _shadow_session(cfg, host, regs)
+                    repl.append(Replication(
+                        job_id=job, src=src.name, src_ip=src.ip,
+                        ingress_port=src_port, ingress_ifname=cfg.switch_ifname(src.name),
+                        dst=dst.name,
+                        dst_ip=dst.ip, partition=p % n, shadow=host.name, shadow_ip=reg.ip,
+                        shadow_mac=reg.mac, shadow_port=reg.port, epoch=reg.epoch,
+                        token=reg.token, group_id=gid, replica=k,
+                    ))
+                    members.append((switch_port(cfg, host), rid_for(cfg, p, k)))
+                groups.append(McastGroup(gid, tuple(members)))
     host_ports = sorted(switch_port(cfg, h) for h in cfg.hosts)
     groups.append(McastGroup(
         FLOOD_GROUP, tuple((port, 0) for port in [*host_ports, cfg.switch.cpu_port])
@@ -339,8 +359,9 @@ def describe(plan: Plan) -> str:
     for r in plan.replication:
         lines.append(
             f"  job {r.job_id} {r.src}({r.src_ip}) -> {r.dst}({r.dst_ip}) part {r.partition}"
-            f" => {r.shadow} {r.shadow_ip}:{r.shadow_port} epoch {r.epoch} group {r.group_id}"
-            f" (only from port {r.ingress_port} / {r.ingress_ifname})"
+            + (f" replica {r.replica}" if r.replica else "")
+            + f" => {r.shadow} {r.shadow_ip}:{r.shadow_port} epoch {r.epoch} group "
+            f"{r.group_id} (only from port {r.ingress_port} / {r.ingress_ifname})"
         )
     lines.append(f"multicast groups ({len(plan.groups)}):")
     for g in plan.groups:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import struct
 
-#: struct repl_key: job_id (host order), src/dst IPv4 (network order), partition, pad
+#: struct repl_key: job_id (host order), src/dst IPv4 (network order), partition, replica
 REPL_KEY = struct.Struct("<I4s4sHH")
 #: struct repl_val: shadow ifindex, ingress ifindex (the source host's port), shadow MAC,
 #: UDP port (big-endian), IPv4, epoch, token, pad, packets, bytes
@@ -55,8 +55,8 @@ def mac_str(b: bytes) -> str:
     return ":".join(f"{x:02x}" for x in b)
 
 
-def repl_key(job_id: int, src_ip: str, dst_ip: str, partition: int) -> bytes:
-    return REPL_KEY.pack(job_id, ip_bytes(src_ip), ip_bytes(dst_ip), partition, 0)
+def repl_key(job_id: int, src_ip: str, dst_ip: str, partition: int, replica: int = 0) -> bytes:
+    return REPL_KEY.pack(job_id, ip_bytes(src_ip), ip_bytes(dst_ip), partition, replica)
 
 
 def repl_counts(val: bytes) -> tuple[int, int]:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkmate.config.cluster import ClusterConfig
+from checkmate.config.schema import MAX_REPLICAS
 from checkmate.dataplane import maps
 from checkmate.dataplane.bpfsys import BpfError, PinnedMap
 from checkmate.errors import CheckmateError
@@ -90,6 +91,8 @@ class ReplicationEntry:
     epoch: int
     token: int
     ingress_ifname: str  # switch-namespace interface leading to the host that owns src_ip
+    #: Which of the partition's shadows (0 ..): each gets its own entry and its own copy.
+    replica: int = 0
 
 
 def netns_exists(name: str) -> bool:
@@ -321,19 +324,24 @@ class KernelSwitch:
             items = m.items()
         out = []
         for k, v in items:
-            job, src, dst, part, _ = maps.REPL_KEY.unpack(k)
+            job, src, dst, part, replica = maps.REPL_KEY.unpack(k)
             idx, in_idx, mac, port, ip, epoch, token, *_ = maps.REPL_VAL.unpack(v)
             out.append(ReplicationEntry(
                 job, maps.ip_str(src), maps.ip_str(dst), part, names.get(idx, f"if{idx}"),
                 maps.mac_str(mac), maps.ip_str(ip), int.from_bytes(port, "big"), epoch, token,
-                names.get(in_idx, f"if{in_idx}")))
-        return sorted(out, key=lambda e: (e.job_id, e.src_ip, e.dst_ip, e.partition))
+                names.get(in_idx, f"if{in_idx}"), replica))
+        return sorted(out, key=lambda e: (e.job_id, e.src_ip, e.dst_ip, e.partition,
+                                          e.replica))
 
     def add_replication(self, e: ReplicationEntry) -> None:
         """Insert or overwrite (an overwrite restarts the entry's packet/byte counters)."""
         _check_u("job_id", e.job_id, 32)
         _check_u("partition", e.partition, 16)
         _check_u("shadow_port", e.shadow_port, 16)
+        if not isinstance(e.replica, int) or isinstance(e.replica, bool) \
+                or not 0 <= e.replica < MAX_REPLICAS:
+            raise CheckmateError(f"replication entry: replica must be an integer in "
+                                 f"0..{MAX_REPLICAS - 1}, got {e.replica!r}")
         _check_u("epoch", e.epoch, 32)
         _check_u("token", e.token, 32)
         for name in ("src_ip", "dst_ip", "shadow_ip"):
@@ -347,20 +355,22 @@ class KernelSwitch:
             if getattr(e, name) not in ports:
                 raise CheckmateError(f"replication entry: {name} {getattr(e, name)!r} is not "
                                      f"a port of switch {self.cfg.switch.name}")
-        key = maps.repl_key(e.job_id, e.src_ip, e.dst_ip, e.partition)
+        key = maps.repl_key(e.job_id, e.src_ip, e.dst_ip, e.partition, e.replica)
         val = maps.REPL_VAL.pack(ports[e.shadow_ifname], ports[e.ingress_ifname], mac,
                                  e.shadow_port.to_bytes(2, "big"), maps.ip_bytes(e.shadow_ip),
                                  e.epoch, e.token, 0, 0, 0)
         with self._map("ckm_repl") as m:
             m.update(key, val)
 
-    def remove_replication(self, job_id: int, src_ip: str, dst_ip: str, partition: int) -> None:
+    def remove_replication(self, job_id: int, src_ip: str, dst_ip: str, partition: int,
+                           replica: int = 0) -> None:
         _check_u("job_id", job_id, 32)
         _check_u("partition", partition, 16)
+        _check_u("replica", replica, 16)
         _check_ip("src_ip", src_ip)
         _check_ip("dst_ip", dst_ip)
         with self._map("ckm_repl") as m:
-            m.delete(maps.repl_key(job_id, src_ip, dst_ip, partition))
+            m.delete(maps.repl_key(job_id, src_ip, dst_ip, partition, replica))
 
     # -- counters and faults -------------------------------------------------------------
     def counters(self) -> dict:
@@ -413,16 +423,17 @@ class KernelSwitch:
                         out["dscp"][names[idx]][dscp] = maps.U64.unpack(v)[0]
         with self._map("ckm_repl") as m:
             for k, v in m.items():
-                job, src, dst, part, _ = maps.REPL_KEY.unpack(k)
+                job, src, dst, part, replica = maps.REPL_KEY.unpack(k)
                 idx, in_idx, *_ = maps.REPL_VAL.unpack(v)
                 packets, nbytes = maps.repl_counts(v)
                 out["entries"].append({
                     "job_id": job, "src_ip": maps.ip_str(src), "dst_ip": maps.ip_str(dst),
-                    "partition": part, "shadow_ifname": names.get(idx, f"if{idx}"),
+                    "partition": part, "replica": replica,
+                    "shadow_ifname": names.get(idx, f"if{idx}"),
                     "ingress_ifname": names.get(in_idx, f"if{in_idx}"),
                     "packets": packets, "bytes": nbytes})
         out["entries"].sort(key=lambda d: (d["job_id"], d["src_ip"], d["dst_ip"],
-                                           d["partition"]))
+                                           d["partition"], d["replica"]))
         return out
 
     def set_fault(self, ifname: str, drop: float = 0.0, corrupt: float = 0.0,

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         counters = sw.counters()
     finally:
         for e in mine:
-            sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition)
+            sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition, e.replica)
     _print(cfg, stats, counters, bool(mine))
     ring = len(cfg.trainers) if len(cfg.trainers) > 1 else 0
     expect = args.count * ring * cfg.num_partitions

@@ -60,7 +60,7 @@ def test_deploy_is_idempotent_and_removes_stale(testbed):
     drv = KernelDriver(cfg)
     sw = KernelSwitch(cfg)
     for e in sw.replication_entries():  # start from an empty table
-        sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition)
+        sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition, e.replica)
     res = drv.apply(plan_mod.build(cfg))
     assert set(sw.replication_entries()) == expected(RING4, [S0, S1])
     assert len(res.added) == 8 and res.writes == 8
@@ -80,7 +80,7 @@ def test_cli_deploy_and_status(testbed, tmp_path):
     env = {**os.environ, "CHECKMATE_CONTROL_STATE": str(tmp_path / "state.json")}
     sw = KernelSwitch(testbed.cfg)
     for e in sw.replication_entries():
-        sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition)
+        sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition, e.replica)
 
     def control(*args):
         return subprocess.run([sys.executable, "-m", "checkmate.control.cli", *args,

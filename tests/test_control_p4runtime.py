@@ -193,7 +193,7 @@ def test_registration_overrides_shadow_and_stamps_session(bmv2):
     try:
         d.apply(plan_mod.build(cfg))
         n = len(bmv2.updates)
-        res = d.apply(plan_mod.build(cfg, {1: reg}))
+        res = d.apply(plan_mod.build(cfg, {reg.host: reg}))
     finally:
         d.close()
     assert rewrite(1, "02:00:0a:4d:00:64", "10.77.0.100") in bmv2.table("shadow_rewrite")

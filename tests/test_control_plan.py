@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import yaml
 
 from checkmate.config import cluster as config
 from checkmate.control import pfc
@@ -30,7 +31,7 @@ def test_ring_hops_every_partition(cfg):
     assert all(r.job_id == 7 and r.epoch == 0 and r.shadow_port == 47001
                for r in p.replication)
     assert {r.key for r in p.replication} == {
-        (7, "10.77.0.1" + a, "10.77.0.1" + b, part)
+        (7, "10.77.0.1" + a, "10.77.0.1" + b, part, 0)
         for a, b in [("0", "1"), ("1", "2"), ("2", "3"), ("3", "0")] for part in (0, 1)}
 
 
@@ -49,7 +50,7 @@ def test_every_entry_names_its_source_hosts_port(cfg):
 
 def test_registration_overrides_config_address(cfg):
     reg = plan_mod.Registration(0, "s0", "10.77.0.100", "02:00:0a:4d:00:64", 47055, 4, 99)
-    p = plan_mod.build(cfg, {0: reg})
+    p = plan_mod.build(cfg, {reg.host: reg})
     part0 = [r for r in p.replication if r.partition == 0]
     part1 = [r for r in p.replication if r.partition == 1]
     assert {(r.shadow_port, r.epoch, r.token) for r in part0} == {(47055, 4, 99)}
@@ -61,10 +62,10 @@ def test_registration_overrides_config_address(cfg):
 def test_registration_must_name_a_shadow_of_a_known_partition(cfg):
     bad = plan_mod.Registration(0, "t1", "10.77.0.11", "02:00:0a:4d:00:0b", 47001, 1, 1)
     with pytest.raises(CheckmateError, match="a trainer"):
-        plan_mod.build(cfg, {0: bad})
+        plan_mod.build(cfg, {"t1": bad})
     other = plan_mod.Registration(5, "s0", "10.77.0.100", "02:00:0a:4d:00:64", 47001, 1, 1)
     with pytest.raises(CheckmateError, match="partition 5"):
-        plan_mod.build(cfg, {5: other})
+        plan_mod.build(cfg, {"s0": other})
 
 
 def test_single_trainer_has_no_ring_hop(cfg):
@@ -134,3 +135,67 @@ def test_describe_mentions_every_entry(cfg):
     assert text.count(" => s") == 8
     assert "headroom 74480 B (931 cells)" in text
     assert "10.77.0.1:48023 -> CPU port 64" in text
+
+
+# ------------------------------------------------------------ replicas (issue 38)
+
+def with_replicas(cfg: config.ClusterConfig) -> config.ClusterConfig:
+    """The default cluster with a second shadow per partition: s2 for 0, s3 for 1."""
+    doc = yaml.safe_load(config.default_path().read_text())
+    doc["hosts"] += [{"name": "s2", "role": "shadow", "partition": 0, "ip": "10.77.0.102"},
+                     {"name": "s3", "role": "shadow", "partition": 1, "ip": "10.77.0.103"}]
+    return config.parse(doc)
+
+
+def test_a_partition_with_two_shadows_is_copied_to_both():
+    """Per hop and partition: the destination's member plus one member per replica, each
+    with its own rid and rewrite; one P4 table entry per (hop, partition) (the group makes
+    the copies), one kernel entry per replica. Counted by hand: 4 hops x 2 partitions."""
+    cfg = with_replicas(config.load(config.default_path()))
+    assert (cfg.num_partitions, cfg.replicas) == (2, 2)
+    assert [h.name for h in cfg.shadows] == ["s0", "s1"]  # replica 0 of each
+    assert [h.name for h in cfg.shadow_hosts] == ["s0", "s2", "s1", "s3"]
+    p = plan_mod.build(cfg)
+    assert len(p.replication) == 4 * 2 * 2
+    assert {(r.partition, r.replica, r.shadow) for r in p.replication} == {
+        (0, 0, "s0"), (0, 1, "s2"), (1, 0, "s1"), (1, 1, "s3")}
+    assert {w.rid: w.shadow for w in p.rewrites} == {1: "s0", 2: "s1", 3: "s2", 4: "s3"}
+    port = {h.name: plan_mod.switch_port(cfg, h) for h in cfg.hosts}
+    g = {grp.group_id: grp.replicas for grp in p.groups}
+    assert g[plan_mod.group_id(1, 0)] == ((port["t1"], 0), (port["s0"], 1), (port["s2"], 3))
+    assert g[plan_mod.group_id(0, 1)] == ((port["t0"], 0), (port["s1"], 2), (port["s3"], 4))
+    from checkmate.control.drivers import p4tables
+
+    specs = p4tables.entries(p)
+    assert sum(e.table == "ckm_replicate" for e in specs) == 4 * 2
+    assert sum(e.table == "shadow_rewrite" for e in specs) == 4
+    # what `checkmate plan` models for a switch (checkmate/launch/scale.py) is what the
+    # controller's plan holds: entries, groups and (port, rid) members
+    assert len({r.group_id for r in p.replication}) == 4 * 2
+    assert sum(len(m) - 1 for gid, m in g.items() if gid != plan_mod.FLOOD_GROUP) == 4 * 2 * 2
+
+
+def test_each_replica_takes_its_own_registration():
+    cfg = with_replicas(config.load(config.default_path()))
+    reg = plan_mod.Registration(0, "s2", "10.77.0.102", "02:00:0a:4d:00:66", 47009, 5, 77)
+    p = plan_mod.build(cfg, {"s2": reg})
+    got = {(r.shadow, r.epoch, r.token, r.shadow_port) for r in p.replication
+           if r.partition == 0}
+    assert got == {("s0", 0, 0, 47001), ("s2", 5, 77, 47009)}
+    wrong = plan_mod.Registration(1, "s2", "10.77.0.102", "02:00:0a:4d:00:66", 47009, 5, 77)
+    with pytest.raises(CheckmateError, match="s2 is a shadow of partition 0"):
+        plan_mod.build(cfg, {"s2": wrong})
+
+
+@pytest.mark.parametrize("parts, why", [
+    ([0, 0, 1], "same number of shadows"),
+    ([0, 0, 0, 0, 1, 1, 1, 1], "1 to 3"),
+    ([0, 0, 2, 2], "partitions must be 0..1"),
+])
+def test_replica_counts_the_config_refuses(parts, why):
+    doc = yaml.safe_load(config.default_path().read_text())
+    doc["hosts"] = [h for h in doc["hosts"] if h["role"] == "trainer"] + [
+        {"name": f"s{i}", "role": "shadow", "partition": p, "ip": f"10.77.0.{100 + i}"}
+        for i, p in enumerate(parts)]
+    with pytest.raises(config.ConfigError, match=why):
+        config.parse(doc)

@@ -48,7 +48,7 @@ def net(tb):
         for s in [*rx.values(), tx]:
             s.close()
         for e in tb.switch.replication_entries():
-            tb.switch.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition)
+            tb.switch.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition, e.replica)
         for p in tb.switch.port_names:
             tb.switch.set_fault(p, 0.0, 0.0)
 
@@ -177,6 +177,48 @@ def test_replicate_sends_one_rewritten_copy_to_the_shadow(net):
     by_part = {e["partition"]: e for e in after["entries"]}
     assert by_part[0]["packets"] == 5 and by_part[1]["packets"] == 1
     assert by_part[0]["bytes"] == sum(len(d) + 42 for d in sent[:5])
+
+
+def test_each_replica_of_a_partition_gets_its_own_copy(net):
+    """Issue 38: two shadows of partition 0 (here s0, and s1's port and address as its
+    second replica): one copy each, stamped with that replica's session; the original
+    reaches its destination once. Replicas are numbered from 0 without gaps: with replica 0
+    gone, replica 1's entry alone copies nothing (the datagram counts as having none)."""
+    from dataclasses import replace
+
+    cfg, sw, rx, tx = net
+    t1 = cfg.host("t1")
+    sw.add_replication(entry(cfg, "t0", "t1", 0, epoch=42, token=1))
+    sw.add_replication(replace(entry(cfg, "t0", "t1", 1, epoch=43, token=2), partition=0,
+                               replica=1))
+    before = sw.counters()
+    sent = [datagram(cfg, i, n=n) for i, n in enumerate([1, 64, 2211])]
+    for d in sent:
+        tx.sendto(d, (t1.ip, t1.port))
+    assert received(rx["t1"]) == sent
+    for name, epoch, token in (("s0", 42, 1), ("s1", 43, 2)):
+        copies = received(rx[name])
+        assert [wire.decode(c)[0] for c in copies] == [
+            wire.decode(d)[0].with_(epoch=epoch, token=token) for d in sent], name
+    after = sw.counters()
+    assert port_delta(after, before, "tap-t0", "replicated") == 2 * len(sent)
+    assert [(e["replica"], e["packets"]) for e in after["entries"]] == [(0, 3), (1, 3)]
+    sw.remove_replication(cfg.job_id, cfg.host("t0").ip, t1.ip, 0, 0)
+    tx.sendto(sent[0], (t1.ip, t1.port))
+    assert received(rx["t1"]) == sent[:1]
+    assert received(rx["s0"], 0.05) == [] and received(rx["s1"], 0.05) == []
+    assert port_delta(sw.counters(), after, "tap-t0", "no_entry") == 1
+
+
+def test_the_switch_and_the_config_agree_on_the_replica_bound():
+    """The kernel switch copies to at most CKM_MAX_REPLICAS shadows: the config's bound."""
+    import re
+
+    from checkmate.config.schema import MAX_REPLICAS
+    from checkmate.dataplane import build
+
+    src = (build.SRC_DIR / "ckm_switch.c").read_text()
+    assert re.search(r"#define CKM_MAX_REPLICAS (\d+)", src).group(1) == str(MAX_REPLICAS)
 
 
 def test_copy_for_second_partition_reaches_its_shadow(net):
@@ -600,7 +642,7 @@ def test_entries_insert_overwrite_remove(net):
     e2 = entry(cfg, "t0", "t1", 0, epoch=2, token=3)
     sw.add_replication(e2)
     assert sw.replication_entries() == [e2]
-    sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition)
+    sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition, e.replica)
     assert sw.replication_entries() == []
     sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition)  # absent: no error
 

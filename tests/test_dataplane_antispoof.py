@@ -44,7 +44,7 @@ def net(tb):
     cfg, sw = tb.cfg, tb.switch
     s0 = cfg.host("s0")
     reg = plan_mod.Registration(0, "s0", s0.ip, s0.mac, s0.port, EPOCH, TOKEN)
-    KernelDriver(cfg).apply(plan_mod.build(cfg, {0: reg}))
+    KernelDriver(cfg).apply(plan_mod.build(cfg, {reg.host: reg}))
     rx = {n: udp_socket_in(cfg.netns(n), ("0.0.0.0", cfg.host(n).port), 8 << 20)
           for n in ("t1", "s0", "s1")}
     try:
@@ -53,7 +53,7 @@ def net(tb):
         for s in rx.values():
             s.close()
         for e in sw.replication_entries():
-            sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition)
+            sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition, e.replica)
 
 
 def datagram(cfg, seq: int, partition: int = 0, n: int = 32) -> bytes:

@@ -191,7 +191,7 @@ out = {}
 d = for_switch(cfg)
 out["first"] = d.apply(plan_mod.build(cfg)).summary()
 out["again"] = d.apply(plan_mod.build(cfg)).summary()
-plan = plan_mod.build(cfg, {1: reg})
+plan = plan_mod.build(cfg, {reg.host: reg})
 res = d.apply(plan)
 out["registered"] = [res.summary(), res.changed]
 out["same"] = d.read_entries() == {e.key: e for e in p4tables.entries(plan)}

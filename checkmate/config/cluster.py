@@ -105,11 +105,35 @@ class ClusterConfig:
 
     @property
     def shadows(self) -> list[Host]:
-        return sorted((h for h in self.hosts if h.role == "shadow"), key=lambda h: h.partition)
+        """One shadow per partition, in partition order: each partition's first in the
+        config (its replica 0). ``shadow_hosts`` has every replica."""
+        return [hs[0] for hs in self._by_partition()]
+
+    @property
+    def shadow_hosts(self) -> list[Host]:
+        """Every shadow, replicas included: by partition, then replica index."""
+        return [h for hs in self._by_partition() for h in hs]
+
+    @property
+    def replicas(self) -> int:
+        """Shadows per partition (the schema makes it the same for every partition)."""
+        return len(self._by_partition()[0]) if self.num_partitions else 0
+
+    def shadows_for(self, partition: int) -> list[Host]:
+        """The partition's shadows in replica order (the config's order)."""
+        return [h for h in self.hosts if h.role == "shadow" and h.partition == partition]
+
+    def replica_index(self, host: Host) -> int:
+        """``host``'s replica number within its partition (0: the first in the config)."""
+        assert host.partition is not None
+        return [h.name for h in self.shadows_for(host.partition)].index(host.name)
+
+    def _by_partition(self) -> list[list[Host]]:
+        return [self.shadows_for(p) for p in range(self.num_partitions)]
 
     @property
     def num_partitions(self) -> int:
-        return len(self.shadows)
+        return len({h.partition for h in self.hosts if h.role == "shadow"})
 
     @property
     def group_partitions(self) -> int:

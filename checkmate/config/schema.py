@@ -24,6 +24,9 @@ PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,4}$")
 MAC_RE = re.compile(r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")
 TARGETS = ("kernel", "bmv2", "tofino")
 ROLES = ("trainer", "shadow")
+#: Shadows one partition may have in a config (the kernel switch copies a datagram to at
+#: most this many: dataplane/bpf/ckm_switch.c's CKM_MAX_REPLICAS).
+MAX_REPLICAS = 3
 
 
 def mac_for_ip(ip: str) -> str:
@@ -172,10 +175,16 @@ class ClusterDoc(BaseModel):
         ranks = sorted(h.rank for h in self.hosts if h.role == "trainer")
         if ranks != list(range(len(ranks))):
             raise ValueError(f"trainer ranks must be 0..{len(ranks) - 1} once each, got {ranks}")
-        parts = sorted(h.partition for h in self.hosts if h.role == "shadow")
+        every = sorted(h.partition for h in self.hosts if h.role == "shadow")
+        parts = sorted(set(every))
         if parts != list(range(len(parts))):
-            raise ValueError(f"shadow partitions must be 0..{len(parts) - 1} once each, got "
-                             f"{parts}")
+            raise ValueError(f"shadow partitions must be 0..{len(parts) - 1}, got {every}")
+        # Replicas: a partition may have up to MAX_REPLICAS shadows, every partition as many
+        # (a partition with fewer would be the one a node loss takes out).
+        per = {every.count(p) for p in parts}
+        if len(per) > 1 or max(per, default=1) > MAX_REPLICAS:
+            raise ValueError(f"every partition needs the same number of shadows (replicas, "
+                             f"1 to {MAX_REPLICAS}), got {every}")
         if len(parts) % self.job.groups:
             raise ValueError(f"job.groups {self.job.groups} must divide the {len(parts)} "
                              "shadows into equal sets (one per data-parallel group)")

@@ -21,14 +21,15 @@ def entry_for(cfg: ClusterConfig, r: Replication) -> ReplicationEntry:
         job_id=r.job_id, src_ip=r.src_ip, dst_ip=r.dst_ip, partition=r.partition,
         shadow_ifname=cfg.switch_ifname(r.shadow), shadow_mac=r.shadow_mac,
         shadow_ip=r.shadow_ip, shadow_port=r.shadow_port, epoch=r.epoch, token=r.token,
-        ingress_ifname=r.ingress_ifname,
+        ingress_ifname=r.ingress_ifname, replica=r.replica,
     )
 
 
 def _label(e: ReplicationEntry) -> str:
+    replica = f"replica {e.replica} " if e.replica else ""
     return (f"replication job {e.job_id} {e.src_ip}->{e.dst_ip} part {e.partition} "
-            f"from {e.ingress_ifname} => {e.shadow_ifname} {e.shadow_ip}:{e.shadow_port} "
-            f"epoch {e.epoch}")
+            f"{replica}from {e.ingress_ifname} => {e.shadow_ifname} {e.shadow_ip}:"
+            f"{e.shadow_port} epoch {e.epoch}")
 
 
 class KernelDriver:
@@ -46,7 +47,7 @@ class KernelDriver:
         """Diff the BPF table against the plan; write only the difference."""
         self._require_up()
         want = {r.key: entry_for(self.cfg, r) for r in plan.replication}
-        have = {(e.job_id, e.src_ip, e.dst_ip, e.partition): e
+        have = {(e.job_id, e.src_ip, e.dst_ip, e.partition, e.replica): e
                 for e in self.switch.replication_entries()}
         res = ApplyResult(notes=["kernel target: L2 by the bridge; FEC/PFC not applicable "
                                  "to veth"])

@@ -102,7 +102,7 @@ def entries(plan: Plan) -> list[EntrySpec]:
         (("job_id", r.job_id), ("src_ip", _ip(r.src_ip)), ("dst_ip", _ip(r.dst_ip)),
          ("partition", r.partition)),
         "replicate", (("group", r.group_id), ("ingress_port", r.ingress_port)))
-        for r in plan.replication]
+        for r in plan.replication if r.replica == 0]  # the group holds every replica
     out += [EntrySpec(
         "shadow_rewrite", (("egress_rid", w.rid),), "rewrite_shadow",
         (("smac", _mac(w.smac)), ("dmac", _mac(w.dmac)), ("ip", _ip(w.ip)),

@@ -43,13 +43,16 @@
 
 #define MAX_ENTRIES 4096
 #define MAX_PORTS 256
+/* Shadows per partition a datagram is copied to (checkmate/config/schema.py's
+ * MAX_REPLICAS; tests/test_dataplane.py checks they agree). */
+#define CKM_MAX_REPLICAS 3
 
 struct repl_key {
 	__u32 job_id;    /* host order */
 	__be32 src_ip;
 	__be32 dst_ip;
 	__u16 partition; /* host order */
-	__u16 pad;
+	__u16 replica;   /* which of the partition's shadows: 0 .. CKM_MAX_REPLICAS - 1 */
 };
 
 struct repl_val {
@@ -431,22 +434,30 @@ int ckm_ingress(struct __sk_buff *skb)
 		.dst_ip = p.ip.daddr,
 		.partition = bpf_ntohs(h.partition),
 	};
-	struct repl_val *v = bpf_map_lookup_elem(&ckm_repl, &key);
-	if (!v) {
-		count(&ps->no_entry);
-		return TC_ACT_OK;
+	/* One copy per shadow of the partition: replica 0's entry, then the next ones while
+	 * they exist (the controller numbers a partition's replicas from 0 without gaps). */
+	for (int r = 0; r < CKM_MAX_REPLICAS; r++) {
+		struct repl_val *v;
+
+		key.replica = r;
+		v = bpf_map_lookup_elem(&ckm_repl, &key);
+		if (!v) {
+			if (r == 0)
+				count(&ps->no_entry);
+			return TC_ACT_OK;
+		}
+		if (v->in_ifindex != ifindex) {
+			count(&ps->spoofed); /* source address of another port's host */
+			return TC_ACT_OK;
+		}
+		if (replicate(skb, &p, &h, v) < 0) {
+			count(&ps->dropped);
+			continue;
+		}
+		count(&ps->replicated);
+		__sync_fetch_and_add(&v->packets, 1);
+		__sync_fetch_and_add(&v->bytes, skb->len);
 	}
-	if (v->in_ifindex != ifindex) {
-		count(&ps->spoofed); /* source address of another port's host */
-		return TC_ACT_OK;
-	}
-	if (replicate(skb, &p, &h, v) < 0) {
-		count(&ps->dropped);
-		return TC_ACT_OK;
-	}
-	count(&ps->replicated);
-	__sync_fetch_and_add(&v->packets, 1);
-	__sync_fetch_and_add(&v->bytes, skb->len);
 	return TC_ACT_OK;
 }
 
