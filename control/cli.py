@@ -189,15 +189,16 @@ def status(args: argparse.Namespace) -> int:
     finally:
         drv.close()
     regs = _store(args, cfg).for_config(cfg)
-    st["sessions"] = {str(p): {"host": r.host, "epoch": r.epoch, "ip": r.ip, "port": r.port}
-                      for p, r in sorted(regs.items())}
+    st["sessions"] = {h.name: {"partition": h.partition, "epoch": r.epoch, "ip": r.ip,
+                               "port": r.port}
+                      for h in cfg.shadow_hosts if (r := regs.get(h.name)) is not None}
     st["handshake"] = _service_counters(cfg, args.secret_file)
     if args.json:
         print(json.dumps(st, indent=1, sort_keys=True))
         return 0
     _print_status(st)
-    print("sessions: " + (", ".join(f"partition {p}: {d['host']} epoch {d['epoch']}"
-                                     for p, d in st["sessions"].items()) or "none"))
+    print("sessions: " + (", ".join(f"partition {d['partition']}: {name} epoch {d['epoch']}"
+                                     for name, d in st["sessions"].items()) or "none"))
     hs = st["handshake"]
     print("handshake service: " + (", ".join(f"{k} {v}" for k, v in
                                              sorted(hs["counters"].items())) or "nothing counted")

@@ -110,7 +110,7 @@ class HandshakeService:
             return {"op": "registered", "job": self.cfg.job_id, "partition": reg.partition,
                     "epoch": reg.epoch, "token": reg.token}
         regs = self.store.for_config(self.cfg)
-        regs[reg.partition] = reg
+        regs[reg.host] = reg
         self.deploy(regs)  # raises (-> NACK) if the switch cannot be programmed
         self.store.commit(reg)
         self._log(f"registered {reg.host} for partition {reg.partition} at {reg.ip}:"
@@ -159,19 +159,31 @@ class HandshakeService:
                       f"{len(hosts)} host(s) {', '.join(hosts)}, epoch "
                       f"{next(iter(regs.values())).epoch}")
         return {"op": "attempt", "job": self.cfg.job_id, "attempt": attempt,
-                "partitions": {str(p): {"epoch": r.epoch, "token": r.token, "ip": r.ip,
-                                        "port": r.port}
-                               for p, r in sorted(regs.items())}}
+                **self._by_partition(regs, with_host=False)}
 
     def _session(self) -> dict:
         regs = self.store.for_config(self.cfg)
         # ``expected``: how many partitions the config has, so a launcher can tell "not
         # every shadow has registered yet" from a complete answer.
         return {"op": "session", "job": self.cfg.job_id, "groups": self.cfg.groups,
-                "expected": self.cfg.num_partitions, "partitions": {
-                    str(p): {"epoch": r.epoch, "token": r.token, "ip": r.ip, "port": r.port,
-                             "host": r.host}
-                    for p, r in sorted(regs.items())}}
+                "expected": self.cfg.num_partitions, **self._by_partition(regs)}
+
+    def _by_partition(self, regs: dict[str, plan_mod.Registration],
+                      with_host: bool = True) -> dict:
+        """``partitions``: per partition, its first registered shadow's session (replica
+        order); ``replicas``: per partition, every registered shadow's, with its replica
+        number (a partition of one shadow lists that one)."""
+        out: dict[str, dict] = {"partitions": {}, "replicas": {}}
+        for h in self.cfg.shadow_hosts:
+            r = regs.get(h.name)
+            if r is None:
+                continue
+            d = {"epoch": r.epoch, "token": r.token, "ip": r.ip, "port": r.port,
+                 **({"host": r.host} if with_host else {})}
+            out["partitions"].setdefault(str(h.partition), d)
+            out["replicas"].setdefault(str(h.partition), []).append(
+                {**d, "host": r.host, "replica": self.cfg.replica_index(h)})
+        return out
 
     # -- loop ----------------------------------------------------------------------------
     def bind(self) -> None:

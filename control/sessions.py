@@ -35,11 +35,12 @@ def default_path(cfg: ClusterConfig) -> Path:
 class SessionStore:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.registrations: dict[int, Registration] = {}
-        #: Registrations made by instance (partition, instance): a late retry of a shadow
-        #: that was registered -- even one a newer instance replaced since -- gets its own
-        #: session again, never a new epoch (in memory, the newest per partition kept).
-        self.by_instance: dict[tuple[int, str], Registration] = {}
+        #: By shadow host: a partition with replicas has a registration per shadow.
+        self.registrations: dict[str, Registration] = {}
+        #: Registrations made by instance (host, instance): a late retry of a shadow that
+        #: was registered -- even one a newer instance replaced since -- gets its own
+        #: session again, never a new epoch (in memory, the newest per host kept).
+        self.by_instance: dict[tuple[str, str], Registration] = {}
         self.max_epoch = 0
         #: The current attempt of a launcher-run job (``attempt``): its id and, per
         #: data-parallel group, every rank's ring IP in ring order; the plan's rings follow
@@ -62,7 +63,7 @@ class SessionStore:
             self.rings = None if rings is None else [[str(ip) for ip in r] for r in rings]
             for r in data.get("registrations", []):
                 reg = Registration(**r)
-                self.registrations[reg.partition] = reg
+                self.registrations[reg.host] = reg
         except (TypeError, ValueError, AttributeError) as e:
             raise CheckmateError(f"controller state {self.path} is malformed: {e}") from None
 
@@ -85,17 +86,17 @@ class SessionStore:
             f.write(text)
         tmp.replace(self.path)
 
-    def for_config(self, cfg: ClusterConfig) -> dict[int, Registration]:
-        """Registrations that still fit the config (a changed config drops the others)."""
+    def for_config(self, cfg: ClusterConfig) -> dict[str, Registration]:
+        """Registrations (by shadow host) that still fit the config: the host is still a
+        shadow of that partition (a changed config drops the others)."""
         out = {}
-        for p, r in self.registrations.items():
-            shadow = cfg.shadow_for(p)
+        for name, r in self.registrations.items():
             try:
-                h = cfg.host(r.host)
+                h = cfg.host(name)
             except CheckmateError:
                 continue
-            if shadow is not None and h.role == "shadow":
-                out[p] = r
+            if h.role == "shadow" and h.partition == r.partition:
+                out[name] = r
         return out
 
     def new_session(self, cfg: ClusterConfig, body: dict,
@@ -109,12 +110,13 @@ class SessionStore:
         host's MAC and IP and drops frames from any other source (docs/security.md): a
         register with a forged source address never reaches the controller."""
         p = body.get("partition")
-        h = cfg.shadow_for(p) if isinstance(p, int) and not isinstance(p, bool) else None
-        if h is None:
+        mine = cfg.shadows_for(p) if isinstance(p, int) and not isinstance(p, bool) else []
+        if not mine:
             raise CheckmateError(f"unknown partition {p!r}")
-        if body.get("host") != h.name:
-            raise CheckmateError(f"partition {p} belongs to {h.name}, not "
-                                 f"{body.get('host')!r}")
+        h = next((s for s in mine if s.name == body.get("host")), None)
+        if h is None:
+            raise CheckmateError(f"partition {p} belongs to {', '.join(s.name for s in mine)}"
+                                 f", not {body.get('host')!r}")
         ip = body.get("ip", h.ip)
         if ip != h.ip:
             raise CheckmateError(f"{h.name} is at {h.ip}, not {ip!r}")
@@ -133,10 +135,10 @@ class SessionStore:
         instance = body.get("instance", "")
         if not isinstance(instance, str) or len(instance) > 64:
             raise CheckmateError("bad instance: a string of at most 64 characters")
-        cur = self.registrations.get(p)
+        cur = self.registrations.get(h.name)
         if cur is not None and cur.instance:
-            self.by_instance.setdefault((p, cur.instance), cur)
-        old = self.by_instance.get((p, instance)) if instance else None
+            self.by_instance.setdefault((h.name, cur.instance), cur)
+        old = self.by_instance.get((h.name, instance)) if instance else None
         if old is not None and (old.host, old.ip, old.mac, old.port) == (
                 h.name, str(ip), mac, port):
             return old  # a retry of a registration already made: the same session
@@ -146,42 +148,43 @@ class SessionStore:
         token = secrets.randbits(32) or 1
         return Registration(p, h.name, str(ip), mac, port, epoch, token, instance)
 
-    def attempt_sessions(self, cfg: ClusterConfig) -> dict[int, Registration]:
-        """A new session for every registered partition, all under one new epoch (above
-        every epoch handed out), same shadow, fresh token: a new attempt's copies are
-        stamped with it, and what the switch stamped for an earlier attempt is refused by
-        the shadows once they hold it. Not stored until ``commit_attempt``."""
+    def attempt_sessions(self, cfg: ClusterConfig) -> dict[str, Registration]:
+        """A new session for every registered shadow, all under one new epoch (above every
+        epoch handed out), same shadow, fresh token: a new attempt's copies are stamped
+        with it, and what the switch stamped for an earlier attempt is refused by the
+        shadows once they hold it. Every partition needs a registered shadow (a replica
+        that has not registered keeps getting nothing it accepts until it does). Not
+        stored until ``commit_attempt``."""
         regs = self.for_config(cfg)
-        if sorted(regs) != [h.partition for h in cfg.shadows]:
-            missing = sorted({h.partition for h in cfg.shadows} - set(regs))
+        missing = sorted(set(range(cfg.num_partitions)) - {r.partition for r in regs.values()})
+        if missing:
             raise CheckmateError(f"partition(s) {missing} have no registered shadow yet")
         epoch = self.max_epoch + 1
         if epoch >= 2**32:
             raise CheckmateError("epoch space exhausted")
-        return {p: replace(r, epoch=epoch, token=secrets.randbits(32) or 1)
-                for p, r in regs.items()}
+        return {name: replace(r, epoch=epoch, token=secrets.randbits(32) or 1)
+                for name, r in regs.items()}
 
     def commit_attempt(self, attempt: str, rings: list[list[str]],
-                       regs: dict[int, Registration]) -> None:
+                       regs: dict[str, Registration]) -> None:
         self.attempt, self.rings = attempt, [list(r) for r in rings]
         for reg in regs.values():
-            self.registrations[reg.partition] = reg
+            self.registrations[reg.host] = reg
             if reg.instance:  # a late retry of the shadow's register gets this session
-                self.by_instance[(reg.partition, reg.instance)] = reg
+                self.by_instance[(reg.host, reg.instance)] = reg
             self.max_epoch = max(self.max_epoch, reg.epoch)
         self.save()
 
     def known(self, reg: Registration) -> bool:
         """``reg`` was registered before (new_session returned a retry's session)."""
-        return bool(reg.instance) and self.by_instance.get((reg.partition, reg.instance)) \
-            is reg
+        return bool(reg.instance) and self.by_instance.get((reg.host, reg.instance)) is reg
 
     def commit(self, reg: Registration) -> None:
-        self.registrations[reg.partition] = reg
+        self.registrations[reg.host] = reg
         if reg.instance:
-            self.by_instance[(reg.partition, reg.instance)] = reg
-            mine = [k for k in self.by_instance if k[0] == reg.partition]
-            for k in mine[:-8]:  # the newest 8 instances per partition are enough
+            self.by_instance[(reg.host, reg.instance)] = reg
+            mine = [k for k in self.by_instance if k[0] == reg.host]
+            for k in mine[:-8]:  # the newest 8 instances per shadow are enough
                 del self.by_instance[k]
         self.max_epoch = max(self.max_epoch, reg.epoch)
         self.save()

@@ -191,13 +191,15 @@ class ShadowNode:
         the authenticated handshake: whoever asked us to look is not trusted for it) when
         its epoch is newer: a launcher's attempt was programmed under it, and copies the
         switch stamped for an earlier attempt are dropped from now on."""
-        from checkmate.train.layout import query_sessions
+        from checkmate.train.layout import query_replica_sessions
 
         o = self.opts
         assert o.controller is not None
         job, part = self.control_place
-        reg = query_sessions(o.controller, job, secret=self.secret).get(part)
-        if reg is None or reg.get("host") != o.host or reg.get("port") != self.udp_port:
+        mine = query_replica_sessions(o.controller, job, secret=self.secret).get(part, {})
+        # a partition with replicas lists each of its shadows: this one's by host
+        reg = next((v for v in mine.values() if v.get("host") == o.host), None)
+        if reg is None or reg.get("port") != self.udp_port:
             raise CheckmateError(f"the controller's session of partition {part} is "
                                  f"not this shadow's ({reg})")
         epoch, token = int(reg["epoch"]), int(reg["token"])

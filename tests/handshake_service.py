@@ -20,9 +20,11 @@ from checkmate.control.sessions import SessionStore
 from checkmate.protocol import auth, handshake, wire
 
 
-def make_service(sw: FakeSwitch, state, port: int = 0, groups: int = 1) -> HandshakeService:
-    """The service of the default config (``groups``: its job's data-parallel groups)."""
-    cfg = config.load(config.default_path())
+def make_service(sw: FakeSwitch, state, port: int = 0, groups: int = 1,
+                 cfg: config.ClusterConfig | None = None) -> HandshakeService:
+    """The service of the default config, or ``cfg`` (``groups``: its job's data-parallel
+    groups)."""
+    cfg = cfg or config.load(config.default_path())
     cfg = replace(cfg, switch=replace(cfg.switch, target="bmv2", address=sw.address),
                   groups=groups)
     drv = P4RuntimeDriver(cfg, "v1model", P4RuntimeClient(sw.address, timeout=2))

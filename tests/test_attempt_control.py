@@ -225,3 +225,44 @@ def test_shadow_without_a_controller_refuses_the_session_op(serve_shadows):
         with ShadowClient((f"{net}.100", config.RESTORE_PORT), 5) as c, \
                 pytest.raises(CheckmateError, match="no controller session"):
             c.request({"op": "session"})
+
+
+def test_two_shadows_of_a_partition_register_apart_and_share_each_attempt(switch, tmp_path):
+    """Replicas (issue 38) in switch mode: each shadow of a partition registers for itself
+    (its own epoch and token, its own rewrite), the session answer lists every replica, a
+    shadow cannot register for its sibling's partition, and an attempt moves every replica
+    to its one new epoch. The double is fed by the real P4Runtime driver."""
+    import yaml
+
+    doc = yaml.safe_load(config.default_path().read_text())
+    doc["hosts"] += [{"name": "s2", "role": "shadow", "partition": 0, "ip": "10.77.0.102"},
+                     {"name": "s3", "role": "shadow", "partition": 1, "ip": "10.77.0.103"}]
+    svc = make_service(switch, tmp_path / "state.json", cfg=config.parse(doc))
+    svc.deploy()
+    got = {}
+    for seq, (p, host, last) in enumerate([(0, "s0", 100), (1, "s1", 101), (0, "s2", 102),
+                                           (1, "s3", 103)]):
+        body = {**reg_body(p, host), "ip": f"10.77.0.{last}",
+                "mac": f"02:00:0a:4d:00:{last:02x}"}
+        h, got[host] = answer(svc.handle(req(7, 20 + seq, body, p)))
+        assert h.flags & wire.Flags.ACK and got[host]["partition"] == p, got[host]
+    # rids: partition + 1 for the first shadows, then num_partitions more per replica
+    for rid, host in [(1, "s0"), (2, "s1"), (3, "s2"), (4, "s3")]:
+        assert (rewrite_of(switch, rid)["epoch"], rewrite_of(switch, rid)["token"]) == (
+            got[host]["epoch"], got[host]["token"])
+    groups = switch.group_map()
+    assert all(len(members) == 3 for gid, members in groups.items()
+               if gid != plan_mod.FLOOD_GROUP)
+    _, sess = answer(svc.handle(req(7, 30, {"op": "session", "job": 7})))
+    assert sess["partitions"]["0"]["host"] == "s0"  # replica 0 first
+    assert [(r["host"], r["replica"]) for r in sess["replicas"]["1"]] == [("s1", 0), ("s3", 1)]
+    # s2 is partition 0's: its register for partition 1 is refused, nothing changes
+    bad = {**reg_body(1, "s2"), "ip": "10.77.0.102", "mac": "02:00:0a:4d:00:66"}
+    h, why = answer(svc.handle(req(7, 31, bad, 1)))
+    assert h.flags & wire.Flags.NACK and "belongs to s1, s3" in why["reason"]
+    _, body = _attempt(svc, 32, "a1", list(T.values()))
+    epochs = {r["epoch"] for reps in body["replicas"].values() for r in reps}
+    assert len(epochs) == 1 and epochs.pop() > max(g["epoch"] for g in got.values())
+    assert len(body["replicas"]["0"]) == 2
+    for rid in (1, 2, 3, 4):
+        assert rewrite_of(switch, rid)["epoch"] == body["partitions"]["0"]["epoch"]

@@ -42,7 +42,7 @@ def test_the_same_instance_gets_the_same_session(service):
     assert moved["epoch"] > other["epoch"]
     # The instance survives the controller's restart (its state file).
     st = SessionStore(service.store.path)
-    assert st.registrations[1].instance == "bbbb" and st.registrations[1].port == 47012
+    assert st.registrations["s1"].instance == "bbbb" and st.registrations["s1"].port == 47012
     bad = answer(service.handle(req(service.cfg.job_id, 5, {
         "op": "register", "job": service.cfg.job_id, "partition": 1, "host": "s1",
         "instance": "x" * 65}, 1), "127.0.0.1"))

@@ -81,9 +81,10 @@ class JobLayout:
     node_of: list[int] | None = None
     #: seconds a ring operation may stall before it fails (a peer is gone)
     stall_timeout: float = 60.0
-    #: the further replicas of every partition (host mode): whole sets beside ``shadows``
-    #: and ``shadow_tcp`` (the first), each numbered from partition 0; every copy and
-    #: control message goes to each, and a partition is protected while one is current
+    #: the further replicas of every partition: whole sets beside ``shadows`` and
+    #: ``shadow_tcp`` (the first), each numbered from partition 0; every copy (host mode;
+    #: the switch makes them in switch mode) and control message goes to each, and a
+    #: partition is protected while one is current
     replica_shadows: list[list[ShadowTarget]] = field(default_factory=list)
     replica_tcp: list[list[tuple[str, int]]] = field(default_factory=list)
 
@@ -124,9 +125,9 @@ class JobLayout:
                                  "shadow partition")
         if self.replica_tcp and self.verbs_device:
             raise CheckmateError("replicas of a partition are fed over UDP only, not verbs")
-        if self.replica_tcp and self.mode != "host":
-            raise CheckmateError(f"replicas of a partition are fed in host mode only (the "
-                                 f"trainers send each its copies), not mode {self.mode!r}")
+        if self.replica_tcp and self.mode not in ("host", "switch"):
+            raise CheckmateError(f"replicas of a partition are fed by the trainers (host "
+                                 f"mode) or the switch (switch mode), not mode {self.mode!r}")
 
 
 def query_registrations(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
@@ -152,3 +153,22 @@ def query_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.
                    tries: int = 5, secret: bytes | None = None) -> dict[int, dict[str, Any]]:
     """The controller's current registrations: partition -> {epoch, token, ip, port}."""
     return query_registrations(controller, job_id, timeout, tries, secret)[0]
+
+
+def query_replica_sessions(controller: tuple[str, int], job_id: int, timeout: float = 2.0,
+                           tries: int = 5, secret: bytes | None = None
+                           ) -> dict[int, dict[int, dict[str, Any]]]:
+    """Every registered shadow's session: partition -> replica number -> {epoch, token, ip,
+    port, host}. A controller that lists no ``replicas`` has one shadow per partition."""
+    from checkmate.control.handshake_client import controller_request
+
+    body = controller_request(controller, job_id, {"op": "session"}, timeout, tries, secret)
+    reps = body.get("replicas")
+    if not isinstance(reps, dict):
+        return {int(p): {0: v} for p, v in body.get("partitions", {}).items()}
+    out: dict[int, dict[int, dict[str, Any]]] = {}
+    for p, lst in reps.items():
+        for v in lst if isinstance(lst, list) else []:
+            if isinstance(v, dict) and isinstance(v.get("replica"), int):
+                out.setdefault(int(p), {})[v["replica"]] = v
+    return out

@@ -86,11 +86,14 @@ class ShadowSender:
         for v in self.verbs.values():
             v.close()
 
-    def update_sessions(self, sessions: dict[int, tuple[int, int]]) -> None:
-        """New (epoch, token) per partition, e.g. after a shadow re-registered."""
+    def update_sessions(self, sessions: dict[int, tuple[int, int]], replica: int = 0) -> None:
+        """New (epoch, token) per partition for its ``replica``-th shadow (0: the target,
+        k: the k-th mirror set's), e.g. after a shadow re-registered."""
         for p, (epoch, token) in sessions.items():
-            if p in self.targets:
-                self.targets[p].epoch, self.targets[p].token = epoch, token
+            t = (self.targets.get(p) if replica == 0
+                 else (self.mirrors.get(p) or [])[replica - 1:replica])
+            for to in ([t] if isinstance(t, ShadowTarget) else t or []):
+                to.epoch, to.token = epoch, token
 
     def _send(self, t: ShadowTarget, flags: int, iteration: int, offset: int, count: int,
               bucket: int, dtype: int, payload: bytes, fec_group: int = 0) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from checkmate.errors import CheckmateError
-from checkmate.train.layout import query_sessions
+from checkmate.train.layout import query_replica_sessions
 from checkmate.train.protection import ProtectionMonitor
 from checkmate.train.repair import RepairServer, owners_body
 from checkmate.train.replica_log import ReplicaLog
@@ -100,9 +100,10 @@ class _Reliability:
 
     def _refresh_sessions(self) -> None:
         place = self.control_place()
-        regs = place.mine(query_sessions(self.layout.controller, place.job))
-        self.sender.update_sessions({p: (int(v["epoch"]), int(v["token"]))
-                                     for p, v in regs.items()})
+        regs = place.mine(query_replica_sessions(self.layout.controller, place.job))
+        for k in range(1 + len(self.layout.replica_shadows)):  # each replica its own
+            self.sender.update_sessions({p: (int(v[k]["epoch"]), int(v[k]["token"]))
+                                         for p, v in regs.items() if k in v}, replica=k)
 
     def _refresh_loop(self) -> None:
         while not self._refresh_stop.wait(1.0):

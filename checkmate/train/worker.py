@@ -59,6 +59,9 @@ def layout_from_job(job: dict, rank: int, world: int) -> JobLayout:
         trainers=[tuple(a) for a in job["trainers"]],
         shadows=[ShadowTarget(**s) for s in job.get("shadows", [])],
         shadow_tcp=[tuple(a) for a in job.get("shadow_tcp", [])],
+        replica_shadows=[[ShadowTarget(**s) for s in rs]
+                         for rs in job.get("replica_shadows", [])],
+        replica_tcp=[[tuple(a) for a in rs] for rs in job.get("replica_tcp", [])],
         mode=job["mode"] if job.get("ckpt", "checkmate") == "checkmate" else "off",
         controller=tuple(job["controller"]) if job.get("controller") else None,
         seed=int(job.get("seed", 0)),
