@@ -61,8 +61,8 @@ class Cluster:
             self.ip = {}
             for h in cfg.trainers:
                 self.ip[h.name] = f"{loopback_net}.{10 + h.rank}"
-            for h in cfg.shadows:
-                self.ip[h.name] = f"{loopback_net}.{100 + h.partition}"
+            for i, h in enumerate(cfg.shadow_hosts):  # by partition, then replica
+                self.ip[h.name] = f"{loopback_net}.{100 + i}"
 
     @staticmethod
     def _host_secret(loopback_net: str, stack: ExitStack) -> Path:

@@ -55,15 +55,20 @@ def check_run(run: Run) -> list[str]:
             problems.append(f"{run.label}: rank {r} differs from rank 0 at {d[:3]}")
     if run.sc.gockpt is not None:
         return problems + _check_gockpt(run, finals[0])
-    shadows = torch.load(run.shadow_state(), weights_only=False)
-    d = compare_states(finals[0], shadows, ("model",))
-    sd_t, sd_s = finals[0]["optimizer"], shadows["optimizer"]
-    d += compare_states({"s": sd_t["state"]}, {"s": sd_s["state"]}, ("s",))
+    sd_t = finals[0]["optimizer"]
     lr_t = [g["lr"] for g in sd_t["param_groups"]]
-    run.result.shadow_matches_trainer = not d
-    if d:
-        problems.append(f"{run.label}: shadows' state differs from the trainers' at {d[:3]} "
-                        f"(lrs {lr_t})")
+    run.result.shadow_matches_trainer = True
+    # every replica set is the trainers' state (of the replicas still running)
+    for k in range(len(run.live_sets()) if run.cl.cfg.replicas > 1 else 1):
+        shadows = torch.load(run.shadow_state(k), weights_only=False)
+        d = compare_states(finals[0], shadows, ("model",))
+        d += compare_states({"s": sd_t["state"]}, {"s": shadows["optimizer"]["state"]},
+                            ("s",))
+        if d:
+            run.result.shadow_matches_trainer = False
+            which = f"replica set {k}'s" if k else "shadows'"
+            problems.append(f"{run.label}: {which} state differs from the trainers' at "
+                            f"{d[:3]} (lrs {lr_t})")
     return problems
 
 

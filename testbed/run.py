@@ -67,7 +67,7 @@ def _inject(run: Run) -> None:
                          from_iteration=f.start, until_iteration=f.until, swap=f.swap)
     for k in sc.shadow_kills:
         run.at_iteration(k.at, lambda k=k: run.kill_restart_shadow(k.partition, k.disk,
-                                                                   k.restart))
+                                                                   k.restart, k.replica))
     if sc.disk_limit is not None:
         run.limit_disk(*sc.disk_limit)
     if sc.cpu_load:
@@ -245,7 +245,7 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
         if summary["commits_missing"]:
             problems.append(f"{label}: shadows skipped iterations {summary['commits_missing']}")
         minted = _epochs_minted(cl, log_mark) if sc.gockpt is None else None
-        starts = cl.cfg.num_partitions + r.shadow_restarts
+        starts = len(cl.cfg.shadow_hosts) + r.shadow_restarts  # replicas register each
         # Registration converges: one epoch per shadow process start, however many tries
         # its registration took (a restarted controller may see a shadow register again).
         if minted is not None and minted != starts and sc.controller_restart_at is None:
@@ -263,6 +263,8 @@ def execute(sc: Scenario, cl: Cluster, workdir: Path, progress: Any,
         }
     if cl.testbed is not None:
         report["switch_replicated_packets"] = cl.testbed.replicated_packets()
+        if cl.cfg.replicas > 1 and cl.cfg.switch.target == "kernel":
+            report["switch_replicated_by_replica"] = cl.testbed.replicated_by_replica()
     ff = finished["failure-free"].result
     if ff.losses and not ff.losses[-1] < ff.losses[0]:
         problems.append(f"loss did not fall ({ff.losses[0]} -> {ff.losses[-1]})")

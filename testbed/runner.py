@@ -73,7 +73,8 @@ class Run:
         self.action_errors: list[str] = []
         self.mounts: list[Path] = []
         self.hogs: list[subprocess.Popen] = []  # busy processes of a cpu_load scenario
-        self.by_partition: dict[int, int] = {}
+        self.by_partition: dict[int, int] = {}  # a partition's first shadow in ``shadows``
+        self.by_host: dict[str, int] = {}  # every shadow (replicas too) in ``shadows``
         self.attacks: list[Any] = []  # checkmate.testbed.attacks.Attack, stopped by run.py
 
     # -- processes -----------------------------------------------------------------------
@@ -88,7 +89,10 @@ class Run:
             argv.append("--no-register")
         if sc.persist_every:
             # A restart "without disk" gets a fresh directory: it comes back empty.
-            d = self.dir / "ckpt" if disk else self.dir / f"ckpt-{len(self.shadows)}"
+            # A partition's further replicas keep their own files (ckpt-replicaK).
+            k = cl.cfg.replica_index(h)
+            d = (self.dir / ("ckpt" if k == 0 else f"ckpt-replica{k}") if disk
+                 else self.dir / f"ckpt-{len(self.shadows)}")
             argv += ["--dir", str(d), "--persist-every", str(sc.persist_every),
                      "--keep", str(sc.keep)]
         return argv
@@ -110,17 +114,20 @@ class Run:
             log.close()
 
     def start_shadows(self) -> None:
+        """Every shadow of the config, a partition's replicas too (the switch copies to
+        each: control/plan.py)."""
         cfg = self.cl.cfg
-        self.by_partition: dict[int, int] = {}
-        for h in cfg.shadows:
-            self.by_partition[h.partition] = len(self.shadows)
+        self.by_partition, self.by_host = {}, {}
+        for h in cfg.shadow_hosts:
+            self.by_partition.setdefault(h.partition, len(self.shadows))
+            self.by_host[h.name] = len(self.shadows)
             self.shadows.append(self._spawn_shadow(h))
         deadline = time.monotonic() + 60
-        for h in cfg.shadows:
+        for h in cfg.shadow_hosts:
             self._wait_shadow(h, deadline)
 
     def _wait_shadow(self, h: Any, deadline: float) -> None:
-        p = self.shadows[self.by_partition[h.partition]]
+        p = self.shadows[self.by_host[h.name]]
         while True:
             if p.poll() is not None:
                 raise CheckmateError(f"shadow {h.name} exited ({p.returncode}); see "
@@ -131,13 +138,15 @@ class Run:
                 raise CheckmateError(f"shadow {h.name} did not come up")
             time.sleep(0.2)
 
-    def kill_restart_shadow(self, partition: int, disk: bool, restart: bool = True) -> None:
-        """SIGKILL the shadow of ``partition`` and (unless ``restart`` is False) start it
-        again while training runs."""
-        h = self.cl.cfg.shadow_for(partition)
-        if h is None:
-            raise CheckmateError(f"no shadow serves partition {partition}")
-        i = self.by_partition[partition]
+    def kill_restart_shadow(self, partition: int, disk: bool, restart: bool = True,
+                            replica: int = 0) -> None:
+        """SIGKILL the ``replica``-th shadow of ``partition`` and (unless ``restart`` is
+        False) start it again while training runs."""
+        mine = self.cl.cfg.shadows_for(partition)
+        if replica >= len(mine):
+            raise CheckmateError(f"partition {partition} has no shadow of replica {replica}")
+        h = mine[replica]
+        i = self.by_host[h.name]
         old = self.shadows[i]
         if old.poll() is None:
             os.kill(old.pid, signal.SIGKILL)
@@ -210,6 +219,12 @@ class Run:
             "shadows": [{"partition": h.partition, "ip": cl.ip[h.name],
                          "port": cfgmod.SHADOW_PORT} for h in cfg.shadows],
             "shadow_tcp": [[cl.ip[h.name], cfgmod.RESTORE_PORT] for h in cfg.shadows],
+            # a partition's further shadows, set k holding every partition's k-th
+            "replica_shadows": [[{"partition": h.partition, "ip": cl.ip[h.name],
+                                  "port": cfgmod.SHADOW_PORT} for h in rs]
+                                for rs in self.replica_sets()[1:]],
+            "replica_tcp": [[[cl.ip[h.name], cfgmod.RESTORE_PORT] for h in rs]
+                            for rs in self.replica_sets()[1:]],
             "finish_timeout": self.sc.finish_timeout,
             "verify_every": self.sc.verify_every,
             "controller": ([cfg.switch.ip, cfgmod.CONTROLLER_PORT] if cl.mode == "switch"
@@ -370,11 +385,34 @@ class Run:
         self.result.finals = [self.dir / f"final-rank{r}.pt" for r in range(world)]
         return "done"
 
+    def replica_sets(self) -> list[list[Any]]:
+        """The config's shadows as replica sets: set k holds every partition's k-th."""
+        cfg = self.cl.cfg
+        return [[cfg.shadows_for(p)[k] for p in range(cfg.num_partitions)]
+                for k in range(cfg.replicas)]
+
+    def _alive(self, h: Any) -> bool:
+        i = self.by_host.get(h.name)
+        return i is not None and self.shadows[i].poll() is None
+
+    def live_sets(self) -> list[list[Any]]:
+        """Replica sets of the shadows still running: set k holds each partition's k-th
+        live shadow (its last live one where it has fewer), so every live shadow is in one.
+        A partition whose shadows all died keeps them (asking them then fails loudly)."""
+        cfg = self.cl.cfg
+        live = [[h for h in cfg.shadows_for(p) if self._alive(h)] or cfg.shadows_for(p)
+                for p in range(cfg.num_partitions)]
+        return [[hs[min(k, len(hs) - 1)] for hs in live]
+                for k in range(max(len(hs) for hs in live))]
+
     def shadow_statuses(self) -> list[dict]:
-        """Every shadow's status op, asked from inside the cluster."""
+        """Every shadow's status op, asked from inside the cluster (replicas too; a
+        replica killed for good is left out while a sibling of it runs)."""
         argv = [sys.executable, "-m", "checkmate.shadow.cli", "status", "--commit-times",
                 "--config", str(self.cl.config_path)]
-        for h in self.cl.cfg.shadows:
+        hosts = (self.cl.cfg.shadow_hosts if self.cl.cfg.replicas == 1
+                 else {h.name: h for hs in self.live_sets() for h in hs}.values())
+        for h in hosts:
             argv += ["--addr", f"{self.cl.ip[h.name]}:{cfgmod.RESTORE_PORT}"]
         r = self.cl.run(self.cl.cfg.trainers[0].name, argv)
         if r.returncode != 0:
@@ -382,12 +420,15 @@ class Run:
         out = json.loads(r.stdout)
         return out if isinstance(out, list) else [out]
 
-    def shadow_state(self) -> Path:
-        """The shadows' state at the last iteration, fetched from inside the cluster."""
-        out = self.dir / "shadows-final.pt"
+    def shadow_state(self, replica: int = 0) -> Path:
+        """The state replica set ``replica`` holds at the last iteration, fetched from
+        inside the cluster."""
+        out = self.dir / ("shadows-final.pt" if replica == 0
+                          else f"shadows-final-replica{replica}.pt")
         argv = [sys.executable, "-m", "checkmate.train.restore", "--iteration",
                 str(self.sc.steps), "--out", str(out)]
-        for h in self.cl.cfg.shadows:
+        for h in (self.live_sets() if self.cl.cfg.replicas > 1
+                  else self.replica_sets())[replica]:
             argv += ["--shadow", f"{self.cl.ip[h.name]}:{cfgmod.RESTORE_PORT}"]
         r = self.cl.run(self.cl.cfg.trainers[0].name, argv)
         if r.returncode != 0:

@@ -11,7 +11,8 @@ A scenario is a YAML file (testbed/scenarios/NAME.yaml, found by name, or any pa
     faults:               # switch fault knobs (switch mode), per port
       - {port: s1, drop: 0.05, corrupt: 0.0, from: 1, until: 40}
     shadow_kills:         # SIGKILL a shadow when rank 0 reports an iteration, restart it
-      - {partition: 0, at: random, disk: false}   # restart: false leaves it dead
+      - {partition: 0, at: random, disk: false}   # restart: false leaves it dead;
+                                                  # replica: K picks the K-th shadow
     finish_timeout: 30    # seconds the trainers wait at the end for every shadow
     persist_every: 5      # shadows persist every K iterations (needed for disk: true)
     keep: 3
@@ -61,6 +62,7 @@ class ShadowKill:
     at: int
     disk: bool = False
     restart: bool = True
+    replica: int = 0  # which of the partition's shadows (config order)
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ def parse_scenario(d: object, where: str, rng: random.Random | None = None) -> S
         return rng.randint(max(1, doc.steps // 4), max(1, 3 * doc.steps // 4))
 
     kill = draw(doc.kill_at)
-    kills = [ShadowKill(k.partition, draw(k.at), k.disk, k.restart)  # type: ignore[arg-type]
+    kills = [ShadowKill(k.partition, draw(k.at), k.disk, k.restart,  # type: ignore[arg-type]
+                        k.replica)
              for k in doc.shadow_kills]
     ctl = draw(doc.controller_restart_at)
     attacks = [Attack(a.kind, a.source, a.target, draw(a.at))  # type: ignore[arg-type]

@@ -78,6 +78,8 @@ class ShadowKillDoc(_Strict):
     at: Iteration
     disk: Flag = False
     restart: Flag = True
+    #: which of the partition's shadows (a config with several per partition)
+    replica: NonNeg = 0
 
 
 class ShadowFlipDoc(_Strict):

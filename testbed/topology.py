@@ -426,6 +426,14 @@ class Testbed:
         """Datagrams the switch copied to shadows (its replication entries' counters)."""
         return sum(int(e.get("packets", 0)) for e in self.switch.counters().get("entries", []))
 
+    def replicated_by_replica(self) -> dict[int, int]:
+        """Datagrams the switch copied, per replica number (a partition's k-th shadow)."""
+        out: dict[int, int] = {}
+        for e in self.switch.counters().get("entries", []):
+            k = int(e.get("replica", 0))
+            out[k] = out.get(k, 0) + int(e.get("packets", 0))
+        return out
+
     def source_drops(self, host: str) -> dict[str, int]:
         """Frames the switch dropped at ``host``'s port for a source MAC or IP not bound to
         it ({"bad_src_mac": n, "bad_src_ip": n})."""
