@@ -263,7 +263,10 @@ BMV2_CLUSTER = {
               {"name": "t1", "role": "trainer", "rank": 1, "ip": "10.78.0.11"},
               {"name": "t2", "role": "trainer", "rank": 2, "ip": "10.78.0.12"},
               {"name": "s0", "role": "shadow", "partition": 0, "ip": "10.78.0.100"},
-              {"name": "s1", "role": "shadow", "partition": 1, "ip": "10.78.0.101"}],
+              {"name": "s1", "role": "shadow", "partition": 1, "ip": "10.78.0.101"},
+              # a second shadow of each partition (issue 38): bmv2 copies to both
+              {"name": "s2", "role": "shadow", "partition": 0, "ip": "10.78.0.102"},
+              {"name": "s3", "role": "shadow", "partition": 1, "ip": "10.78.0.103"}],
 }
 SCENARIO = {"name": "bmv2-kill-restore", "model": "gpt", "steps": 12, "seed": 0,
             "kill_at": 6,
@@ -276,12 +279,13 @@ SCENARIO = {"name": "bmv2-kill-restore", "model": "gpt", "steps": 12, "seed": 0,
                     reason=f"bmv2 testbed unavailable: {mb.missing()}")
 @pytest.mark.skipif(os.geteuid() != 0, reason="mininet needs root")
 def test_training_through_bmv2_is_killed_restored_bit_identical(tmp_path):
-    """`testbed run --switch bmv2`: three trainers and two shadows in a mininet network
-    around simple_switch; every trainer is killed at iteration 6 and restored from the
-    shadows, and ends bit-identical to a failure-free run through the same switch. bmv2
-    copied the gradients (its replication entries' counters), and a host claiming another's
-    MAC and IP from iteration 2 on had every frame dropped where it entered, counted per
-    reason by bmv2's source check."""
+    """`testbed run --switch bmv2`: three trainers and two partitions of two shadows each
+    in a mininet network around simple_switch; every trainer is killed at iteration 6 and
+    restored from the shadows, and ends bit-identical to a failure-free run through the same
+    switch. bmv2 copied the gradients (its replication entries' counters) to every shadow
+    of a partition (each replica set equals the trainers, none asked for a repair), and a
+    host claiming another's MAC and IP from iteration 2 on had every frame dropped where it
+    entered, counted per reason by bmv2's source check."""
     cluster, scenario = tmp_path / "cluster.yaml", tmp_path / "scenario.yaml"
     cluster.write_text(yaml.safe_dump(BMV2_CLUSTER))
     scenario.write_text(yaml.safe_dump(SCENARIO))
@@ -296,6 +300,10 @@ def test_training_through_bmv2_is_killed_restored_bit_identical(tmp_path):
     assert report["runs"]["chaos"]["killed_at"] == 6  # a run with an attack is a chaos run
     assert report["runs"]["chaos"]["restored_from"] >= 5
     assert report["switch_replicated_packets"] > 0
+    for run in report["runs"].values():  # the multicast groups fed both replicas
+        assert run["shadows_match_trainers"] and run["repair_requests"] == 0, run
+        got = [rx["received"] for rx in run["shadow_receivers"]]
+        assert len(got) == 4 and got[0] == got[2] and got[1] == got[3], got
     attack = report["attacks"][0]
     assert attack["rounds"] >= 10
     assert attack["bad_src_mac"] == 3 * attack["rounds"]
