@@ -65,6 +65,18 @@ def _rank(rank: int, port: int, out: str) -> None:
         got["switch"] = str(e)
     switch.node_of = [3, 3]  # one node: allowed
     got["switch_one_node"] = gather_nodes(switch, group)
+    # every rank must be given the same shadows (each node's launcher computes its own list)
+    from checkmate.train.session_group import check_same_shadows
+
+    check_same_shadows(switch, group)  # the same on both: nothing to say
+    other = JobLayout(job_id=1, rank=rank, world=2, trainers=got["addrs"],
+                      shadows=[ShadowTarget(0, "127.0.0.1", 1)],
+                      shadow_tcp=[("127.0.0.1", 2 + rank)], mode="host")
+    try:
+        check_same_shadows(other, group)
+        got["shadows_differ"] = None
+    except CheckmateError as e:
+        got["shadows_differ"] = str(e)
     del os.environ["GROUP_RANK"]
     lay.node_of = None
     got["nodes_unknown"] = gather_nodes(lay, group)
@@ -90,6 +102,10 @@ def test_two_ranks_join_one_gloo_group_and_agree_on_addresses_and_nodes(tmp_path
             "ranks 0 and 1 share the address 127.0.0.1 but are on nodes 0 and 1:")
         assert g["switch_one_node"] == [3, 3]
         assert g["nodes_unknown"] is None
+        assert g["shadows_differ"] == (
+            "rank 1 was given other shadows than rank 0 (replica 0 of partition 0: "
+            "127.0.0.1:2 on rank 0, 127.0.0.1:3 on rank 1): start every node's launcher "
+            "with the same --shadow, --colocate and --domain")
 
 
 def test_a_worker_without_a_ring_address_is_one_line():

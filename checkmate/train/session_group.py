@@ -60,6 +60,29 @@ def exchange_addrs(mine: tuple[str, int] | None, world: int, group: Any
     return addrs
 
 
+def check_same_shadows(layout: JobLayout, group: Any) -> None:
+    """Every rank was given the same shadows (each replica set's service addresses): nodes
+    started with different --shadow, --colocate or --domain lists would each send their
+    copies and control messages to shadows of their own, and no shadow would hold the
+    trainers' state. A mismatch is the same one line on every rank."""
+    mine = [[list(a) for a in addrs] for addrs in layout.tcp_sets] if layout.shadow_tcp \
+        else []
+    got: list[Any] = [None] * layout.world
+    dist.all_gather_object(got, mine, group=group)
+    for r, theirs in enumerate(got):
+        if theirs == got[0]:
+            continue
+        first = next((f"replica {k} of partition {p}: {a[0]}:{a[1]} on rank 0, "
+                      f"{b[0]}:{b[1]} on rank {r}"
+                      for k, (xs, ys) in enumerate(zip(got[0], theirs, strict=False))
+                      for p, (a, b) in enumerate(zip(xs, ys, strict=False)) if a != b),
+                     f"{sum(map(len, got[0]))} shadows on rank 0, "
+                     f"{sum(map(len, theirs))} on rank {r}")
+        raise CheckmateError(f"rank {r} was given other shadows than rank 0 ({first}): "
+                             "start every node's launcher with the same --shadow, "
+                             "--colocate and --domain")
+
+
 def gather_nodes(layout: JobLayout, group: Any) -> list[int] | None:
     """Every rank's node, the same on every rank: the layout's ``node_of``, else what each
     rank reads from torch elastic's environment (GROUP_RANK), gathered over ``group``. In

@@ -75,6 +75,10 @@ class _Start:
         if nonce[2] is not None:
             raise CheckmateError(nonce[2])  # the same line on every rank
         self._set_run(nonce[1])
+        if lay.mode != "off":
+            from checkmate.train.session_group import check_same_shadows
+
+            check_same_shadows(lay, self.group)
         self.node_of = self._gather_nodes()
         if lay.mode == "switch" and getattr(self, "announce_attempt", False):
             from checkmate.train.attempt import announce
