@@ -153,8 +153,9 @@ def _print_status(st: dict) -> None:
         c = st["counters"]
         print("replication entries:")
         for e in c["entries"]:
-            print(f"  job {e['job_id']} {e['src_ip']} -> {e['dst_ip']} part {e['partition']} "
-                  f"from {e.get('ingress_ifname', '?')} => {e['shadow_ifname']}: "
+            rep = f" replica {e['replica']}" if e.get("replica") else ""
+            print(f"  job {e['job_id']} {e['src_ip']} -> {e['dst_ip']} part {e['partition']}"
+                  f"{rep} from {e.get('ingress_ifname', '?')} => {e['shadow_ifname']}: "
                   f"{e['packets']} pkts {e['bytes']} bytes")
         print("ports:")
         for name, d in sorted(c["ports"].items()):
