@@ -141,6 +141,11 @@ class Bmv2Testbed(Testbed):
     """The namespace testbed (same names, processes, controller and state file) with a
     mininet network and bmv2 in place of the veths, the bridge and the tc-eBPF switch."""
 
+    #: simple_switch reads its ports through packet sockets into a bounded input queue: on
+    #: a loaded machine a few frames are lost before its pipeline sees them (measured: 6 of
+    #: 4544 hijack frames beside another namespace test). The attack checks allow that much.
+    INGRESS_LOSS = 0.01
+
     def __init__(self, cfg: config.ClusterConfig, controller: bool = False,
                  config_path: str | Path | None = None) -> None:
         super().__init__(cfg, controller, config_path)

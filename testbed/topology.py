@@ -158,6 +158,10 @@ class Testbed:
     """Build and remove one cluster's namespaces; a context manager (up on enter, down on
     exit, down even when the body raised)."""
 
+    #: Frames can be lost before the switch's program sees them: 0 here (the tc-eBPF
+    #: program runs in the sender's context, on every frame the veth carries).
+    INGRESS_LOSS = 0.0
+
     def __init__(self, cfg: ClusterConfig, controller: bool = False,
                  config_path: str | Path | None = None) -> None:
         self.cfg = cfg
