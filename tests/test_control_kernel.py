@@ -107,3 +107,26 @@ def test_cli_deploy_and_status(testbed, tmp_path):
     r = control("status", "--switch", "sw1")
     assert r.returncode == 2 and r.stderr.strip() == \
         "control: error: unknown switch 'sw1' (the config has 'sw0')"
+
+
+def test_a_partition_with_two_shadows_gets_an_entry_per_replica(testbed):
+    """Replicas (issue 38) on the kernel switch: with s1 as partition 0's second shadow, each
+    hop gets replica 0's entry (to s0) and replica 1's (to s1); back to one shadow, the
+    replica entries go and replica 0's stay untouched."""
+    cfg = testbed.cfg
+    drv = KernelDriver(cfg)
+    sw = KernelSwitch(cfg)
+    for e in sw.replication_entries():
+        sw.remove_replication(e.job_id, e.src_ip, e.dst_ip, e.partition, e.replica)
+    two = replace(cfg, hosts=tuple(replace(h, partition=0) if h.name == "s1" else h
+                                   for h in cfg.hosts))
+    assert (two.num_partitions, two.replicas) == (1, 2)
+    res = drv.apply(plan_mod.build(two))
+    assert len(res.added) == 8 and any("replica 1 from" in a for a in res.added)
+    want = {replace(e, replica=k)
+            for k, s in enumerate([S0, S1]) for e in expected(RING4, [s])}
+    assert set(sw.replication_entries()) == want
+    one = replace(cfg, hosts=tuple(h for h in cfg.hosts if h.name != "s1"))
+    res = drv.apply(plan_mod.build(one))
+    assert (len(res.removed), len(res.added), len(res.changed)) == (4, 0, 0)
+    assert set(sw.replication_entries()) == expected(RING4, [S0])

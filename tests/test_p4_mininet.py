@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -270,7 +271,9 @@ BMV2_CLUSTER = {
 }
 SCENARIO = {"name": "bmv2-kill-restore", "model": "gpt", "steps": 12, "seed": 0,
             "kill_at": 6,
-            "attacks": [{"kind": "mac_hijack", "from": "t2", "target": "t0", "at": 2}]}
+            "attacks": [{"kind": "mac_hijack", "from": "t2", "target": "t0", "at": 2}],
+            # partition 1's first shadow is lost for good: its sibling carries it
+            "shadow_kills": [{"partition": 1, "replica": 0, "at": 3, "restart": False}]}
 
 
 @pytest.mark.netns
@@ -280,19 +283,21 @@ SCENARIO = {"name": "bmv2-kill-restore", "model": "gpt", "steps": 12, "seed": 0,
 @pytest.mark.skipif(os.geteuid() != 0, reason="mininet needs root")
 def test_training_through_bmv2_is_killed_restored_bit_identical(tmp_path):
     """`testbed run --switch bmv2`: three trainers and two partitions of two shadows each
-    in a mininet network around simple_switch; every trainer is killed at iteration 6 and
-    restored from the shadows, and ends bit-identical to a failure-free run through the same
-    switch. bmv2 copied the gradients (its replication entries' counters) to every shadow
-    of a partition (each received copies, each replica set equals the trainers), and a
-    host claiming another's MAC and IP from iteration 2 on had every frame dropped where it
-    entered, counted per reason by bmv2's source check."""
+    (issue 38's replicas in switch mode) in a mininet network around simple_switch;
+    partition 1's first shadow is killed for good at iteration 3, every trainer at 6; the
+    restart reads partition 1 from its second shadow, and the run ends bit-identical to a
+    failure-free run through the same switch. bmv2's multicast groups copied the gradients
+    to every shadow of a partition (each replica set still running equals the trainers,
+    with next to no repair), and a host claiming another's MAC and IP from iteration 2 on
+    had every frame dropped where it entered, counted per reason by bmv2's source check."""
     cluster, scenario = tmp_path / "cluster.yaml", tmp_path / "scenario.yaml"
     cluster.write_text(yaml.safe_dump(BMV2_CLUSTER))
     scenario.write_text(yaml.safe_dump(SCENARIO))
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "checkmate.testbed.run", "--scenario",
                         str(scenario), "--config", str(cluster), "--json",
-                        str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+                        str(tmp_path / "r.json"), "--workdir", str(tmp_path / "w")],
+                       capture_output=True, text=True, timeout=300)
     out = tmp_path / "r.json"
     report = json.loads(out.read_text()) if out.exists() else {}
     assert r.returncode == 0, report.get("problems") or (r.stdout[-3000:], r.stderr[-3000:])
@@ -300,12 +305,16 @@ def test_training_through_bmv2_is_killed_restored_bit_identical(tmp_path):
     assert report["runs"]["chaos"]["killed_at"] == 6  # a run with an attack is a chaos run
     assert report["runs"]["chaos"]["restored_from"] >= 5
     assert report["switch_replicated_packets"] > 0
-    for run in report["runs"].values():  # the multicast groups fed both replicas
+    for label, alive in (("failure-free", 4), ("chaos", 3)):  # groups fed both replicas
         # bmv2 drops a copy now and then under load and repair fills it; a replica left out
         # of the groups would get everything by repair (half the bytes, overhead ~1)
+        run = report["runs"][label]
         assert run["shadows_match_trainers"] and run["commits_missing"] == {}, run
         assert run["repair_overhead"] < 0.1, run
-        assert len(run["shadow_receivers"]) == 4, run
+        assert len(run["shadow_receivers"]) == alive, run
+    resumed = next((tmp_path / "w").glob("run-*/chaos/trainer-t0-resumed.log")).read_text()
+    assert re.search(r"resuming at iteration \d+: every shadow holds it in memory \(read "
+                     r"from replica per partition: 0 1\)", resumed), resumed[-2000:]
     attack = report["attacks"][0]
     assert attack["rounds"] >= 10
     # every frame bmv2's program saw was dropped and counted per reason: what was sent, less
