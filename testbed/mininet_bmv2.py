@@ -143,8 +143,9 @@ class Bmv2Testbed(Testbed):
 
     #: simple_switch reads its ports through packet sockets into a bounded input queue: on
     #: a loaded machine a few frames are lost before its pipeline sees them (measured: 6 of
-    #: 4544 hijack frames beside another namespace test). The attack checks allow that much.
-    INGRESS_LOSS = 0.01
+    #: 4544 hijack frames beside another namespace test). The attack checks allow 5%: far
+    #: less than one of a hijack round's four frames passing would leave uncounted.
+    INGRESS_LOSS = 0.05
 
     def __init__(self, cfg: config.ClusterConfig, controller: bool = False,
                  config_path: str | Path | None = None) -> None:

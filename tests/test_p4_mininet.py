@@ -306,11 +306,12 @@ def test_training_through_bmv2_is_killed_restored_bit_identical(tmp_path):
     assert report["runs"]["chaos"]["restored_from"] >= 5
     assert report["switch_replicated_packets"] > 0
     for label, alive in (("failure-free", 4), ("chaos", 3)):  # groups fed both replicas
-        # bmv2 drops a copy now and then under load and repair fills it; a replica left out
-        # of the groups would get everything by repair (half the bytes, overhead ~1)
+        # bmv2 drops copies under load and repair fills them (repair bytes up to 10% of the
+        # copied bytes seen beside CI's other worker, 0 alone); a replica left out of the
+        # groups would get all of its partition by repair (overhead 1 or more)
         run = report["runs"][label]
         assert run["shadows_match_trainers"] and run["commits_missing"] == {}, run
-        assert run["repair_overhead"] < 0.1, run
+        assert run["repair_overhead"] < 0.5, run
         assert len(run["shadow_receivers"]) == alive, run
     resumed = next((tmp_path / "w").glob("run-*/chaos/trainer-t0-resumed.log")).read_text()
     assert re.search(r"resuming at iteration \d+: every shadow holds it in memory \(read "

@@ -129,7 +129,14 @@ class ClusterConfig:
         return [h.name for h in self.shadows_for(host.partition)].index(host.name)
 
     def _by_partition(self) -> list[list[Host]]:
-        return [self.shadows_for(p) for p in range(self.num_partitions)]
+        """Every partition's shadows in replica order, in one pass over the hosts (the
+        schema numbers the partitions 0..n-1)."""
+        out: dict[int, list[Host]] = {}
+        for h in self.hosts:
+            if h.role == "shadow":
+                assert h.partition is not None
+                out.setdefault(h.partition, []).append(h)
+        return [out[p] for p in sorted(out)]
 
     @property
     def num_partitions(self) -> int:
