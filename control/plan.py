@@ -268,15 +268,17 @@ def build(cfg: ClusterConfig, registrations: Mapping[str, Registration] | None =
     repl: list[Replication] = []
     groups: list[McastGroup] = []
     rewrites: list[ShadowRewrite] = []
-    for host in cfg.shadow_hosts:
-        p = host.partition
-        assert p is not None
-        reg = _shadow_session(cfg, host, regs)
-        rewrites.append(ShadowRewrite(
-            rid=rid_for(cfg, p, cfg.replica_index(host)), partition=p, shadow=host.name,
-            smac=cfg.switch.mac, dmac=reg.mac, ip=reg.ip, udp_port=reg.port,
-            epoch=reg.epoch, token=reg.token,
-        ))
+    # Each partition's shadows in replica order with their session and rid, once: the hop
+    # loop below reads them for every hop.
+    replicas: list[list[tuple[Host, Registration, int]]] = [
+        [(h, _shadow_session(cfg, h, regs), rid_for(cfg, p, k))
+         for k, h in enumerate(cfg.shadows_for(p))] for p in range(cfg.num_partitions)]
+    for p, shadows in enumerate(replicas):
+        for host, reg, rid in shadows:
+            rewrites.append(ShadowRewrite(
+                rid=rid, partition=p, shadow=host.name, smac=cfg.switch.mac, dmac=reg.mac,
+                ip=reg.ip, udp_port=reg.port, epoch=reg.epoch, token=reg.token,
+            ))
     n = cfg.group_partitions
     for g in range(cfg.groups if n else 0):
         if rings is None and cfg.groups > 1:
@@ -287,8 +289,7 @@ def build(cfg: ClusterConfig, registrations: Mapping[str, Registration] | None =
             for p in range(g * n, (g + 1) * n):
                 gid = group_id(dst_rank, p)
                 members = [(switch_port(cfg, dst), 0)]
-                for k, host in enumerate(cfg.shadows_for(p)):
-                    reg = _shadow_session(cfg, host, regs)
+                for k, (host, reg, rid) in enumerate(replicas[p]):
                     repl.append(Replication(
                         job_id=job, src=src.name, src_ip=src.ip,
                         ingress_port=src_port, ingress_ifname=cfg.switch_ifname(src.name),
@@ -297,7 +298,7 @@ def build(cfg: ClusterConfig, registrations: Mapping[str, Registration] | None =
                         shadow_mac=reg.mac, shadow_port=reg.port, epoch=reg.epoch,
                         token=reg.token, group_id=gid, replica=k,
                     ))
-                    members.append((switch_port(cfg, host), rid_for(cfg, p, k)))
+                    members.append((switch_port(cfg, host), rid))
                 groups.append(McastGroup(gid, tuple(members)))
     host_ports = sorted(switch_port(cfg, h) for h in cfg.hosts)
     groups.append(McastGroup(

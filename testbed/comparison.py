@@ -59,7 +59,7 @@ def check_run(run: Run) -> list[str]:
     lr_t = [g["lr"] for g in sd_t["param_groups"]]
     run.result.shadow_matches_trainer = True
     # every replica set is the trainers' state (of the replicas still running)
-    for k in range(len(run.live_sets()) if run.cl.cfg.replicas > 1 else 1):
+    for k in range(len(run.live_sets())):
         shadows = torch.load(run.shadow_state(k), weights_only=False)
         d = compare_states(finals[0], shadows, ("model",))
         d += compare_states({"s": sd_t["state"]}, {"s": shadows["optimizer"]["state"]},

@@ -410,9 +410,7 @@ class Run:
         replica killed for good is left out while a sibling of it runs)."""
         argv = [sys.executable, "-m", "checkmate.shadow.cli", "status", "--commit-times",
                 "--config", str(self.cl.config_path)]
-        hosts = (self.cl.cfg.shadow_hosts if self.cl.cfg.replicas == 1
-                 else {h.name: h for hs in self.live_sets() for h in hs}.values())
-        for h in hosts:
+        for h in {h.name: h for hs in self.live_sets() for h in hs}.values():
             argv += ["--addr", f"{self.cl.ip[h.name]}:{cfgmod.RESTORE_PORT}"]
         r = self.cl.run(self.cl.cfg.trainers[0].name, argv)
         if r.returncode != 0:
@@ -427,8 +425,7 @@ class Run:
                           else f"shadows-final-replica{replica}.pt")
         argv = [sys.executable, "-m", "checkmate.train.restore", "--iteration",
                 str(self.sc.steps), "--out", str(out)]
-        for h in (self.live_sets() if self.cl.cfg.replicas > 1
-                  else self.replica_sets())[replica]:
+        for h in self.live_sets()[replica]:
             argv += ["--shadow", f"{self.cl.ip[h.name]}:{cfgmod.RESTORE_PORT}"]
         r = self.cl.run(self.cl.cfg.trainers[0].name, argv)
         if r.returncode != 0:

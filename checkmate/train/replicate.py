@@ -90,10 +90,10 @@ class ShadowSender:
         """New (epoch, token) per partition for its ``replica``-th shadow (0: the target,
         k: the k-th mirror set's), e.g. after a shadow re-registered."""
         for p, (epoch, token) in sessions.items():
-            t = (self.targets.get(p) if replica == 0
-                 else (self.mirrors.get(p) or [])[replica - 1:replica])
-            for to in ([t] if isinstance(t, ShadowTarget) else t or []):
-                to.epoch, to.token = epoch, token
+            chosen = ([self.targets[p]] if p in self.targets else []) if replica == 0 \
+                else self.mirrors.get(p, [])[replica - 1:replica]
+            for t in chosen:
+                t.epoch, t.token = epoch, token
 
     def _send(self, t: ShadowTarget, flags: int, iteration: int, offset: int, count: int,
               bucket: int, dtype: int, payload: bytes, fec_group: int = 0) -> None:
