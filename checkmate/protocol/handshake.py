@@ -11,15 +11,16 @@ bytes and its reason is only "not authenticated".
 
 Operations (both need a valid MAC):
 - ``register`` (shadow → controller): ``{"op", "job", "partition", "host", "ip", "mac",
-  "port"}``. ``host`` must be the config's shadow for ``partition``, ``ip`` its configured
-  address and the datagram must come from that address. The controller installs the
-  entries that steer the partition's replicas to ``ip:port`` (replacing an earlier
-  registration of that partition) and answers ``{"op": "registered", "job", "partition",
-  "epoch", "token"}``. Every registration of a partition gets a new, larger epoch and a
-  fresh random token.
+  "port"}``. ``host`` must be one of the config's shadows for ``partition`` (each replica
+  registers for itself), ``ip`` its configured address and the datagram must come from
+  that address. The controller installs the entries that steer that shadow's copies to
+  ``ip:port`` (replacing an earlier registration of that host) and answers ``{"op":
+  "registered", "job", "partition", "epoch", "token"}``. Every registration gets a new,
+  larger epoch and a fresh random token.
 - ``session`` (trainer → controller): ``{"op", "job"}`` → ``{"op": "session", "job",
-  "partitions": {"<p>": {"epoch", "token", "ip", "port", "host"}}}``, the current
-  registrations. Trainers in host-replication mode use it to address and stamp their copies.
+  "partitions": {"<p>": {"epoch", "token", "ip", "port", "host"}}, "replicas": {"<p>":
+  [{..., "replica"}]}}``, the current registrations: per partition its first registered
+  shadow, and every registered shadow with its replica number.
 
 On the switch path the copy of a REPLICATE datagram gets the owning shadow's epoch and token
 written into its header by the switch, so trainers never need to know them.
