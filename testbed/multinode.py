@@ -21,7 +21,9 @@ shadows' checkpoint of that iteration on disk, and training must reach the last 
 multinode-colocate-kill-node: as kill-node, with no shadow hosts: ``--colocate`` puts two
 replicas of each of two partitions on n0..n2 themselves (host mode: the trainers send the
 copies), so the lost node takes its shadows with it; the resume must come from the
-surviving replicas in memory, with no iteration repeated beyond the one in flight.
+surviving replicas in memory, with no iteration repeated beyond the one in flight, and
+the rendezvous that lets the spare in places the lost replicas anew (on the spare), each
+re-seeded from its sibling and current at the end.
 multinode-colocate-kill-replica: the same nodes, no spare; one shadow process of a random
 node is SIGKILLed: its launcher starts it again, it takes its state from its sibling on
 another node, and the job never restarts. multinode-colocate-kill-replicas-and-node: the
@@ -140,10 +142,11 @@ def _launch_argv(sc: MultiNode, cl: Any, host: str, rdzv: str, shadows: list[str
             "--rdzv-id", f"{sc.name}-{out.parent.parent.name}", "--max-restarts", "3",
             "--progress-every", "1", "--job-id", str(cl.cfg.job_id),
             "--rdzv-conf", f"last_call_timeout=5,is_host={'1' if first else '0'}"]
-    if sc.colocate:  # every node's launcher gets the same list; the spare is not in it
-        # host mode's copies (the trainers send them), in namespaces through the switch or
-        # on loopback
-        nodes = [h.name for h in cl.cfg.trainers][:sc.nodes]
+    if sc.colocate:  # every node's launcher gets the same list, the spare's address too:
+        # the rendezvous that lets it in places the lost node's replicas anew (on it). Host
+        # mode's copies (the trainers send them), in namespaces through the switch or on
+        # loopback
+        nodes = [h.name for h in cl.cfg.trainers][:sc.nodes + sc.spare]
         local = cl.ip[host] if cl.mode == "switch" else "127.0.0.1"
         argv += ["--local-addr", local, "--shadows", "2", "--replicas", "2",
                  "--colocate", ",".join(f"{n}={cl.ip[n]}" for n in nodes), "--node", host,
@@ -312,6 +315,9 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
                                 "the node loss (at most the one in flight)")
             if "from disk" in text:
                 problems.append("a partition was resumed from disk, not from a replica")
+        if sc.colocate and sc.spare:
+            problems += _check_replaced(text, victim.host if victim else "", sc.steps,
+                                        report)
         report["epochs"] = sorted({int(e) for e in re.findall(r"under epoch (\d+)", text)})
         finals = final_states(run.dir, [n.host for n in nodes])
         if not finals:
@@ -361,6 +367,24 @@ def _sibling_on_another_node(cl: Any, sc: MultiNode, nodes: list[Node],
                 if b"checkmate.shadow.cli" in cmd and str(tcp).encode() in cmd:
                     return node, p, pid
     raise CheckmateError(f"no partition has replicas on {victim.host} and another node")
+
+
+def _check_replaced(text: str, lost: str, steps: int, report: dict) -> list[str]:
+    """The lost node's replicas were placed anew when the spare came in, each took its
+    state from a sibling, and every shadow held the last iteration at the end."""
+    out = []
+    moved = set(re.findall(rf"(partition \d replica \d): {re.escape(lost)} -> \w+", text))
+    report["replaced"] = len(moved)
+    if not moved:
+        out.append(f"no shadow of {lost} was placed anew")
+    adopted = len(re.findall(r"re-seeding the shadow of partition \d replica \d from its "
+                             r"sibling replica \d \(the trainers send nothing\)", text))
+    if adopted < len(moved):
+        out.append(f"{len(moved)} shadow(s) placed anew, {adopted} re-seeded from a sibling")
+    ends = re.findall(r"the shadows hold iteration \d+ \(per shadow: \[([^]]*)\]\)", text)
+    if not ends or any(x.strip() != str(steps) for per in ends for x in per.split(",")):
+        out.append(f"not every shadow held iteration {steps} at the end: {ends}")
+    return out
 
 
 def final_states(d: Path, hosts: list[str]) -> list[Path]:

@@ -340,14 +340,17 @@ def test_a_node_lost_with_its_colocated_shadows_resumes_from_their_replicas_in_m
     the job and its shadows themselves (`--shadows 2 --replicas 2 --colocate`: each
     partition has a replica on each node), a spare waits. Node b is SIGKILLed with its
     worker and its two shadows; the restart on a and the spare resumes from a's replicas in
-    memory at the newest iteration (no checkpoint on disk exists)."""
+    memory at the newest iteration (no checkpoint on disk exists). The rendezvous that lets
+    the spare in places b's two replicas anew on it (the spare is in --colocate's address
+    book, not in the first round): they come up empty, take their state from a's replicas
+    (the trainers send nothing), and hold the last iteration when the job ends."""
     from checkmate.protocol import auth
 
     monkeypatch.setenv(auth.SECRET_ENV, str(auth.create_secret(tmp_path / "job.key")))
     steps, port = 16, _free_port()
     net = f"127.83.{os.getpid() % 250 + 1}"
     ips = {"a": f"{net}.10", "b": f"{net}.11", "spare": f"{net}.12"}
-    colocate = f"a={ips['a']},b={ips['b']}"
+    colocate = f"a={ips['a']},b={ips['b']},spare={ips['spare']}"
     reference = _Reference(tmp_path, steps)
     try:
         argv = lambda name: _launcher(  # noqa: E731
@@ -371,8 +374,18 @@ def test_a_node_lost_with_its_colocated_shadows_resumes_from_their_replicas_in_m
             for n in nodes:
                 n.stop()
         assert "partition 0: a, b\npartition 1: a, b" in text, text[:2000]
-        assert "starting 2 of them on a" in text and "spare hosts none of them" in \
-            spare.text()
+        assert "starting 2 of them on a" in text, text[:2000]
+        moved = ("the job's nodes are now a, spare: placed 2 shadow(s) anew (partition 0 "
+                 "replica 1: b -> spare; partition 1 replica 1: b -> spare)")
+        assert moved in text and moved in spare.text(), text[-3000:]
+        assert "starting 2 of them on spare" in spare.text(), spare.text()[-3000:]
+        assert len(re.findall(r"re-seeding the shadow of partition \d replica \d from its "
+                              r"sibling replica \d \(the trainers send nothing\)", text
+                              + spare.text())) == 2, text[-3000:]
+        ends = re.findall(r"the shadows hold iteration (\d+) \(per shadow: \[([^]]*)\]\)",
+                          text + spare.text())
+        assert ends and all(len(per.split(",")) == 4 and all(
+            x.strip() == str(steps) for x in per.split(",")) for _, per in ends), ends
         assert re.search(r"partition \d is down to its last current replica of 2", text), \
             text[-3000:]
         # the survivor says a trainer elsewhere went silent, not that one of its own failed

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from checkmate.errors import CheckmateError
-from checkmate.launch.shadow_placement import place, replace
+from checkmate.launch.shadow_placement import place, replace, reslot, slots
 
 
 def _valid(pl, nodes, partitions, replicas, domains=None):
@@ -74,8 +74,35 @@ def test_a_lost_node_moves_only_its_replicas_and_a_spare_takes_some(seed):
     after = replace(before, left, r)
     _valid(after, left, partitions, r)
     for old, new in zip(before.nodes, after.nodes, strict=True):
-        assert [x for x in old if x != lost] == new[:len([x for x in old if x != lost])]
+        for k, x in enumerate(old):  # every survivor keeps its replica number
+            assert new[k] == x if x != lost else new[k] not in old
         assert len(set(new) - set(old)) == (lost in old)  # only the lost replica is new
     spare = replace(after, [*left, "spare"], r)
     _valid(spare, [*left, "spare"], partitions, r)
     assert spare.nodes == after.nodes  # nothing moves to a spare by itself
+
+
+def test_a_shadow_that_stays_keeps_its_ports_and_a_moved_one_takes_free_ones():
+    """After a node's loss the surviving shadows keep running where they are: their
+    addresses and ports must not change (the trainers' new list still names them), and a
+    replica placed on a node that runs others takes ports none of them uses."""
+    ips = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3", "d": "10.0.0.4"}
+    before = place(["a", "b", "c"], 3, 2)
+    old = slots(before, ips)
+    after = replace(before, ["a", "c", "d"], 2)
+    new = reslot(old, after, ips)
+    n = len(after.nodes)
+    for i, (node, ip, _udp, _tcp) in enumerate(new):
+        assert node == after.nodes[i % n][i // n] and ip == ips[node]
+        if old[i][0] != "b":
+            assert new[i] == old[i]
+    for node in ips:  # no two shadows of a node share a port
+        mine = [s for s in new if s[0] == node]
+        assert len({s[2] for s in mine}) == len({s[3] for s in mine}) == len(mine)
+    moved = [s for s, o in zip(new, old, strict=True) if o[0] == "b"]
+    assert moved and all(s[0] != "b" for s in moved)
+    again = replace(after, ["a", "c"], 2)  # d lost too: its replicas go to a and c
+    third = reslot(new, again, ips)
+    for node in ("a", "c"):
+        mine = [s for s in third if s[0] == node]
+        assert len({s[3] for s in mine}) == len(mine)

@@ -124,7 +124,7 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
         "PYTHONUNBUFFERED": "1",
     })
     for name in (envmod.TRAINERS, envmod.LOCAL_TRAINERS, envmod.RDZV_STORE,
-                 envmod.CONTROLLER, envmod.RESUME_AT):
+                 envmod.CONTROLLER, envmod.RESUME_AT, envmod.SHADOWS_FILE):
         os.environ.pop(name, None)
     if args.resume_at is not None:
         os.environ[envmod.RESUME_AT] = str(args.resume_at)
@@ -242,9 +242,10 @@ def _best_replica(per_shadow: list[int | None], replicas: int) -> list[int | Non
     return out
 
 
-def launch_config(args: argparse.Namespace, logdir: Path) -> Any:
+def launch_config(args: argparse.Namespace, logdir: Path, colo: Any = None) -> Any:
     """torch's LaunchConfig for this node: torchrun --standalone, or one node of a job
-    whose nodes meet at --rdzv-endpoint (torchrun's flags, torchrun's meanings)."""
+    whose nodes meet at --rdzv-endpoint (torchrun's flags, torchrun's meanings); with
+    ``colo`` (--colocate) the rendezvous places the shadows after each round."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
     from torch.distributed.launcher.api import LaunchConfig
@@ -254,9 +255,14 @@ def launch_config(args: argparse.Namespace, logdir: Path) -> Any:
               # the agent's per-attempt files go with the job's logs (torch's default is
               # a /tmp/torchelastic_* directory nobody removes)
               "logs_specs": DefaultLogsSpecs(log_dir=str(logdir / "elastic"))}
+    backend = "c10d" if not multinode(args) else args.rdzv_backend
+    if colo is not None:
+        from checkmate.launch import colocation
+
+        backend = colocation.use(colo, backend)
     if not multinode(args):
         return LaunchConfig(min_nodes=1, max_nodes=1, run_id=str(uuid.uuid4()),
-                            rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+                            rdzv_backend=backend, rdzv_endpoint="localhost:0",
                             monitor_interval=0.1, local_addr="127.0.0.1", **common)
     lo, hi = nodes(args)
     try:
@@ -268,18 +274,18 @@ def launch_config(args: argparse.Namespace, logdir: Path) -> Any:
     host, port = rdzv_addr(args)
     local = args.local_addr or ("127.0.0.1" if loopback(host) else None)
     return LaunchConfig(min_nodes=lo, max_nodes=hi, run_id=args.rdzv_id,
-                        rdzv_backend=args.rdzv_backend, rdzv_endpoint=f"{host}:{port}",
+                        rdzv_backend=backend, rdzv_endpoint=f"{host}:{port}",
                         rdzv_configs=conf, monitor_interval=0.5, local_addr=local, **common)
 
 
-def _run_agent(args: argparse.Namespace, logdir: Path) -> None:
+def _run_agent(args: argparse.Namespace, logdir: Path, colo: Any = None) -> None:
     from torch.distributed.launcher.api import elastic_launch
 
     # A restarted group must not meet the previous attempt's keys: with the agent's shared
     # TCPStore (torch's default) gloo reads the dead workers' addresses and is refused. Off,
     # rank 0 of each attempt hosts a fresh store.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    cfg = launch_config(args, logdir)
+    cfg = launch_config(args, logdir, colo)
     if args.worker_start == "exec":
         elastic_launch(cfg, sys.executable)("-u", "-m", "checkmate.train.run_script",
                                             args.script, *args.args)
@@ -344,14 +350,16 @@ def launch(argv: list[str]) -> int:
     if count % groups:
         raise CheckmateError(f"--shadow names {count} shadows for {groups} data-parallel "
                              f"groups (--pp {args.pp} --tp {args.tp}): give each group as many")
-    placed = None  # --colocate: where every shadow runs (one line when it cannot be met)
+    colo = None  # --colocate: the shadows, placed on the job's nodes at every rendezvous
     if args.colocate is not None:
         from checkmate.launch import shadow_placement
+        from checkmate.launch.colocation import Colocation
 
         ips, domains = colocated(args)
-        spread = shadow_placement.place(list(ips), count // args.replicas, args.replicas,
-                                        domains)
-        placed = (spread, shadow_placement.slots(spread, ips))
+        # all of them could not hold the replicas: one line now, before any rendezvous
+        shadow_placement.place(list(ips), count // args.replicas, args.replicas, domains)
+        colo = Colocation(args.node, ips, domains, count // args.replicas, args.replicas,
+                          None, Path())
     running = bool(args.shadow or args.controller)
     # Without --dir the logs go to a temporary directory, kept only if the job fails.
     own_logdir = args.dir is None
@@ -374,7 +382,7 @@ def launch(argv: list[str]) -> int:
     old_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         if count:  # shadows on several nodes share one secret: the one the user gives
-            made_secret = _job_secret(running or placed is not None, logdir)
+            made_secret = _job_secret(running or colo is not None, logdir)
         if args.controller and count:
             job_id = args.job_id or 1
             tcp, udp = shadows_from_controller(args, job_id, groups=groups)
@@ -386,22 +394,16 @@ def launch(argv: list[str]) -> int:
             job_id = args.job_id or check_shadows(tcp, groups) or 1
             print(f"{PROG}: {count} running shadow(s): "
                   f"{', '.join(f'{h}:{p}' for h, p in tcp)}", flush=True)
-        elif placed is not None:
-            spread, where = placed
-            mine = [i for i, (node, *_rest) in enumerate(where) if node == args.node]
-            print(f"{PROG}: shadows on the job's nodes ({args.replicas} replica(s) of each of "
-                  f"{count // args.replicas} partitions):\n" + spread.describe(), flush=True)
-            if spread.warning:
-                print(f"{PROG}: warning: {spread.warning}", flush=True)
-            local = LocalShadows(net, count, logdir,
-                                 args.dir / "checkpoints" if args.persist_every else None,
-                                 args.persist_every, groups, args.replicas,
-                                 args.shadow_cores, [w[1:] for w in where], mine)
-            print(f"{PROG}: starting {len(mine)} of them on {args.node} ({net})"
-                  if mine else f"{PROG}: {args.node} hosts none of them", flush=True)
-            local.start()
-            local.supervise(args.shadow_restarts)
-            tcp, udp, job_id = local.tcp, local.udp, args.job_id or 1
+        elif colo is not None:  # started in the rendezvous (checkmate.launch.colocation)
+            def make(addrs: list, mine: list[int]) -> LocalShadows:
+                shadows = LocalShadows(net, count, logdir, args.dir / "checkpoints"
+                                       if args.persist_every else None, args.persist_every,
+                                       groups, args.replicas, args.shadow_cores, addrs, mine)
+                shadows.supervise(args.shadow_restarts)
+                return shadows
+
+            colo.make, colo.file = make, Path(logdir).resolve() / "shadows.json"
+            tcp, job_id = [], args.job_id or 1
         elif count:
             local = LocalShadows(net, count, logdir,
                                  args.dir / "checkpoints" if args.persist_every else None,
@@ -433,7 +435,7 @@ def launch(argv: list[str]) -> int:
               f"max {args.max_restarts} restart(s){job}", flush=True)
         _quiet_agent()
         try:
-            _run_agent(args, Path(logdir))
+            _run_agent(args, Path(logdir), colo)
             stopped = failures.stopped(logdir)
             if stopped is not None:
                 raise CheckmateError(f"the job stopped after a divergence of the "
@@ -455,8 +457,11 @@ def launch(argv: list[str]) -> int:
             print(f"{PROG}: done; the newest GoCkpt checkpoint is of iteration "
                   f"{newest_common(gockpt_dir(args), args.nproc_per_node)} (under "
                   f"{gockpt_dir(args)})", flush=True)
+        if colo is not None:
+            tcp = colo.tcp  # as the last round placed them
         if tcp:
-            latest, verified = shadows_latest(tcp)
+            per_shadow, verified = shadows_latest(tcp)
+            latest = per_shadow
             if args.replicas > 1:  # per partition its best replica (a dead one holds None)
                 latest, verified = _best_replica(latest, args.replicas), \
                     _best_replica(verified, args.replicas)
@@ -465,13 +470,16 @@ def launch(argv: list[str]) -> int:
             said = ("; their state equals the trainers' there (checked)" if checked == held
                     and held is not None else f"; checked against the trainers' up to "
                     f"iteration {checked}" if checked is not None else "")
-            print(f"{PROG}: done; the shadows hold iteration {held} (per shadow: {latest})"
+            print(f"{PROG}: done; the shadows hold iteration {held} (per shadow: "
+                  f"{per_shadow})"
                   f"{said}", flush=True)
         succeeded = True
         return 0
     finally:
         if local is not None:
             local.stop()
+        if colo is not None:
+            colo.stop()
         if made_secret is not None:  # this job's secret dies with the job
             made_secret.unlink(missing_ok=True)
             os.environ.pop(SECRET_ENV, None)

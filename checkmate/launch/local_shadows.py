@@ -146,6 +146,7 @@ class LocalShadows:
         self.argvs: dict[int, list[str]] = {}
         self.restarts: dict[int, int] = {}
         self._stopping = threading.Event()
+        self._lock = threading.Lock()  # procs: the watcher and a re-placement both change it
         self._watcher: threading.Thread | None = None
         self.max_restarts = RESTARTS
 
@@ -162,28 +163,21 @@ class LocalShadows:
     def log(self, partition: int) -> Path:
         return self.logdir / f"shadow-{partition}.log"
 
-    def start(self, out: TextIO | None = None) -> LocalShadows:
-        """Start every shadow and wait until each is ready: it answers on its TCP port and
-        its kernels are compiled (a cold Numba cache: one progress line on ``out``)."""
+    def start(self, out: TextIO | None = None, which: Sequence[int] | None = None
+              ) -> LocalShadows:
+        """Start every shadow of ``which`` (default: all this launcher runs) and wait until
+        each is ready: it answers on its TCP port and its kernels are compiled (a cold Numba
+        cache: one progress line on ``out``)."""
         self.logdir.mkdir(parents=True, exist_ok=True)
-        per = self.count // self.replicas // self.groups
-        for p in self.mine:
-            ip, udp, tcp = self.addrs[p]
-            k, g, q = self.place(p)
-            argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
-                    f"{q}/{per}", "--bind", ip, "--port", str(udp), "--restore-port",
-                    str(tcp), "--no-register", "--window", str(SHADOW_WINDOW)]
-            if self.persist_dir is not None:
-                pdir = self.persist_dir if self.groups == 1 else self.persist_dir / f"group{g}"
-                argv += ["--dir", str(pdir / f"replica{k}" if k else pdir)]
-                if self.persist_every:
-                    argv += ["--persist-every", str(self.persist_every)]
-            self.argvs[p] = argv
+        which = self.mine if which is None else list(which)
+        for p in which:
+            self.argvs[p] = self._argv(p)
             self.restarts[p] = 0
-            self.procs[p] = self._spawn(p)
+            with self._lock:
+                self.procs[p] = self._spawn(p)
         progress = Progress(out if out is not None else sys.stdout)
         try:
-            waited = wait_ready([self.tcp[p] for p in self.mine], START_TIMEOUT,
+            waited = wait_ready([self.tcp[p] for p in which], START_TIMEOUT,
                                 on_wait=progress, check=self._check_alive, poll=0.2)
         except ShadowError as e:
             progress.end(None, 0.0)
@@ -194,6 +188,40 @@ class LocalShadows:
             raise
         progress.end(True, waited)
         return self
+
+    def _argv(self, p: int) -> list[str]:
+        """``shadow serve`` for shadow ``p`` at its address."""
+        per = self.count // self.replicas // self.groups
+        ip, udp, tcp = self.addrs[p]
+        k, g, q = self.place(p)
+        argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
+                f"{q}/{per}", "--bind", ip, "--port", str(udp), "--restore-port",
+                str(tcp), "--no-register", "--window", str(SHADOW_WINDOW)]
+        if self.persist_dir is not None:
+            pdir = self.persist_dir if self.groups == 1 else self.persist_dir / f"group{g}"
+            argv += ["--dir", str(pdir / f"replica{k}" if k else pdir)]
+            if self.persist_every:
+                argv += ["--persist-every", str(self.persist_every)]
+        return argv
+
+    def move(self, addrs: Sequence[tuple[str, int, int]], mine: Sequence[int],
+             out: TextIO | None = None) -> tuple[list[int], list[int]]:
+        """The shadows were placed anew (checkmate.launch.colocation): every shadow's
+        address is now ``addrs`` and this launcher runs ``mine``. Stops (by PID) the ones
+        it ran that are placed elsewhere now, starts the ones newly placed here (empty: the
+        trainers have them adopt a sibling's state) and waits until they are ready;
+        returns (started, stopped). A shadow that stays keeps running as it is."""
+        mine = list(mine)
+        gone = [i for i in self.mine if i not in mine or self.addrs[i] != tuple(addrs[i])]
+        with self._lock:
+            procs = [self.procs.pop(i) for i in gone if i in self.procs]
+        _stop(procs)
+        new = [i for i in mine if i not in self.mine or i in gone]
+        self.addrs = [tuple(a) for a in addrs]  # type: ignore[misc]
+        self.mine = mine
+        if new:
+            self.start(out, new)
+        return new, gone
 
     def _spawn(self, i: int) -> subprocess.Popen:
         with open(self.log(i), "ab") as log:
@@ -233,29 +261,33 @@ class LocalShadows:
 
     def _watch(self, out: TextIO) -> None:
         while not self._stopping.wait(SUPERVISE_EVERY):
-            for i, proc in list(self.procs.items()):
-                code = proc.poll()
-                if code is None or self._stopping.is_set():
-                    continue
-                why = (f"signal {signal.Signals(-code).name}" if code < 0
-                       and -code in signal.valid_signals() else f"exit code {code}")
-                if self.restarts[i] >= self.max_restarts:
-                    if self.restarts[i] == self.max_restarts:
-                        self.restarts[i] += 1
-                        out.write(f"checkmate launch: {self.name(i)} exited ({why}) after "
-                                  f"{self.max_restarts} restart(s) (--shadow-restarts): left "
-                                  f"down (log: {self.log(i)})\n")
-                        out.flush()
-                    continue
-                self.restarts[i] += 1
-                last = f"; {_last_line(self.log(i))}" if code > 0 else ""  # its own words
-                self.procs[i] = self._spawn(i)
-                out.write(f"checkmate launch: {self.name(i)} exited ({why}{last}): started "
-                          "it again\n")
-                out.flush()
+            with self._lock:
+                self._look(out)
+
+    def _look(self, out: TextIO) -> None:
+        for i, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None or self._stopping.is_set():
+                continue
+            why = (f"signal {signal.Signals(-code).name}" if code < 0
+                   and -code in signal.valid_signals() else f"exit code {code}")
+            if self.restarts[i] >= self.max_restarts:
+                if self.restarts[i] == self.max_restarts:
+                    self.restarts[i] += 1
+                    out.write(f"checkmate launch: {self.name(i)} exited ({why}) after "
+                              f"{self.max_restarts} restart(s) (--shadow-restarts): left "
+                              f"down (log: {self.log(i)})\n")
+                    out.flush()
+                continue
+            self.restarts[i] += 1
+            last = f"; {_last_line(self.log(i))}" if code > 0 else ""  # its own words
+            self.procs[i] = self._spawn(i)
+            out.write(f"checkmate launch: {self.name(i)} exited ({why}{last}): started "
+                      "it again\n")
+            out.flush()
 
     def _check_alive(self) -> None:
-        for p, proc in self.procs.items():
+        for p, proc in list(self.procs.items()):
             if proc.poll() is not None:
                 raise CheckmateError(f"shadow {p} exited ({proc.returncode}): "
                                      f"{_last_line(self.log(p))} (log: {self.log(p)})")
@@ -265,15 +297,20 @@ class LocalShadows:
         self._stopping.set()
         if self._watcher is not None:
             self._watcher.join(5)
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(list(self.procs.values()))
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM ``procs`` (ours, by PID), SIGKILL what outlives 10 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 PROG_LINE = "checkmate launch: compiling the shadow kernels once (Numba cache)"

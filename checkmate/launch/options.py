@@ -289,6 +289,9 @@ def check(args: argparse.Namespace) -> None:
             raise CheckmateError("--colocate places the shadows this job starts in host mode, "
                                  "for a data-parallel job (not with --shadow, --controller, "
                                  "--mode switch/off/gockpt or --pp/--tp)")
+        if args.rdzv_backend == "static":
+            raise CheckmateError("--colocate places the shadows anew at every rendezvous "
+                                 "round: not with --rdzv-backend static (use c10d)")
     elif args.node is not None or args.domain is not None:
         raise CheckmateError("--node and --domain name the nodes of --colocate: give it")
     if args.shadow_cores is not None and (args.shadow or args.controller

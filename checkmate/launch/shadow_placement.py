@@ -10,14 +10,13 @@ with the node's trainers: the job then resumes from disk; the placement says so 
 ``warning``.
 
 When the membership changes (a node lost, a spare joining), ``replace`` keeps every replica
-whose node is still there and places only the missing ones (each then re-seeded from a
-live sibling), so a change moves as few shadows as it can.
+whose node is still there, in its place (its replica number), and places only the missing
+ones (each then re-seeded from a live sibling), so a change moves as few shadows as it can;
+``reslot`` keeps the ports of every shadow that stays.
 
 ``checkmate launch --colocate NODE=IP,... --node NAME [--domain ...]`` places a job's
-shadows by it at start (:func:`slots`: each shadow's node, address and ports), every node's
-launcher computing the same placement and starting its own share. Not yet: recomputing it
-when the membership changes (a replica lost with its node stays lost; its siblings keep
-the partition protected).
+shadows by it at every rendezvous (checkmate.launch.colocation), every node's launcher
+computing the same placement and starting its own share.
 """
 
 from __future__ import annotations
@@ -104,25 +103,29 @@ def place(nodes: Sequence[str], partitions: int, replicas: int,
 def replace(old: Placement, nodes: Sequence[str], replicas: int,
             domains: Mapping[str, str] | None = None) -> Placement:
     """``old`` after the membership became ``nodes``: surviving replicas stay where they
-    are (a survivor whose domain another survivor of its partition shares is dropped), the
-    missing ones are placed by the rule."""
+    are, each keeping its replica number (a survivor whose domain an earlier survivor of its
+    partition shares is dropped), the missing ones are placed by the rule."""
     dom = _domains(nodes, domains)
     _check(len(old.nodes), replicas, dom)
     order = list(nodes)
     load = dict.fromkeys(order, 0)
-    kept: list[list[str]] = []
+    kept: list[list[str | None]] = []
     for ns in old.nodes:
-        have: list[str] = []
-        for n in ns:
-            if n in dom and dom[n] not in {dom[h] for h in have} and len(have) < replicas:
-                have.append(n)
+        have: list[str | None] = []
+        for n in list(ns)[:replicas]:
+            ok = n in dom and dom[n] not in {dom[h] for h in have if h is not None}
+            have.append(n if ok else None)
+            if ok:
                 load[n] += 1
-        kept.append(have)
+        kept.append(have + [None] * (replicas - len(have)))
     turn = [0]
+    out: list[list[str]] = []
     for have in kept:
-        while len(have) < replicas:
-            have.append(_add(order, dom, load, have, turn))
-    return Placement(kept, dom, _warning(replicas), load)
+        for k, n in enumerate(have):
+            if n is None:
+                have[k] = _add(order, dom, load, [h for h in have if h is not None], turn)
+        out.append([h for h in have if h is not None])
+    return Placement(out, dom, _warning(replicas), load)
 
 
 def _warning(replicas: int) -> str:
@@ -148,3 +151,22 @@ def slots(placement: Placement, ips: Mapping[str, str]) -> list[tuple[str, str, 
         out.append((node, ips[node], config.SHADOW_PORT + UDP_STRIDE * j,
                     config.RESTORE_PORT + j))
     return out
+
+
+def reslot(old: Sequence[tuple[str, str, int, int]], placement: Placement,
+           ips: Mapping[str, str]) -> list[tuple[str, str, int, int]]:
+    """:func:`slots` after ``replace``: a shadow whose node is unchanged keeps its address
+    and ports (it keeps running), a moved one takes the lowest ports its new node has free."""
+    n = len(placement.nodes)
+    out: list[tuple[str, str, int, int] | None] = [None] * len(old)
+    for i, slot in enumerate(old):
+        if placement.nodes[i % n][i // n] == slot[0]:
+            out[i] = slot
+    for i in range(len(old)):
+        if out[i] is None:
+            node = placement.nodes[i % n][i // n]
+            taken = {s[3] - config.RESTORE_PORT for s in out if s is not None and s[0] == node}
+            j = next(j for j in range(len(old) + 1) if j not in taken)
+            out[i] = (node, ips[node], config.SHADOW_PORT + UDP_STRIDE * j,
+                      config.RESTORE_PORT + j)
+    return [s for s in out if s is not None]

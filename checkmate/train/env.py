@@ -9,9 +9,11 @@ a script without the launcher.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from checkmate.config import cluster as config
 from checkmate.errors import CheckmateError
@@ -46,6 +48,11 @@ STALL_TIMEOUT = "CHECKMATE_STALL_TIMEOUT"
 SHADOWS = "CHECKMATE_SHADOWS"
 #: every shadow's UDP address ``IP:PORT`` (default: the TCP address's IP, port 47001).
 SHADOWS_UDP = "CHECKMATE_SHADOWS_UDP"
+#: a JSON file whose ``CHECKMATE_SHADOWS``/``CHECKMATE_SHADOWS_UDP`` replace those
+#: variables: ``checkmate launch --colocate`` places the shadows anew at every rendezvous
+#: and rewrites it before the round's workers start (workers forked from the launcher's
+#: fork server keep the environment of its first round).
+SHADOWS_FILE = "CHECKMATE_SHADOWS_FILE"
 #: seed of the per-(rank, iteration) RNG reseeding (CheckmateSession.begin; default 0).
 SEED = "CHECKMATE_SEED"
 #: rank 0 prints a progress line every N iterations (CheckmateSession.report; 0: never).
@@ -162,9 +169,23 @@ def format_addrs(addrs: list[tuple[str, int]]) -> str:
     return ",".join(f"{h}:{p}" for h, p in addrs)
 
 
+def _round_shadows(env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` with the shadow lists of :data:`SHADOWS_FILE` where it names one."""
+    path = env.get(SHADOWS_FILE)
+    if not path:
+        return env
+    try:
+        got = json.loads(Path(path).read_text())
+        lists = {k: str(got[k]) for k in (SHADOWS, SHADOWS_UDP)}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckmateError(f"{SHADOWS_FILE} {path}: cannot read this round's shadows "
+                             f"({e})") from None
+    return {**env, **lists}
+
+
 def read(env: Mapping[str, str] | None = None) -> EnvJob:
     """Parse the environment; every problem is one CheckmateError naming the variable."""
-    env = os.environ if env is None else env
+    env = _round_shadows(os.environ if env is None else env)
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     if world < 1 or rank >= world:
         raise CheckmateError(f"RANK {rank} is not below WORLD_SIZE {world}")

@@ -171,7 +171,8 @@ def check_replica_holdings(sets: list[list[tuple[str, int]]], spec: Any,
     """:func:`check_holdings` for partitions with several replicas (``sets``: every
     replica set's addresses): each replica's holdings, and per partition what any of its
     replicas holds (resume_point.merge_replicas). Only a partition none of whose replicas
-    answers is waited for; the replicas that answer are checked and settled."""
+    answers is waited for; the replicas that answer holding something are checked and
+    settled."""
     wait = resume_point.RESUME_WAIT if wait is None else wait
     deadline, told = time.monotonic() + wait, False
     while True:
@@ -186,7 +187,9 @@ def check_replica_holdings(sets: list[list[tuple[str, int]]], spec: Any,
             told = True
         time.sleep(0.5)
     resume_point.choose(merged)  # nothing at all: fail first
-    live = [h.addr for hs in per_set for h in hs if not h.error]
+    # a replica that holds nothing (new, placed after a node's loss) has no spec to check
+    # and nothing to settle: it adopts a sibling's state once training runs
+    live = [h.addr for hs in per_set for h in hs if not h.error and (h.memory or h.disk)]
     _same_spec(live, spec)
     settle(live)
     per_set = [resume_point.ask(addrs) for addrs in sets]
