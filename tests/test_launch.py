@@ -113,6 +113,9 @@ def test_launch_restarts_a_killed_trainer_bit_identical(tmp_path):
     (["--nproc-per-node", "2", "--node", "a", "EX"], "name the nodes of --colocate"),
     (["--nproc-per-node", "2", "--colocate", "a=10.0.0.1", "--node", "a", "--mode", "off",
       "EX"], "places the shadows this job starts in host mode"),
+    (["--nproc-per-node", "1", "--nnodes", "2", "--rdzv-backend", "static", "--node-rank",
+      "0", "--rdzv-endpoint", "127.0.0.1:29400", "--colocate", "a=10.0.0.1,b=10.0.0.2",
+      "--node", "a", "EX"], "not with --rdzv-backend static"),
 ])
 def test_bad_command_lines_are_one_line_errors(capsys, argv, needle):
     argv = [str(EXAMPLE) if a == "EX" else a for a in argv]
