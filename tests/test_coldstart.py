@@ -5,7 +5,8 @@ wait that runs out is one line saying the shadow is still compiling.
 
 The fast tests hold a real shadow's warm-up (a real node, its real TCP service and status
 reply) so "compiling" lasts as long as the test needs; the slow one runs a real 2-rank
-``checkmate launch`` with NUMBA_CACHE_DIR pointing at an empty directory.
+``checkmate launch`` with NUMBA_CACHE_DIR pointing at an empty directory, then `checkmate
+doctor`'s kernel check on that cache.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from checkmate.errors import CheckmateError
-from checkmate.launch import local_shadows
+from checkmate.launch import doctor_node, local_shadows
+from checkmate.launch.doctor import PASS, WARN
 from checkmate.protocol.frames import ShadowError
 from checkmate.shadow import node as nodemod
 from checkmate.shadow.node import NodeOptions, ShadowNode
@@ -157,4 +159,21 @@ def test_first_launch_with_an_empty_numba_cache_succeeds(tmp_path):
     assert "done; the shadows hold iteration 3" in p.stdout, p.stdout
     assert out.exists()
     # the shadows really compiled into (and only from) the empty cache
-    assert any(f.suffix == ".nbc" for f in cache.rglob("*")), "nothing was compiled"
+    compiled = sorted(f for f in cache.rglob("*") if f.suffix == ".nbc")
+    assert compiled, "nothing was compiled"
+    # `checkmate doctor` on the same cache (one run, not a second cold compile): every
+    # kernel loads from it; with one kernel's entries gone it compiles that one, warns, and
+    # the next look finds it kept
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+    warm = doctor_node.check_kernels(env)
+    assert warm.status == PASS and "loaded from Numba's cache" in warm.detail, warm
+    stem = compiled[0].name.rsplit(".", 2)[0]  # kernels._adam_chunk-196.py311(.4.nbc)
+    gone = [compiled[0].with_name(stem + ".nbi"), *compiled[0].parent.glob(stem + ".*.nbc")]
+    assert gone[0].is_file(), sorted(f.name for f in compiled[0].parent.iterdir())
+    for f in gone:
+        f.unlink()
+    first = doctor_node.check_kernels(env)
+    assert first.status == WARN and "were not in Numba's cache: compiled now" in \
+        first.detail, first
+    again = doctor_node.check_kernels(env)
+    assert again.status == PASS and str(cache) in again.detail, again

@@ -199,15 +199,6 @@ def test_secret_pass_wrong_mode_missing_and_unset(tmp_path, monkeypatch):
     assert node.check_secret().status == WARN
 
 
-@pytest.mark.slow
-def test_kernels_cold_cache_warns_then_passes(tmp_path):
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
-    first = node.check_kernels(env)
-    assert first.status == WARN and "were not in Numba's cache: compiled now" in first.detail
-    again = node.check_kernels(env)
-    assert again.status == PASS and str(tmp_path / "numba") in again.detail, again
-
-
 def test_kernels_that_do_not_build_fail():
     """Without Numba's compiler the shadow's kernels cannot be built: FAIL, not a pass."""
     c = node.check_kernels({**os.environ, "NUMBA_DISABLE_JIT": "1"})

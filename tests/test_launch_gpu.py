@@ -38,7 +38,7 @@ def _launch_env(monkeypatch: pytest.MonkeyPatch, gpus: int, argv: list[str]) -> 
     that has ``gpus`` CUDA devices; returns what the agent would have been given."""
     seen: dict = {}
 
-    def agent(args: object, logdir: Path) -> None:
+    def agent(args: object, logdir: Path, colo: object = None) -> None:
         seen["nproc"] = args.nproc_per_node
         seen["env"] = dict(os.environ)
 
