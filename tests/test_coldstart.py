@@ -162,15 +162,13 @@ def test_first_launch_with_an_empty_numba_cache_succeeds(tmp_path):
     compiled = sorted(f for f in cache.rglob("*") if f.suffix == ".nbc")
     assert compiled, "nothing was compiled"
     # `checkmate doctor` on the same cache (one run, not a second cold compile): every
-    # kernel loads from it; with one kernel's entries gone it compiles that one, warns, and
+    # kernel loads from it; with one module's kernels gone it compiles those, warns, and
     # the next look finds it kept
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
     warm = doctor_node.check_kernels(env)
     assert warm.status == PASS and "loaded from Numba's cache" in warm.detail, warm
-    stem = compiled[0].name.rsplit(".", 2)[0]  # kernels._adam_chunk-196.py311(.4.nbc)
-    gone = [compiled[0].with_name(stem + ".nbi"), *compiled[0].parent.glob(stem + ".*.nbc")]
-    assert gone[0].is_file(), sorted(f.name for f in compiled[0].parent.iterdir())
-    for f in gone:
+    (small,) = [d for d in cache.iterdir() if d.name.startswith("protocol_")]
+    for f in small.iterdir():  # the datagram tag's kernels: a few seconds to compile again
         f.unlink()
     first = doctor_node.check_kernels(env)
     assert first.status == WARN and "were not in Numba's cache: compiled now" in \
