@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 from typing import Any
 
 import torch
@@ -80,6 +81,8 @@ def main() -> None:
                     help="own: CheckmateSession; ddp: DistributedDataParallel + DDPSession; "
                          "fsdp: fully_shard + FSDPSession")
     ap.add_argument("--out", help="rank 0 saves the final (whole) state here (torch.save)")
+    ap.add_argument("--sleep", type=float, default=0.0,
+                    help="seconds per iteration (a test's time to kill something mid-run)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every rank builds the same initial model
@@ -119,6 +122,7 @@ def main() -> None:
         loss.backward()
         sess.step(extra={"data": it})
         sess.report(loss)
+        time.sleep(args.sleep)
     sess.finish()
     if args.out:  # FSDP2: gathering whole tensors is a collective, every rank takes part
         def full(v: object) -> object:

@@ -12,7 +12,9 @@ and is current, and checked against the trainers, at the end.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,29 @@ def test_both_replicas_and_a_trainer_lost_resume_from_their_checkpoints(tmp_path
     got = torch.load(tmp_path / "got.pt")
     assert same_state(reference["model"], got["model"]), "model"
     assert same_state(reference["optimizer"], got["optimizer"]), "optimizer"
+
+
+@pytest.mark.slow
+def test_a_tied_model_under_ddp_keeps_both_replicas_bit_identical(tmp_path):
+    """Shared parameters with replicas: examples/train_lm.py (its output layer is its input
+    embedding, one parameter under two names) through DDP on 2 ranks, two replicas of each
+    of 2 partitions. Replica 1 of partition 0 is killed at iteration 4 and started again
+    empty: it takes its sibling's state; rank 1 dies after 14: the restart reads the
+    replicas. The end equals a run without shadows or failure, every replica checked."""
+    lm = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+    steps = 24
+    args = [str(lm), "--path", "ddp", "--steps", str(steps), "--sleep", "0.15"]
+    ref = subprocess.run([*replica_cases.LAUNCH, "--mode", "off", "--progress-every", "0",
+                          *args, "--out", str(tmp_path / "ref.pt")], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "NUMBA_NUM_THREADS": "1"})
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
+    out = _run_killing(tmp_path, ["--max-restarts", "1", *args, "--out",
+                                  str(tmp_path / "got.pt")], 4, [102], "1:14")
+    assert "re-seeding the shadow of partition 0 replica 1 from its sibling replica 0 (the " \
+           "trainers send nothing)" in out, out[-5000:]
+    assert "resumed from the shadows at iteration" in out, out[-5000:]
+    assert f"the shadows hold iteration {steps} " in out and "(checked)" in out, out[-2000:]
+    want, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "got.pt")
+    assert same_state(want["model"], got["model"]), "model"
+    assert same_state(want["optimizer"], got["optimizer"]), "optimizer"
+    assert "lm_head.weight" in got["model"]  # the tied name is saved and compared too
