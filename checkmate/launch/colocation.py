@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,8 @@ class Colocation:
     """What one launcher knows of the job's co-located shadows across rounds."""
 
     def __init__(self, node: str, ips: Mapping[str, str], domains: Mapping[str, str] | None,
-                 partitions: int, replicas: int, make: Any, file: Path) -> None:
+                 partitions: int, replicas: int,
+                 make: Callable[[list, list[int]], LocalShadows] | None, file: Path) -> None:
         #: this node's name, the address book (--colocate, in order) and --domain
         self.node, self.ips, self.domains = node, dict(ips), dict(domains or {})
         self.partitions, self.replicas = partitions, replicas
@@ -133,6 +134,8 @@ class Colocation:
         mine = [i for i, s in enumerate(self.slots) if s[0] == self.node]
         addrs = [s[1:] for s in self.slots]
         if self.local is None:
+            if self.make is None:
+                raise CheckmateError("co-located shadows: nothing to start them with")
             self.local = self.make(addrs, mine)
             ip = self.ips.get(self.node, "")
             print(f"{PROG}: starting {len(mine)} of them on {self.node} ({ip})" if mine

@@ -353,13 +353,10 @@ def launch(argv: list[str]) -> int:
     colo = None  # --colocate: the shadows, placed on the job's nodes at every rendezvous
     if args.colocate is not None:
         from checkmate.launch import shadow_placement
-        from checkmate.launch.colocation import Colocation
 
         ips, domains = colocated(args)
         # all of them could not hold the replicas: one line now, before any rendezvous
         shadow_placement.place(list(ips), count // args.replicas, args.replicas, domains)
-        colo = Colocation(args.node, ips, domains, count // args.replicas, args.replicas,
-                          None, Path())
     running = bool(args.shadow or args.controller)
     # Without --dir the logs go to a temporary directory, kept only if the job fails.
     own_logdir = args.dir is None
@@ -382,7 +379,7 @@ def launch(argv: list[str]) -> int:
     old_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         if count:  # shadows on several nodes share one secret: the one the user gives
-            made_secret = _job_secret(running or colo is not None, logdir)
+            made_secret = _job_secret(running or args.colocate is not None, logdir)
         if args.controller and count:
             job_id = args.job_id or 1
             tcp, udp = shadows_from_controller(args, job_id, groups=groups)
@@ -394,7 +391,9 @@ def launch(argv: list[str]) -> int:
             job_id = args.job_id or check_shadows(tcp, groups) or 1
             print(f"{PROG}: {count} running shadow(s): "
                   f"{', '.join(f'{h}:{p}' for h, p in tcp)}", flush=True)
-        elif colo is not None:  # started in the rendezvous (checkmate.launch.colocation)
+        elif args.colocate is not None:  # started in each rendezvous round
+            from checkmate.launch.colocation import Colocation
+
             def make(addrs: list, mine: list[int]) -> LocalShadows:
                 shadows = LocalShadows(net, count, logdir, args.dir / "checkpoints"
                                        if args.persist_every else None, args.persist_every,
@@ -402,7 +401,8 @@ def launch(argv: list[str]) -> int:
                 shadows.supervise(args.shadow_restarts)
                 return shadows
 
-            colo.make, colo.file = make, Path(logdir).resolve() / "shadows.json"
+            colo = Colocation(args.node, ips, domains, count // args.replicas, args.replicas,
+                              make, Path(logdir) / "shadows.json")
             tcp, job_id = [], args.job_id or 1
         elif count:
             local = LocalShadows(net, count, logdir,
