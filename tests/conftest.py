@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from checkmate.config import cluster as cfgmod
+from checkmate.launch.local_shadows import stop_processes
 from checkmate.protocol import auth
 
 _SECRET_DIR: str | None = None
@@ -104,14 +105,7 @@ def _serve_shadows(tmp_path: Path, ips: list[str], *extra: str,
                     time.sleep(0.2)
         yield ips
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs)
 
 
 @pytest.fixture

@@ -215,7 +215,7 @@ class LocalShadows:
         gone = [i for i in self.mine if i not in mine or self.addrs[i] != tuple(addrs[i])]
         with self._lock:
             procs = [self.procs.pop(i) for i in gone if i in self.procs]
-        _stop(procs)
+        stop_processes(procs)
         new = [i for i in mine if i not in self.mine or i in gone]
         self.addrs = [tuple(a) for a in addrs]  # type: ignore[misc]
         self.mine = mine
@@ -297,11 +297,12 @@ class LocalShadows:
         self._stopping.set()
         if self._watcher is not None:
             self._watcher.join(5)
-        _stop(list(self.procs.values()))
+        stop_processes(list(self.procs.values()))
 
 
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM ``procs`` (ours, by PID), SIGKILL what outlives 10 s."""
+def stop_processes(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM ``procs`` (the caller's own, by PID; those already ended are left), SIGKILL
+    what outlives 10 s."""
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()

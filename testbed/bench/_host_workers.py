@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 from checkmate.config import cluster as cfgmod
 from checkmate.errors import CheckmateError
+from checkmate.launch.local_shadows import stop_processes
 from checkmate.protocol import auth
 from checkmate.testbed import lifeline
 
@@ -108,8 +109,8 @@ def run(module: str, net: str, work: Path, world: int, worker_args: list[str],
                 err = b"timed out"
             errs.append(err.decode(errors="replace").strip().splitlines()[-3:])
     finally:
-        stop(procs)
-        stop(shadows)
+        stop_processes(procs)
+        stop_processes(shadows)
     if any(p.returncode for p in procs) or not out.exists():
         codes = [p.returncode for p in procs]
         raise CheckmateError(f"benchmark workers failed (exit {codes}): {errs}")
@@ -145,16 +146,3 @@ def start_shadows(net: str, work: Path, replicas: int = 1, cores: str | None = N
                     raise CheckmateError(f"shadow {p} did not start in 120 s") from None
                 time.sleep(0.2)
     return procs, ips
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """End processes this bench started (by their Popen), SIGKILL after 10 s."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
