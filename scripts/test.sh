@@ -13,10 +13,8 @@ if [ -n "$p4bin" ]; then export PATH="$p4bin:$PATH"; fi
 # deadlines are a loaded machine's to miss. Status: the first failure's.
 workers=$(( $(nproc) >= 2 ? 2 : 1 ))
 status=0
-# --no-loadscope-reorder: files go out in collection order, the longest first
-# (tests/conftest.py LONG_FILES), not by how many tests each has.
-.venv/bin/python -m pytest -q --durations=30 -n "$workers" --dist loadfile \
-    --no-loadscope-reorder -m "not serial" "$@" || status=$?
+.venv/bin/python -m pytest -q --durations=30 -n "$workers" --dist loadfile -m "not serial" "$@" \
+    || status=$?
 rc=0
 .venv/bin/python -m pytest -q --durations=15 -m serial -p no:xdist "$@" || rc=$?
 # 5: no test selected (arguments that name no file of that part); both 5: nothing ran

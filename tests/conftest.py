@@ -52,21 +52,10 @@ def pytest_configure(config: pytest.Config) -> None:
 SERIAL_FILES = ("test_e2e_host.py", "test_e2e_switch.py", "test_mesh_switch.py")
 
 
-#: The files that take longest (each over a minute in a clean-clone run), longest first:
-#: pytest-xdist hands files to its two workers in collection order, so a long file
-#: collected last (test_verbs.py, alphabetically late, boots a guest for 90 s) leaves one
-#: worker idle while the other finishes it. Started first, they overlap the short ones.
-LONG_FILES = ("test_restart_exact.py", "test_gockpt.py", "test_verbs.py", "test_mesh.py",
-              "test_launch_multinode.py", "test_replicas.py", "test_control_p4runtime.py",
-              "test_p4_mininet.py", "test_fsdp2.py", "test_packaging.py")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
-    first = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: in-file order
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
