@@ -191,14 +191,16 @@ def status(args: argparse.Namespace) -> int:
         drv.close()
     regs = _store(args, cfg).for_config(cfg)
     st["sessions"] = {h.name: {"partition": h.partition, "epoch": r.epoch, "ip": r.ip,
-                               "port": r.port}
+                               "port": r.port, **({"node": r.node} if r.node else {})}
                       for h in cfg.shadow_hosts if (r := regs.get(h.name)) is not None}
     st["handshake"] = _service_counters(cfg, args.secret_file)
     if args.json:
         print(json.dumps(st, indent=1, sort_keys=True))
         return 0
     _print_status(st)
-    print("sessions: " + (", ".join(f"partition {d['partition']}: {name} epoch {d['epoch']}"
+    print("sessions: " + (", ".join(f"partition {d['partition']}: {name}"
+                                     + (f" on {d['node']}" if "node" in d else "")
+                                     + f" epoch {d['epoch']}"
                                      for name, d in st["sessions"].items()) or "none"))
     hs = st["handshake"]
     print("handshake service: " + (", ".join(f"{k} {v}" for k, v in

@@ -35,6 +35,9 @@ class Registration:
     #: The registering shadow process's id (register's ``instance``): a repeated request
     #: of the same instance gets this registration again, not a new epoch ("" before).
     instance: str = ""
+    #: The config host (a trainer node) whose switch port leads to the shadow: where the
+    #: launcher's attempt placed a co-located shadow ("" = the shadow's own host).
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class Replication:
     dst_ip: str
     partition: int
     shadow: str
+    #: The host whose switch port leads to the shadow: the node a co-located shadow was
+    #: placed on, else the shadow's own host (the kernel switch copies out of its port).
+    shadow_node: str
     shadow_ip: str
     shadow_mac: str
     shadow_port: int
@@ -151,14 +157,18 @@ class Plan:
 
 def switch_port(cfg: ClusterConfig, host: Host) -> int:
     """Physical switch port of a host on P4 targets: ``switch_port`` from the config, else
-    (bmv2 and kernel only) 1 + the host's index in the config, the order mininet_bmv2
-    attaches the links. A Tofino has pipe-encoded dev ports: no default (devports)."""
+    (bmv2 and kernel only) 1 + the host's index among the hosts that own a port
+    (``port_hosts``: co-located shadows have none), the order mininet_bmv2 attaches the
+    links. A Tofino has pipe-encoded dev ports: no default (devports)."""
+    if host.colocated:
+        raise CheckmateError(f"{host.name} is a co-located shadow: it has no switch port of "
+                             "its own (its node's leads to it)")
     if host.switch_port is not None:
         return host.switch_port
     if cfg.switch.target == "tofino":
         raise CheckmateError(f"host {host.name} has no switch_port: a Tofino switch needs "
                              "each host's dev port (control/devports.py)")
-    return 1 + cfg.hosts.index(host)
+    return 1 + cfg.port_hosts.index(host)
 
 
 def group_id(dst_rank: int, partition: int) -> int:
@@ -182,14 +192,35 @@ def rid_for(cfg: ClusterConfig, partition: int, replica: int) -> int:
 
 
 def _shadow_session(cfg: ClusterConfig, h: Host,
-                    regs: Mapping[str, Registration]) -> Registration:
+                    regs: Mapping[str, Registration]) -> Registration | None:
     """The session copies for shadow ``h`` are stamped with: its registration if any, else
-    its configured address with epoch 0 (which no shadow accepts)."""
+    its configured address with epoch 0 (which no shadow accepts); None for a co-located
+    shadow no attempt has placed yet (there is nowhere to copy to)."""
     reg = regs.get(h.name)
-    if reg is not None:
+    if reg is not None or h.colocated:
         return reg
     assert h.partition is not None
     return Registration(h.partition, h.name, h.ip, h.mac, h.port, 0, 0)
+
+
+def _check_registration(cfg: ClusterConfig, name: str, reg: Registration) -> None:
+    """A registration must be of a shadow of its partition, and a co-located shadow's must
+    name the trainer node it was placed on (a shadow host's own names none)."""
+    h = cfg.host(name)
+    if h.role != "shadow" or reg.host != name or h.partition != reg.partition:
+        raise CheckmateError(f"registration of {name} for partition {reg.partition}: "
+                             f"{name} is a {h.role}" + (
+                                 f" of partition {h.partition}" if h.role == "shadow"
+                                 else ""))
+    if not h.colocated:
+        if reg.node:
+            raise CheckmateError(f"registration of {name} names node {reg.node}: {name} is "
+                                 "a shadow host of its own, not a co-located one")
+        return
+    node = cfg.host(reg.node) if reg.node else None
+    if node is None or node.role != "trainer":
+        raise CheckmateError(f"registration of co-located shadow {name} must name the "
+                             f"trainer node it runs on, not {reg.node!r}")
 
 
 def host_commands(cfg: ClusterConfig) -> tuple[str, ...]:
@@ -198,7 +229,7 @@ def host_commands(cfg: ClusterConfig) -> tuple[str, ...]:
     prio, dscp = pfc.CKM_PRIORITY, pfc.CKM_DSCP
     pfc_vec = ",".join("1" if i == prio else "0" for i in range(8))
     out = []
-    for h in cfg.hosts:
+    for h in cfg.port_hosts:
         ifn = cfg.host_ifname(h.name)
         out.append(f"{h.name}: dcb pfc set dev {ifn} prio-pfc all:off {prio}:on")
         out.append(f"{h.name}: dcb app add dev {ifn} dscp-prio {dscp}:{prio}")
@@ -251,30 +282,32 @@ def build(cfg: ClusterConfig, registrations: Mapping[str, Registration] | None =
     job's mesh, not the config's. Group g replicates to config partitions g*n..g*n+n-1 under
     its own wire job id (checkmate.protocol.wire.group_job_id), its datagrams' partition
     field the partition within the group. A partition with several shadows (replicas)
-    gets one copy per shadow: a multicast member and a rewrite each."""
+    gets one copy per shadow: a multicast member and a rewrite each. A co-located shadow's
+    copy leaves through the port of the node its registration names (the destination's own
+    port may so be a group's member twice, with different rids); one that no attempt has
+    placed yet gets nothing."""
     from checkmate.protocol.wire import group_job_id
 
     regs = dict(registrations or {})
     for name, reg in regs.items():
-        h = cfg.host(name)
-        if h.role != "shadow" or reg.host != name or h.partition != reg.partition:
-            raise CheckmateError(f"registration of {name} for partition {reg.partition}: "
-                                 f"{name} is a {h.role}" + (
-                                     f" of partition {h.partition}" if h.role == "shadow"
-                                     else ""))
+        _check_registration(cfg, name, reg)
     if rings is not None and len(rings) != cfg.groups:
         raise CheckmateError(f"the config's job has {cfg.groups} data-parallel group(s) "
                              f"(job.groups), the attempt names {len(rings)} ring(s)")
+    hosts = cfg.port_hosts
+    port = {h.name: switch_port(cfg, h) for h in hosts}
     repl: list[Replication] = []
     groups: list[McastGroup] = []
     rewrites: list[ShadowRewrite] = []
-    # Each partition's shadows in replica order with their session and rid, once: the hop
-    # loop below reads them for every hop.
-    replicas: list[list[tuple[Host, Registration, int]]] = [
-        [(h, _shadow_session(cfg, h, regs), rid_for(cfg, p, k))
-         for k, h in enumerate(cfg.shadows_for(p))] for p in range(cfg.num_partitions)]
+    # Each partition's shadows in replica order with their replica number, session and
+    # rid, once: the hop loop below reads them for every hop. An unplaced co-located shadow
+    # is left out, its replica number and rid kept by the others.
+    replicas: list[list[tuple[int, Host, Registration, int]]] = [
+        [(k, h, reg, rid_for(cfg, p, k)) for k, h in enumerate(cfg.shadows_for(p))
+         if (reg := _shadow_session(cfg, h, regs)) is not None]
+        for p in range(cfg.num_partitions)]
     for p, shadows in enumerate(replicas):
-        for host, reg, rid in shadows:
+        for _, host, reg, rid in shadows:
             rewrites.append(ShadowRewrite(
                 rid=rid, partition=p, shadow=host.name, smac=cfg.switch.mac, dmac=reg.mac,
                 ip=reg.ip, udp_port=reg.port, epoch=reg.epoch, token=reg.token,
@@ -285,35 +318,37 @@ def build(cfg: ClusterConfig, registrations: Mapping[str, Registration] | None =
             break  # a mesh job's groups are known from its attempt only
         job = group_job_id(cfg.job_id, g, cfg.groups)
         for dst_rank, src, dst in ring_hops(cfg, None if rings is None else rings[g]):
-            src_port = switch_port(cfg, src)  # the source's port is named first
+            src_port = port[src.name]  # the source's port is named first
             for p in range(g * n, (g + 1) * n):
+                if not replicas[p]:
+                    continue  # no shadow placed: nothing to copy to
                 gid = group_id(dst_rank, p)
-                members = [(switch_port(cfg, dst), 0)]
-                for k, (host, reg, rid) in enumerate(replicas[p]):
+                members = [(port[dst.name], 0)]
+                for k, host, reg, rid in replicas[p]:
+                    node = reg.node or host.name
                     repl.append(Replication(
                         job_id=job, src=src.name, src_ip=src.ip,
                         ingress_port=src_port, ingress_ifname=cfg.switch_ifname(src.name),
-                        dst=dst.name,
-                        dst_ip=dst.ip, partition=p % n, shadow=host.name, shadow_ip=reg.ip,
-                        shadow_mac=reg.mac, shadow_port=reg.port, epoch=reg.epoch,
-                        token=reg.token, group_id=gid, replica=k,
+                        dst=dst.name, dst_ip=dst.ip, partition=p % n, shadow=host.name,
+                        shadow_node=node, shadow_ip=reg.ip, shadow_mac=reg.mac,
+                        shadow_port=reg.port, epoch=reg.epoch, token=reg.token,
+                        group_id=gid, replica=k,
                     ))
-                    members.append((switch_port(cfg, host), rid))
+                    members.append((port[node], rid))
                 groups.append(McastGroup(gid, tuple(members)))
-    host_ports = sorted(switch_port(cfg, h) for h in cfg.hosts)
     groups.append(McastGroup(
-        FLOOD_GROUP, tuple((port, 0) for port in [*host_ports, cfg.switch.cpu_port])
+        FLOOD_GROUP, tuple((p, 0) for p in [*sorted(port.values()), cfg.switch.cpu_port])
     ))
-    l2 = [L2Entry(h.mac, h.name, switch_port(cfg, h)) for h in cfg.hosts]
+    l2 = [L2Entry(h.mac, h.name, port[h.name]) for h in hosts]
     l2.append(L2Entry(cfg.switch.mac, cfg.switch.name, cfg.switch.cpu_port))
     settings = pfc.pfc_settings(cfg.switch.speed_gbps, cfg.switch.cable_m, cfg.network.mtu)
     ports = tuple(
         PortPlan(
             host=h.name, role=h.role, ifname=cfg.switch_ifname(h.name),
-            port=switch_port(cfg, h), speed_gbps=cfg.switch.speed_gbps,
+            port=port[h.name], speed_gbps=cfg.switch.speed_gbps,
             fec=fec_for(h.role, cfg.switch.speed_gbps), mtu=cfg.network.mtu, pfc=settings,
         )
-        for h in cfg.hosts
+        for h in hosts
     )
     _check_ports(cfg, ports)
     return Plan(
@@ -323,8 +358,7 @@ def build(cfg: ClusterConfig, registrations: Mapping[str, Registration] | None =
         punt=Punt(cfg.switch.ip, CONTROLLER_PORT, cfg.switch.cpu_port),
         host_commands=host_commands(cfg),
         bindings=tuple(
-            [SourceBinding(switch_port(cfg, h), h.name, h.mac.lower(), h.ip)
-             for h in cfg.hosts]
+            [SourceBinding(port[h.name], h.name, h.mac.lower(), h.ip) for h in hosts]
             + [SourceBinding(cfg.switch.cpu_port, cfg.switch.name, cfg.switch.mac.lower(),
                              cfg.switch.ip)]),
     )
@@ -361,7 +395,9 @@ def describe(plan: Plan) -> str:
         lines.append(
             f"  job {r.job_id} {r.src}({r.src_ip}) -> {r.dst}({r.dst_ip}) part {r.partition}"
             + (f" replica {r.replica}" if r.replica else "")
-            + f" => {r.shadow} {r.shadow_ip}:{r.shadow_port} epoch {r.epoch} group "
+            + f" => {r.shadow}"
+            + (f" on {r.shadow_node}" if r.shadow_node != r.shadow else "")
+            + f" {r.shadow_ip}:{r.shadow_port} epoch {r.epoch} group "
             f"{r.group_id} (only from port {r.ingress_port} / {r.ingress_ifname})"
         )
     lines.append(f"multicast groups ({len(plan.groups)}):")

@@ -9,7 +9,10 @@ session (larger epoch, fresh token) -- unless it repeats the current registratio
 so the partition's copies go to the registering shadow stamped with that session
 (through the same plan/driver path as `control deploy`, so only changed entries are
 written), stores it, and answers ``registered``. ``session`` answers the current
-registrations. ``counters`` answers what the service counted (requests by op, refusals,
+registrations. ``attempt`` (a launcher's rendezvous) programs the ring hops of its ranks
+under one new epoch; a config whose shadows are co-located (on the trainer nodes) has
+them placed by it, at the addresses the launcher started them on, instead of registered.
+``counters`` answers what the service counted (requests by op, refusals,
 drops), which `control status` shows. Bad requests get a NACK with a reason; datagrams that
 are not handshake requests are dropped and counted.
 """
@@ -24,7 +27,7 @@ from collections import Counter
 from checkmate.config.cluster import CONTROLLER_PORT, ClusterConfig
 from checkmate.control import plan as plan_mod
 from checkmate.control.drivers.base import Driver
-from checkmate.control.sessions import SessionStore
+from checkmate.control.sessions import SessionStore, parse_placement
 from checkmate.errors import CheckmateError
 from checkmate.protocol import auth, handshake, wire
 from checkmate.ratelog import RateLimitedLog
@@ -124,8 +127,12 @@ class HandshakeService:
         iteration. ``rings``: per data-parallel group (``job.groups`` of them), every rank's
         ring IP in ring order; ``ranks``: the one ring of a group-less job. A hop between
         two ranks of one host crosses no switch and gets no entry; entries of hosts that
-        left (a lost node) are withdrawn by the plan's diff. A repeat of the current attempt
-        (a retry whose reply was lost) gets its sessions again."""
+        left (a lost node) are withdrawn by the plan's diff. ``shadows`` (a co-located
+        config's, required there and refused elsewhere): per partition, every replica's
+        "IP:PORT" where the launcher started it, on a trainer node; each gets a session at
+        that address under the attempt's epoch, copied to out of its node's port. A repeat
+        of the current attempt (a retry whose reply was lost: same id, rings and shadows)
+        gets its sessions again."""
         attempt = body.get("attempt")
         rings = body.get("rings", [body["ranks"]] if "ranks" in body else None)
         if not isinstance(attempt, str) or not 0 < len(attempt) <= 128:
@@ -138,13 +145,27 @@ class HandshakeService:
         if len(rings) != self.cfg.groups:
             raise CheckmateError(f"the attempt names {len(rings)} data-parallel group(s), the "
                                  f"controller's config {self.cfg.groups} (job.groups)")
-        if attempt == self.store.attempt and rings == self.store.rings:
+        placed, placement = None, None
+        if not self.cfg.colocated:
+            if "shadows" in body:
+                raise CheckmateError("bad shadows: this config's shadows are hosts of their "
+                                     "own (they register); an attempt places only co-located "
+                                     "ones")
+        elif "shadows" not in body:
+            raise CheckmateError("this config's shadows are co-located: the attempt must say "
+                                 'where the launcher placed each ("shadows")')
+        else:
+            placed = parse_placement(self.cfg, body["shadows"])
+            placement = [[f"{node.ip}:{port}" for node, port in reps] for reps in placed]
+        if attempt == self.store.attempt and rings == self.store.rings \
+                and placement == self.store.placement:
             regs = self.store.for_config(self.cfg)
             self.stats["attempt_repeated"] += 1
         else:
             for ring in rings:  # a bad mapping: refused before any write
                 plan_mod.ring_hops(self.cfg, ring)
-            regs = self.store.attempt_sessions(self.cfg)
+            regs = (self.store.attempt_sessions(self.cfg) if placed is None
+                    else self.store.placed_sessions(self.cfg, placed))
             old_rings = self.store.rings
             self.store.rings = rings
             try:
@@ -152,12 +173,14 @@ class HandshakeService:
             except CheckmateError:
                 self.store.rings = old_rings
                 raise
-            self.store.commit_attempt(attempt, rings, regs)
+            self.store.commit_attempt(attempt, rings, regs, placement)
             hosts = sorted({ip for r in rings for ip in r})
             per = f" in {len(rings)} groups" if len(rings) > 1 else ""
+            on = sorted({r.node for r in regs.values() if r.node})
             self._log(f"attempt {attempt}: {sum(map(len, rings))} rank(s){per} on "
                       f"{len(hosts)} host(s) {', '.join(hosts)}, epoch "
-                      f"{next(iter(regs.values())).epoch}")
+                      f"{next(iter(regs.values())).epoch}"
+                      + (f", shadows placed on {', '.join(on)}" if on else ""))
         return {"op": "attempt", "job": self.cfg.job_id, "attempt": attempt,
                 **self._by_partition(regs, with_host=False)}
 
@@ -172,7 +195,8 @@ class HandshakeService:
                       with_host: bool = True) -> dict:
         """``partitions``: per partition, its first registered shadow's session (replica
         order); ``replicas``: per partition, every registered shadow's, with its replica
-        number (a partition of one shadow lists that one)."""
+        number (a partition of one shadow lists that one) and, for a co-located shadow, the
+        node it was placed on."""
         out: dict[str, dict] = {"partitions": {}, "replicas": {}}
         for h in self.cfg.shadow_hosts:
             r = regs.get(h.name)
@@ -182,7 +206,8 @@ class HandshakeService:
                  **({"host": r.host} if with_host else {})}
             out["partitions"].setdefault(str(h.partition), d)
             out["replicas"].setdefault(str(h.partition), []).append(
-                {**d, "host": r.host, "replica": self.cfg.replica_index(h)})
+                {**d, "host": r.host, "replica": self.cfg.replica_index(h),
+                 **({"node": r.node} if r.node else {})})
         return out
 
     # -- loop ----------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 The handshake service writes it on every registration and `control deploy` reads it, so a
 redeploy keeps the shadows' current sessions instead of resetting them to the config's
 address with epoch 0. Epochs only grow: the largest one ever handed out is stored too, so a
-restarted service continues above it.
+restarted service continues above it. Co-located shadows (config ``colocated: true``) do
+not register: each attempt of the job's launcher says where it placed them
+(``parse_placement``), and ``placed_sessions`` mints their sessions at those nodes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import secrets
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from checkmate.config.cluster import ClusterConfig
+from checkmate.config.cluster import ClusterConfig, Host
 from checkmate.control.plan import Registration
 from checkmate.errors import CheckmateError
 
@@ -47,6 +49,9 @@ class SessionStore:
         #: it instead of the config's ranks.
         self.attempt = ""
         self.rings: list[list[str]] | None = None
+        #: Where the current attempt placed co-located shadows: per partition, every
+        #: replica's "IP:PORT" (None for a config of shadow hosts); a repeat must match it.
+        self.placement: list[list[str]] | None = None
         self._load()
 
     def _load(self) -> None:
@@ -61,6 +66,8 @@ class SessionStore:
             self.attempt = str(data.get("attempt", ""))
             rings = data.get("rings")
             self.rings = None if rings is None else [[str(ip) for ip in r] for r in rings]
+            placed = data.get("placement")  # absent in state files of older controllers
+            self.placement = None if placed is None else [[str(a) for a in r] for r in placed]
             for r in data.get("registrations", []):
                 reg = Registration(**r)
                 self.registrations[reg.host] = reg
@@ -72,7 +79,7 @@ class SessionStore:
         tmp = self.path.with_suffix(".tmp")
         text = json.dumps({
             "max_epoch": self.max_epoch,
-            "attempt": self.attempt, "rings": self.rings,
+            "attempt": self.attempt, "rings": self.rings, "placement": self.placement,
             "registrations": [asdict(r) for _, r in sorted(self.registrations.items())],
         }, indent=1)
         # Every epoch and token is in it: readable by the controller's user only (0600),
@@ -88,14 +95,17 @@ class SessionStore:
 
     def for_config(self, cfg: ClusterConfig) -> dict[str, Registration]:
         """Registrations (by shadow host) that still fit the config: the host is still a
-        shadow of that partition (a changed config drops the others)."""
+        shadow of that partition, placed on a trainer node of the config if it is
+        co-located, registered for itself if not (a changed config drops the others)."""
+        trainers = {h.name for h in cfg.trainers}
         out = {}
         for name, r in self.registrations.items():
             try:
                 h = cfg.host(name)
             except CheckmateError:
                 continue
-            if h.role == "shadow" and h.partition == r.partition:
+            placed = r.node in trainers if h.colocated else not r.node
+            if h.role == "shadow" and h.partition == r.partition and placed:
                 out[name] = r
         return out
 
@@ -113,6 +123,9 @@ class SessionStore:
         mine = cfg.shadows_for(p) if isinstance(p, int) and not isinstance(p, bool) else []
         if not mine:
             raise CheckmateError(f"unknown partition {p!r}")
+        if cfg.colocated:
+            raise CheckmateError(f"partition {p}'s shadows are co-located: the launcher's "
+                                 "attempt places them; they do not register")
         h = next((s for s in mine if s.name == body.get("host")), None)
         if h is None:
             raise CheckmateError(f"partition {p} belongs to {', '.join(s.name for s in mine)}"
@@ -165,9 +178,27 @@ class SessionStore:
         return {name: replace(r, epoch=epoch, token=secrets.randbits(32) or 1)
                 for name, r in regs.items()}
 
+    def placed_sessions(self, cfg: ClusterConfig,
+                        placed: list[list[tuple[Host, int]]]) -> dict[str, Registration]:
+        """A session for every co-located shadow at the node and UDP port the launcher
+        placed it on (``parse_placement``'s answer), all under one new epoch (above every
+        epoch handed out), fresh tokens: a new attempt's copies go there stamped with it.
+        Not stored until ``commit_attempt``."""
+        epoch = self.max_epoch + 1
+        if epoch >= 2**32:
+            raise CheckmateError("epoch space exhausted")
+        out = {}
+        for p, reps in enumerate(placed):
+            for h, (node, port) in zip(cfg.shadows_for(p), reps, strict=True):
+                out[h.name] = Registration(p, h.name, node.ip, node.mac, port, epoch,
+                                           secrets.randbits(32) or 1, "", node.name)
+        return out
+
     def commit_attempt(self, attempt: str, rings: list[list[str]],
-                       regs: dict[str, Registration]) -> None:
+                       regs: dict[str, Registration],
+                       placement: list[list[str]] | None = None) -> None:
         self.attempt, self.rings = attempt, [list(r) for r in rings]
+        self.placement = placement
         for reg in regs.values():
             self.registrations[reg.host] = reg
             if reg.instance:  # a late retry of the shadow's register gets this session
@@ -188,3 +219,52 @@ class SessionStore:
                 del self.by_instance[k]
         self.max_epoch = max(self.max_epoch, reg.epoch)
         self.save()
+
+
+def parse_placement(cfg: ClusterConfig, shadows: object) -> list[list[tuple[Host, int]]]:
+    """An attempt's ``shadows`` (per config partition, every replica's "IP:PORT" in replica
+    order: where the launcher started it) as (trainer node, UDP port) pairs, checked whole
+    before anything is written: each IP a trainer host of the config, the right number of
+    partitions and replicas, no two replicas of a partition on one node (a node's loss would
+    take both), no address twice. Every problem is one CheckmateError line."""
+    if not isinstance(shadows, list) or not all(
+            isinstance(r, list) and all(isinstance(a, str) for a in r) for r in shadows):
+        raise CheckmateError('bad shadows: per partition a list of "IP:PORT" strings, one per '
+                             "replica in replica order")
+    if len(shadows) != cfg.num_partitions:
+        raise CheckmateError(f"the attempt places the shadows of {len(shadows)} partition(s), "
+                             f"the controller's config has {cfg.num_partitions}")
+    by_ip = {h.ip: h for h in cfg.trainers}
+    taken: dict[tuple[str, int], str] = {}
+    out = []
+    for p, reps in enumerate(shadows):
+        if len(reps) != cfg.replicas:
+            raise CheckmateError(f"the attempt places {len(reps)} replica(s) of partition "
+                                 f"{p}, the controller's config has {cfg.replicas}")
+        nodes: dict[str, int] = {}
+        mine = []
+        for r, addr in enumerate(reps):
+            where = f"partition {p} replica {r}"
+            ip, _, port_s = addr.rpartition(":")
+            try:
+                ip = str(ipaddress.IPv4Address(ip))
+            except ValueError:
+                raise CheckmateError(f'{where}: bad address {addr[:64]!r} ("IP:PORT")') from None
+            if not port_s.isdecimal() or len(port_s) > 5 or not 1 <= int(port_s) <= 65535:
+                raise CheckmateError(f"{where}: bad port {port_s[:16]!r} (1..65535)")
+            port = int(port_s)
+            node = by_ip.get(ip)
+            if node is None:
+                raise CheckmateError(f"{where} is placed at {ip}, which is no trainer host of "
+                                     "the config")
+            if node.name in nodes:
+                raise CheckmateError(f"partition {p}'s replicas {nodes[node.name]} and {r} are "
+                                     f"both on {node.name} (a node's loss would take both)")
+            if (ip, port) in taken:
+                raise CheckmateError(f"{taken[ip, port]} and {where} are both placed at "
+                                     f"{ip}:{port}")
+            nodes[node.name] = r
+            taken[ip, port] = where
+            mine.append((node, port))
+        out.append(mine)
+    return out

@@ -156,7 +156,8 @@ class KernelSwitch:
     # -- inventory -----------------------------------------------------------------------
     @property
     def port_names(self) -> list[str]:
-        return [self.cfg.switch_ifname(h.name) for h in self.cfg.hosts]
+        """The switch's ports: one per host that owns one (a co-located shadow has none)."""
+        return [self.cfg.switch_ifname(h.name) for h in self.cfg.port_hosts]
 
     def _ifindexes(self) -> dict[str, int]:
         """Switch-namespace interface name -> ifindex, for every existing link."""
@@ -242,7 +243,8 @@ class KernelSwitch:
 
     # -- source bindings and static L2 -----------------------------------------------------
     def _want_bindings(self) -> dict[str, tuple[str, str]]:
-        return {self.cfg.switch_ifname(h.name): (h.mac.lower(), h.ip) for h in self.cfg.hosts}
+        return {self.cfg.switch_ifname(h.name): (h.mac.lower(), h.ip)
+                for h in self.cfg.port_hosts}
 
     def bindings(self) -> dict[str, tuple[str, str]]:
         """{port: (MAC, IPv4)} as the switch holds them: the only source of frames entering

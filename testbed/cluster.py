@@ -52,7 +52,8 @@ class Cluster:
                 tb.tied_controller = True  # this command builds the testbed: it owns all
                 stack.enter_context(tb)
             self.testbed = tb
-            self.ip = {h.name: h.ip for h in cfg.hosts}
+            # a co-located shadow has no address of its own: its launcher places it on a node
+            self.ip = {h.name: h.ip for h in cfg.port_hosts}
         else:
             self.registry = Path(tempfile.gettempdir()) / f"checkmate-run-{loopback_net}.json"
             self.clear_leftovers()
@@ -62,7 +63,8 @@ class Cluster:
             for h in cfg.trainers:
                 self.ip[h.name] = f"{loopback_net}.{10 + h.rank}"
             for i, h in enumerate(cfg.shadow_hosts):  # by partition, then replica
-                self.ip[h.name] = f"{loopback_net}.{100 + i}"
+                if not h.colocated:
+                    self.ip[h.name] = f"{loopback_net}.{100 + i}"
 
     @staticmethod
     def _host_secret(loopback_net: str, stack: ExitStack) -> Path:

@@ -56,7 +56,7 @@ def run_traffic(cfg: config.ClusterConfig, count: int) -> dict[str, dict[str, in
 
     rx: dict = {}
     try:
-        for h in cfg.hosts:
+        for h in cfg.port_hosts:
             rx[h.name] = udp_socket_in(cfg.netns(h.name), ("0.0.0.0", h.port), 8 << 20)
     except OSError as e:
         for s in rx.values():
@@ -64,7 +64,8 @@ def run_traffic(cfg: config.ClusterConfig, count: int) -> dict[str, dict[str, in
         raise CheckmateError(f"cannot bind UDP port {h.port} in {cfg.netns(h.name)} "
                              f"({e.strerror}); is a trainer or shadow running there?") from None
     tx = {t.name: udp_socket_in(cfg.netns(t.name)) for t in cfg.trainers}
-    stats = {h.name: {"received": 0, "replicate_flag": 0, "bad_crc": 0} for h in cfg.hosts}
+    stats = {h.name: {"received": 0, "replicate_flag": 0, "bad_crc": 0}
+             for h in cfg.port_hosts}
     try:
         trainers = cfg.trainers
         for i, src in enumerate(trainers):
@@ -102,7 +103,7 @@ def _print(cfg: config.ClusterConfig, stats: dict, counters: dict, installed: bo
     for col in ("host", "role", "ip", "received", "with REPLICATE", "bad CRC"):
         hosts.add_column(col, justify="right" if col in ("received", "with REPLICATE",
                                                           "bad CRC") else "left")
-    for h in cfg.hosts:
+    for h in cfg.port_hosts:
         s = stats[h.name]
         hosts.add_row(h.name, h.role, h.ip, str(s["received"]), str(s["replicate_flag"]),
                       str(s["bad_crc"]))
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.count <= 100_000:
         raise CheckmateError("--count must be in 1..100000")
     cfg = config.load(args.config or config.default_path())
+    if cfg.colocated:  # no shadow namespace to receive the copies
+        raise CheckmateError("the demo copies to shadow hosts of their own; this config's "
+                             "shadows are co-located (a launcher's attempt places them)")
     sw = KernelSwitch(cfg)
     if not sw.is_up():
         raise CheckmateError(f"switch {cfg.switch.name} of prefix {cfg.network.prefix} is not "

@@ -75,7 +75,7 @@ def cpu_ifnames(cfg: config.ClusterConfig) -> tuple[str, str]:
 
 def ports(cfg: config.ClusterConfig) -> list[tuple[int, str]]:
     """(bmv2 port, switch-side interface) of every host, then the CPU port."""
-    out = [(switch_port(cfg, h), cfg.switch_ifname(h.name)) for h in cfg.hosts]
+    out = [(switch_port(cfg, h), cfg.switch_ifname(h.name)) for h in cfg.port_hosts]
     return [*out, (cfg.switch.cpu_port, cpu_ifnames(cfg)[0])]
 
 
@@ -180,6 +180,7 @@ class Bmv2Testbed(Testbed):
         for name in self.namespaces:
             _no_ipv6(name)
         self._static_l2()
+        self._colocated_nodes()
 
     @property
     def controller_ifname(self) -> str:
@@ -269,7 +270,7 @@ def build_network(cfg: config.ClusterConfig, state_dir: Path) -> Any:  # mininet
 
     net = Mininet(controller=None, autoSetMacs=False, build=False, cleanup=False)
     sw = net.addSwitch(cfg.switch.name, cls=SimpleSwitch, inNamespace=True, dpid="1")
-    for h in cfg.hosts:
+    for h in cfg.port_hosts:  # a co-located shadow runs on a trainer's node: no link
         host = net.addHost(h.name, ip=f"{h.ip}/{plen}", mac=h.mac)
         net.addLink(host, sw, port2=switch_port(cfg, h), intfName1=cfg.host_ifname(h.name),
                     intfName2=cfg.switch_ifname(h.name))

@@ -117,6 +117,9 @@ class Run:
         """Every shadow of the config, a partition's replicas too (the switch copies to
         each: control/plan.py)."""
         cfg = self.cl.cfg
+        if cfg.colocated:
+            raise CheckmateError("the config's shadows are co-located: each node's `checkmate "
+                                 "launch --colocate` starts them, not the testbed")
         self.by_partition, self.by_host = {}, {}
         for h in cfg.shadow_hosts:
             self.by_partition.setdefault(h.partition, len(self.shadows))

@@ -49,7 +49,9 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         switch["runtime"] = sw.runtime
     hosts = []
     for h in cfg.hosts:
-        d: dict[str, Any] = {"name": h.name, "role": h.role, "ip": h.ip, "mac": h.mac}
+        d: dict[str, Any] = ({"name": h.name, "role": h.role, "colocated": True}
+                             if h.colocated else  # no address of its own
+                             {"name": h.name, "role": h.role, "ip": h.ip, "mac": h.mac})
         if h.rank is not None:
             d["rank"] = h.rank
         if h.partition is not None:
@@ -154,6 +156,19 @@ def _no_ipv6(netns: str) -> None:
     call_in_netns(netns, write)
 
 
+def _accept_local(netns: str, ifname: str) -> None:
+    """Let the host take datagrams whose source is its own address from the wire: a
+    co-located shadow's copies of the hop its own node sends leave the switch through that
+    node's port with the node's address as source, which Linux drops ("martian source")
+    unless ``accept_local`` is set on the interface."""
+    from checkmate.testbed.netsock import call_in_netns
+
+    def write() -> None:
+        Path(f"/proc/sys/net/ipv4/conf/{ifname}/accept_local").write_text("1\n")
+
+    call_in_netns(netns, write)
+
+
 class Testbed:
     """Build and remove one cluster's namespaces; a context manager (up on enter, down on
     exit, down even when the body raised)."""
@@ -186,7 +201,7 @@ class Testbed:
     @property
     def namespaces(self) -> list[str]:
         return [self.cfg.netns(self.cfg.switch.name)] + [self.cfg.netns(h.name)
-                                                         for h in self.cfg.hosts]
+                                                         for h in self.cfg.port_hosts]
 
     @property
     def secret_file(self) -> Path:
@@ -260,13 +275,13 @@ class Testbed:
                     mtu=mtu)
             br = sw.link_lookup(ifname=cfg.bridge_name)[0]
             sw.addr("add", index=br, address=cfg.switch.ip, prefixlen=plen)
-            for h in cfg.hosts:
+            for h in cfg.port_hosts:
                 sw.link("add", ifname=cfg.switch_ifname(h.name), kind="veth",
                         peer={"ifname": cfg.host_ifname(h.name), "net_ns_fd": cfg.netns(h.name)})
                 idx = sw.link_lookup(ifname=cfg.switch_ifname(h.name))[0]
                 sw.link("set", index=idx, mtu=mtu, master=br)
             sw.link("set", index=br, state="up")
-        for h in cfg.hosts:
+        for h in cfg.port_hosts:
             with NetNS(cfg.netns(h.name), flags=0) as hn:
                 hn.link("set", index=hn.link_lookup(ifname="lo")[0], state="up")
                 idx = hn.link_lookup(ifname=cfg.host_ifname(h.name))[0]
@@ -276,15 +291,23 @@ class Testbed:
         # veth offloads UDP checksums (CHECKSUM_PARTIAL): the datagram would carry only the
         # pseudo-header sum on the wire. Turned off so every frame, and so every shadow copy
         # the switch rewrites, carries a complete checksum.
-        for h in cfg.hosts:
+        for h in cfg.port_hosts:
             _sh(nsenter_argv(cfg.netns(h.name),
                              ["ethtool", "-K", cfg.host_ifname(h.name), "tx", "off"]))
         _no_bridge_netfilter(sw_ns)
         self._static_l2()
+        self._colocated_nodes()
         with NetNS(sw_ns, flags=0) as sw:
-            for h in cfg.hosts:
+            for h in cfg.port_hosts:
                 idx = sw.link_lookup(ifname=cfg.switch_ifname(h.name))[0]
                 sw.link("set", index=idx, state="up")
+
+    def _colocated_nodes(self) -> None:
+        """A config of co-located shadows: every trainer node takes the copies the switch
+        sends it from its own address (``_accept_local``)."""
+        if self.cfg.colocated:
+            for h in self.cfg.trainers:
+                _accept_local(self.cfg.netns(h.name), self.cfg.host_ifname(h.name))
 
     def _static_l2(self) -> None:
         """Permanent neighbour entries on every host and on the switch: no ARP round trip at
@@ -295,8 +318,8 @@ class Testbed:
             from pyroute2 import NetNS
 
         cfg = self.cfg
-        peers = [(h.ip, h.mac) for h in cfg.hosts] + [(cfg.switch.ip, cfg.switch.mac)]
-        for h in cfg.hosts:
+        peers = [(h.ip, h.mac) for h in cfg.port_hosts] + [(cfg.switch.ip, cfg.switch.mac)]
+        for h in cfg.port_hosts:
             with NetNS(cfg.netns(h.name), flags=0) as hn:
                 idx = hn.link_lookup(ifname=cfg.host_ifname(h.name))[0]
                 for ip, mac in peers:
@@ -319,7 +342,7 @@ class Testbed:
         cfg = self.cfg
         with NetNS(cfg.netns(cfg.switch.name), flags=0) as sw:
             idx = sw.link_lookup(ifname=self.controller_ifname)[0]
-            for h in cfg.hosts:
+            for h in cfg.port_hosts:
                 sw.neigh("replace", dst=h.ip, lladdr=h.mac, ifindex=idx, state=NUD_PERMANENT)
 
     def _effective_config(self) -> Path:
@@ -456,7 +479,7 @@ class Testbed:
         pid = ctl[0]["pid"] if ctl and _alive(ctl[0]["pid"], ctl[0].get("start")) else None
         sw_ns = cfg.netns(cfg.switch.name)
         hosts = []
-        for h in cfg.hosts:
+        for h in cfg.port_hosts:
             d: dict[str, Any] = {
                 "name": h.name, "role": h.role, "namespace": cfg.netns(h.name),
                 "interface": cfg.host_ifname(h.name), "switch_interface":

@@ -79,3 +79,51 @@ def test_testbed_cli_rejects_unknown_commands_in_one_line() -> None:
                            capture_output=True, text=True)
         assert r.returncode == 2
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------ co-located shadows (switch mode)
+
+def _colocated() -> dict:
+    """The default's trainers and two co-located replicas of each of two partitions."""
+    d = copy.deepcopy(BASE)
+    d["hosts"] = [h for h in d["hosts"] if h["role"] == "trainer"] + [
+        {"name": f"c{i}", "role": "shadow", "partition": i % 2, "colocated": True}
+        for i in range(4)]
+    return d
+
+
+def test_colocated_shadows_have_no_address_nor_port_of_their_own() -> None:
+    from checkmate.testbed.topology import config_to_dict
+
+    cfg = config.parse(_colocated())
+    assert cfg.colocated and (cfg.num_partitions, cfg.replicas) == (2, 2)
+    assert [h.name for h in cfg.port_hosts] == ["t0", "t1", "t2", "t3"]
+    assert [(h.name, h.ip, h.mac, h.colocated) for h in cfg.shadow_hosts] == [
+        ("c0", "", "", True), ("c2", "", "", True), ("c1", "", "", True), ("c3", "", "", True)]
+    assert config.parse(yaml.safe_load(yaml.safe_dump(config_to_dict(cfg)))) == cfg
+    default = config.load(config.default_path())
+    assert not default.colocated and default.port_hosts == list(default.hosts)
+
+
+@pytest.mark.parametrize("host, change, message", [
+    (4, {"ip": "10.77.0.100"}, "hosts[4].ip: a co-located shadow has no address of its own "
+                               "(the launcher's attempt places it)"),
+    (5, {"mac": "02:00:00:00:00:01"}, "hosts[5].mac: a co-located shadow has no address of "
+                                      "its own (the launcher's attempt places it)"),
+    (6, {"switch_port": 9}, "hosts[6].switch_port: a co-located shadow has no port of its "
+                            "own (the launcher's attempt places it)"),
+    (0, {"colocated": True}, "hosts[0].colocated: only a shadow may be co-located, not a "
+                             "trainer"),
+    (5, {"colocated": False, "ip": "10.77.0.101"},
+     "hosts[5].colocated: every shadow of a config is co-located or none is (c0 is, c1 is "
+     "not)"),
+    (4, {"colocated": "yes"}, "hosts[4].colocated must be true or false, got 'yes'"),
+    (7, {"colocated": False}, "hosts[7].ip is required"),
+])
+def test_colocated_mistakes_are_one_line_naming_the_key(host: int, change: dict,
+                                                         message: str) -> None:
+    d = _colocated()
+    d["hosts"][host].update(change)
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(d)
+    assert str(e.value) == message

@@ -130,3 +130,74 @@ def test_a_partition_with_two_shadows_gets_an_entry_per_replica(testbed):
     res = drv.apply(plan_mod.build(one))
     assert (len(res.removed), len(res.added), len(res.changed)) == (4, 0, 0)
     assert set(sw.replication_entries()) == expected(RING4, [S0])
+
+
+#: Runs in a node's namespace: receive one ckm datagram on argv[1], print its header.
+RECEIVER = r"""
+import json, socket, sys
+from checkmate.protocol import wire
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.settimeout(5)
+print("READY", flush=True)
+try:
+    data = s.recv(65535)
+except TimeoutError:
+    print("TIMEOUT"); sys.exit(0)
+h, _ = wire.decode(data)
+print(json.dumps({"epoch": h.epoch, "token": h.token, "partition": h.partition}), flush=True)
+"""
+
+
+def _receive(tb, host: str, port: int) -> subprocess.Popen:
+    rx = tb.popen_in(host, [sys.executable, "-c", RECEIVER, str(port)],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert rx.stdout.readline().strip() == "READY"
+    return rx
+
+
+def test_colocated_shadows_copies_leave_through_their_nodes_ports():
+    """A testbed of co-located shadows (prefix "tkc"): namespaces for the trainer nodes
+    only. Placed by an attempt, partition 0's shadow on t1, the destination of the hop
+    t0 -> t1, partition 1's on t0, its source: their entries copy out of those nodes'
+    ports, and REPLICATE datagrams t0 -> t1 reach each shadow at its placed UDP port,
+    stamped with its session -- the source node's too (the testbed lets a node take a copy
+    from its own address, as a co-located node must)."""
+    from checkmate.protocol import wire
+    from checkmate.testbed.topology import Testbed
+
+    data = yaml.safe_load(Path(config.default_path()).read_text())
+    data["network"]["prefix"] = "tkc"
+    data["hosts"] = [h for h in data["hosts"] if h["role"] == "trainer"] + [
+        {"name": f"s{p}", "role": "shadow", "partition": p, "colocated": True} for p in (0, 1)]
+    colo = config.parse(data)
+    t0, t1 = colo.host("t0"), colo.host("t1")
+    regs = {"s0": plan_mod.Registration(0, "s0", t1.ip, t1.mac, 47021, 11, 1234, "", "t1"),
+            "s1": plan_mod.Registration(1, "s1", t0.ip, t0.mac, 47022, 12, 5678, "", "t0")}
+    with Testbed(colo) as tb:
+        assert tb.namespaces == ["tkc-sw0"] + [f"tkc-t{i}" for i in range(4)]
+        sw = KernelSwitch(colo)
+        assert len(KernelDriver(colo).apply(plan_mod.build(colo, regs)).added) == 8
+        assert {(e.partition, e.shadow_ifname, e.shadow_ip, e.shadow_port, e.epoch)
+                for e in sw.replication_entries()} == {
+            (0, "tkcp-t1", t1.ip, 47021, 11), (1, "tkcp-t0", t0.ip, 47022, 12)}
+        before = sw.counters()["ports"]["tkcp-t0"]["replicated"]
+        rxs = {0: _receive(tb, "t1", 47021), 1: _receive(tb, "t0", 47022)}
+        try:
+            send = ("import socket,sys; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                    "for d in sys.argv[1:]: s.sendto(bytes.fromhex(d), ('10.77.0.11', 47000))")
+            dgrams = [wire.encode(wire.Header(flags=wire.Flags.REPLICATE, job_id=7,
+                                              partition=p, count=4, iteration=3),
+                                  b"\x00" * 16).hex() for p in (0, 1)]
+            assert tb.run_in("t0", [sys.executable, "-c", send, *dgrams],
+                             timeout=30).returncode == 0
+            got = {p: rx.communicate(timeout=10)[0].strip() for p, rx in rxs.items()}
+        finally:
+            for rx in rxs.values():
+                if rx.poll() is None:
+                    rx.kill()
+                    rx.wait()
+        assert {p: json.loads(out) for p, out in got.items()} == {
+            0: {"epoch": 11, "token": 1234, "partition": 0},
+            1: {"epoch": 12, "token": 5678, "partition": 1}}
+        assert sw.counters()["ports"]["tkcp-t0"]["replicated"] == before + 2

@@ -199,3 +199,100 @@ def test_replica_counts_the_config_refuses(parts, why):
         for i, p in enumerate(parts)]
     with pytest.raises(config.ConfigError, match=why):
         config.parse(doc)
+
+
+# ------------------------------------------------ co-located shadows (switch mode)
+
+def colocated(first: bool = False) -> config.ClusterConfig:
+    """The default's trainers t0..t3 and two co-located replicas of each of two partitions
+    (c0, c2 of partition 0; c1, c3 of 1), listed after the trainers or (``first``) before."""
+    doc = yaml.safe_load(config.default_path().read_text())
+    trainers = [h for h in doc["hosts"] if h["role"] == "trainer"]
+    shadows = [{"name": f"c{i}", "role": "shadow", "partition": i % 2, "colocated": True}
+               for i in range(4)]
+    doc["hosts"] = shadows + trainers if first else trainers + shadows
+    return config.parse(doc)
+
+
+def placed(cfg: config.ClusterConfig, shadow: str, node: str, port: int, epoch: int = 5,
+           token: int = 77) -> plan_mod.Registration:
+    n, h = cfg.host(node), cfg.host(shadow)
+    return plan_mod.Registration(h.partition, shadow, n.ip, n.mac, port, epoch, token, "",
+                                 node)
+
+
+def test_colocated_shadows_get_nothing_before_an_attempt_places_them():
+    """No registration yet: no entry, rewrite or multicast member (nowhere to copy to); the
+    trainers' ports are 1..4 wherever the co-located shadows stand in the config, and only
+    they get ports, bindings, L2 entries and NIC commands."""
+    for cfg in (colocated(), colocated(first=True)):
+        p = plan_mod.build(cfg)
+        assert p.replication == () and p.rewrites == ()
+        assert [(g.group_id, g.replicas) for g in p.groups] == [
+            (plan_mod.FLOOD_GROUP, ((1, 0), (2, 0), (3, 0), (4, 0), (64, 0)))]
+        assert [(pp.host, pp.port) for pp in p.ports] == [(f"t{i}", 1 + i) for i in range(4)]
+        assert {b.host for b in p.bindings} == {"t0", "t1", "t2", "t3", "sw0"}
+        assert {e.host for e in p.l2} == {"t0", "t1", "t2", "t3", "sw0"}
+        assert len(p.host_commands) == 3 * 4
+        with pytest.raises(CheckmateError, match="c0 is a co-located shadow: it has no "
+                                                 "switch port"):
+            plan_mod.switch_port(cfg, cfg.host("c0"))
+
+
+def test_placed_colocated_shadows_are_copied_out_of_their_nodes_ports():
+    """Partition 0's replicas on t1 and t3, partition 1's on t0 and t2 (ports 1 + rank).
+    Hop t0 -> t1 (destination rank 1), partition 0: t1's port forwards the datagram (rid 0)
+    and carries replica 0's copy (rid 1) too, t3's replica 1's (rid 3); the copies are
+    rewritten to the node's MAC and IP and the port the launcher gave."""
+    from checkmate.control.drivers import p4tables
+    from checkmate.control.drivers.kernel import entry_for
+
+    cfg = colocated()
+    regs = {r.host: r for r in (placed(cfg, "c0", "t1", 47001), placed(cfg, "c2", "t3", 47005),
+                                placed(cfg, "c1", "t0", 47001), placed(cfg, "c3", "t2", 47005))}
+    p = plan_mod.build(cfg, regs)
+    g = {grp.group_id: grp.replicas for grp in p.groups}
+    assert g[plan_mod.group_id(1, 0)] == ((2, 0), (2, 1), (4, 3))
+    assert p4tables.groups(p)[plan_mod.group_id(1, 0)] == ((2, 0), (2, 1), (4, 3))
+    assert g[plan_mod.group_id(1, 1)] == ((2, 0), (1, 2), (3, 4))
+    assert g[plan_mod.group_id(3, 1)] == ((4, 0), (1, 2), (3, 4))  # t2 -> t3
+    rw = {w.rid: (w.shadow, w.dmac, w.ip, w.udp_port, w.epoch) for w in p.rewrites}
+    assert rw == {1: ("c0", "02:00:0a:4d:00:0b", "10.77.0.11", 47001, 5),
+                  3: ("c2", "02:00:0a:4d:00:0d", "10.77.0.13", 47005, 5),
+                  2: ("c1", "02:00:0a:4d:00:0a", "10.77.0.10", 47001, 5),
+                  4: ("c3", "02:00:0a:4d:00:0c", "10.77.0.12", 47005, 5)}
+    assert len(p.replication) == 4 * 2 * 2
+    hop = {(r.partition, r.replica): r for r in p.replication if r.src == "t0"}
+    assert (hop[0, 0].shadow, hop[0, 0].shadow_node, hop[0, 0].shadow_ip) == (
+        "c0", "t1", "10.77.0.11")
+    assert entry_for(cfg, hop[0, 0]).shadow_ifname == "ckmp-t1"  # the destination's port
+    assert entry_for(cfg, hop[0, 1]).shadow_ifname == "ckmp-t3"
+    assert "=> c0 on t1 10.77.0.11:47001 epoch 5" in plan_mod.describe(p)
+    # only c2 (partition 0's replica 1) placed: partition 1 gets nothing; partition 0 its
+    # one copy, with its own rid, a P4 entry per hop, and the kernel's replica slot 0 (its
+    # program stops at the first missing slot)
+    from checkmate.control.drivers.kernel import entries
+
+    p = plan_mod.build(cfg, {"c2": regs["c2"]})
+    assert {(r.partition, r.replica) for r in p.replication} == {(0, 1)}
+    assert {w.rid for w in p.rewrites} == {3}
+    g = {grp.group_id: grp.replicas for grp in p.groups}
+    assert plan_mod.group_id(1, 1) not in g and g[plan_mod.group_id(1, 0)] == ((2, 0), (4, 3))
+    assert sum(e.table == "ckm_replicate" for e in p4tables.entries(p)) == 4
+    kern = entries(cfg, p)
+    assert {k[3] for k in kern} == {0} and len(kern) == 4
+    assert {e.shadow_ifname for e in kern.values()} == {"ckmp-t3"}
+
+
+def test_a_colocated_registration_must_name_a_trainer_node():
+    cfg = colocated()
+    for node in ("", "c1"):
+        bad = replace(placed(cfg, "c0", "t1", 47001), node=node)
+        with pytest.raises(CheckmateError, match=f"must name the trainer node it runs on, "
+                                                 f"not '{node}'"):
+            plan_mod.build(cfg, {"c0": bad})
+    hosted = config.load(config.default_path())
+    own = plan_mod.Registration(0, "s0", "10.77.0.11", "02:00:0a:4d:00:0b", 47001, 1, 1, "",
+                                "t1")
+    with pytest.raises(CheckmateError, match="s0 is a shadow host of its own"):
+        plan_mod.build(hosted, {"s0": own})

@@ -15,6 +15,10 @@ Example (testbed/default.yaml is the shipped default)::
     hosts:
       - {name: t0, role: trainer, rank: 0, ip: 10.77.0.10}
       - {name: s0, role: shadow, partition: 0, ip: 10.77.0.100}
+
+A shadow may instead say ``colocated: true`` and have no ip, mac or switch_port: it runs on
+the trainer nodes, where the job's launcher places it anew at every rendezvous and tells
+the controller (its ``attempt``). Every shadow of a config is co-located or none is.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ class Host:
     rank: int | None = None
     partition: int | None = None
     switch_port: int | None = None  # physical port number on P4 targets
+    #: A shadow on the trainer nodes, placed by the launcher's attempt: ip and mac are ""
+    #: (it has no address, port or namespace of its own).
+    colocated: bool = False
 
     @property
     def port(self) -> int:
@@ -102,6 +109,18 @@ class ClusterConfig:
     @property
     def trainers(self) -> list[Host]:
         return sorted((h for h in self.hosts if h.role == "trainer"), key=lambda h: h.rank)
+
+    @property
+    def port_hosts(self) -> list[Host]:
+        """The hosts that own a switch port (and, on the testbed, a namespace): every host
+        but a co-located shadow, in config order."""
+        return [h for h in self.hosts if not h.colocated]
+
+    @property
+    def colocated(self) -> bool:
+        """The config's shadows run on the trainer nodes (the schema makes it all or none):
+        each attempt of the job's launcher places them, none registers."""
+        return any(h.colocated for h in self.hosts)
 
     @property
     def shadows(self) -> list[Host]:
@@ -203,8 +222,8 @@ def parse(data: Any) -> ClusterConfig:
                     cpu_port=sw.cpu_port, cable_m=sw.cable_m, speed_gbps=sw.speed_gbps,
                     tofino_server=sw.tofino.server, tofino_pipes=sw.tofino.pipes,
                     bfrt_port=sw.tofino.bfrt_port, runtime=sw.runtime)
-    hosts = tuple(Host(h.name, h.role, h.ip, h.mac or mac_for_ip(h.ip), h.rank, h.partition,
-                       h.switch_port) for h in doc.hosts)
+    hosts = tuple(Host(h.name, h.role, h.ip or "", h.mac or "", h.rank, h.partition,
+                       h.switch_port, h.colocated) for h in doc.hosts)
     extra = {k: v for k in ("training", "shadow", "testbed")
              if (v := getattr(doc, k)) is not None}
     return ClusterConfig(doc.job.id, doc.job.name or f"job{doc.job.id}", switch,

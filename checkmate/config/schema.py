@@ -2,7 +2,8 @@
 
 One place states what a valid document is: types and ranges per key, defaults derived
 from other keys (the switch's address from the subnet, MACs from IPs), and the rules across
-keys (addresses inside the subnet and unique, ranks and partitions numbered 0..n-1 once).
+keys (addresses inside the subnet and unique, ranks and partitions numbered 0..n-1 once,
+every shadow co-located -- no address of its own -- or none).
 Every rule raises a ValueError whose text follows the key path, so checkmate.config.cluster can turn
 the first error into one line such as ``hosts[1].ip 10.77.0.10 is used twice``.
 """
@@ -108,21 +109,41 @@ class SwitchDoc(_Section):
     tofino: Annotated[TofinoDoc, Mapping] = Field(default_factory=TofinoDoc)
 
 
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"must be true or false, got {v!r}")
+    return v
+
+
 class HostDoc(_Section):
     name: Name
     role: Annotated[str, _one_of(ROLES)]
-    ip: Annotated[str, BeforeValidator(_ipv4)]
+    ip: Annotated[str, BeforeValidator(_ipv4)] | None = None
     mac: str | None = None
     rank: Any = None
     partition: Any = None
     switch_port: Port9 | None = None
+    #: A shadow that runs on the trainer nodes, placed anew by the job's launcher at every
+    #: rendezvous (its ``attempt`` tells the controller where): no address or port of its own.
+    colocated: Annotated[bool, BeforeValidator(_bool)] = False
 
     @model_validator(mode="after")
     def _per_role(self) -> HostDoc:
-        mac = (self.mac or mac_for_ip(self.ip)).lower()
-        if not MAC_RE.match(mac):
-            raise ValueError(f".mac is not a MAC address: {mac!r}")
-        self.mac = mac
+        if self.colocated:
+            if self.role != "shadow":
+                raise ValueError(f".colocated: only a shadow may be co-located, not a "
+                                 f"{self.role}")
+            for k, what in (("ip", "address"), ("mac", "address"), ("switch_port", "port")):
+                if getattr(self, k) is not None:
+                    raise ValueError(f".{k}: a co-located shadow has no {what} of its own "
+                                     "(the launcher's attempt places it)")
+        elif self.ip is None:
+            raise ValueError(".ip is required")
+        else:
+            mac = (self.mac or mac_for_ip(self.ip)).lower()
+            if not MAC_RE.match(mac):
+                raise ValueError(f".mac is not a MAC address: {mac!r}")
+            self.mac = mac
         key = "rank" if self.role == "trainer" else "partition"
         v = getattr(self, key)
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535:
@@ -162,15 +183,24 @@ class ClusterDoc(BaseModel):
         subnet = ipaddress.IPv4Network(self.network.subnet)
         sw_ip = self.switch.ip or str(subnet.network_address + 1)
         names, ips = {self.switch.name}, {sw_ip}
+        first: HostDoc | None = None  # the first shadow: every other is co-located as it is
         for i, h in enumerate(self.hosts):
             where = f"hosts[{i}]"
             if h.name in names:
                 raise ValueError(f"{where}.name {h.name!r} is used twice")
+            names.add(h.name)
+            if h.role == "shadow":
+                first = first or h
+                if h.colocated != first.colocated:
+                    yes, no = (h, first) if h.colocated else (first, h)
+                    raise ValueError(f"{where}.colocated: every shadow of a config is "
+                                     f"co-located or none is ({yes.name} is, {no.name} is not)")
+            if h.ip is None:  # a co-located shadow: no address of its own
+                continue
             if ipaddress.IPv4Address(h.ip) not in subnet:
                 raise ValueError(f"{where}.ip {h.ip} is outside network.subnet {subnet}")
             if h.ip in ips:
                 raise ValueError(f"{where}.ip {h.ip} is used twice")
-            names.add(h.name)
             ips.add(h.ip)
         ranks = sorted(h.rank for h in self.hosts if h.role == "trainer")
         if ranks != list(range(len(ranks))):

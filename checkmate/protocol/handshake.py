@@ -21,6 +21,12 @@ Operations (both need a valid MAC):
   "partitions": {"<p>": {"epoch", "token", "ip", "port", "host"}}, "replicas": {"<p>":
   [{..., "replica"}]}}``, the current registrations: per partition its first registered
   shadow, and every registered shadow with its replica number.
+- ``attempt`` (a launcher's rank 0 → controller): ``{"op", "job", "attempt", "ranks"}`` (or
+  ``"rings"``, one per data-parallel group), and, for a config of co-located shadows
+  (``colocated: true``, which do not register), ``"shadows": [["IP:PORT", ...], ...]``:
+  per partition, every replica's UDP address on its trainer node. The controller programs
+  the ring hops (and the copies to those addresses) under one new epoch and answers the
+  sessions as ``session`` does (a co-located replica's entry adds its ``"node"``).
 
 On the switch path the copy of a REPLICATE datagram gets the owning shadow's epoch and token
 written into its header by the switch, so trainers never need to know them.

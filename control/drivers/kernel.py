@@ -16,13 +16,30 @@ from checkmate.control.plan import Plan, Replication
 from checkmate.dataplane.switch import KernelSwitch, ReplicationEntry, SwitchUnreachable
 
 
-def entry_for(cfg: ClusterConfig, r: Replication) -> ReplicationEntry:
+def entry_for(cfg: ClusterConfig, r: Replication, replica: int | None = None
+              ) -> ReplicationEntry:
+    """The map entry of ``r`` (as ``replica``, default its own number): its copy leaves
+    through the port that leads to the shadow (a co-located shadow's node's port, which may
+    be the hop's destination's too)."""
     return ReplicationEntry(
         job_id=r.job_id, src_ip=r.src_ip, dst_ip=r.dst_ip, partition=r.partition,
-        shadow_ifname=cfg.switch_ifname(r.shadow), shadow_mac=r.shadow_mac,
+        shadow_ifname=cfg.switch_ifname(r.shadow_node), shadow_mac=r.shadow_mac,
         shadow_ip=r.shadow_ip, shadow_port=r.shadow_port, epoch=r.epoch, token=r.token,
-        ingress_ifname=r.ingress_ifname, replica=r.replica,
+        ingress_ifname=r.ingress_ifname, replica=r.replica if replica is None else replica,
     )
+
+
+def entries(cfg: ClusterConfig, plan: Plan) -> dict[tuple, ReplicationEntry]:
+    """The plan's map entries by key, each (hop, partition)'s numbered from 0 without gaps:
+    the program copies to replicas 0, 1, ... up to the first missing one, and a co-located
+    replica no attempt has placed has no entry."""
+    slots: dict[tuple, int] = {}
+    out = {}
+    for r in plan.replication:  # in replica order within each (hop, partition)
+        k = r.key[:4]
+        slots[k] = slots.get(k, -1) + 1
+        out[(*k, slots[k])] = entry_for(cfg, r, slots[k])
+    return out
 
 
 def _label(e: ReplicationEntry) -> str:
@@ -46,7 +63,7 @@ class KernelDriver:
     def apply(self, plan: Plan) -> ApplyResult:
         """Diff the BPF table against the plan; write only the difference."""
         self._require_up()
-        want = {r.key: entry_for(self.cfg, r) for r in plan.replication}
+        want = entries(self.cfg, plan)
         have = {(e.job_id, e.src_ip, e.dst_ip, e.partition, e.replica): e
                 for e in self.switch.replication_entries()}
         res = ApplyResult(notes=["kernel target: L2 by the bridge; FEC/PFC not applicable "

@@ -96,13 +96,16 @@ def entries(plan: Plan) -> list[EntrySpec]:
         "ckm_punt", (("dst_ip", _ip(plan.punt.ip)), ("udp_dst_port", plan.punt.udp_port)),
         "to_cpu", (("port", plan.punt.cpu_port),)))
     # The source host's port rides along: the program copies only datagrams that entered
-    # there and counts the rest as spoofed.
+    # there and counts the rest as spoofed. One entry per (hop, partition), from its first
+    # replica's: the group holds every replica (replica 0 may be a co-located shadow no
+    # attempt has placed, which has no entry).
+    firsts = {r.key[:4]: r for r in reversed(plan.replication)}
     out += [EntrySpec(
         "ckm_replicate",
         (("job_id", r.job_id), ("src_ip", _ip(r.src_ip)), ("dst_ip", _ip(r.dst_ip)),
          ("partition", r.partition)),
         "replicate", (("group", r.group_id), ("ingress_port", r.ingress_port)))
-        for r in plan.replication if r.replica == 0]  # the group holds every replica
+        for r in plan.replication if firsts[r.key[:4]] is r]
     out += [EntrySpec(
         "shadow_rewrite", (("egress_rid", w.rid),), "rewrite_shadow",
         (("smac", _mac(w.smac)), ("dmac", _mac(w.dmac)), ("ip", _ip(w.ip)),
