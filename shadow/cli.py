@@ -2,13 +2,18 @@
 
     shadow serve --partition I/N [--config FILE] [--host NAME] [--dir DIR]
                  [--persist-every K] [--persist-seconds T] [--bind IP] [--no-register] ...
+    shadow serve --partition I/N --placed --controller HOST[:PORT] --job ID --bind IP ...
     shadow restore --config FILE [--out FILE] [--from-disk DIR] [--addr HOST:PORT ...]
     shadow status --config FILE [--addr HOST:PORT ...]
     shadow export --out DIR [--iteration N] DIR ...
 
 Without --config, ``serve`` runs on the documented defaults (docs/usage.md): UDP 47001 and
 TCP 47100 on --bind (0.0.0.0), no controller registration (host replication: trainers send
-the copies), and the job id is learned from the first seed the trainers send.
+the copies), and the job id is learned from the first seed the trainers send. With
+--placed (a shadow `checkmate launch --colocate --mode switch` starts on a trainer node) it
+does not register either: the launcher's rendezvous placed it and rank 0's attempt tells the
+controller where (control/service.py, ``attempt``); it takes its session from the controller
+when asked, found there by its address.
 """
 
 from __future__ import annotations
@@ -97,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="do not register with the controller (host-replication / loopback)")
     s.add_argument("--controller", help="HOST:PORT of the controller "
                    "(default: switch ip and the controller port from the config)")
+    s.add_argument("--placed", action="store_true",
+                   help="co-located in switch mode: the launcher's attempt placed this "
+                   "shadow at the controller (--controller, --job): it does not register "
+                   "and takes its session, found by --bind and --port, when asked")
+    s.add_argument("--job", type=_nonneg_int, default=None,
+                   help="the job id, with --placed (the controller keys sessions by it)")
     s.add_argument("--epoch", type=_nonneg_int, default=0, help="epoch with --no-register")
     s.add_argument("--token", type=_nonneg_int, default=0, help="token with --no-register")
     s.add_argument("--register-timeout", type=_nonneg_float, default=30.0)
@@ -161,6 +172,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.persist_every and args.persist_seconds:
         raise CheckmateError("--persist-seconds applies only without --persist-every (the "
                              "partitions must write the same iterations)")
+    if args.placed or args.job is not None:
+        return _serve_placed(args, index, count)
     if args.config is None:
         return _serve_without_config(args, index, count)
     cfg = cfgmod.load(args.config)
@@ -212,6 +225,35 @@ def _transport(args: argparse.Namespace) -> dict[str, str]:
     if args.device and args.transport != "verbs":
         raise CheckmateError("--device only applies with --transport verbs")
     return {"transport": args.transport, "device": args.device}
+
+
+def _serve_placed(args: argparse.Namespace, index: int, count: int) -> int:
+    """``serve --placed``: a co-located shadow of a switch-mode job (see the module's
+    docstring); its address is --bind (not 0.0.0.0: the controller finds it by it)."""
+    from checkmate.shadow.node import NodeOptions
+    from checkmate.train.shadow_client import parse_addr
+
+    if not args.placed:
+        raise CheckmateError("--job applies with --placed")
+    missing = [f for f, v in (("--controller", args.controller), ("--job", args.job)) if not v]
+    if missing:
+        raise CheckmateError(f"--placed needs {' and '.join(missing)}")
+    if args.config or args.host or args.no_register or args.epoch or args.token:
+        raise CheckmateError("--placed takes its session from the controller: not with "
+                             "--config, --host, --no-register or --epoch/--token")
+    if args.bind == "0.0.0.0":
+        raise CheckmateError("--placed needs --bind IP: the controller knows the shadow by "
+                             "its address")
+    opts = NodeOptions(
+        partition=index, partitions=count, job=args.job, bind=args.bind, port=args.port,
+        restore_bind=args.restore_bind or args.bind, restore_port=args.restore_port,
+        dir=args.dir, persist_every=args.persist_every, persist_seconds=args.persist_seconds,
+        keep=max(args.keep, 1), retain=max(args.retain, 1), window=max(args.window, 1),
+        gap_timeout=args.gap_timeout,
+        controller=parse_addr(args.controller, cfgmod.CONTROLLER_PORT), ip=args.bind,
+        placed=True, **_transport(args),
+    )
+    return _run_node(args, opts)
 
 
 def _serve_without_config(args: argparse.Namespace, index: int, count: int) -> int:

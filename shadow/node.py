@@ -49,6 +49,10 @@ class NodeOptions:
     epoch: int = 0
     token: int = 0
     controller: tuple[str, int] | None = None  # None: do not register (--no-register)
+    #: Co-located in switch mode (``shadow serve --placed``): the launcher's attempt placed
+    #: it at the controller, so it does not register; its session is the one the controller
+    #: lists at its address (``ip``, its UDP port).
+    placed: bool = False
     host: str = ""
     ip: str = ""
     mac: str = ""
@@ -197,17 +201,31 @@ class ShadowNode:
         assert o.controller is not None
         job, part = self.control_place
         mine = query_replica_sessions(o.controller, job, secret=self.secret).get(part, {})
-        # a partition with replicas lists each of its shadows: this one's by host
-        reg = next((v for v in mine.values() if v.get("host") == o.host), None)
+        # a partition with replicas lists each of its shadows: this one's by host, or a
+        # placed one's by its address (its host is the config's name for the replica)
+        reg = next((v for v in mine.values() if (
+            (v.get("ip"), v.get("port")) == (o.ip, self.udp_port) if o.placed
+            else v.get("host") == o.host)), None)
         if reg is None or reg.get("port") != self.udp_port:
+            where = f" at {o.ip}:{self.udp_port}" if o.placed else ""
             raise CheckmateError(f"the controller's session of partition {part} is "
-                                 f"not this shadow's ({reg})")
+                                 f"not this shadow's{where} ({reg})")
         epoch, token = int(reg["epoch"]), int(reg["token"])
         if epoch > self.receiver.epoch:
             log.warning("partition %d: new session epoch %d (was %d): a new attempt",
                         o.partition, epoch, self.receiver.epoch)
             self.receiver.set_session(epoch, token)
         return {"epoch": self.receiver.epoch}
+
+    def _placed_session(self) -> None:
+        """A placed shadow started again where it was placed (its launcher restarts one
+        that exited) takes the session the controller holds for its address; one placed
+        anew has none there until rank 0's attempt, which asks it (``_on_session``)."""
+        try:
+            self._on_session()
+        except (CheckmateError, OSError) as e:
+            log.info("partition %d: no session at the controller yet (%s): the next "
+                     "attempt places this shadow", self.opts.partition, e)
 
     def _on_adopt(self, source: tuple[str, int]) -> bool:
         """A trainer saw this shadow empty while a sibling replica is current: take the
@@ -263,7 +281,9 @@ class ShadowNode:
             threading.Thread(target=self._warm, args=(self.state.spec is None,),
                              name="shadow-warm", daemon=True).start()
             self.service.start()
-            if o.controller is not None:
+            if o.placed:
+                self._placed_session()
+            elif o.controller is not None:
                 epoch, token = register(self.secret, o.controller, *self.control_place,
                                         o.host, o.ip, o.mac, self.udp_port,
                                         o.register_deadline)

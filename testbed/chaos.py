@@ -293,7 +293,7 @@ def _multinode(name: str, case_dir: Path, rng: random.Random) -> dict[str, Any]:
     from checkmate.testbed.cluster import Cluster
 
     case_dir.mkdir(parents=True, exist_ok=True)
-    path = multinode.default_config()
+    path = multinode.default_config(name)
     with ExitStack() as stack:
         cl = Cluster(cfgmod.load(path), "switch", path, "", stack)
         rep = multinode.execute(multinode.SCENARIOS[name], cl, case_dir, None, rng)

@@ -19,11 +19,12 @@ job must end bit-identical to a run without shadows or failure (one node, as man
 the job continues on 2 nodes, and the state the new attempt restored must equal the
 shadows' checkpoint of that iteration on disk, and training must reach the last step.
 multinode-colocate-kill-node: as kill-node, with no shadow hosts: ``--colocate`` puts two
-replicas of each of two partitions on n0..n2 themselves (host mode: the trainers send the
-copies), so the lost node takes its shadows with it; the resume must come from the
-surviving replicas in memory, with no iteration repeated beyond the one in flight, and
-the rendezvous that lets the spare in places the lost replicas anew (on the spare), each
-re-seeded from its sibling and current at the end.
+replicas of each of two partitions on n0..n2 themselves (switch mode, on
+testbed/multinode-colocated.yaml: the switch copies to where each attempt placed them;
+host mode: the trainers send the copies), so the lost node takes its shadows with it; the
+resume must come from the surviving replicas in memory, with no iteration repeated beyond
+the one in flight, and the rendezvous that lets the spare in places the lost replicas anew
+(on the spare), each re-seeded from its sibling and current at the end.
 multinode-colocate-kill-replica: the same nodes, no spare; one shadow process of a random
 node is SIGKILLed: its launcher starts it again, it takes its state from its sibling on
 another node, and the job never restarts. multinode-colocate-kill-replicas-and-node: the
@@ -50,6 +51,7 @@ from checkmate.errors import CheckmateError
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_elastic.py"
 CONFIG = Path(__file__).resolve().parent / "multinode.yaml"
+COLOCATED_CONFIG = Path(__file__).resolve().parent / "multinode-colocated.yaml"
 RDZV_PORT = 29400
 
 
@@ -143,14 +145,17 @@ def _launch_argv(sc: MultiNode, cl: Any, host: str, rdzv: str, shadows: list[str
             "--progress-every", "1", "--job-id", str(cl.cfg.job_id),
             "--rdzv-conf", f"last_call_timeout=5,is_host={'1' if first else '0'}"]
     if sc.colocate:  # every node's launcher gets the same list, the spare's address too:
-        # the rendezvous that lets it in places the lost node's replicas anew (on it). Host
-        # mode's copies (the trainers send them), in namespaces through the switch or on
-        # loopback
+        # the rendezvous that lets it in places the lost node's replicas anew (on it). A
+        # config of co-located shadows (testbed/multinode-colocated.yaml): the switch copies
+        # to them, each attempt telling the controller where they are; else host mode's
+        # copies (the trainers send them), in namespaces through the switch or on loopback
         nodes = [h.name for h in cl.cfg.trainers][:sc.nodes + sc.spare]
         local = cl.ip[host] if cl.mode == "switch" else "127.0.0.1"
         argv += ["--local-addr", local, "--shadows", "2", "--replicas", "2",
                  "--colocate", ",".join(f"{n}={cl.ip[n]}" for n in nodes), "--node", host,
                  "--worker-ip", cl.ip[host]]
+        if switch_copies(cl):
+            argv += ["--mode", "switch", "--controller", cl.cfg.switch.ip]
         if sc.kill == "replicas-and-node":  # every node's shadows keep their checkpoints
             argv += ["--persist-every", "1", "--dir", str(out.parent / f"{host}-run")]
     elif cl.mode == "switch":
@@ -162,6 +167,12 @@ def _launch_argv(sc: MultiNode, cl: Any, host: str, rdzv: str, shadows: list[str
             argv += ["--shadow", ip]
     return argv + [str(SCRIPT), "--steps", str(sc.steps), "--sleep", str(sc.sleep),
                    "--out", str(out), "--restored-out", str(restored)]
+
+
+def switch_copies(cl: Any) -> bool:
+    """The switch copies to the co-located shadows: namespaces behind the switch, and a
+    config whose shadows are co-located (each attempt places them at the controller)."""
+    return cl.mode == "switch" and cl.cfg.colocated
 
 
 def _iterations(nodes: list[Node]) -> int:
@@ -228,9 +239,11 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
     t0 = time.perf_counter()
     nodes: list[Node] = []
     try:
-        if not sc.colocate:  # else the launchers start them on the nodes
+        if sc.colocate:  # the launchers start them on the nodes
+            shadows = []
+        else:
             run.start_shadows()
-        shadows = [cl.ip[h.name] for h in cfg.shadows]
+            shadows = [cl.ip[h.name] for h in cfg.shadows]
         rdzv = f"{cl.ip[hosts[0]]}:{RDZV_PORT}" if cl.mode == "switch" \
             else f"127.0.0.1:{_free_port()}"
         # a killed launcher cannot remove its own log folder: it is left in the run's
@@ -319,6 +332,10 @@ def execute(sc: MultiNode, cl: Any, workdir: Path, progress: Any,
             problems += _check_replaced(text, victim.host if victim else "", sc.steps,
                                         report)
         report["epochs"] = sorted({int(e) for e in re.findall(r"under epoch (\d+)", text)})
+        if sc.colocate:
+            report["copies_by"] = "switch" if switch_copies(cl) else "trainers"
+        if sc.colocate and switch_copies(cl):
+            problems += _check_switch_copies(cl, text, sc, report)
         finals = final_states(run.dir, [n.host for n in nodes])
         if not finals:
             problems.append("no final state was written")
@@ -381,15 +398,37 @@ def _check_replaced(text: str, lost: str, steps: int, report: dict) -> list[str]
                              r"sibling replica \d \(the trainers send nothing\)", text))
     if adopted < len(moved):
         out.append(f"{len(moved)} shadow(s) placed anew, {adopted} re-seeded from a sibling")
-    # each launcher asks every shadow at its end, its own still running (it stops them
-    # after): every shadow must have been seen at the last iteration by one of them
+    return out + _every_shadow_at(text, steps)
+
+
+def _every_shadow_at(text: str, steps: int) -> list[str]:
+    """Each launcher asks every shadow at its end, its own still running (it stops them
+    after): every shadow must have been seen at the last iteration by one of them."""
     ends = re.findall(r"the shadows hold iteration \d+ \(per shadow: \[([^]]*)\]\)", text)
     rows = [per.split(",") for per in ends]
     seen = [max((int(x) for x in col if x.strip() != "None"), default=None)
             for col in zip(*rows, strict=True)] if rows and len({len(r) for r in rows}) == 1 \
         else []
     if not seen or seen != [steps] * len(seen):
-        out.append(f"not every shadow held iteration {steps} at the end: {ends}")
+        return [f"not every shadow held iteration {steps} at the end: {ends}"]
+    return []
+
+
+def _check_switch_copies(cl: Any, text: str, sc: MultiNode, report: dict) -> list[str]:
+    """Switch mode with co-located shadows: the switch copied to them (its entries'
+    counters), every attempt was programmed (a placement change too: one epoch more per
+    rendezvous), and the shadows took each attempt's session."""
+    out = []
+    report["switch_replicated_packets"] = cl.testbed.replicated_packets()
+    if report["switch_replicated_packets"] <= 0:
+        out.append("the switch copied nothing to the co-located shadows")
+    if not report["epochs"]:
+        out.append("no attempt was programmed at the controller")
+    elif sc.kill != "shadow" and len(report["epochs"]) < 2:
+        out.append(f"the attempt after the loss was not programmed anew: epochs "
+                   f"{report['epochs']}")
+    if sc.kill == "shadow":  # the one started again took its session: it got its copies
+        out += _every_shadow_at(text, sc.steps)
     return out
 
 
@@ -444,6 +483,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_config() -> Path:
-    """testbed/multinode.yaml: nodes n0..n3, shadows s0 and s1."""
-    return CONFIG
+def default_config(scenario: str | None = None) -> Path:
+    """testbed/multinode.yaml: nodes n0..n3, shadows s0 and s1; for a co-located scenario
+    testbed/multinode-colocated.yaml: the same nodes, and two replicas of each of two
+    partitions that run on them (the switch copies to where each attempt placed them)."""
+    sc = SCENARIOS.get(scenario or "")
+    return COLOCATED_CONFIG if sc is not None and sc.colocate else CONFIG

@@ -336,7 +336,8 @@ def _table(report: dict[str, Any]) -> None:
 def _multinode(args: argparse.Namespace, multinode: Any) -> int:
     """A multi-node scenario (testbed/multinode.py): one `checkmate launch` per node."""
     sc = multinode.SCENARIOS[args.scenario]
-    config_path = Path(args.config).resolve() if args.config else multinode.default_config()
+    config_path = (Path(args.config).resolve() if args.config
+                   else multinode.default_config(args.scenario))
     cfg = cfgmod.load(config_path)
     with needs("testbed"):
         from rich.console import Console

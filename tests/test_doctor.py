@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from checkmate.errors import CheckmateError
 from checkmate.launch import cli, doctor, hostcheck
 from checkmate.launch import doctor_net as net
 from checkmate.launch import doctor_node as node
@@ -76,6 +77,21 @@ def test_an_unresolvable_hostname_is_loopback_to_gloo():
     found = hostcheck.problems(_facts((), local=False), "10.0.0.10", 2, "c10d", None, {},
                                None, None)
     assert len(found) == 1 and "resolves to loopback (nothing)" in found[0]
+
+
+def test_a_colocated_switch_node_that_would_drop_its_own_copies_is_told_the_sysctl(tmp_path):
+    """Co-located shadows in switch mode: the copies of what a node sends come back with
+    its own source address; with the interface's accept_local off the kernel drops them.
+    The setting is read from a copy of /proc's tree (the launcher changes nothing)."""
+    (tmp_path / "lo").mkdir()
+    setting = tmp_path / "lo" / "accept_local"
+    setting.write_text("0\n")
+    with pytest.raises(CheckmateError, match=r"sysctl -w net\.ipv4\.conf\.lo\.accept_local"
+                       r"=1` on n1$"):
+        hostcheck.refuse_dropped_copies("n1", "127.0.0.1", tmp_path)
+    setting.write_text("1\n")
+    hostcheck.refuse_dropped_copies("n1", "127.0.0.1", tmp_path)
+    hostcheck.refuse_dropped_copies("n1", "192.0.2.1", tmp_path)  # on no interface here
 
 
 def test_gather_reads_this_machine():

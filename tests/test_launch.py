@@ -112,7 +112,13 @@ def test_launch_restarts_a_killed_trainer_bit_identical(tmp_path):
     (["--nproc-per-node", "2", "--colocate", "a=10.0.0.1", "EX"], "needs --node"),
     (["--nproc-per-node", "2", "--node", "a", "EX"], "name the nodes of --colocate"),
     (["--nproc-per-node", "2", "--colocate", "a=10.0.0.1", "--node", "a", "--mode", "off",
-      "EX"], "places the shadows this job starts in host mode"),
+      "EX"], "places the shadows this job starts, in host or switch mode"),
+    (["--nproc-per-node", "2", "--colocate", "a=10.0.0.1", "--node", "a", "--mode", "switch",
+      "EX"], "needs --controller"),
+    (["--nproc-per-node", "2", "--colocate", "a=10.0.0.1", "--node", "a", "--controller",
+      "10.0.0.9", "EX"], "in host mode has no controller"),
+    (["--nproc-per-node", "2", "--replicas", "2", "--mode", "switch", "--controller",
+      "10.0.0.9", "EX"], "in switch mode with --colocate"),
     (["--nproc-per-node", "1", "--nnodes", "2", "--rdzv-backend", "static", "--node-rank",
       "0", "--rdzv-endpoint", "127.0.0.1:29400", "--colocate", "a=10.0.0.1,b=10.0.0.2",
       "--node", "a", "EX"], "not with --rdzv-backend static"),
@@ -363,7 +369,15 @@ def test_shadow_serve_without_config_rejects_what_needs_one(capsys):
     from checkmate.shadow.cli import main as shadow_main
 
     for argv, needle in ((["--host", "s0"], "--host names a host"),
-                         (["--controller", "127.0.0.1:47999"], "needs --config")):
+                         (["--controller", "127.0.0.1:47999"], "needs --config"),
+                         # a placed (co-located, switch mode) shadow: found by its address
+                         (["--placed", "--job", "3"], "--placed needs --controller"),
+                         (["--placed", "--controller", "127.0.0.1"], "needs --job"),
+                         (["--job", "3"], "--job applies with --placed"),
+                         (["--placed", "--controller", "127.0.0.1", "--job", "3",
+                           "--no-register"], "not with --config, --host, --no-register"),
+                         (["--placed", "--controller", "127.0.0.1", "--job", "3"],
+                          "--placed needs --bind IP")):
         assert shadow_main(["serve", "--partition", "0/2", *argv]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -155,6 +155,13 @@ def test_replicas_count_in_the_switch_state_ports_and_copies(capsys):
     assert "controller per rendezvous: 170 writes" in two  # 2 x 40 + 2 x 40 + 10
     copies = [float(t.split("the switch copies ")[1].split(" GB/s")[0]) for t in (one, two)]
     assert abs(copies[1] - 2 * copies[0]) < 0.002, copies  # each printed to 3 decimals
+    # co-located (checkmate launch --colocate): the same switch state, no port per shadow
+    assert main([*args, "--replicas", "2", "--colocated"]) == 0
+    colo = capsys.readouterr().out
+    assert "ports 8 of 64" in colo and "120 replicas" in colo
+    assert "shadow_rewrite entries 10 of" in colo
+    with pytest.raises(CheckmateError, match="--colocated plans a data-parallel job"):
+        main([*args, "--colocated", "--tp", "2"])
 
 
 def test_scale_needs_params_and_sane_counts():

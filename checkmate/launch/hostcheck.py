@@ -28,6 +28,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 from checkmate.errors import CheckmateError
 
@@ -91,6 +92,27 @@ def interface_of(addr: str) -> str | None:
             if got == addr:
                 return name
     return None
+
+
+def refuse_dropped_copies(node: str, addr: str, conf: Path = Path("/proc/sys/net/ipv4/conf")
+                          ) -> None:
+    """Co-located shadows in switch mode: the switch's copy of a datagram this node sent
+    comes back to it with the node's own address as its source, which Linux drops as a
+    martian unless ``accept_local`` is on for the interface; every shadow here would miss
+    the copies of the ring hop that starts here (left to repair). One line naming the fix
+    (the launcher changes no system setting); nothing when ``addr`` is on no interface."""
+    ifname = interface_of(addr)
+    if ifname is None:
+        return
+    try:
+        on = (conf / ifname / "accept_local").read_text().strip() != "0"
+    except OSError:
+        return  # no such setting to read (not Linux's /proc): nothing to say
+    if not on:
+        raise CheckmateError(
+            f"{node}'s kernel would drop the switch's copies of what {node} sends (their "
+            f"source is its own address {addr}) before its co-located shadows see them: run "
+            f"`sysctl -w net.ipv4.conf.{ifname}.accept_local=1` on {node}")
 
 
 def gather(endpoint_host: str) -> HostFacts:

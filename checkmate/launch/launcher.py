@@ -124,8 +124,10 @@ def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list
         "PYTHONUNBUFFERED": "1",
     })
     for name in (envmod.TRAINERS, envmod.LOCAL_TRAINERS, envmod.RDZV_STORE,
-                 envmod.CONTROLLER, envmod.RESUME_AT, envmod.SHADOWS_FILE):
+                 envmod.CONTROLLER, envmod.RESUME_AT, envmod.SHADOWS_FILE, envmod.PLACED):
         os.environ.pop(name, None)
+    if args.colocate is not None and args.mode == "switch":
+        os.environ[envmod.PLACED] = "1"  # each attempt tells the controller where they run
     if args.resume_at is not None:
         os.environ[envmod.RESUME_AT] = str(args.resume_at)
     if multinode(args):  # ranks come from the rendezvous: the workers exchange addresses
@@ -334,6 +336,10 @@ def launch(argv: list[str]) -> int:
         elif not args.worker_ip:
             raise CheckmateError(f"{args.node} is not in --colocate (it hosts no shadow): "
                                  "give its --worker-ip")
+        if args.node in ips and args.mode == "switch":
+            from checkmate.launch.hostcheck import refuse_dropped_copies
+
+            refuse_dropped_copies(args.node, ips[args.node])
     if multinode(args):  # would torch's rendezvous find this node? (before it runs)
         from checkmate.launch.hostcheck import refuse
 
@@ -380,7 +386,7 @@ def launch(argv: list[str]) -> int:
     try:
         if count:  # shadows on several nodes share one secret: the one the user gives
             made_secret = _job_secret(running or args.colocate is not None, logdir)
-        if args.controller and count:
+        if args.controller and count and args.colocate is None:
             job_id = args.job_id or 1
             tcp, udp = shadows_from_controller(args, job_id, groups=groups)
             check_shadows(tcp, groups)
@@ -394,16 +400,21 @@ def launch(argv: list[str]) -> int:
         elif args.colocate is not None:  # started in each rendezvous round
             from checkmate.launch.colocation import Colocation
 
+            job_id = args.job_id or 1
+            # switch mode: each attempt tells the controller where the round placed them
+            placed_by = (controller_addr(args), job_id) if args.mode == "switch" else None
+
             def make(addrs: list, mine: list[int]) -> LocalShadows:
                 shadows = LocalShadows(net, count, logdir, args.dir / "checkpoints"
                                        if args.persist_every else None, args.persist_every,
-                                       groups, args.replicas, args.shadow_cores, addrs, mine)
+                                       groups, args.replicas, args.shadow_cores, addrs, mine,
+                                       placed_by)
                 shadows.supervise(args.shadow_restarts)
                 return shadows
 
             colo = Colocation(args.node, ips, domains, count // args.replicas, args.replicas,
                               make, Path(logdir) / "shadows.json")
-            tcp, job_id = [], args.job_id or 1
+            tcp = []
         elif count:
             local = LocalShadows(net, count, logdir,
                                  args.dir / "checkpoints" if args.persist_every else None,

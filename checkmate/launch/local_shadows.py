@@ -127,8 +127,13 @@ class LocalShadows:
                  persist_every: int = 0, groups: int = 1, replicas: int = 1,
                  cores: frozenset[int] | None = None,
                  addrs: Sequence[tuple[str, int, int]] | None = None,
-                 mine: Sequence[int] | None = None) -> None:
+                 mine: Sequence[int] | None = None,
+                 placed_by: tuple[tuple[str, int], int] | None = None) -> None:
         self.net, self.count, self.logdir, self.groups = net, count, logdir, groups
+        #: co-located in switch mode: (the controller's address, the job id); each shadow
+        #: is ``serve --placed`` (each attempt tells the controller where it runs), not
+        #: ``--no-register`` (the trainers send its copies)
+        self.placed_by = placed_by
         #: the CPU cores every shadow is pinned to (``--shadow-cores``; None: not pinned)
         self.cores = cores
         #: ``count`` is ``replicas`` whole sets, one after the other (replica k of every
@@ -196,7 +201,12 @@ class LocalShadows:
         k, g, q = self.place(p)
         argv = [sys.executable, "-m", "checkmate.shadow.cli", "serve", "--partition",
                 f"{q}/{per}", "--bind", ip, "--port", str(udp), "--restore-port",
-                str(tcp), "--no-register", "--window", str(SHADOW_WINDOW)]
+                str(tcp), "--window", str(SHADOW_WINDOW)]
+        if self.placed_by is None:
+            argv.append("--no-register")
+        else:
+            (cip, cport), job = self.placed_by
+            argv += ["--placed", "--controller", f"{cip}:{cport}", "--job", str(job)]
         if self.persist_dir is not None:
             pdir = self.persist_dir if self.groups == 1 else self.persist_dir / f"group{g}"
             argv += ["--dir", str(pdir / f"replica{k}" if k else pdir)]

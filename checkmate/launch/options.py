@@ -85,7 +85,9 @@ def parser(gpus: int) -> argparse.ArgumentParser:
                    help="run the shadows on the job's own nodes, named here with their IPs "
                         "(every node's launcher gets the same list): each partition's "
                         "--replicas go to different nodes (and --domain's domains), and "
-                        "this node (--node) starts its share; needs CHECKMATE_SECRET_FILE")
+                        "this node (--node) starts its share; needs CHECKMATE_SECRET_FILE. "
+                        "With --mode switch the switch copies to them: each rendezvous "
+                        "tells the controller where they are")
     p.add_argument("--node", default=None, metavar="NAME",
                    help="this node's name in --colocate (another name: a node, such as a "
                         "spare, that hosts no shadow)")
@@ -278,23 +280,28 @@ def check(args: argparse.Namespace) -> None:
         if not (every.isdigit() and steps.isdigit() and 1 <= int(steps) <= int(every)):
             raise CheckmateError(f"--gockpt must be EVERY,STEPS with 1 <= STEPS <= EVERY, got "
                                  f"{args.gockpt!r}")
-    if args.replicas > 1 and (args.shadow or args.controller or args.mode != "host"
-                              or args.pp * args.tp > 1):
-        raise CheckmateError("--replicas applies to the shadows started here in host mode, "
-                             "for a data-parallel job (not yet with --shadow, --controller, "
-                             "--mode switch or --pp/--tp)")
+    placing = args.colocate is not None and args.mode == "switch"  # co-located, switch
+    if args.replicas > 1 and (args.shadow or args.pp * args.tp > 1 or not (
+            args.mode == "host" and not args.controller or placing)):
+        raise CheckmateError("--replicas applies to the shadows started here, for a "
+                             "data-parallel job: in host mode, or in switch mode with "
+                             "--colocate (not with --shadow or --pp/--tp; a controller's "
+                             "own shadows have the replicas its config gives)")
     if args.colocate is not None:
         colocated(args)  # one line for a bad list, before anything starts
-        if args.shadow or args.controller or args.mode != "host" or args.pp * args.tp > 1:
-            raise CheckmateError("--colocate places the shadows this job starts in host mode, "
-                                 "for a data-parallel job (not with --shadow, --controller, "
-                                 "--mode switch/off/gockpt or --pp/--tp)")
+        if args.shadow or args.mode not in ("host", "switch") or args.pp * args.tp > 1:
+            raise CheckmateError("--colocate places the shadows this job starts, in host or "
+                                 "switch mode, for a data-parallel job (not with --shadow, "
+                                 "--mode off/gockpt or --pp/--tp)")
+        if args.mode == "host" and args.controller:
+            raise CheckmateError("--colocate in host mode has no controller (the trainers "
+                                 "send the copies): drop --controller, or --mode switch")
         if args.rdzv_backend == "static":
             raise CheckmateError("--colocate places the shadows anew at every rendezvous "
                                  "round: not with --rdzv-backend static (use c10d)")
     elif args.node is not None or args.domain is not None:
         raise CheckmateError("--node and --domain name the nodes of --colocate: give it")
-    if args.shadow_cores is not None and (args.shadow or args.controller
+    if args.shadow_cores is not None and (args.shadow or args.controller and not placing
                                           or args.mode in ("off", "gockpt")):
         raise CheckmateError("--shadow-cores pins the shadows started here: not with "
                              "--shadow, --controller or --mode off/gockpt")

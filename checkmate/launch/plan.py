@@ -201,6 +201,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--replicas", type=_count, default=1,
                     help="shadows per partition (issue 38): switch state, ports and copies "
                          "count every replica (default 1)")
+    ap.add_argument("--colocated", action="store_true",
+                    help="the shadows run on the job's own nodes (checkmate launch "
+                         "--colocate): they take no switch port of their own")
     return ap
 
 
@@ -223,6 +226,9 @@ def main(argv: list[str]) -> int:
     if min(a.tp, a.pp) < 1:
         raise CheckmateError("--tp and --pp must be at least 1")
     groups = a.tp * a.pp
+    if a.colocated and groups > 1:
+        raise CheckmateError("--colocated plans a data-parallel job (`checkmate launch "
+                             "--colocate` is not for --pp/--tp)")
     if a.params is not None and groups > 1:
         print(f"mesh: TP {a.tp} x PP {a.pp}: {groups} data-parallel groups, each protecting "
               f"1/{groups} of the model ({math.ceil(a.params / groups):.3g} params) with "
@@ -271,11 +277,12 @@ def main(argv: list[str]) -> int:
         if groups > 1:
             nodes = scale.group_nodes(a.gpus, a.gpus_per_node, a.tp, a.pp)
             one = scale.scale(len(nodes), a.gpus_per_node, sz, a.step_time, gb, a.params,
-                              node_of=nodes, replicas=a.replicas)
+                              node_of=nodes, replicas=a.replicas, colocated=a.colocated)
             lines = scale.describe_mesh(one, a.gpus, a.gpus_per_node, a.tp, a.pp)
         else:
             lines = scale.describe(scale.scale(a.gpus, a.gpus_per_node, sz, a.step_time, gb,
-                                               a.params, replicas=a.replicas))
+                                               a.params, replicas=a.replicas,
+                                               colocated=a.colocated))
         for line in lines:
             print(line)
     return 0

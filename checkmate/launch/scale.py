@@ -68,7 +68,7 @@ class Scale:
     highest_group: int | None  # None: no groups, or control/plan.py cannot number them
     encodable: bool  # control/plan.py's group_id numbers every (destination, partition)
     rewrites: int
-    ports: int  # switch ports: one per node, one per shadow
+    ports: int  # switch ports: one per node, one per shadow unless co-located
     writes_per_rendezvous: int
     shadow_bytes_per_s: float  # gradient into each shadow
     table_sizes: dict[str, int]
@@ -88,11 +88,13 @@ class Scale:
 
 
 def scale(gpus: int, per_node: int, sizing: Sizing, step_s: float, grad_bytes: int,
-          params: int, node_of: list[int] | None = None, replicas: int = 1) -> Scale:
+          params: int, node_of: list[int] | None = None, replicas: int = 1,
+          colocated: bool = False) -> Scale:
     """The figures of a job of ``gpus`` ranks, ``per_node`` per node (the last node may hold
     fewer), with ``sizing.shadows`` partitions of ``replicas`` shadows each; ``node_of``:
     each rank's node when it is not rank // per_node (one data-parallel group of a mesh
-    job: :func:`group_nodes`)."""
+    job: :func:`group_nodes`). ``colocated``: the shadows run on the job's nodes and take
+    no switch port of their own (their copies leave through their nodes' ports)."""
     if gpus < 1 or per_node < 1:
         raise CheckmateError(f"need --gpus >= 1 and --gpus-per-node >= 1, got {gpus} and "
                              f"{per_node}")
@@ -113,7 +115,8 @@ def scale(gpus: int, per_node: int, sizing: Sizing, step_s: float, grad_bytes: i
     r = replicas
     writes = 2 * entries + 2 * (groups - 1) + p * r  # withdraw + install, re-stamp rewrites
     return Scale(gpus, per_node, nodes, p, len(hops), entries, groups,
-                 (1 + r) * (groups - 1), highest, encodable, p * r, nodes + p * r, writes,
+                 (1 + r) * (groups - 1), highest, encodable, p * r,
+                 nodes + (0 if colocated else p * r), writes,
                  sizing.partition_params * grad_bytes / step_s, sizes, r)
 
 

@@ -53,6 +53,10 @@ SHADOWS_UDP = "CHECKMATE_SHADOWS_UDP"
 #: and rewrites it before the round's workers start (workers forked from the launcher's
 #: fork server keep the environment of its first round).
 SHADOWS_FILE = "CHECKMATE_SHADOWS_FILE"
+#: "1": switch mode with co-located shadows (``checkmate launch --colocate --mode switch``):
+#: the shadow lists are where the launchers placed them, and every attempt tells the
+#: controller (checkmate.train.attempt)
+PLACED = "CHECKMATE_SHADOWS_PLACED"
 #: seed of the per-(rank, iteration) RNG reseeding (CheckmateSession.begin; default 0).
 SEED = "CHECKMATE_SEED"
 #: rank 0 prints a progress line every N iterations (CheckmateSession.report; 0: never).
@@ -138,6 +142,8 @@ class EnvJob:
     #: from partition 0 as ``shadows``/``shadow_tcp``, which hold the first)
     replica_shadows: list[list[ShadowTarget]] = field(default_factory=list)
     replica_tcp: list[list[tuple[str, int]]] = field(default_factory=list)
+    #: switch mode, co-located shadows: each attempt tells the controller where (PLACED)
+    placed: bool = False
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -243,6 +249,10 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
     n = len(tcp) // replicas
     sets = [([ShadowTarget(p, h, port) for p, (h, port) in enumerate(udp[k * n:(k + 1) * n])],
              tcp[k * n:(k + 1) * n]) for k in range(replicas)]
+    placed = env.get(PLACED, "0")
+    if placed not in ("0", "1") or placed == "1" and mode != "switch":
+        raise CheckmateError(f"environment variable {PLACED} must be 0, or 1 in switch mode, "
+                             f"got {placed!r} (mode {mode})")
     resume = env.get(RESUME, "0")
     if resume not in ("0", "1"):
         raise CheckmateError(f"environment variable {RESUME} must be 0 or 1, got {resume!r}")
@@ -257,7 +267,7 @@ def read(env: Mapping[str, str] | None = None) -> EnvJob:
         groups=_groups(env, n),
         resume_at=_int(env, RESUME_AT) if env.get(RESUME_AT) else None,
         verify_every=check_schedule.parse(env.get(VERIFY_EVERY, "auto")), flip_at=flip_at,
-        on_divergence=_divergence(env))
+        on_divergence=_divergence(env), placed=placed == "1")
 
 
 def _divergence(env: Mapping[str, str]) -> str:

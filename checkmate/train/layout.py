@@ -87,6 +87,10 @@ class JobLayout:
     #: partition is protected while one is current
     replica_shadows: list[list[ShadowTarget]] = field(default_factory=list)
     replica_tcp: list[list[tuple[str, int]]] = field(default_factory=list)
+    #: switch mode: the shadows are co-located, placed by the launchers' rendezvous
+    #: (``checkmate launch --colocate``), and each attempt tells the controller where
+    #: (checkmate.train.attempt); otherwise the controller's shadows registered themselves
+    placed: bool = False
 
     @property
     def tcp_sets(self) -> list[list[tuple[str, int]]]:
@@ -125,6 +129,9 @@ class JobLayout:
                                  "shadow partition")
         if self.replica_tcp and self.verbs_device:
             raise CheckmateError("replicas of a partition are fed over UDP only, not verbs")
+        if self.placed and self.mode != "switch":
+            raise CheckmateError(f"placed shadows are the switch's to copy to (switch mode), "
+                                 f"not mode {self.mode!r}")
         if self.replica_tcp and self.mode not in ("host", "switch"):
             raise CheckmateError(f"replicas of a partition are fed by the trainers (host "
                                  f"mode) or the switch (switch mode), not mode {self.mode!r}")

@@ -258,7 +258,8 @@ class CheckmateSession(_Start, _Resume, _Step, _Reliability):
             where = {"job_id": job.job_id, "rank": job.rank, "world": job.world,
                      "trainers": session_group.ring_addrs(job, group),
                      "shadows": job.shadows, "shadow_tcp": job.shadow_tcp,
-                     "replica_shadows": job.replica_shadows, "replica_tcp": job.replica_tcp}
+                     "replica_shadows": job.replica_shadows, "replica_tcp": job.replica_tcp,
+                     "placed": job.placed}
         else:
             mg = session_group.mesh_group(mesh, job.rank)
             group = mg.dp
