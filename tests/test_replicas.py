@@ -44,7 +44,8 @@ def test_replicas_need_shadows_started_here_for_a_data_parallel_job(capsys):
         assert main(["launch", "--nproc-per-node", "2", "--replicas", "2", *extra,
                      str(SCRIPT)]) == 2
         err = capsys.readouterr().err
-        assert "--replicas applies to the shadows started here in host mode" in err, err
+        assert "--replicas applies to the shadows started here, for a data-parallel job: " \
+            "in host mode, or in switch mode with --colocate" in err, err
         assert "Traceback" not in err
 
 
