@@ -346,7 +346,9 @@ def build(cfg: ClusterConfig, registrations: Mapping[str, Registration] | None =
         PortPlan(
             host=h.name, role=h.role, ifname=cfg.switch_ifname(h.name),
             port=port[h.name], speed_gbps=cfg.switch.speed_gbps,
-            fec=fec_for(h.role, cfg.switch.speed_gbps), mtu=cfg.network.mtu, pfc=settings,
+            # a co-located config's trainer ports carry its shadows' copies too
+            fec=fec_for("shadow" if cfg.colocated else h.role, cfg.switch.speed_gbps),
+            mtu=cfg.network.mtu, pfc=settings,
         )
         for h in hosts
     )

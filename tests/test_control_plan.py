@@ -110,6 +110,10 @@ def test_pfc_25g_100m_standard_mtu(cfg):
     fec = {pp.host: pp.fec for pp in p.ports}
     assert fec == {"t0": "none", "t1": "none", "t2": "none", "t3": "none",
                    "s0": "rs", "s1": "rs"}
+    # co-located shadows: every trainer port carries their copies, so RS-FEC on each
+    c = with_switch(colocated(), speed_gbps=25, cable_m=100.0)
+    assert {pp.host: pp.fec for pp in plan_mod.build(c).ports} == {
+        "t0": "rs", "t1": "rs", "t2": "rs", "t3": "rs"}
 
 
 def test_pfc_speed_rows():
