@@ -381,3 +381,43 @@ def test_shadow_serve_without_config_rejects_what_needs_one(capsys):
         assert shadow_main(["serve", "--partition", "0/2", *argv]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_each_attempts_store_port_is_picked_below_the_ephemeral_range(tmp_path):
+    """torch's agent picks rank 0's store port by binding port 0 and closing it; the worker
+    listens seconds later, and any outgoing connection meanwhile can take that ephemeral
+    port (EADDRINUSE, seen twice in the suite). The launcher has the agent's rendezvous
+    pick below the kernel's ephemeral range instead: checked through torch's own
+    RendezvousStoreInfo.build, as the agent calls it."""
+    import socket
+
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.rendezvous import api
+
+    from checkmate.launch import master_port
+
+    low = master_port.ephemeral_low()
+    (tmp_path / "range").write_text("32768\t60999\n")
+    assert master_port.ephemeral_low(tmp_path / "range") == 32768
+    assert master_port.ephemeral_low(tmp_path / "none") == 32768
+    before = api.get_free_port
+    try:
+        master_port.use()
+        ports = {api.RendezvousStoreInfo.build(0, HashStore(), "127.0.0.1").master_port
+                 for _ in range(20)}
+    finally:
+        api.get_free_port = before
+    assert all(master_port.BAND[0] <= p < min(master_port.BAND[1], low) for p in ports), ports
+    assert len(ports) > 1  # random in the band, not one fixed number
+    # a taken port is never picked: with the whole band but one port bound, that one is
+    held = []
+    try:
+        for port in range(master_port.BAND[0], master_port.BAND[0] + 3):
+            s = socket.socket()
+            s.bind(("", port))
+            held.append(s)
+        got = {master_port.pick(tries=200, low=master_port.BAND[0] + 4) for _ in range(5)}
+        assert got == {master_port.BAND[0] + 3}, got
+    finally:
+        for s in held:
+            s.close()

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from checkmate.errors import CheckmateError
-from checkmate.launch import placement
+from checkmate.launch import master_port, placement
 from checkmate.launch.forked_workers import START_METHOD
 from checkmate.launch.local_shadows import (
     LocalShadows,
@@ -287,6 +287,7 @@ def _run_agent(args: argparse.Namespace, logdir: Path, colo: Any = None) -> None
     # TCPStore (torch's default) gloo reads the dead workers' addresses and is refused. Off,
     # rank 0 of each attempt hosts a fresh store.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    master_port.use()  # rank 0's store port: one no ephemeral socket takes meanwhile
     cfg = launch_config(args, logdir, colo)
     if args.worker_start == "exec":
         elastic_launch(cfg, sys.executable)("-u", "-m", "checkmate.train.run_script",
