@@ -77,6 +77,23 @@ def test_a_rendezvous_that_never_completes_is_one_line(tmp_path):
     assert "did not complete in time: fewer than 2 node(s) joined" in p.stderr
 
 
+def test_a_rendezvous_host_that_never_answers_is_one_line_without_cpp_frames(tmp_path):
+    """A node that is not the rendezvous host and cannot reach its store: torch's C++ side
+    logged the failed connection with its whole stack (some 40 lines, `frame #0: ...`)
+    before the exception the launcher turns into one line; the launcher's torch now logs
+    nothing below FATAL from C++ (its workers keep torch's default)."""
+    p = subprocess.run([sys.executable, "-m", "checkmate.launch.cli", "launch", "--nnodes",
+                        "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-conf",
+                        "is_host=0,read_timeout=2", "--mode", "off", "--nproc-per-node", "1",
+                        str(SCRIPT)], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items()
+                            if k != "TORCH_CPP_LOG_LEVEL"})
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "frame #" not in p.stdout + p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr
+    assert "failed: RendezvousConnectionError" in p.stderr
+
+
 def test_a_restart_after_peers_went_silent_names_another_node(tmp_path, monkeypatch):
     """The launcher's restart line reads this node's failure records since the last one:
     every local worker saw a peer go silent -> a trainer on another node went silent;

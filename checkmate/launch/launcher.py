@@ -104,12 +104,32 @@ def _no_trace(rec: logging.LogRecord) -> bool:
     return True
 
 
+#: torch's C++ log level, read once when its library loads in a process
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+_quieted: list[bool] = []  # the launcher set it (not the user)
+
+
+def _quiet_cpp_logs() -> None:
+    """This process's torch logs nothing below FATAL from C++: a store connection that
+    fails (a node the rendezvous host cannot reach) printed its whole C++ stack, some 40
+    lines, before the exception the launcher turns into one line. Set before torch loads
+    here (unless the user set it), and taken out of what the workers inherit
+    (``_worker_env``): their torch keeps its default."""
+    if CPP_LOG_LEVEL not in os.environ and "torch" not in sys.modules:
+        os.environ[CPP_LOG_LEVEL] = "FATAL"
+        _quieted.append(True)
+        import torch  # noqa: F401 - loads the C++ library under the quiet level
+
+
 def _worker_env(args: argparse.Namespace, job_id: int, trainers: list, tcp: list,
                 logdir: Path | None = None, udp: list | None = None) -> None:
     """The variables every worker inherits (checkmate.train.env, and where workers record
     why they failed: checkmate.train.failures)."""
     from checkmate.train import world
 
+    if _quieted:
+        os.environ.pop(CPP_LOG_LEVEL, None)  # the launcher's own, not the workers'
+        _quieted.clear()
     if logdir is not None:
         os.environ[failures.LOG_DIR] = str(Path(logdir).resolve())
     os.environ[world.FIXED_WORLD] = "1" if args.fixed_world else "0"
@@ -326,6 +346,7 @@ def _interrupt(*_: Any) -> None:
 def launch(argv: list[str]) -> int:
     """``checkmate launch ARGS``: run the job; 0 when it ended well, 130 when stopped by a
     signal. Bad arguments and failures raise one CheckmateError line."""
+    _quiet_cpp_logs()
     args = parse(argv, placement.cuda_device_count())
     if args.colocate is not None:  # the node's address is in the list: its workers' too
         ips, _ = colocated(args)
