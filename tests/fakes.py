@@ -549,3 +549,21 @@ def same_state(a: object, b: object) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+#: Runs in a host's namespace (a shadow's, a node's): receive one ckm datagram on argv[1],
+#: print its header (the namespace tests of the controller and the handshake).
+DATAGRAM_RECEIVER = r"""
+import json, socket, sys
+from checkmate.protocol import wire
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.settimeout(5)
+print("READY", flush=True)
+try:
+    data = s.recv(65535)
+except TimeoutError:
+    print("TIMEOUT"); sys.exit(0)
+h, _ = wire.decode(data)
+print(json.dumps({"epoch": h.epoch, "token": h.token, "partition": h.partition}), flush=True)
+"""

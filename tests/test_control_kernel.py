@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fakes import DATAGRAM_RECEIVER
 
 from checkmate.config import cluster as config
 from checkmate.control import plan as plan_mod
@@ -132,25 +133,10 @@ def test_a_partition_with_two_shadows_gets_an_entry_per_replica(testbed):
     assert set(sw.replication_entries()) == expected(RING4, [S0])
 
 
-#: Runs in a node's namespace: receive one ckm datagram on argv[1], print its header.
-RECEIVER = r"""
-import json, socket, sys
-from checkmate.protocol import wire
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.bind(("0.0.0.0", int(sys.argv[1])))
-s.settimeout(5)
-print("READY", flush=True)
-try:
-    data = s.recv(65535)
-except TimeoutError:
-    print("TIMEOUT"); sys.exit(0)
-h, _ = wire.decode(data)
-print(json.dumps({"epoch": h.epoch, "token": h.token, "partition": h.partition}), flush=True)
-"""
 
 
 def _receive(tb, host: str, port: int) -> subprocess.Popen:
-    rx = tb.popen_in(host, [sys.executable, "-c", RECEIVER, str(port)],
+    rx = tb.popen_in(host, [sys.executable, "-c", DATAGRAM_RECEIVER, str(port)],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert rx.stdout.readline().strip() == "READY"
     return rx

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fakes import DATAGRAM_RECEIVER
 
 from checkmate.config import cluster as config
 from checkmate.dataplane.switch import KernelSwitch
@@ -42,21 +43,6 @@ print(json.dumps({"flags": int(m.header.flags), "seq": m.header.seq, "epoch": m.
                   "body": m.body, "authentic": m.mac != handshake.NO_MAC}))
 """
 
-#: Runs in a shadow namespace: receive one ckm datagram on argv[1], print its header.
-RECEIVER = r"""
-import json, socket, sys
-from checkmate.protocol import wire
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.bind(("0.0.0.0", int(sys.argv[1])))
-s.settimeout(5)
-print("READY", flush=True)
-try:
-    data = s.recv(65535)
-except TimeoutError:
-    print("TIMEOUT"); sys.exit(0)
-h, _ = wire.decode(data)
-print(json.dumps({"epoch": h.epoch, "token": h.token, "partition": h.partition}), flush=True)
-"""
 
 
 def req(job: int, seq: int, body: dict, partition: int = 0, secret: bytes | None = None
@@ -143,7 +129,7 @@ def test_register_installs_session_and_reregister_bumps_epoch(served):
 
 def test_replicated_copy_carries_the_session(served):
     sess = register(served, "s0", 0, 47021, seq=11)["body"]
-    rx = served.popen_in("s0", [sys.executable, "-c", RECEIVER, "47021"],
+    rx = served.popen_in("s0", [sys.executable, "-c", DATAGRAM_RECEIVER, "47021"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert rx.stdout.readline().strip() == "READY"
